@@ -1,0 +1,179 @@
+"""Run a python function or script with N ranks (one process each) on localhost, torchrun-style.
+
+    results = run_distributed(my_module.fn, 2, arg1, arg2, timeout=120)
+    results = run_distributed("path/to/script.py", 2, "--flag", "1")
+
+Each rank is a fresh ``python`` subprocess with torchrun's environment (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), OMP_NUM_THREADS=1 and the
+repo root on PYTHONPATH.  A function must be importable by module and name (defined at module
+level); its JSON-serialisable return value comes back per rank.  A script may write a JSON result
+to the file named by $DIST_RESULT_FILE (else its rank's result is None).  If a rank fails or the
+run times out, the other ranks are killed and :class:`DistributedRunError` carries each failing
+rank's exit status and stderr tail.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TAIL = 6000  # characters of a failing rank's stderr shown in the error
+
+
+class DistributedRunError(RuntimeError):
+    """A rank failed or the run timed out; the message holds the failing ranks' stderr."""
+
+    def __init__(self, message: str, returncodes: Sequence[Optional[int]], stderrs: Sequence[str]):
+        super().__init__(message)
+        self.returncodes = list(returncodes)
+        self.stderrs = list(stderrs)
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _target_of(fn: Callable) -> str:
+    module, qualname = fn.__module__, fn.__qualname__
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(f"{qualname} is not importable: define it at module level")
+    if module == "__main__":
+        raise ValueError("a function of __main__ cannot be imported by the ranks")
+    return f"{module}:{qualname}"
+
+
+def run_distributed(
+    fn_or_script: Union[Callable, str],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    env: Optional[dict] = None,
+    kwargs: Optional[dict] = None,
+    grace: float = 5.0,
+) -> List[Any]:
+    """Run ``fn_or_script`` on ``world_size`` ranks; return the per-rank results (rank order).
+
+    ``args``/``kwargs`` go to the function (JSON-serialisable) or, for a script, ``args`` are its
+    command-line arguments.  ``env`` adds environment variables to every rank.  When a rank fails,
+    the others get ``grace`` seconds to finish before being killed (they usually block in a
+    collective).
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    tmp = tempfile.mkdtemp(prefix="dist_utils_")
+    port = free_port()
+    base_env = dict(os.environ)
+    base_env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS=base_env.get("DIST_UTILS_OMP_NUM_THREADS", "1"),
+        PYTHONPATH=os.pathsep.join([REPO_ROOT] + [p for p in [base_env.get("PYTHONPATH")] if p]),
+        PYTHONUNBUFFERED="1",
+    )
+    if env:
+        base_env.update({k: str(v) for k, v in env.items()})
+
+    if callable(fn_or_script):
+        spec_file = os.path.join(tmp, "spec.json")
+        with open(spec_file, "w") as f:
+            json.dump({"target": _target_of(fn_or_script), "args": list(args),
+                       "kwargs": kwargs or {}}, f)
+        cmd = [sys.executable, "-c",
+               "import sys; from tests.dist_utils import _rank_main; _rank_main(sys.argv[1])",
+               spec_file]
+        what = _target_of(fn_or_script)
+    else:
+        if kwargs:
+            raise ValueError("kwargs are for functions; pass a script's arguments in args")
+        cmd = [sys.executable, str(fn_or_script)] + [str(a) for a in args]
+        what = str(fn_or_script)
+
+    procs, outs, errs, result_files = [], [], [], []
+    try:
+        for rank in range(world_size):
+            rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            result_files.append(os.path.join(tmp, f"result_{rank}.json"))
+            rank_env["DIST_RESULT_FILE"] = result_files[-1]
+            out = open(os.path.join(tmp, f"stdout_{rank}.txt"), "w+")
+            err = open(os.path.join(tmp, f"stderr_{rank}.txt"), "w+")
+            outs.append(out)
+            errs.append(err)
+            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=err,
+                                          cwd=REPO_ROOT))
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        timed_out = False
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > grace):
+                timed_out = now > deadline
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                for p in procs:
+                    p.wait()
+                break
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+        stderrs = []
+        for err in errs:
+            err.flush()
+            err.seek(0)
+            stderrs.append(err.read())
+        if timed_out or any(c != 0 for c in codes):
+            first_bad = [r for r, c in enumerate(codes) if c not in (0, -9)] or list(range(len(codes)))
+            parts = [f"{what} on {world_size} ranks "
+                     + (f"timed out after {timeout:.0f}s" if timed_out else "failed")
+                     + f"; exit codes per rank: {codes}"]
+            for r in first_bad:
+                parts.append(f"----- rank {r} (exit {codes[r]}) stderr tail -----\n"
+                             + stderrs[r][-_TAIL:])
+            raise DistributedRunError("\n".join(parts), codes, stderrs)
+        results = []
+        for path in result_files:
+            if os.path.exists(path):
+                with open(path) as f:
+                    results.append(json.load(f))
+            else:
+                results.append(None)
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in outs + errs:
+            f.close()
+        for name in os.listdir(tmp):
+            os.remove(os.path.join(tmp, name))
+        os.rmdir(tmp)
+
+
+def _rank_main(spec_file: str) -> None:
+    """Entry point of one rank for a function target (runs in the subprocess)."""
+    with open(spec_file) as f:
+        spec = json.load(f)
+    module_name, qualname = spec["target"].split(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    result = obj(*spec["args"], **spec["kwargs"])
+    with open(os.environ["DIST_RESULT_FILE"], "w") as f:
+        json.dump(result, f)
