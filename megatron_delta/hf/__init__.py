@@ -1,0 +1,74 @@
+"""Hugging Face side of checkpoint conversion.
+
+  configuration_delta - DeltaQwen3Config (Qwen3Config + residual/delta_* fields, use_qk_norm)
+  modeling_delta      - DeltaQwen3ForCausalLM (Qwen3 / Llama backbone + depth routers)
+  tokenizer           - export_sentencepiece_tokenizer (spm model -> tokenizer.json)
+
+``configuration_delta.py`` and ``modeling_delta.py`` are self-contained remote code:
+``write_remote_code_model`` copies them next to the weights and writes ``auto_map``, so
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads the model
+without this package installed.
+"""
+import os
+import shutil
+
+from .configuration_delta import DeltaQwen3Config
+from .modeling_delta import DeltaQwen3ForCausalLM, DeltaRouter
+from .tokenizer import build_fast_tokenizer, export_sentencepiece_tokenizer
+
+REMOTE_CODE_FILES = ("configuration_delta.py", "modeling_delta.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_delta.DeltaQwen3Config",
+    "AutoModelForCausalLM": "modeling_delta.DeltaQwen3ForCausalLM",
+}
+
+
+def write_remote_code_model(model_or_state_dict, config: DeltaQwen3Config, out_dir, dtype=None):
+    """Save weights (model.safetensors) + config.json with ``auto_map`` + the two remote-code files.
+
+    ``model_or_state_dict``: a ``DeltaQwen3ForCausalLM`` (or any module whose state dict uses its
+    parameter names) or a state dict with those names. With tied embeddings ``lm_head.weight`` is
+    dropped (it is re-tied on load). ``dtype`` optionally casts floating backbone tensors; router
+    tensors (``*_router.*``) always stay fp32.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    if not isinstance(config, DeltaQwen3Config):
+        raise TypeError(f"config must be a DeltaQwen3Config, got {type(config).__name__}")
+    config.validate_delta()
+    sd = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") else dict(model_or_state_dict)
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    tensors = {}
+    for name, t in sd.items():
+        t = t.detach().to("cpu")
+        if "_router." in name:
+            t = t.float()
+        elif dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        tensors[name] = t.contiguous().clone()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+    cfg = DeltaQwen3Config.from_dict(config.to_dict())
+    cfg.auto_map = dict(AUTO_MAP)
+    cfg.architectures = ["DeltaQwen3ForCausalLM"]
+    if dtype is not None:
+        cfg.dtype = dtype
+    cfg.save_pretrained(out_dir)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for fname in REMOTE_CODE_FILES:
+        shutil.copyfile(os.path.join(here, fname), os.path.join(out_dir, fname))
+    return out_dir
+
+
+__all__ = [
+    "AUTO_MAP",
+    "DeltaQwen3Config",
+    "DeltaQwen3ForCausalLM",
+    "DeltaRouter",
+    "build_fast_tokenizer",
+    "export_sentencepiece_tokenizer",
+    "write_remote_code_model",
+]

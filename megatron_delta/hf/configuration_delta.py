@@ -1,0 +1,128 @@
+"""Hugging Face configuration for Delta Attention Residual models (remote code).
+
+This file is copied verbatim next to converted checkpoints and loaded with
+``trust_remote_code=True``: it must import nothing from ``megatron_delta``.
+
+One config class covers both backbones the project converts:
+  * Qwen3 (``use_qk_norm=True``, the default): q_norm / k_norm on each head.
+  * Llama (``use_qk_norm=False``, e.g. SmolLM2): no q/k norms. Everything else of Llama's
+    decoder (RMSNorm pre-norms, SwiGLU MLP without bias, RoPE, GQA, optional attention bias,
+    optional tied embeddings) is the same computation as Qwen3's; ``mlp_bias`` is not supported.
+
+The extra fields follow DESIGN.md section 1 (the Megatron flags ``--residual``, ``--delta-*``).
+"""
+from transformers import Qwen3Config
+
+RESIDUAL_MODES = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
+ADDITIVE_MODES = ("delta", "delta_block")
+REPLACEMENT_MODES = ("attnres", "full_attnres")
+BLOCK_MODES = ("attnres", "delta_block")
+DELTA_SOURCES = ("exact", "authors-code")
+DELTA_GATES = ("none", "scalar")
+
+
+class DeltaQwen3Config(Qwen3Config):
+    """Qwen3Config plus the residual-mode fields.
+
+    Args (in addition to Qwen3Config's):
+        residual: one of ``baseline``, ``attnres``, ``full_attnres``, ``delta``, ``delta_block``.
+        delta_num_blocks: K, the number of blocks of consecutive layers (``attnres`` and
+            ``delta_block`` only; must divide ``num_hidden_layers``).
+        delta_sources: ``exact`` (paper definition) or ``authors-code`` (the public code's
+            sources); only meaningful for ``delta`` / ``delta_block``.
+        delta_null_source: add a learnable zero-initialised null source z to every router.
+        delta_gate: ``none`` or ``scalar`` (u = x + a*r, a zero-initialised; additive modes only).
+        delta_router_eps: eps of the router's key RMS norm.
+        use_qk_norm: True for Qwen3 (q_norm/k_norm), False for a Llama backbone.
+    """
+
+    model_type = "delta_qwen3"
+
+    def __init__(
+        self,
+        residual: str = "baseline",
+        delta_num_blocks: int | None = None,
+        delta_sources: str = "exact",
+        delta_null_source: bool = False,
+        delta_gate: str = "none",
+        delta_router_eps: float = 1e-6,
+        use_qk_norm: bool = True,
+        **kwargs,
+    ):
+        self.residual = residual
+        self.delta_num_blocks = delta_num_blocks
+        self.delta_sources = delta_sources
+        self.delta_null_source = delta_null_source
+        self.delta_gate = delta_gate
+        self.delta_router_eps = delta_router_eps
+        self.use_qk_norm = use_qk_norm
+        super().__init__(**kwargs)
+        self.validate_delta()
+
+    # ------------------------------------------------------------------ validation
+    def validate_delta(self):
+        """Raise ValueError with a clear message for an inconsistent residual configuration."""
+        if self.residual not in RESIDUAL_MODES:
+            raise ValueError(f"residual must be one of {RESIDUAL_MODES}, got {self.residual!r}")
+        if self.delta_sources not in DELTA_SOURCES:
+            raise ValueError(f"delta_sources must be one of {DELTA_SOURCES}, got {self.delta_sources!r}")
+        if self.delta_gate not in DELTA_GATES:
+            raise ValueError(f"delta_gate must be one of {DELTA_GATES}, got {self.delta_gate!r}")
+        if not isinstance(self.delta_null_source, bool):
+            raise ValueError(f"delta_null_source must be a bool, got {self.delta_null_source!r}")
+        if not isinstance(self.use_qk_norm, bool):
+            raise ValueError(f"use_qk_norm must be a bool, got {self.use_qk_norm!r}")
+        if not isinstance(self.delta_router_eps, (int, float)) or isinstance(self.delta_router_eps, bool) \
+                or not self.delta_router_eps > 0:
+            raise ValueError(f"delta_router_eps must be a positive float, got {self.delta_router_eps!r}")
+        mode = self.residual
+        if mode == "baseline":
+            if self.delta_null_source or self.delta_gate != "none":
+                raise ValueError(
+                    "residual='baseline' has no routers: delta_null_source must be False and delta_gate 'none' "
+                    f"(got delta_null_source={self.delta_null_source}, delta_gate={self.delta_gate!r})")
+        if self.delta_gate == "scalar" and mode not in ADDITIVE_MODES:
+            raise ValueError(f"delta_gate='scalar' applies to the additive modes {ADDITIVE_MODES} only "
+                             f"(u = x + a*r); residual={mode!r}")
+        if self.delta_sources == "authors-code" and mode not in ADDITIVE_MODES:
+            raise ValueError(f"delta_sources='authors-code' applies to {ADDITIVE_MODES} only; residual={mode!r}")
+        if mode in BLOCK_MODES:
+            k = self.delta_num_blocks
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise ValueError(f"residual={mode!r} needs delta_num_blocks, a positive int; got {k!r}")
+            if self.num_hidden_layers % k != 0:
+                raise ValueError(f"delta_num_blocks={k} must divide num_hidden_layers={self.num_hidden_layers}")
+        elif self.delta_num_blocks is not None:
+            raise ValueError(f"delta_num_blocks is only used by {BLOCK_MODES}; residual={mode!r} "
+                             f"(got delta_num_blocks={self.delta_num_blocks})")
+
+    @property
+    def has_routers(self) -> bool:
+        return self.residual != "baseline"
+
+    @property
+    def has_final_router(self) -> bool:
+        return self.residual in REPLACEMENT_MODES
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_backbone_config(cls, backbone_config, **delta_kwargs) -> "DeltaQwen3Config":
+        """Build a DeltaQwen3Config from a stock ``Qwen3Config`` or ``LlamaConfig`` (same backbone weights)."""
+        d = backbone_config.to_dict()
+        mtype = d.get("model_type")
+        if mtype not in ("qwen3", "llama", cls.model_type):
+            raise ValueError(f"unsupported backbone model_type {mtype!r} (qwen3 or llama)")
+        if d.get("mlp_bias"):
+            raise ValueError("Llama backbones with mlp_bias=True are not supported")
+        if mtype == "llama":
+            delta_kwargs.setdefault("use_qk_norm", False)
+            if d.get("head_dim") is None:
+                d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        keep = {k: v for k, v in d.items()
+                if k not in ("model_type", "architectures", "transformers_version", "auto_map",
+                             "mlp_bias", "pretraining_tp", "dtype", "torch_dtype")}
+        keep.update(delta_kwargs)
+        return cls(**keep)
+
+
+__all__ = ["DeltaQwen3Config"]

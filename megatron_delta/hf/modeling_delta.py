@@ -1,0 +1,390 @@
+"""Hugging Face model for Delta Attention Residuals (remote code; eval and serving).
+
+Copied verbatim next to converted checkpoints and loaded with ``trust_remote_code=True``:
+it imports nothing from ``megatron_delta`` and its config through a relative import.
+
+The backbone is transformers' Qwen3 (attention, SwiGLU MLP, RMSNorm, RoPE); with
+``config.use_qk_norm=False`` the attention has no q/k norms, i.e. it is Llama's.
+Every decoder layer has an ``attn_router`` and an ``mlp_router`` (modes other than
+``baseline``), and the replacement modes have a ``model.final_router`` before the final norm.
+The math is DESIGN.md section 1; sources are stacked per call (readability over speed).
+
+Sources are per token position, so with a KV cache the sources of the new tokens are
+computed from the new tokens alone: ``generate()`` with the default DynamicCache works unchanged.
+"""
+import torch
+from torch import nn
+
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+)
+
+from .configuration_delta import DeltaQwen3Config
+
+_ADDITIVE = ("delta", "delta_block")
+_REPLACEMENT = ("attnres", "full_attnres")
+
+
+class DeltaRouter(nn.Module):
+    """Softmax-over-depth router (DESIGN.md 1). Parameters are fp32; the math is fp32.
+
+    logit_i = w . (g * s_i / rms(s_i)),  rms(x) = sqrt(mean_d(x^2) + eps)
+    alpha   = softmax_i(logit);  r = sum_i alpha_i s_i  (unnormalised sources)
+
+    Parameters: ``query`` w (zeros), ``key_norm_weight`` g (ones), optionally
+    ``null_source`` z (zeros, an extra source broadcast to all tokens, placed LAST) and
+    ``gate`` a (zeros, shape [1]).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, null_source: bool = False, gate: bool = False):
+        super().__init__()
+        self.eps = float(eps)
+        self.query = nn.Parameter(torch.zeros(hidden_size, dtype=torch.float32))
+        self.key_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
+        if null_source:
+            self.null_source = nn.Parameter(torch.zeros(hidden_size, dtype=torch.float32))
+        else:
+            self.register_parameter("null_source", None)
+        if gate:
+            self.gate = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+        else:
+            self.register_parameter("gate", None)
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.query.zero_()
+            self.key_norm_weight.fill_(1.0)
+            if self.null_source is not None:
+                self.null_source.zero_()
+            if self.gate is not None:
+                self.gate.zero_()
+
+    def _stack(self, sources):
+        s = torch.stack([t.float() for t in sources], dim=0)  # [N, b, t, d]
+        if self.null_source is not None:
+            z = self.null_source.float().expand(1, *s.shape[1:])
+            s = torch.cat([s, z], dim=0)
+        return s
+
+    def weights(self, sources) -> torch.Tensor:
+        """alpha, [N(+1), b, t] in fp32 (the null source, if any, is the last row)."""
+        return self._weights_of(self._stack(sources))
+
+    def _weights_of(self, s: torch.Tensor) -> torch.Tensor:
+        inv_rms = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + self.eps)
+        keys = self.key_norm_weight.float() * (s * inv_rms)
+        logits = keys @ self.query.float()  # [N, b, t]
+        return torch.softmax(logits, dim=0)
+
+    def forward(self, sources) -> torch.Tensor:
+        """r = sum_i alpha_i s_i in fp32 (not gated, not cast)."""
+        s = self._stack(sources)
+        alpha = self._weights_of(s)
+        return (alpha.unsqueeze(-1) * s).sum(0)
+
+    def additive(self, x: torch.Tensor, sources) -> torch.Tensor:
+        """u = x + G(r) for the additive modes; G = identity or a*r (scalar gate). No sources: u = x."""
+        if len(sources) == 0:
+            return x
+        r = self.forward(sources)
+        if self.gate is not None:
+            r = self.gate.float() * r
+        return x + r.to(x.dtype)
+
+    def replace(self, sources, dtype) -> torch.Tensor:
+        """u = r for the replacement modes, cast to the activation dtype."""
+        return self.forward(sources).to(dtype)
+
+
+class DeltaQwen3Attention(Qwen3Attention):
+    """Qwen3 attention; with ``use_qk_norm=False`` the q/k norms are dropped (Llama attention)."""
+
+    def __init__(self, config: DeltaQwen3Config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        if not config.use_qk_norm:
+            self.q_norm = nn.Identity()
+            self.k_norm = nn.Identity()
+
+
+class DeltaQwen3DecoderLayer(nn.Module):
+    """One transformer layer = two sublayers f_j (each including its own input norm) + their routers."""
+
+    def __init__(self, config: DeltaQwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = DeltaQwen3Attention(config=config, layer_idx=layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.has_routers:
+            kw = dict(eps=config.delta_router_eps, null_source=config.delta_null_source,
+                      gate=config.delta_gate == "scalar")
+            self.attn_router = DeltaRouter(config.hidden_size, **kw)
+            self.mlp_router = DeltaRouter(config.hidden_size, **kw)
+
+    def attn_sublayer(self, u, attention_mask, position_embeddings, position_ids, cache, **kwargs):
+        out, _ = self.self_attn(
+            hidden_states=self.input_layernorm(u),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        return out
+
+    def mlp_sublayer(self, u):
+        return self.mlp(self.post_attention_layernorm(u))
+
+
+class DeltaQwen3PreTrainedModel(PreTrainedModel):
+    config_class = DeltaQwen3Config
+    config: DeltaQwen3Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DeltaQwen3DecoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    # router parameters and math stay in fp32 whatever dtype the model is loaded in
+    _keep_in_fp32_modules_strict = ["attn_router", "mlp_router", "final_router"]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DeltaRouter):
+            module.reset_parameters()
+
+
+class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
+    def __init__(self, config: DeltaQwen3Config):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [DeltaQwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        if config.has_final_router:
+            self.final_router = DeltaRouter(config.hidden_size, eps=config.delta_router_eps,
+                                            null_source=config.delta_null_source, gate=False)
+        self.has_sliding_layers = "sliding_attention" in config.layer_types
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def _sublayers(self):
+        """Yield (layer_idx, is_attention, layer) for j = 0..2L-1."""
+        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            yield i, True, layer
+            yield i, False, layer
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache: Cache | None = None,
+        inputs_embeds=None,
+        use_cache=None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if cache is None:
+            cache = past_key_values
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+
+        if not isinstance(mask_mapping := attention_mask, dict):
+            mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                               cache=cache, position_ids=position_ids)
+            mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if self.has_sliding_layers:
+                mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+
+        h0 = inputs_embeds
+        position_embeddings = self.rotary_emb(h0, position_ids)
+        layer_types = self.config.layer_types
+
+        def f(layer, is_attn, u):
+            if is_attn:
+                return layer.attn_sublayer(u, mask_mapping[layer_types[layer.layer_idx]], position_embeddings,
+                                           position_ids, cache if use_cache else None, **kwargs)
+            return layer.mlp_sublayer(u)
+
+        def router(layer, is_attn):
+            return layer.attn_router if is_attn else layer.mlp_router
+
+        mode = self.config.residual
+        L = self.config.num_hidden_layers
+        per_block = L // self.config.delta_num_blocks if self.config.delta_num_blocks else L
+        authors = self.config.delta_sources == "authors-code"
+
+        if mode == "baseline":
+            x = h0
+            for _, is_attn, layer in self._sublayers():
+                x = x + f(layer, is_attn, x)
+            out = x
+
+        elif mode == "delta":
+            # S = [h0]; u = x + G(r(S)); v = f(u); x <- x + v; S.append(v).
+            # authors-code: sublayer 0 reads nothing (u = x), h0 is appended after it routed.
+            x = h0
+            sources = [] if authors else [h0]
+            for i, is_attn, layer in self._sublayers():
+                u = router(layer, is_attn).additive(x, sources)
+                if authors and i == 0 and is_attn:
+                    sources.append(h0)
+                v = f(layer, is_attn, u)
+                x = x + v
+                sources.append(v)
+            out = x
+
+        elif mode == "delta_block" and not authors:
+            # sources: h0, completed block sums Delta_c (c < b), partial sum P_b when non-empty.
+            x = h0
+            done, partial = [], None
+            for i, is_attn, layer in self._sublayers():
+                if is_attn and i > 0 and i % per_block == 0:
+                    done.append(partial)
+                    partial = None
+                sources = [h0] + done + ([partial] if partial is not None else [])
+                u = router(layer, is_attn).additive(x, sources)
+                v = f(layer, is_attn, u)
+                x = x + v
+                partial = v if partial is None else partial + v
+            out = x
+
+        elif mode == "delta_block":
+            # authors-code: at the first layer of each block, after its attention sublayer routed and
+            # before its output is added, append x (first time) or x - blocks[-1]; no partial source.
+            x = h0
+            blocks = []
+            for i, is_attn, layer in self._sublayers():
+                u = router(layer, is_attn).additive(x, blocks)
+                if is_attn and i % per_block == 0:
+                    blocks.append(x if not blocks else x - blocks[-1])
+                v = f(layer, is_attn, u)
+                x = x + v
+            out = x
+
+        elif mode == "attnres":
+            # B = [], p = h0; a block-starting attention: u = r(B+[p]); B.append(p); p = f(u).
+            done, p = [], h0
+            for i, is_attn, layer in self._sublayers():
+                u = router(layer, is_attn).replace(done + [p], h0.dtype)
+                if is_attn and i % per_block == 0:
+                    done.append(p)
+                    p = f(layer, is_attn, u)
+                else:
+                    p = p + f(layer, is_attn, u)
+            out = self.final_router.replace(done + [p], h0.dtype)
+
+        elif mode == "full_attnres":
+            done, p = [], h0
+            for i, is_attn, layer in self._sublayers():
+                u = router(layer, is_attn).replace(done + [p], h0.dtype)
+                done.append(p)
+                p = f(layer, is_attn, u)
+            out = self.final_router.replace(done + [p], h0.dtype)
+
+        else:  # pragma: no cover - the config validates the mode
+            raise ValueError(f"unknown residual mode {mode!r}")
+
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(out), cache=cache if use_cache else None)
+
+
+class DeltaQwen3ForCausalLM(DeltaQwen3PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DeltaQwen3Config):
+        super().__init__(config)
+        self.model = DeltaQwen3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache: Cache | None = None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, **kwargs,
+        )
+        hidden = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:, :] if logits_to_keep > 0 else hidden
+        else:
+            hidden = hidden[:, logits_to_keep, :]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+
+    @classmethod
+    def from_backbone(cls, backbone, **delta_kwargs) -> "DeltaQwen3ForCausalLM":
+        """A Delta model holding the weights of a stock ``Qwen3ForCausalLM`` / ``LlamaForCausalLM``.
+
+        Router parameters get their initial values (zero query, unit key norm, zero null source/gate).
+        """
+        config = DeltaQwen3Config.from_backbone_config(backbone.config, **delta_kwargs)
+        model = cls(config).to(dtype=next(backbone.parameters()).dtype)
+        missing, unexpected = model.load_state_dict(backbone.state_dict(), strict=False)
+        bad_missing = [k for k in missing if "_router." not in k and k != "lm_head.weight"]
+        if bad_missing or unexpected:
+            raise ValueError(f"backbone weights do not fit: missing {bad_missing}, unexpected {unexpected}")
+        for m in model.modules():
+            if isinstance(m, DeltaRouter):
+                m.float().reset_parameters()
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        return model
+
+
+__all__ = ["DeltaQwen3ForCausalLM", "DeltaQwen3Model", "DeltaQwen3PreTrainedModel", "DeltaRouter"]
