@@ -1,0 +1,276 @@
+"""Command-line flags of pretrain_gpt.py: Megatron-LM's names, megatron-delta's `--delta-*` additions.
+
+Every flag has a default, and the defaults together are the *embedded default run*: a tiny
+Qwen3-style model (RMSNorm, SwiGLU, RoPE, qk-layernorm, GQA, no biases) trained on the bundled
+State of the Union corpus on one CPU in a few minutes. `validate_args` turns bad combinations into
+one clear `ArgumentError` naming the flag, before any Megatron code runs.
+"""
+
+import argparse
+import os
+
+RESIDUAL_MODES = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
+
+
+class ArgumentError(ValueError):
+    """A bad flag or flag combination; the message names the flag and what to do."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Megatron-Core GPT pretraining with Delta Attention Residuals.",
+        allow_abbrev=False,
+    )
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 3 x hidden (SwiGLU)")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--group-query-attention", action="store_true", default=True)
+    g.add_argument("--no-group-query-attention", dest="group_query_attention", action="store_false")
+    g.add_argument("--num-query-groups", type=int, default=2)
+    g.add_argument("--kv-channels", type=int, default=None, help="default: hidden / heads")
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute", "none"], default="rope")
+    g.add_argument("--rotary-base", type=int, default=1000000)
+    g.add_argument("--swiglu", action="store_true", default=True)
+    g.add_argument("--no-swiglu", dest="swiglu", action="store_false")
+    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-6)
+    g.add_argument("--qk-layernorm", action="store_true", default=True)
+    g.add_argument("--no-qk-layernorm", dest="qk_layernorm", action="store_false")
+    g.add_argument("--disable-bias-linear", action="store_true", default=True)
+    g.add_argument("--add-bias-linear", dest="disable_bias_linear", action="store_false")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=False)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+
+    g = p.add_argument_group("residual routing (megatron-delta)")
+    g.add_argument("--residual", choices=RESIDUAL_MODES, default="baseline")
+    g.add_argument("--delta-num-blocks", type=int, default=None,
+                   help="K blocks of L/K layers (delta_block, attnres); default 4 (or L if L < 4)")
+    g.add_argument("--delta-null-source", action="store_true", help="a learnable zero-initialised null source")
+    g.add_argument("--delta-gate", choices=["none", "scalar"], default="none",
+                   help="scalar gate u = x + a*r, a=0 at init (additive modes only)")
+    g.add_argument("--delta-sources", choices=["exact", "authors-code"], default="exact")
+    g.add_argument("--delta-router-eps", type=float, default=None, help="default: --norm-epsilon")
+    g.add_argument("--router-lr-mult", type=float, default=1.0,
+                   help="router parameters get lr x M and no weight decay")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro x data-parallel")
+    g.add_argument("--train-iters", type=int, default=None, help="default: 400 (embedded default run)")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=None, help="default: 5%% of --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--time-limit-minutes", type=float, default=None,
+                   help="stop training (then validate and save) after this much wall time")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="[weight] prefix [weight prefix ...], Megatron-LM blend syntax; "
+                        "default: the bundled State of the Union corpus")
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--valid-data-path", nargs="*", default=None,
+                   help="held-out data evaluated separately (default run: the Wikipedia sample)")
+    g.add_argument("--tokenizer-type", choices=["SentencePieceTokenizer", "NullTokenizer"], default=None)
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--num-workers", type=int, default=0)
+
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--metrics-file", type=str, default=None, help="append JSON lines of metrics here")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--finetune", action="store_true",
+                   help="load model weights only; reset iteration, optimizer and scheduler")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+    return p
+
+
+def _fail(msg: str):
+    raise ArgumentError(msg)
+
+
+def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
+    """Parse and validate. `argv=None` reads sys.argv; an empty list is the embedded default run."""
+    args = build_parser().parse_args(argv)
+    args.embedded_default = args.data_path is None and not args.mock_data
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    validate_args(args)
+    return args
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Fill derived defaults and reject unsupported combinations, naming the flags."""
+    L, d, heads = args.num_layers, args.hidden_size, args.num_attention_heads
+    for flag, value in [("--num-layers", L), ("--hidden-size", d), ("--num-attention-heads", heads),
+                        ("--seq-length", args.seq_length), ("--micro-batch-size", args.micro_batch_size)]:
+        if value is None or value <= 0:
+            _fail(f"{flag} must be a positive integer (got {value})")
+    if d % heads and args.kv_channels is None:
+        _fail(f"--hidden-size {d} is not divisible by --num-attention-heads {heads}; set --kv-channels")
+    if args.kv_channels is None:
+        args.kv_channels = d // heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 3 * d if args.swiglu else 4 * d
+    if not args.group_query_attention:
+        args.num_query_groups = heads
+    if heads % args.num_query_groups:
+        _fail(f"--num-attention-heads {heads} is not divisible by --num-query-groups {args.num_query_groups}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        _fail(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+              f"{args.max_position_embeddings}; raise --max-position-embeddings or shorten --seq-length")
+
+    # Parallel layout.
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if min(tp, pp, cp) < 1:
+        _fail("--tensor-model-parallel-size, --pipeline-model-parallel-size and --context-parallel-size must be >= 1")
+    if args.world_size % (tp * pp * cp):
+        _fail(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+              f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
+    args.data_parallel_size = args.world_size // (tp * pp * cp)
+    if heads % tp:
+        _fail(f"--tensor-model-parallel-size {tp} does not divide --num-attention-heads {heads}")
+    if args.num_query_groups % tp:
+        _fail(f"--tensor-model-parallel-size {tp} does not divide --num-query-groups {args.num_query_groups}")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # Megatron-LM does the same: SP is a no-op without TP.
+    if args.sequence_parallel and args.seq_length % tp:
+        _fail(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
+              f"--tensor-model-parallel-size {tp}")
+    if L % pp:
+        _fail(f"--pipeline-model-parallel-size {pp} does not divide --num-layers {L}")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = L // pp
+        if pp < 2:
+            _fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        if per_stage % args.num_layers_per_virtual_pipeline_stage:
+            _fail(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} "
+                  f"does not divide the {per_stage} layers of each pipeline stage")
+        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+        if args.virtual_pipeline_model_parallel_size == 1:
+            args.virtual_pipeline_model_parallel_size = None
+    if cp > 1:
+        _fail("--context-parallel-size > 1 is not supported by megatron-delta yet "
+              "(Megatron-Core's context parallelism needs Transformer Engine attention)")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        _fail("--recompute-granularity full needs --recompute-method uniform|block")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        _fail("--recompute-method is only used with --recompute-granularity full")
+    if args.recompute_granularity == "full" and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    if args.transformer_impl == "transformer_engine":
+        import importlib.util
+
+        import torch
+
+        if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+            _fail("--transformer-impl transformer_engine needs a GPU and Transformer Engine "
+                  "(`pip install megatron-delta[te]` on a GPU machine); use --transformer-impl local")
+    if args.bf16 and args.fp16:
+        _fail("--bf16 and --fp16 are mutually exclusive")
+    if args.fp16:
+        _fail("--fp16 is not supported (use --bf16): fp16 needs a loss scaler tested only on GPUs")
+
+    # Batch sizes.
+    dp_mbs = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = dp_mbs
+    if args.global_batch_size % dp_mbs:
+        _fail(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+              f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    args.num_microbatches = args.global_batch_size // dp_mbs
+    if pp > 1 and args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
+        _fail(f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) "
+              f"to be a multiple of --pipeline-model-parallel-size {pp}; raise --global-batch-size")
+
+    # Schedule.
+    if args.train_iters is None:
+        args.train_iters = 400 if args.embedded_default else 100
+    if args.train_iters < 0:
+        _fail("--train-iters must be >= 0")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = max(args.train_iters, 1)
+    if args.lr_warmup_iters is None:
+        args.lr_warmup_iters = args.train_iters // 20
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.log_interval <= 0 or args.eval_interval <= 0:
+        _fail("--log-interval and --eval-interval must be positive")
+
+    # Data and tokenizer.
+    if args.mock_data:
+        if args.tokenizer_type is None:
+            args.tokenizer_type = "NullTokenizer"
+        if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+            args.vocab_size = 1024
+    elif args.tokenizer_type is None:
+        args.tokenizer_type = "SentencePieceTokenizer"
+    if args.tokenizer_type == "SentencePieceTokenizer" and args.tokenizer_model is None and not args.embedded_default:
+        _fail("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model (train one with "
+              "tools/train_tokenizer.py)")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        _fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.data_path is not None and len(args.data_path) == 0:
+        _fail("--data-path needs at least one dataset prefix")
+
+    # Checkpoints.
+    if args.finetune and args.load is None:
+        _fail("--finetune needs --load (the checkpoint to start from)")
+    if args.embedded_default and args.save is None:
+        args.save = os.path.join("runs", f"default-{args.residual}")
+    if args.save_interval is not None and args.save_interval <= 0:
+        _fail("--save-interval must be positive")
+
+    # Residual modes: the config dataclass owns the rules; check them now so the error is early.
+    from megatron_delta.config import validate_delta_flags
+
+    validate_delta_flags(args)

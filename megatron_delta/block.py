@@ -1,0 +1,210 @@
+"""DeltaTransformerBlock and DeltaGPTModel: one micro-batch's sources, from embedding to output.
+
+The decoder of one (virtual) pipeline chunk holds the SourceBuffer of the micro-batch it is running:
+it starts it from the embedding output (first chunk) or unpacks it from the one tensor the previous
+stage sent, runs its layers, and either packs what the next stage needs into one tensor or (last
+chunk) applies the final router of the replacement modes and the final norm. Activation recompute
+checkpoints groups of layers whose inputs are the buffer's tensors, passed explicitly.
+"""
+
+from contextlib import nullcontext
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import make_viewless_tensor
+
+from megatron_delta.config import REPLACEMENT_MODES
+from megatron_delta.layer import build_router
+from megatron_delta.payload import pack_stage_payload, unpack_stage_payload
+from megatron_delta.router import DepthRouter
+from megatron_delta.sources import SourceBuffer, SourcePlan
+
+
+def source_plan(config) -> SourcePlan:
+    return SourcePlan(mode=config.residual, num_layers=config.num_layers,
+                      num_blocks=config.delta_num_blocks or config.num_layers, sources=config.delta_sources)
+
+
+class DeltaTransformerBlock(TransformerBlock):
+    """TransformerBlock whose layers thread a SourceBuffer (see module docstring)."""
+
+    def init_delta(self):
+        """Called once by DeltaGPTModel after Megatron built the block: adds what routing needs."""
+        self.plan = source_plan(self.config)
+        self.record_routing = False
+        self.routing_records = []  # SourceBuffers of the micro-batches run while recording
+        if self.config.residual in REPLACEMENT_MODES and self.post_process:
+            self.final_router = build_router(DepthRouter, self.config)
+        else:
+            self.final_router = None
+
+    @property
+    def first_layer(self) -> int:
+        """0-based global index of this chunk's first layer."""
+        return self.layers[0].layer_number - 1
+
+    @property
+    def end_layer(self) -> int:
+        return self.layers[-1].layer_number
+
+    # Replaces TransformerBlock.forward: a SourceBuffer, not one hidden-states tensor, runs through
+    # the layers, and the output is either the packed stage payload or the final-normed output.
+    def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
+                rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                inference_context=None, packed_seq_params=None, sequence_len_offset=None, padding_mask=None,
+                **unused):
+        if not self.pre_process:
+            hidden_states = self.input_tensor  # the previous stage's payload (see set_input_tensor)
+        eps = self.config.delta_router_eps
+        if self.pre_process:
+            h0 = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+            buffer = SourceBuffer.start(self.plan, h0, eps, record_routing=self.record_routing)
+            tensors = None
+        else:
+            names = self.plan.payload_names(self.first_layer)
+            tensors = unpack_stage_payload(hidden_states, len(names))
+            buffer = None
+        layer_kwargs = dict(attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+                            sequence_len_offset=sequence_len_offset, inference_context=inference_context)
+
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
+        with rng:
+            if self.config.recompute_granularity == "full" and self.training:
+                if buffer is not None:
+                    tensors = buffer.to_tensors()
+                tensors = self._checkpointed_layers(tensors, layer_kwargs)
+                buffer = SourceBuffer.from_tensors(self.plan, self.end_layer, tensors, eps)
+            else:
+                if buffer is None:
+                    buffer = SourceBuffer.from_tensors(self.plan, self.first_layer, tensors, eps,
+                                                       record_routing=self.record_routing)
+                for layer in self.layers:
+                    layer(buffer, **layer_kwargs)
+                if self.record_routing:
+                    self.routing_records.append(buffer)
+
+        if self.post_process:
+            out = buffer.output(self.final_router)
+            if self.final_layernorm is not None:
+                out = self.final_layernorm(out)
+        else:
+            out = pack_stage_payload(buffer.to_tensors())
+        return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
+
+    # Replaces TransformerBlock._checkpointed_forward: the checkpointed function takes the sources
+    # as explicit tensor arguments (recompute re-runs it in backward, so nothing may be captured).
+    def _checkpointed_layers(self, tensors, layer_kwargs):
+        eps = self.config.delta_router_eps
+        n, step = len(self.layers), self.config.recompute_num_layers
+
+        def run(start, end):
+            def fn(*ts):
+                first = self.layers[start].layer_number - 1
+                buffer = SourceBuffer.from_tensors(self.plan, first, list(ts), eps)
+                for layer in self.layers[start:end]:
+                    layer(buffer, **layer_kwargs)
+                return tuple(buffer.to_tensors())
+            return fn
+
+        def checkpointed(start, end, ts):
+            return list(tensor_parallel.checkpoint(run(start, end), self.config.distribute_saved_activations, *ts))
+
+        if self.config.recompute_method == "uniform":
+            for start in range(0, n, step):
+                tensors = checkpointed(start, min(start + step, n), tensors)
+        elif self.config.recompute_method == "block":
+            for i in range(n):
+                tensors = checkpointed(i, i + 1, tensors) if i < step else list(run(i, i + 1)(*tensors))
+        else:
+            raise ValueError(f"--recompute-method {self.config.recompute_method!r} is not uniform or block")
+        return tensors
+
+
+class DeltaGPTModel(GPTModel):
+    """GPTModel whose decoder is a DeltaTransformerBlock.
+
+    GPTModel.__init__ hard-codes TransformerBlock; we let Megatron build it (so parameters, init order
+    and random numbers are exactly the baseline's) and then re-class the built block, which only adds
+    routing parameters that consume no random numbers.
+    """
+
+    def __init__(self, config, transformer_layer_spec, *args, **kwargs):
+        super().__init__(config, transformer_layer_spec, *args, **kwargs)
+        self.decoder.__class__ = DeltaTransformerBlock
+        self.decoder.init_delta()
+
+
+# ----------------------------------------------------------------------------- diagnostics helpers
+def _delta_blocks(model):
+    for m in model:
+        inner = m.module if hasattr(m, "module") else m
+        if isinstance(getattr(inner, "decoder", None), DeltaTransformerBlock):
+            yield inner.decoder
+
+
+@torch.no_grad()
+def collect_routing_stats(args, model, dataset, forward_step, num_batches=1):
+    """Routing statistics over `num_batches` validation batches, gathered from every stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_delta.routing_stats import RoutingStatsAccumulator
+    from megatron_delta.training import PretrainingBatches
+
+    blocks = list(_delta_blocks(model))
+    for b in blocks:
+        b.record_routing, b.routing_records = True, []
+    acc = RoutingStatsAccumulator()
+    for m in model:
+        m.eval()
+    try:
+        for i in range(num_batches):
+            its = [PretrainingBatches(dataset, i * args.global_batch_size, args.micro_batch_size,
+                                      parallel_state.get_data_parallel_rank(),
+                                      parallel_state.get_data_parallel_world_size()) for _ in model]
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=its if len(model) > 1 else its[0],
+                model=model if len(model) > 1 else model[0], num_microbatches=args.num_microbatches,
+                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=True)
+            for b in blocks:
+                for buffer in b.routing_records:
+                    acc.add_buffer(buffer)
+                b.routing_records = []
+    finally:
+        for b in blocks:
+            b.record_routing = False
+        for m in model:
+            m.train()
+    # Every stage holds its own receivers; TP replicas hold identical copies (they weigh equally, so
+    # the averages are unchanged) and DP ranks saw different tokens (averaged, token-weighted).
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, acc)
+    merged = RoutingStatsAccumulator()
+    for other in gathered:
+        merged.merge(other)
+    return {"stats": merged.to_dict(), "text": merged.format_text()}
+
+
+def describe_stage_payloads(args):
+    """Start-up lines: what crosses each (virtual) pipeline boundary, and its size per micro-batch."""
+    from megatron_delta.config import DeltaTransformerConfig  # noqa: F401  (documentation link)
+
+    plan = SourcePlan(mode=args.residual, num_layers=args.num_layers,
+                      num_blocks=args.delta_num_blocks or args.num_layers, sources=args.delta_sources)
+    chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
+    per_chunk = args.num_layers // chunks
+    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    bytes_per = 2 if args.bf16 else 4
+    lines = []
+    for k in range(1, chunks):
+        first = k * per_chunk
+        names = plan.payload_names(first)
+        size = len(names) * seq * args.micro_batch_size * args.hidden_size * bytes_per
+        lines.append(f" pipeline payload into layer {first} (chunk {k}): {len(names)} tensors "
+                     f"[{', '.join(names)}] = {size / 2**20:.2f} MiB per micro-batch "
+                     f"(x{len(names)} the baseline's)")
+    return lines

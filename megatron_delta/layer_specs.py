@@ -1,0 +1,64 @@
+"""Layer specs: Megatron-Core's own GPT submodules, with depth routers for the routed modes.
+
+- `get_gpt_layer_local_spec_sp`: Megatron's local spec with norms that support sequence parallelism.
+- `get_gpt_layer_with_delta_spec`: the same submodules in a DeltaTransformerLayer, plus two routers.
+- `get_gpt_layer_with_delta_te_spec`: the Transformer Engine variant (input norms fused into
+  linear_qkv / linear_fc1, so the routed input `u` is what enters the fused linear). Imported lazily.
+- `decoder_block_spec`: the block-level spec (layers of this pipeline chunk + the final norm).
+"""
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+from megatron_delta.norms import LocalNorm
+
+
+def _replace_norms(submodules, norm):
+    """Swap the local spec's WrappedTorchNorm (no SP support) for `norm`; everything else stays Megatron's."""
+    submodules.input_layernorm = norm
+    submodules.pre_mlp_layernorm = norm
+    attn = submodules.self_attention.submodules
+    if getattr(attn, "q_layernorm", None) is not None and attn.q_layernorm.__name__ != "IdentityOp":
+        attn.q_layernorm = norm
+        attn.k_layernorm = norm
+    return submodules
+
+
+def get_gpt_layer_local_spec_sp(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
+    """Megatron's local GPT layer spec, with sequence-parallel-capable norms."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+    _replace_norms(spec.submodules, LocalNorm)
+    return spec
+
+
+def get_gpt_layer_with_delta_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
+    """Local backend: Megatron's attention/MLP/norm submodules inside a DeltaTransformerLayer."""
+    from megatron_delta.layer import DeltaTransformerLayer, DeltaTransformerLayerSubmodules
+    from megatron_delta.router import DepthRouter
+
+    base = get_gpt_layer_local_spec_sp(qk_layernorm=qk_layernorm, normalization=normalization).submodules
+    return ModuleSpec(module=DeltaTransformerLayer, submodules=DeltaTransformerLayerSubmodules(
+        **{k: getattr(base, k) for k in base.__dataclass_fields__}, self_attention_router=DepthRouter, mlp_router=DepthRouter))
+
+
+def get_gpt_layer_with_delta_te_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
+    """Transformer Engine backend (GPU only): Megatron's TE spec inside a DeltaTransformerLayer."""
+    try:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm).submodules
+    except (ImportError, AssertionError) as e:
+        raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not importable "
+                           f"({e}); install megatron-delta[te] on a GPU machine or use --transformer-impl local")
+    from megatron_delta.layer import DeltaTransformerLayer, DeltaTransformerLayerSubmodules
+    from megatron_delta.router import DepthRouter
+
+    return ModuleSpec(module=DeltaTransformerLayer, submodules=DeltaTransformerLayerSubmodules(
+        **{k: getattr(base, k) for k in base.__dataclass_fields__}, self_attention_router=DepthRouter, mlp_router=DepthRouter))
+
+
+def decoder_block_spec(config, layer_spec: ModuleSpec, vp_stage=None, final_norm=LocalNorm):
+    """The layers this (virtual) pipeline chunk builds, and the final norm."""
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=final_norm)
