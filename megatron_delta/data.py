@@ -539,7 +539,8 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
       data_path is entirely train (blend_per_split; `split` is ignored) and a split without a path
       is None.
     mock: MockGPTDataset (no data needed; use with NullTokenizer).
-    num_samples: samples to draw per split; 0 for a split -> None returned for it.
+    num_samples: samples per split (Megatron builds whole epochs, so len(ds) >= this); 0 for a
+      split -> None returned for it (so is a split without data, e.g. weight 0 in `split`).
     cache_dir: where the sample indices are cached. Without torch.distributed initialised and with a
       blend of several prefixes, Megatron's BlendedDataset cannot use a cache (it queries the rank),
       so then no cache path is passed and GPTDataset caches next to the data (<prefix>/cache/);
@@ -608,7 +609,8 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
     except IndexError as e:
         raise ValueError(f"num_samples {tuple(sizes)}: Megatron could not draw the requested "
                          f"samples from --data-path ({e})") from e
-    return tuple(datasets)
+    # Megatron builds a split with a positive --split weight even for 0 samples: hide it.
+    return tuple(None if n == 0 else ds for n, ds in zip(sizes, datasets))
 
 
 # =============================================================================== default data
@@ -725,6 +727,7 @@ def ensure_default_data(cache_dir: str = "runs/cache") -> dict:
                                "vocab_size": sp.get_piece_size(),
                                "sotu": os.path.relpath(sotu, REPO_ROOT),
                                "wiki": os.path.relpath(wiki, REPO_ROOT)}, f, indent=1)
+                os.chmod(tmp, 0o755)             # mkdtemp makes it private
                 if os.path.exists(root):         # incomplete leftover of an older layout
                     shutil.rmtree(root)
                 os.replace(tmp, root)
