@@ -154,7 +154,7 @@ def iter_documents(path: str, json_keys: Sequence[str] = ("text",), input_format
 
 
 # A sentence ends with . ! or ? (optionally followed by closing quotes/brackets) and whitespace.
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"'\u201d\u2019)\]]*\s+")
+_SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"'\u201d\u2019)\]]))\s+")
 
 
 def split_sentences(text: str) -> list[str]:
@@ -227,9 +227,19 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
         os.replace(tmp_prefix + ".vocab", model_prefix + ".vocab")
         os.replace(tmp_prefix + ".model", model_prefix + ".model")   # the .model appears last
     except RuntimeError as e:
-        raise ValueError(f"--vocab-size {vocab_size} / --model-type {model_type}: sentencepiece "
-                         f"training failed: {e}. Try a smaller --vocab-size or more input text"
-                         ) from e
+        msg = str(e)
+        m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
+        if m:
+            hint = (f"--vocab-size {vocab_size} is too small for this input: at least {m.group(2)} "
+                    f"pieces are needed (characters + special pieces"
+                    f"{' + 256 byte-fallback pieces' if byte_fallback else ''}); raise "
+                    f"--vocab-size or lower --character-coverage")
+        elif "too high" in msg:
+            hint = (f"--vocab-size {vocab_size} is too large for this input; use a smaller "
+                    f"--vocab-size or more text")
+        else:
+            hint = f"--vocab-size {vocab_size} / --model-type {model_type}: training failed"
+        raise ValueError(f"{hint} (sentencepiece: {msg.splitlines()[0][-200:]})") from e
     finally:
         for ext in (".model", ".vocab"):
             with contextlib.suppress(FileNotFoundError):
@@ -433,6 +443,33 @@ def preprocess_to_indexed(input_path: str, output_prefix: str, tokenizer_type: s
 
 
 # =============================================================================== datasets
+def _check_idx_header(idx_path: str) -> Optional[str]:
+    """Check the .idx header and size before Megatron's reader sees it (its reader asserts, and a
+    half-built IndexedDataset also raises again in __del__). Returns a problem or None."""
+    import struct
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(34)
+    if len(head) < 34:
+        return f"{size} bytes, shorter than the 34-byte header"
+    if head[:9] != _INDEX_HEADER:
+        return "bad magic header"
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
+    if version != 1:
+        return f"unsupported version {version}"
+    try:
+        DType.dtype_from_code(code)
+    except Exception:
+        return f"unknown dtype code {code}"
+    expected = 34 + n_seq * (4 + 8) + n_doc * 8
+    if size not in (expected, expected + n_seq):          # + n_seq: multimodal sequence modes
+        return f"{size} bytes but the header describes {n_seq} sequences / {n_doc - 1} documents " \
+               f"({expected} bytes): truncated or overwritten"
+    return None
+
+
 def validate_indexed_prefix(prefix: str, flag: str = "--data-path") -> int:
     """Check that <prefix>.bin/.idx exist, the .idx parses and matches the .bin size.
     Returns the number of documents; raises ValueError naming the flag and file."""
@@ -445,6 +482,10 @@ def validate_indexed_prefix(prefix: str, flag: str = "--data-path") -> int:
     if missing:
         what = f"{prefix}.bin/.idx" if len(missing) == 2 else missing[0]
         raise ValueError(f"{flag}: {what} not found; {_PREPROCESS_HINT}")
+    idx_problem = _check_idx_header(prefix + ".idx")
+    if idx_problem:
+        raise ValueError(f"{flag}: {prefix}.idx is corrupted or not a Megatron index file "
+                         f"({idx_problem}); rebuild it with tools/preprocess_data.py")
     try:
         ds = IndexedDataset(prefix, mmap=True)
         n_docs = len(ds.document_indices) - 1
