@@ -1,0 +1,205 @@
+"""DepthRouter / make_source: exact math vs a naive torch.stack router, dtypes, init facts, memory."""
+import itertools
+
+import pytest
+import torch
+from torch.func import functional_call
+
+from megatron_delta.router import DepthRouter, Source, make_source
+
+EPS = 1e-6
+
+
+def naive_route(values, w, g, z, a, eps):
+    """Straight from DESIGN.md section 1: stack every source (null last), softmax over depth."""
+    srcs = list(values)
+    if z is not None:
+        srcs.append(z.expand_as(values[0]))
+    st = torch.stack(srcs)  # [N, s, b, d]
+    inv = torch.rsqrt(st.pow(2).mean(-1) + eps)
+    logits = (st * (w * g)).sum(-1) * inv
+    alpha = torch.softmax(logits, dim=0)
+    r = (alpha.unsqueeze(-1) * st).sum(0)
+    if a is not None:
+        r = a * r
+    return r, alpha.movedim(0, -1)
+
+
+def _params(router):
+    return {k: v for k, v in router.named_parameters()}
+
+
+@pytest.mark.parametrize("n,null,gate", list(itertools.product([1, 2, 7], [False, True], [False, True])))
+def test_gradcheck_against_naive(n, null, gate):
+    torch.manual_seed(n + 10 * null + 100 * gate)
+    s, b, d = 2, 2, 4
+    router = DepthRouter(d, null_source=null, gate=gate, eps=EPS).double()
+    w = torch.randn(d, dtype=torch.float64, requires_grad=True)
+    g = (1 + 0.3 * torch.randn(d, dtype=torch.float64)).requires_grad_()
+    z = torch.randn(d, dtype=torch.float64, requires_grad=True) if null else None
+    a = torch.tensor([0.7], dtype=torch.float64, requires_grad=True) if gate else None
+    values = [torch.randn(s, b, d, dtype=torch.float64, requires_grad=True) for _ in range(n)]
+
+    def ours(w, g, z, a, *vals):
+        params = {"query": w, "key_norm_weight": g}
+        if z is not None:
+            params["null_source"] = z
+        if a is not None:
+            params["gate"] = a
+        srcs = [make_source(v, EPS) for v in vals]
+        r, alpha = functional_call(router, params, (srcs, True), {"apply_gate": True})
+        return r, alpha
+
+    inputs = [t for t in (w, g, z, a) if t is not None] + values
+
+    def f(*flat):
+        it = iter(flat)
+        ww, gg = next(it), next(it)
+        zz = next(it) if null else None
+        aa = next(it) if gate else None
+        return ours(ww, gg, zz, aa, *it)[0]
+
+    r, alpha = ours(w, g, z, a, *values)
+    r_ref, alpha_ref = naive_route(values, w, g, z, a, EPS)
+    torch.testing.assert_close(r, r_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(alpha, alpha_ref, rtol=1e-12, atol=1e-12)
+    assert alpha.shape == (s, b, n + int(null))
+
+    # Same gradients as the naive router (autograd through torch.stack) ...
+    go = torch.randn_like(r)
+    grads = torch.autograd.grad(r, inputs, go)
+    grads_ref = torch.autograd.grad(r_ref, inputs, go)
+    for x, y in zip(grads, grads_ref):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    # ... and the custom backward is the derivative of the custom forward.
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=(n > 2))
+
+
+def test_gradcheck_make_source():
+    v = torch.randn(3, 2, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: make_source(t, 1e-3).inv_rms, (v,))
+    ref = torch.rsqrt(v.pow(2).mean(-1) + 1e-3)
+    torch.testing.assert_close(make_source(v, 1e-3).inv_rms, ref, rtol=1e-14, atol=0)
+
+
+def test_init_params_and_attributes_no_rng():
+    state = torch.get_rng_state()
+    router = DepthRouter(16, null_source=True, gate=True, eps=EPS, sequence_parallel=True)
+    assert torch.equal(torch.get_rng_state(), state), "router init must not consume random numbers"
+    assert torch.equal(router.query, torch.zeros(16))
+    assert torch.equal(router.key_norm_weight, torch.ones(16))
+    assert torch.equal(router.null_source, torch.zeros(16))
+    assert router.gate.shape == (1,) and router.gate.item() == 0.0
+    for p in router.parameters():
+        assert p.dtype == torch.float32
+        assert p.sequence_parallel is True
+        assert p.tensor_model_parallel is False
+        assert p.is_delta_router is True
+    plain = DepthRouter(16, null_source=False, gate=False, eps=EPS)
+    assert plain.null_source is None and plain.gate is None
+    assert [n for n, _ in plain.named_parameters()] == ["query", "key_norm_weight"]
+    assert all(p.sequence_parallel is False for p in plain.parameters())
+
+
+@pytest.mark.parametrize("null", [False, True])
+def test_zero_query_gives_uniform_mean(null):
+    torch.manual_seed(0)
+    router = DepthRouter(8, null_source=null, gate=False, eps=EPS)
+    vals = [torch.randn(4, 2, 8) for _ in range(5)]
+    r, alpha = router([make_source(v, EPS) for v in vals], True)
+    m = 5 + int(null)
+    torch.testing.assert_close(alpha, torch.full((4, 2, m), 1.0 / m))
+    # zero null source: its value is 0, so the readout is sum(values) / m
+    torch.testing.assert_close(r, torch.stack(vals).sum(0) / m)
+
+
+def test_bf16_sources_fp32_math():
+    torch.manual_seed(1)
+    router = DepthRouter(32, null_source=True, gate=True, eps=EPS)
+    with torch.no_grad():
+        router.query.normal_()
+        router.null_source.normal_()
+        router.gate.fill_(0.5)
+    vals = [torch.randn(6, 2, 32).bfloat16() for _ in range(4)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = router([make_source(v, EPS) for v in vals])
+        rg = router([make_source(v, EPS) for v in vals], apply_gate=True)
+    assert r.dtype == torch.bfloat16 and rg.dtype == torch.bfloat16
+    r32 = router([make_source(v.float(), EPS) for v in vals])
+    assert r32.dtype == torch.float32
+    # fp32 math on the bf16 values, one final rounding
+    assert torch.equal(r, r32.bfloat16())
+    assert torch.equal(rg, (0.5 * r32).bfloat16())
+    assert router.gated(r).dtype == torch.bfloat16
+    # inv_rms is fp32 even for bf16 values
+    assert make_source(vals[0], EPS).inv_rms.dtype == torch.float32
+
+
+def test_fp32_under_autocast():
+    router = DepthRouter(8, null_source=False, gate=False, eps=EPS)
+    vals = [torch.randn(3, 1, 8) for _ in range(3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = router([make_source(v, EPS) for v in vals])
+    assert r.dtype == torch.float32
+
+
+def test_gate_zero_is_identity_and_fused_matches():
+    torch.manual_seed(2)
+    router = DepthRouter(8, null_source=False, gate=True, eps=EPS)
+    with torch.no_grad():
+        router.query.normal_()
+    x = torch.randn(3, 2, 8)
+    srcs = [make_source(torch.randn(3, 2, 8), EPS) for _ in range(3)]
+    assert torch.equal(x + router.gated(router(srcs)), x)
+    assert torch.equal(x + router(srcs, apply_gate=True), x)
+    with torch.no_grad():
+        router.gate.fill_(0.3)
+    torch.testing.assert_close(router(srcs, apply_gate=True), router.gated(router(srcs)))
+
+
+@pytest.mark.parametrize("null,gate", [(False, False), (True, True), (False, True)])
+def test_zero_sources(null, gate):
+    router = DepthRouter(4, null_source=null, gate=gate, eps=EPS)
+    with torch.no_grad():
+        if null:
+            router.null_source.copy_(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+        if gate:
+            router.gate.fill_(2.0)
+    like = torch.randn(3, 2, 4).bfloat16()
+    r, alpha = router([], True, like=like, apply_gate=True)
+    assert r.shape == like.shape and r.dtype == like.dtype
+    expect = torch.zeros(4) if not null else router.null_source.detach()
+    if gate:
+        expect = 2.0 * expect
+    assert torch.equal(r, expect.bfloat16().expand(3, 2, 4))
+    assert alpha.shape == (3, 2, int(null))
+    r.float().sum().backward()
+    for name, p in router.named_parameters():
+        assert p.grad is not None, name  # every parameter takes part (DDP-friendly)
+    with pytest.raises(ValueError, match="like"):
+        router([])
+
+
+def test_router_saves_no_copies_of_sources():
+    """The router saves the sources by reference plus O(N * tokens) fp32 scalars, never a stack."""
+    torch.manual_seed(3)
+    s, b, d, n = 8, 2, 64, 6
+    router = DepthRouter(d, null_source=True, gate=True, eps=EPS)
+    vals = [torch.randn(s, b, d, requires_grad=True) for _ in range(n)]
+    srcs = [make_source(v, EPS) for v in vals]
+    known = {v.untyped_storage().data_ptr() for v in vals}
+    known |= {src.inv_rms.untyped_storage().data_ptr() for src in srcs}
+    new_bytes = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in known:
+            new_bytes[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        r = router(srcs, apply_gate=True)
+    # new saved storage: dots [n, s*b] + a few [d] / scalar router tensors
+    assert sum(new_bytes.values()) <= 4 * n * s * b + 4 * 8 * d + 64
+    r.sum().backward()
+    assert all(v.grad is not None for v in vals)

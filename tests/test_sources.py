@@ -1,0 +1,424 @@
+"""SourcePlan / SourceBuffer / payload / routing_stats on a toy stack of sublayers (plain PyTorch)."""
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_delta.payload import pack_stage_payload, payload_seq_length, unpack_stage_payload
+from megatron_delta.router import DepthRouter, make_source
+from megatron_delta.routing_stats import RoutingStatsAccumulator, routing_stats
+from megatron_delta.sources import SourceBuffer, SourcePlan
+
+EPS = 1e-6
+
+PLANS = [
+    SourcePlan("delta", 4, 1),
+    SourcePlan("delta", 4, 1, "authors-code"),
+    SourcePlan("delta_block", 4, 2),
+    SourcePlan("delta_block", 4, 4),
+    SourcePlan("delta_block", 4, 1),
+    SourcePlan("delta_block", 6, 3, "authors-code"),
+    SourcePlan("delta_block", 4, 4, "authors-code"),
+    SourcePlan("attnres", 4, 2),
+    SourcePlan("attnres", 4, 4),
+    SourcePlan("full_attnres", 4, 1),
+]
+
+
+def _id(plan):
+    return f"{plan.mode}-L{plan.num_layers}-K{plan.num_blocks}-{plan.sources}"
+
+
+# --------------------------------------------------------------------------- toy model
+def _rmsnorm(u):
+    return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def sublayer(u, w):
+    """f_j: its own input norm, a linear map, a nonlinearity."""
+    return torch.tanh(_rmsnorm(u) @ w)
+
+
+class Toy:
+    def __init__(self, plan, d, *, null=False, gate=False, seed=0, random_routers=True):
+        gen = torch.Generator().manual_seed(seed)
+        self.plan = plan
+        n = plan.num_sublayers
+        self.weights = [(torch.randn(d, d, generator=gen) / math.sqrt(d)).requires_grad_()
+                        for _ in range(n)]
+        self.routers = [DepthRouter(d, null_source=null, gate=gate, eps=EPS) for _ in range(n)]
+        self.final = None if plan.additive else DepthRouter(d, null_source=null, gate=False, eps=EPS)
+        if random_routers:
+            with torch.no_grad():
+                for r in self.routers + ([self.final] if self.final else []):
+                    r.query.copy_(torch.randn(d, generator=gen))
+                    r.key_norm_weight.add_(0.2 * torch.randn(d, generator=gen))
+                    if r.null_source is not None:
+                        r.null_source.copy_(torch.randn(d, generator=gen))
+                    if r.gate is not None:
+                        r.gate.fill_(0.7)
+
+    def params(self):
+        ps = list(self.weights)
+        for r in self.routers + ([self.final] if self.final else []):
+            ps += list(r.parameters())
+        return ps
+
+    def run(self, h0, boundaries=(), check=None, record_routing=False):
+        """Run all layers; at every layer index in `boundaries` hand the state over through
+        to_tensors -> pack -> unpack -> from_tensors, as a pipeline stage boundary does."""
+        plan = self.plan
+        s = h0.shape[0]
+        buf = SourceBuffer.start(plan, h0, EPS, record_routing=record_routing)
+        bufs = [buf]
+        for layer in range(plan.num_layers + 1):
+            if layer in boundaries:
+                ts = buf.to_tensors()
+                assert len(ts) == len(plan.payload_names(layer))
+                payload = pack_stage_payload(ts)
+                assert payload.shape[0] == payload_seq_length(plan, layer, s)
+                tensors = unpack_stage_payload(payload, len(ts))
+                buf = SourceBuffer.from_tensors(plan, layer, tensors, EPS,
+                                                record_routing=record_routing)
+                bufs.append(buf)
+                if check is not None:
+                    check(layer, buf)
+            if layer == plan.num_layers:
+                break
+            for j in (2 * layer, 2 * layer + 1):
+                u = buf.routed_input(j, self.routers[j])
+                buf.commit(j, sublayer(u, self.weights[j]))
+        return buf.output(self.final), bufs
+
+
+# --------------------------------------------------------------------------- SourcePlan
+def test_plan_validation_messages():
+    with pytest.raises(ValueError, match="--delta-num-blocks"):
+        SourcePlan("delta_block", 12, 5)
+    with pytest.raises(ValueError, match="--delta-num-blocks"):
+        SourcePlan("attnres", 6, 4)
+    with pytest.raises(ValueError, match="--delta-num-blocks"):
+        SourcePlan("delta_block", 12, 0)
+    with pytest.raises(ValueError, match="--residual"):
+        SourcePlan("deltaa", 12, 4)
+    with pytest.raises(ValueError, match="--residual"):
+        SourcePlan("baseline", 12, 4)
+    with pytest.raises(ValueError, match="--delta-sources"):
+        SourcePlan("delta", 12, 4, "paper")
+    with pytest.raises(ValueError, match="--delta-sources"):
+        SourcePlan("attnres", 12, 4, "authors-code")
+    SourcePlan("delta", 12, 5)  # num_blocks is not used by the fine-grained mode
+
+
+def test_source_counts():
+    L = 12
+    p = SourcePlan("delta", L, 1)
+    assert [p.num_sources_read(j) for j in range(2 * L)] == [j + 1 for j in range(2 * L)]
+    assert p.max_sources() == 2 * L == 24  # +1 with a null source = 25
+    pa = SourcePlan("delta", L, 1, "authors-code")
+    assert [pa.num_sources_read(j) for j in range(2 * L)] == [0] + [j + 1 for j in range(1, 2 * L)]
+
+    for K in (1, 2, 3, 4, 6, 12):
+        pb = SourcePlan("delta_block", L, K)
+        counts = [pb.num_sources_read(j) for j in range(2 * L)]
+        assert max(counts) == pb.max_sources() == min(K + 1, 2 * L) and max(counts) <= K + 1
+        lb = L // K
+        for j in range(2 * L):
+            b = (j // 2) // lb
+            assert counts[j] == 1 + b + (0 if j == 2 * b * lb else 1)
+        pab = SourcePlan("delta_block", L, K, "authors-code")
+        counts = [pab.num_sources_read(j) for j in range(2 * L)]
+        assert counts[0] == 0 and max(counts) == K
+        pr = SourcePlan("attnres", L, K)
+        counts = [pr.num_sources_read(j) for j in range(2 * L)]
+        assert counts[0] == 1 and max(counts) <= K + 1 and len(pr.final_reads()) == K + 1
+    pf = SourcePlan("full_attnres", L, 1)
+    assert [pf.num_sources_read(j) for j in range(2 * L)] == [j + 1 for j in range(2 * L)]
+    assert len(pf.final_reads()) == 2 * L + 1 == pf.max_sources()
+
+
+def test_payload_names_examples():
+    assert SourcePlan("delta", 4, 1).payload_names(0) == ["h0"]
+    assert SourcePlan("delta", 4, 1).payload_names(2) == ["x", "h0", "v0", "v1", "v2", "v3"]
+    assert SourcePlan("delta", 4, 1).payload_names(4) == ["x"]
+    assert SourcePlan("delta_block", 6, 3).payload_names(3) == ["x", "h0", "D0", "P1"]
+    assert SourcePlan("delta_block", 6, 3).payload_names(4) == ["x", "h0", "D0", "D1"]
+    assert SourcePlan("delta_block", 6, 3, "authors-code").payload_names(3) == ["x", "A0", "A1"]
+    assert SourcePlan("attnres", 6, 3).payload_names(3) == ["B0", "B1", "p"]
+    assert SourcePlan("attnres", 6, 3).payload_names(6) == ["B0", "B1", "B2", "p"]
+    assert SourcePlan("full_attnres", 2, 1).payload_names(1) == ["B0", "B1", "p"]
+
+
+@pytest.mark.parametrize("plan", PLANS + [SourcePlan("delta_block", 12, 4),
+                                          SourcePlan("attnres", 12, 3)], ids=_id)
+def test_payload_never_carries_an_unread_source(plan):
+    L = plan.num_layers
+    for f in range(1, L + 1):
+        later = set(plan.final_reads())
+        for j in range(2 * f, 2 * L):
+            later |= set(plan.reads(j))
+        names = plan.payload_names(f)
+        assert len(set(names)) == len(names)
+        unused = [n for n in names if n != "x" and n not in later]
+        assert not unused, (f, unused)
+        # and everything a later sublayer reads that already exists at f travels
+        if f < L:
+            assert set(plan.reads(2 * f)) <= set(names)
+
+
+# --------------------------------------------------------------------------- SourceBuffer
+def _grads(out, params, h0):
+    go = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    return torch.autograd.grad(out, params + [h0], go, allow_unused=True)
+
+
+@pytest.mark.parametrize("null,gate", [(False, False), (True, True)])
+@pytest.mark.parametrize("plan", PLANS, ids=_id)
+def test_pipeline_split_is_bitwise_exact(plan, null, gate):
+    d, s, b = 16, 3, 2
+    toy = Toy(plan, d, null=null, gate=gate, seed=1)
+    h0 = torch.randn(s, b, d, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    ref, _ = toy.run(h0)
+    ref_grads = _grads(ref, toy.params(), h0)
+    L = plan.num_layers
+    splits = [(f,) for f in range(1, L + 1)] + [tuple(range(L + 1))]
+    for boundaries in splits:
+        received = []
+
+        def check(layer, buf):
+            # what a stage receives is exactly its payload, and x besides sources only
+            assert buf.to_tensors() is not None
+            received.extend((layer, n, buf._entries[n]) for n in buf._entries)
+
+        out, _ = toy.run(h0, boundaries, check=check)
+        assert torch.equal(out, ref), boundaries
+        grads = _grads(out, toy.params(), h0)
+        for g, gr in zip(grads, ref_grads):
+            assert (g is None) == (gr is None)
+            if g is not None:
+                # gradients meet in a different summation order across a boundary: round-off only
+                err = (g - gr).abs().max() / gr.abs().max().clamp_min(1e-30)
+                assert err < 1e-5, (boundaries, err)
+        # every source a stage received was read by one of its routers (inv_rms is lazy)
+        for layer, name, entry in received:
+            if layer > 0:
+                assert entry.source is not None, (boundaries, layer, name)
+
+
+@pytest.mark.parametrize("plan", [SourcePlan("delta", 3, 1), SourcePlan("delta_block", 6, 3),
+                                  SourcePlan("delta_block", 6, 6), SourcePlan("delta_block", 6, 1)],
+                         ids=_id)
+def test_exact_sources_sum_to_x(plan):
+    toy = Toy(plan, 8, seed=3)
+    h0 = torch.randn(4, 2, 8)
+    buf = SourceBuffer.start(plan, h0, EPS)
+    for j in range(plan.num_sublayers):
+        total = sum(src.value for src in buf.read(j))
+        torch.testing.assert_close(total, buf.x, rtol=1e-5, atol=1e-5)
+        u = buf.routed_input(j, toy.routers[j])
+        buf.commit(j, sublayer(u, toy.weights[j]))
+
+
+def test_authors_code_block_sources_are_alternating_sums():
+    plan = SourcePlan("delta_block", 6, 3, "authors-code")
+    toy = Toy(plan, 8, seed=4)
+    h0 = torch.randn(2, 2, 8)
+    buf = SourceBuffer.start(plan, h0, EPS)
+    H = {}
+    for j in range(plan.num_sublayers):
+        if plan.is_block_start(j):
+            H[plan.block_of(j)] = buf.x
+        u = buf.routed_input(j, toy.routers[j])
+        buf.commit(j, sublayer(u, toy.weights[j]))
+    assert buf.read(5)[0].value is h0
+    assert [s.value.shape for s in buf.read(11)] == [h0.shape] * 3
+    a = [s.value for s in buf.read(11)]
+    assert torch.equal(a[0], H[0])
+    torch.testing.assert_close(a[1], H[1] - H[0])
+    torch.testing.assert_close(a[2], H[2] - H[1] + H[0])
+    assert plan.reads(0) == [] and plan.reads(2) == ["A0"] and plan.reads(4) == ["A0"]
+
+
+def test_replacement_bookkeeping():
+    plan = SourcePlan("attnres", 4, 2)
+    toy = Toy(plan, 8, seed=5)
+    h0 = torch.randn(2, 1, 8)
+    buf = SourceBuffer.start(plan, h0, EPS)
+    outs = []
+    for j in range(plan.num_sublayers):
+        u = buf.routed_input(j, toy.routers[j])
+        v = sublayer(u, toy.weights[j])
+        outs.append(v)
+        buf.commit(j, v)
+    assert buf.names == ["B0", "B1", "p"]
+    assert buf._entries["B0"].value is h0
+    torch.testing.assert_close(buf._entries["B1"].value, outs[0] + outs[1] + outs[2] + outs[3])
+    torch.testing.assert_close(buf._entries["p"].value, outs[4] + outs[5] + outs[6] + outs[7])
+    plan = SourcePlan("full_attnres", 2, 1)
+    toy = Toy(plan, 8, seed=5)
+    buf = SourceBuffer.start(plan, h0, EPS)
+    outs = []
+    for j in range(4):
+        outs.append(sublayer(buf.routed_input(j, toy.routers[j]), toy.weights[j]))
+        buf.commit(j, outs[-1])
+    assert buf.names == ["B0", "B1", "B2", "B3", "p"]
+    assert [buf._entries[n].value for n in buf.names] == [h0] + outs
+
+
+def test_protocol_errors():
+    plan = SourcePlan("delta", 2, 1)
+    toy = Toy(plan, 4)
+    buf = SourceBuffer.start(plan, torch.randn(1, 1, 4), EPS)
+    with pytest.raises(RuntimeError, match="expected sublayer 0"):
+        buf.routed_input(1, toy.routers[1])
+    u = buf.routed_input(0, toy.routers[0])
+    with pytest.raises(RuntimeError):
+        buf.to_tensors()
+    buf.commit(0, u)
+    with pytest.raises(RuntimeError, match="layer boundary"):
+        buf.to_tensors()
+    with pytest.raises(ValueError, match="expected 4 tensors"):
+        SourceBuffer.from_tensors(SourcePlan("delta", 2, 1), 1, [u], EPS)
+
+
+def _baseline(toy, h0):
+    x = h0
+    for j, w in enumerate(toy.weights):
+        x = x + sublayer(x, w)
+    return x
+
+
+@pytest.mark.parametrize("mode", ["delta", "delta_block"])
+def test_init_gate_gives_baseline_and_no_gate_preserves_function(mode):
+    plan = SourcePlan(mode, 4, 2)
+    h0 = torch.randn(3, 2, 16)
+    gated = Toy(plan, 16, gate=True, null=True, seed=6, random_routers=False)
+    assert torch.equal(gated.run(h0)[0], _baseline(gated, h0))
+    plain = Toy(plan, 16, seed=6, random_routers=False)
+    # uniform weights: u = (1 + 1/N) x, and the pre-norm is scale invariant (up to eps)
+    torch.testing.assert_close(plain.run(h0)[0], _baseline(plain, h0), rtol=1e-4, atol=1e-4)
+
+
+def test_inv_rms_reuse_across_boundary():
+    plan = SourcePlan("delta", 3, 1)
+    toy = Toy(plan, 8, seed=7)
+    h0 = torch.randn(2, 2, 8)
+    buf = SourceBuffer.start(plan, h0, EPS)
+    for j in range(2):
+        buf.commit(j, sublayer(buf.routed_input(j, toy.routers[j]), toy.weights[j]))
+    ts, invs = buf.to_tensors(), buf.payload_inv_rms()
+    assert invs[0] is None and all(i is not None for i in invs[1:3])  # x; h0 and v0 were read
+    b1 = SourceBuffer.from_tensors(plan, 1, ts, EPS, inv_rms=invs)
+    b2 = SourceBuffer.from_tensors(plan, 1, ts, EPS)
+    assert b1.read(2)[0].inv_rms is invs[1]
+    for s1, s2 in zip(b1.read(2), b2.read(2)):
+        assert torch.equal(s1.inv_rms, s2.inv_rms)
+
+
+# --------------------------------------------------------------------------- memory
+def _saved_bytes(fn, exclude=()):
+    """Bytes of the unique storages autograd saves for backward (weights in `exclude` not counted)."""
+    storages = {}
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
+
+
+def _naive_delta(h0, toy):
+    """delta with a router that stacks the sources at every sublayer (what not to do)."""
+    x, srcs = h0, [h0]
+    for j, w in enumerate(toy.weights):
+        r = toy.routers[j]
+        st = torch.stack(srcs)
+        inv = torch.rsqrt(st.pow(2).mean(-1) + EPS)
+        alpha = torch.softmax((st * (r.query * r.key_norm_weight)).sum(-1) * inv, 0)
+        u = x + (alpha.unsqueeze(-1) * st).sum(0)
+        v = sublayer(u, w)
+        x = x + v
+        srcs.append(v)
+    return x
+
+
+def _quadratic_fit(ls, ys):
+    a = torch.tensor([[1.0, l, l * l] for l in ls], dtype=torch.float64)
+    return torch.linalg.solve(a, torch.tensor(ys, dtype=torch.float64)).tolist()
+
+
+def test_saved_bytes_grow_linearly_with_depth():
+    d, s, b = 256, 4, 1
+    h0 = torch.randn(s, b, d)
+    ours, naive = [], []
+    ls = (4, 8, 16)
+    for L in ls:
+        toy = Toy(SourcePlan("delta", L, 1), d, seed=8)
+        n_ours, out = _saved_bytes(lambda: toy.run(h0)[0], toy.params())
+        n_naive, out2 = _saved_bytes(lambda: _naive_delta(h0, toy), toy.params())
+        torch.testing.assert_close(out, out2, rtol=1e-4, atol=1e-4)
+        ours.append(n_ours)
+        naive.append(n_naive)
+    _, lin, quad = _quadratic_fit(ls, ours)
+    # the only quadratic term is the per-token routing scalars (4 bytes x N per sublayer)
+    assert quad * ls[-1] < 0.03 * lin, (ours, lin, quad)
+    _, lin_n, quad_n = _quadratic_fit(ls, naive)
+    assert quad_n * ls[-1] > 0.5 * lin_n, (naive, lin_n, quad_n)
+    assert naive[-1] > 2 * ours[-1]
+
+
+# --------------------------------------------------------------------------- payload
+def test_pack_unpack_roundtrip_and_grads():
+    ts = [torch.randn(3, 2, 4, requires_grad=True) for _ in range(3)]
+    payload = pack_stage_payload(ts)
+    assert payload.shape == (9, 2, 4)
+    parts = unpack_stage_payload(payload, 3)
+    assert all(torch.equal(p, t) for p, t in zip(parts, ts))
+    sum((i + 1) * p.sum() for i, p in enumerate(parts)).backward()
+    for i, t in enumerate(ts):
+        assert torch.equal(t.grad, torch.full_like(t, i + 1.0))
+    assert pack_stage_payload(ts[:1]) is ts[0]
+    assert unpack_stage_payload(ts[0], 1)[0] is ts[0]
+    with pytest.raises(ValueError):
+        unpack_stage_payload(payload, 2)
+    plan = SourcePlan("delta", 4, 1)
+    assert [payload_seq_length(plan, f, 8) for f in range(5)] == [8, 32, 48, 64, 8]
+
+
+# --------------------------------------------------------------------------- routing stats
+def test_routing_stats_values():
+    uni = torch.full((5, 2, 4), 0.25)
+    st = routing_stats(uni)
+    assert st["num_sources"] == 4 and abs(st["max_weight"] - 0.25) < 1e-12
+    assert abs(st["entropy"] - 1.0) < 1e-12
+    hot = torch.zeros(5, 2, 4)
+    hot[..., 2] = 1.0
+    st = routing_stats(hot)
+    assert st["entropy"] == 0.0 and st["max_weight"] == 1.0 and st["mean_weights"][2] == 1.0
+    assert routing_stats(torch.ones(3, 1, 1))["entropy"] is None
+
+
+def test_routing_stats_accumulator_from_buffer():
+    plan = SourcePlan("attnres", 2, 2)
+    toy = Toy(plan, 8, seed=9)
+    acc = RoutingStatsAccumulator()
+    for seed in range(2):
+        h0 = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(seed))
+        _, bufs = toy.run(h0, boundaries=(1,), record_routing=True)
+        for buf in bufs:
+            acc.add_buffer(buf)
+    assert acc.receivers() == [0, 1, 2, 3, "final"]
+    d = json.loads(acc.to_json())
+    assert d["receivers"]["0"]["entropy"] is None  # layer 0's attention sees h0 only
+    assert d["receivers"]["0"]["tokens"] == 12
+    for key in ("1", "2", "3", "final"):
+        st = d["receivers"][key]
+        assert 0.0 <= st["entropy"] <= 1.0 and abs(sum(st["mean_weights"]) - 1.0) < 1e-6
+    text = acc.format_text().splitlines()
+    assert len(text) == 3 and text[0].startswith("layer   0: attn N=1") and "final" in text[2]
