@@ -385,7 +385,11 @@ def preprocess_to_indexed(input_path: str, output_prefix: str, tokenizer_type: s
             lines = enumerate(f, 1)
             if workers > 1:
                 import multiprocessing as mp
-                pool = mp.get_context("spawn").Pool(workers, _init_worker, init_args)
+                # fork (as Megatron-LM's tool): workers inherit the loaded tokenizer instantly;
+                # spawn would re-import Megatron-Core in every worker (seconds each).
+                method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+                pool = mp.get_context(method).Pool(
+                    workers, _init_worker, init_args + ((tokenizer,) if method == "fork" else ()))
                 results = pool.imap(_encode_line, lines, chunksize=8)
             else:
                 _init_worker(*init_args, tokenizer=tokenizer)

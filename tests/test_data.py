@@ -157,7 +157,7 @@ def test_preprocess_cli_text_format_and_workers(corpus, datasets, sp_model, tmp_
     txt.write_text("\n".join(corpus["docs_a"]) + "\n\n", encoding="utf-8")   # blank line skipped
     assert tool.main(["--input", str(txt), "--output-prefix", str(tmp_path / "t"),
                       "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
-                      "--append-eod", "--log-interval", "10"]) == 0
+                      "--append-eod", "--log-interval", "10", "--workers", "2"]) == 0
     out = capsys.readouterr().out
     assert "docs" in out and "tokens" in out and "MB/s" in out
     assert _doc_tokens(str(tmp_path / "t_text_document")) == _doc_tokens(datasets["a"])
