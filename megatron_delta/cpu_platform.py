@@ -209,7 +209,11 @@ class _NullNvtx:
 
 
 class _CudaProxy(types.ModuleType):
-    """What patched Megatron modules see as ``torch.cuda`` on CPU (patches 2, 4, 5, 6, 7)."""
+    """What patched Megatron modules see as ``torch.cuda`` on CPU (patches 4 and 5).
+
+    ``current_device`` and ``synchronize`` are not overridden here: they fall through to the real
+    torch.cuda, which patches 1 and 2 fix for every caller.
+    """
 
     def __init__(self):
         super().__init__("torch.cuda")
@@ -633,7 +637,13 @@ def _check_divisible(world_size: int, tp: int, pp: int, cp: int) -> None:
 
 
 def destroy_distributed() -> None:
-    """Tear down Megatron's model-parallel state, the RNG tracker and torch.distributed."""
+    """Tear down Megatron's model-parallel state, the RNG tracker and torch.distributed.
+
+    Call it once, at the end of the process: a new env:// world after it on the same
+    MASTER_PORT can hang.  To change parallel layouts within one process, call
+    :func:`initialize_distributed` again instead (it keeps torch.distributed and replaces the
+    model-parallel state).
+    """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mp_random
 

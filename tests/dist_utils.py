@@ -60,13 +60,15 @@ def run_distributed(
     env: Optional[dict] = None,
     kwargs: Optional[dict] = None,
     grace: float = 5.0,
+    torchrun_env: bool = True,
 ) -> List[Any]:
     """Run ``fn_or_script`` on ``world_size`` ranks; return the per-rank results (rank order).
 
     ``args``/``kwargs`` go to the function (JSON-serialisable) or, for a script, ``args`` are its
     command-line arguments.  ``env`` adds environment variables to every rank.  When a rank fails,
     the others get ``grace`` seconds to finish before being killed (they usually block in a
-    collective).
+    collective).  ``torchrun_env=False`` (one rank only) leaves out RANK/WORLD_SIZE/MASTER_* so
+    the code under test sees a plain ``python`` launch.
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
@@ -82,6 +84,11 @@ def run_distributed(
         PYTHONPATH=os.pathsep.join([REPO_ROOT] + [p for p in [base_env.get("PYTHONPATH")] if p]),
         PYTHONUNBUFFERED="1",
     )
+    if not torchrun_env:
+        if world_size != 1:
+            raise ValueError("torchrun_env=False needs world_size == 1")
+        for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+            base_env.pop(key, None)
     if env:
         base_env.update({k: str(v) for k, v in env.items()})
 
@@ -103,7 +110,12 @@ def run_distributed(
     procs, outs, errs, result_files = [], [], [], []
     try:
         for rank in range(world_size):
-            rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            rank_env = dict(base_env)
+            if torchrun_env:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            else:
+                rank_env.pop("RANK", None)
+                rank_env.pop("LOCAL_RANK", None)
             result_files.append(os.path.join(tmp, f"result_{rank}.json"))
             rank_env["DIST_RESULT_FILE"] = result_files[-1]
             out = open(os.path.join(tmp, f"stdout_{rank}.txt"), "w+")
