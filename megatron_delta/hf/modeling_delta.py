@@ -67,16 +67,18 @@ class DeltaRouter(nn.Module):
             if self.gate is not None:
                 self.gate.zero_()
 
-    def _stack(self, sources):
+    def _stack(self, sources, like=None):
+        if not sources:  # only the null source (authors-code, first receiver): it reads z alone
+            return self.null_source.float().expand(1, *like.shape)
         s = torch.stack([t.float() for t in sources], dim=0)  # [N, b, t, d]
         if self.null_source is not None:
             z = self.null_source.float().expand(1, *s.shape[1:])
             s = torch.cat([s, z], dim=0)
         return s
 
-    def weights(self, sources) -> torch.Tensor:
+    def weights(self, sources, like=None) -> torch.Tensor:
         """alpha, [N(+1), b, t] in fp32 (the null source, if any, is the last row)."""
-        return self._weights_of(self._stack(sources))
+        return self._weights_of(self._stack(sources, like))
 
     def _weights_of(self, s: torch.Tensor) -> torch.Tensor:
         inv_rms = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -84,17 +86,19 @@ class DeltaRouter(nn.Module):
         logits = keys @ self.query.float()  # [N, b, t]
         return torch.softmax(logits, dim=0)
 
-    def forward(self, sources) -> torch.Tensor:
-        """r = sum_i alpha_i s_i in fp32 (not gated, not cast)."""
-        s = self._stack(sources)
+    def forward(self, sources, like=None) -> torch.Tensor:
+        """r = sum_i alpha_i s_i in fp32 (not gated, not cast). ``like``: shape donor when sources is empty."""
+        s = self._stack(sources, like)
         alpha = self._weights_of(s)
         return (alpha.unsqueeze(-1) * s).sum(0)
 
     def additive(self, x: torch.Tensor, sources) -> torch.Tensor:
-        """u = x + G(r) for the additive modes; G = identity or a*r (scalar gate). No sources: u = x."""
-        if len(sources) == 0:
+        """u = x + G(r) for the additive modes; G = identity or a*r (scalar gate).
+
+        No sources (authors-code, first receiver): u = x, or u = x + G(z) with a null source."""
+        if len(sources) == 0 and self.null_source is None:
             return x
-        r = self.forward(sources)
+        r = self.forward(sources, like=x)
         if self.gate is not None:
             r = self.gate.float() * r
         return x + r.to(x.dtype)
