@@ -266,6 +266,15 @@ def test_matches_float64_reference(mode, k, sources, null, gate, qk_norm):
         got = model(ids).logits.double()
     err = (got - expected).abs().max().item() / expected.abs().max().item()
     assert err < 1e-5, err  # measured: 3e-7 .. 8e-7 relative (fp32 model vs fp64 reference)
+    # routing diagnostics: same receivers, same source order (null source last), same weights
+    _, alphas, _ = ref.reference_forward(w, rcfg, ids, mode=mode, num_blocks=k, sources=sources,
+                                         null_source=null, gate=gate, eps=1e-5, return_routing=True)
+    with torch.no_grad():
+        model(ids, output_routing=True)
+    got_alphas = model.model.last_routing
+    assert len(got_alphas) == len(alphas)
+    for a, b in zip(got_alphas, alphas):
+        assert a.shape == b.shape and torch.allclose(a.double(), b, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- KV cache

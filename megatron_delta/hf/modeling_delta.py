@@ -9,6 +9,10 @@ Every decoder layer has an ``attn_router`` and an ``mlp_router`` (modes other th
 ``baseline``), and the replacement modes have a ``model.final_router`` before the final norm.
 The math is DESIGN.md section 1; sources are stacked per call (readability over speed).
 
+A receiver with no sources (``authors-code``: the first attention) uses u = x, or reads the null
+source alone (r = z) when there is one - the convention of tests/reference_delta.py.
+``output_routing=True`` keeps the routing weights of a call in ``model.model.last_routing``.
+
 Sources are per token position, so with a KV cache the sources of the new tokens are
 computed from the new tokens alone: ``generate()`` with the default DynamicCache works unchanged.
 """
@@ -92,10 +96,19 @@ class DeltaRouter(nn.Module):
         alpha = self._weights_of(s)
         return (alpha.unsqueeze(-1) * s).sum(0)
 
-    def additive(self, x: torch.Tensor, sources) -> torch.Tensor:
+    def _record(self, record, sources, like):
+        if record is not None:
+            with torch.no_grad():
+                if sources or self.null_source is not None:
+                    record.append(self.weights(sources, like).permute(1, 2, 0).contiguous())
+                else:
+                    record.append(like.new_zeros(*like.shape[:-1], 0, dtype=torch.float32))
+
+    def additive(self, x: torch.Tensor, sources, record=None) -> torch.Tensor:
         """u = x + G(r) for the additive modes; G = identity or a*r (scalar gate).
 
         No sources (authors-code, first receiver): u = x, or u = x + G(z) with a null source."""
+        self._record(record, sources, x)
         if len(sources) == 0 and self.null_source is None:
             return x
         r = self.forward(sources, like=x)
@@ -103,8 +116,9 @@ class DeltaRouter(nn.Module):
             r = self.gate.float() * r
         return x + r.to(x.dtype)
 
-    def replace(self, sources, dtype) -> torch.Tensor:
+    def replace(self, sources, dtype, record=None) -> torch.Tensor:
         """u = r for the replacement modes, cast to the activation dtype."""
+        self._record(record, sources, sources[0])
         return self.forward(sources).to(dtype)
 
 
@@ -183,6 +197,7 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
             self.final_router = DeltaRouter(config.hidden_size, eps=config.delta_router_eps,
                                             null_source=config.delta_null_source, gate=False)
         self.has_sliding_layers = "sliding_attention" in config.layer_types
+        self.last_routing = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -206,8 +221,13 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
         inputs_embeds=None,
         use_cache=None,
         past_key_values: Cache | None = None,
+        output_routing: bool = False,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """``output_routing=True`` stores the routing weights of this call in ``self.last_routing``: one fp32
+        tensor [b, t, N(+1)] per receiver, in order j = 0..2L-1 then the final router (null source last)."""
+        record = [] if output_routing else None
+        self.last_routing = record
         if cache is None:
             cache = past_key_values
         if (input_ids is None) ^ (inputs_embeds is not None):
@@ -258,7 +278,7 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
             x = h0
             sources = [] if authors else [h0]
             for i, is_attn, layer in self._sublayers():
-                u = router(layer, is_attn).additive(x, sources)
+                u = router(layer, is_attn).additive(x, sources, record)
                 if authors and i == 0 and is_attn:
                     sources.append(h0)
                 v = f(layer, is_attn, u)
@@ -275,7 +295,7 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
                     done.append(partial)
                     partial = None
                 sources = [h0] + done + ([partial] if partial is not None else [])
-                u = router(layer, is_attn).additive(x, sources)
+                u = router(layer, is_attn).additive(x, sources, record)
                 v = f(layer, is_attn, u)
                 x = x + v
                 partial = v if partial is None else partial + v
@@ -287,7 +307,7 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
             x = h0
             blocks = []
             for i, is_attn, layer in self._sublayers():
-                u = router(layer, is_attn).additive(x, blocks)
+                u = router(layer, is_attn).additive(x, blocks, record)
                 if is_attn and i % per_block == 0:
                     blocks.append(x if not blocks else x - blocks[-1])
                 v = f(layer, is_attn, u)
@@ -298,21 +318,21 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
             # B = [], p = h0; a block-starting attention: u = r(B+[p]); B.append(p); p = f(u).
             done, p = [], h0
             for i, is_attn, layer in self._sublayers():
-                u = router(layer, is_attn).replace(done + [p], h0.dtype)
+                u = router(layer, is_attn).replace(done + [p], h0.dtype, record)
                 if is_attn and i % per_block == 0:
                     done.append(p)
                     p = f(layer, is_attn, u)
                 else:
                     p = p + f(layer, is_attn, u)
-            out = self.final_router.replace(done + [p], h0.dtype)
+            out = self.final_router.replace(done + [p], h0.dtype, record)
 
         elif mode == "full_attnres":
             done, p = [], h0
             for i, is_attn, layer in self._sublayers():
-                u = router(layer, is_attn).replace(done + [p], h0.dtype)
+                u = router(layer, is_attn).replace(done + [p], h0.dtype, record)
                 done.append(p)
                 p = f(layer, is_attn, u)
-            out = self.final_router.replace(done + [p], h0.dtype)
+            out = self.final_router.replace(done + [p], h0.dtype, record)
 
         else:  # pragma: no cover - the config validates the mode
             raise ValueError(f"unknown residual mode {mode!r}")
@@ -353,12 +373,14 @@ class DeltaQwen3ForCausalLM(DeltaQwen3PreTrainedModel, GenerationMixin):
         use_cache=None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
+        output_routing: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """``output_routing=True``: routing weights of this call in ``self.model.last_routing``."""
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
-            use_cache=use_cache, **kwargs,
+            use_cache=use_cache, output_routing=output_routing, **kwargs,
         )
         hidden = outputs.last_hidden_state
         if isinstance(logits_to_keep, int):
