@@ -21,13 +21,11 @@ import bz2
 import contextlib
 import gzip
 import hashlib
-import io
 import json
 import lzma
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 from typing import Callable, Iterable, Iterator, Optional, Sequence
