@@ -13,13 +13,13 @@ SentencePiece spells it out piece by piece.
 """
 import os
 
-from sentencepiece import sentencepiece_model_pb2 as _spm_pb2
-
 _BPE, _UNIGRAM = 2, 1  # TrainerSpec.ModelType
 
 
 def _load_proto(spm_model_path):
-    proto = _spm_pb2.ModelProto()
+    from sentencepiece import sentencepiece_model_pb2  # needs protobuf; imported lazily
+
+    proto = sentencepiece_model_pb2.ModelProto()
     with open(spm_model_path, "rb") as fh:
         proto.ParseFromString(fh.read())
     return proto
