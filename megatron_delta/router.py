@@ -10,8 +10,9 @@ w (query), g (key RMSNorm weight), optional z (null source) and a (scalar gate):
 Memory: the sources are never stacked. ``_RouteFunction`` saves only references to the source
 values and their (shared) inv_rms tensors - which are alive anyway because they are the sources -
 plus the per-token dot products [N, s*b] (fp32, small) and the few router vectors. ``inv_rms`` is
-computed once per source by :func:`make_source` (its own autograd Function, which saves the value
-by reference and the [s, b] result, never an fp32 copy of a bf16 value).
+computed once per source by :func:`make_source` as a non-differentiable cache; the router's
+backward differentiates through it analytically, so each (source, router) pair costs exactly one
+[s, b, d] gradient tensor.
 
 All router math runs in fp32 (float64 if the inputs are float64, for gradcheck) with autocast
 disabled; the result is cast back to the sources' dtype.
@@ -50,44 +51,43 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-class _InvRmsFunction(torch.autograd.Function):
-    """inv_rms = rsqrt(mean_d(v^2) + eps) in fp32; saves v (by reference) and the [..] result."""
-
-    @staticmethod
-    def forward(ctx, value: Tensor, eps: float) -> Tensor:
-        cdt = _compute_dtype(value.dtype)
-        d = value.shape[-1]
-        # vector_norm accumulates in `cdt` without materialising an fp32 copy of a bf16 value.
-        norm = torch.linalg.vector_norm(value, dim=-1, dtype=cdt)
-        inv = torch.rsqrt(norm.square_().div_(d).add_(eps))
-        ctx.save_for_backward(value, inv)
-        return inv
-
-    @staticmethod
-    def backward(ctx, grad_inv: Tensor):
-        value, inv = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None
-        d = value.shape[-1]
-        # d inv / d v = -inv^3 * v / d
-        coef = grad_inv * inv.pow(3) * (-1.0 / d)
-        grad = torch.mul(value, coef.unsqueeze(-1))  # promoted to coef's (compute) dtype
-        return _as(grad, value.dtype), None
+def _inv_rms(value: Tensor, eps: float) -> Tensor:
+    cdt = _compute_dtype(value.dtype)
+    # vector_norm accumulates in `cdt` without materialising an fp32 copy of a bf16 value.
+    norm = torch.linalg.vector_norm(value, dim=-1, dtype=cdt)
+    return torch.rsqrt(norm.square_().div_(value.shape[-1]).add_(eps))
 
 
 def make_source(value: Tensor, eps: float) -> Source:
-    """Wrap a [s, b, d] tensor as a routing source, computing its inv_rms once (differentiable)."""
-    with torch.autocast(device_type=value.device.type, enabled=False):
-        inv = _InvRmsFunction.apply(value, eps)
+    """Wrap a [s, b, d] tensor as a routing source, computing its inv_rms once.
+
+    ``inv_rms`` is a non-differentiable cache (fp32 [s, b], no autograd graph, nothing saved):
+    the router differentiates through it analytically (d inv_rms / d v = -inv_rms^3 v / d), inside
+    its own backward, so the gradient w.r.t. ``value`` is complete without one extra [s, b, d]
+    gradient tensor per (source, router) pair. A Source must therefore always hold
+    ``inv_rms == rsqrt(mean_d(value^2) + eps)`` of its own value - build it with this function.
+    """
+    with torch.no_grad(), torch.autocast(device_type=value.device.type, enabled=False):
+        inv = _inv_rms(value, eps)
     return Source(value, inv)
 
 
 class _RouteFunction(torch.autograd.Function):
-    """r = scale * sum_i softmax_i((v_i . q) * inv_i) v_i  (+ the null source), no stacking.
+    """r = a * sum_i softmax_i((v_i . q) * inv_i) v_i  (+ the null source), without stacking.
 
-    Inputs: n (number of real sources), q [d], gate ([1] or None: the scale a), null_logit
+    Inputs: n (number of real sources), q [d], gate ([1] or None: the scale a, fused), null_logit
     (0-dim or None), null_value ([d] or None), then n values [.., d] and n inv_rms [..].
-    Outputs: r (in the first value's dtype) and alpha [M, T] (non-differentiable; M = n + null).
+    Outputs: r (in the first value's dtype) and alpha [M, T] (non-differentiable; M = n + null,
+    the null source last; T = tokens).
+
+    Saved for backward: q, gate, null tensors, the logits [M, T] (compute dtype) and REFERENCES to
+    the values and inv_rms. Every [T, d] tensor is touched one source at a time, so the transient
+    memory is O(1) tensors of [T, d] (an fp32 copy of one bf16 source at a time), never O(N).
+
+    ``inv_rms`` is treated as the cache of ``rsqrt(mean(v^2) + eps)`` it is (see make_source): no
+    gradient is returned for it; its derivative is folded into each value's gradient:
+
+        d logit_i / d v_i = inv_i q - logit_i inv_i^2 v_i / d
     """
 
     @staticmethod
@@ -104,11 +104,12 @@ class _RouteFunction(torch.autograd.Function):
         m = n + int(has_null)
         dev = v0.device
 
-        dots = torch.empty(n, rows, dtype=cdt, device=dev)
         logits = torch.empty(m, rows, dtype=cdt, device=dev)
+        dots = logits[:n]
         for i in range(n):
             torch.mv(_as(_flat(values[i], rows, d), cdt), qc, out=dots[i])
-            torch.mul(dots[i], _as(invs[i].reshape(rows), cdt), out=logits[i])
+        inv = _stack_inv(invs, rows, cdt)
+        dots.mul_(inv)
         if has_null:
             logits[n].copy_(null_logit)
         alpha = torch.softmax(logits, dim=0)
@@ -127,7 +128,7 @@ class _RouteFunction(torch.autograd.Function):
         ctx.n = n
         ctx.shape = shape
         ctx.cdt = cdt
-        ctx.save_for_backward(q, gate, null_logit, null_value, dots, *values, *invs)
+        ctx.save_for_backward(q, gate, null_logit, null_value, logits, *values, *invs)
         ctx.mark_non_differentiable(alpha)
         return result, alpha
 
@@ -136,60 +137,53 @@ class _RouteFunction(torch.autograd.Function):
         n = ctx.n
         cdt = ctx.cdt
         saved = ctx.saved_tensors
-        q, gate, null_logit, null_value, dots = saved[:5]
+        q, gate, null_logit, null_value, logits = saved[:5]
         values = saved[5 : 5 + n]
         invs = saved[5 + n :]
         d = ctx.shape[-1]
-        rows = dots.shape[1]
+        m, rows = logits.shape
         has_null = null_logit is not None
-        m = n + int(has_null)
-        dev = dots.device
+        dev = logits.device
         qc = _as(q, cdt)
+        needs = ctx.needs_input_grad  # (n, q, gate, null_logit, null_value, *values, *invs)
 
-        # Recompute alpha exactly as in the forward (bitwise identical).
-        logits = torch.empty(m, rows, dtype=cdt, device=dev)
-        inv_flat = [_as(invs[i].reshape(rows), cdt) for i in range(n)]
-        for i in range(n):
-            torch.mul(dots[i], inv_flat[i], out=logits[i])
-        if has_null:
-            logits[n].copy_(null_logit)
-        alpha = torch.softmax(logits, dim=0)
+        alpha = torch.softmax(logits, dim=0)  # bitwise the forward's
         g = None if gate is None else _as(gate, cdt)
         w = alpha if g is None else alpha * g
 
         grad = _as(_flat(grad_out, rows, d), cdt)
-        # dr/dw_i per token: <grad, v_i>
+        # dL/dw_i per token: <grad, v_i>
         dw = torch.empty(m, rows, dtype=cdt, device=dev)
         for i in range(n):
             torch.linalg.vecdot(grad, _as(_flat(values[i], rows, d), cdt), out=dw[i])
         if has_null:
             torch.mv(grad, _as(null_value, cdt), out=dw[n])
 
-        needs = ctx.needs_input_grad  # (n, q, gate, null_logit, null_value, *values, *invs)
         grad_gate = None
         if g is not None and needs[2]:
             grad_gate = (alpha * dw).sum().reshape(gate.shape).to(gate.dtype)
-        dalpha = dw if g is None else dw * g
-        dlogit = alpha * (dalpha - (alpha * dalpha).sum(0, keepdim=True))
+        dalpha = dw if g is None else dw.mul_(g)
+        dlogit = dalpha.sub_((alpha * dalpha).sum(0, keepdim=True)).mul_(alpha)
+
+        inv = _stack_inv(invs, rows, cdt)
+        c = dlogit[:n] * inv  # dL/d(v_i . q) per token
+        e = dlogit[:n] * logits[:n]  # dL/dv_i through inv_i: e_i v_i
+        e.mul_(inv.square_()).mul_(-1.0 / d)
 
         grad_q = torch.zeros_like(qc) if needs[1] else None
         grad_values = []
-        grad_invs = []
         for i in range(n):
             v = values[i]
-            c = dlogit[i] * inv_flat[i]  # d loss / d (v_i . q), per token
+            vf = _flat(v, rows, d)
             if needs[5 + i]:
                 gv = torch.mul(grad, w[i].unsqueeze(1))
-                gv.addr_(c, qc)
+                gv.addr_(c[i], qc)
+                gv.addcmul_(vf, e[i].unsqueeze(1))
                 grad_values.append(_as(gv, v.dtype).view(v.shape))
             else:
                 grad_values.append(None)
-            if needs[5 + n + i]:
-                grad_invs.append(_as(dlogit[i] * dots[i], invs[i].dtype).view(invs[i].shape))
-            else:
-                grad_invs.append(None)
             if grad_q is not None:
-                grad_q.addmv_(_as(_flat(v, rows, d), cdt).t(), c)
+                grad_q.addmv_(_as(vf, cdt).t(), c[i])
         grad_null_logit = None
         grad_null_value = None
         if has_null:
@@ -199,7 +193,13 @@ class _RouteFunction(torch.autograd.Function):
                 grad_null_value = torch.mv(grad.t(), w[n]).to(null_value.dtype)
         if grad_q is not None:
             grad_q = grad_q.to(q.dtype)
-        return (None, grad_q, grad_gate, grad_null_logit, grad_null_value, *grad_values, *grad_invs)
+        return (None, grad_q, grad_gate, grad_null_logit, grad_null_value, *grad_values,
+                *([None] * n))
+
+
+def _stack_inv(invs, rows: int, cdt: torch.dtype) -> Tensor:
+    """[N, T] copy of the N inv_rms (N * T scalars: negligible next to one [T, d] pass)."""
+    return torch.stack([_as(t.reshape(rows), cdt) for t in invs])
 
 
 def route(
