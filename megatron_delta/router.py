@@ -91,7 +91,7 @@ class _RouteFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, n, q, gate, null_logit, null_value, *tensors):
+    def forward(ctx, n, out_dtype, q, gate, null_logit, null_value, *tensors):
         values = tensors[:n]
         invs = tensors[n:]
         v0 = values[0]
@@ -123,7 +123,7 @@ class _RouteFunction(torch.autograd.Function):
             out.addcmul_(_flat(values[i], rows, d), w[i].unsqueeze(1))
         if has_null:
             out.addr_(w[n], _as(null_value, cdt))
-        result = _as(out, v0.dtype).view(shape)
+        result = _as(out, out_dtype or v0.dtype).view(shape)
 
         ctx.n = n
         ctx.shape = shape
@@ -145,7 +145,7 @@ class _RouteFunction(torch.autograd.Function):
         has_null = null_logit is not None
         dev = logits.device
         qc = _as(q, cdt)
-        needs = ctx.needs_input_grad  # (n, q, gate, null_logit, null_value, *values, *invs)
+        needs = ctx.needs_input_grad[1:]  # (out_dtype, q, gate, null_logit, null_value, *v, *inv)
 
         alpha = torch.softmax(logits, dim=0)  # bitwise the forward's
         g = None if gate is None else _as(gate, cdt)
@@ -193,7 +193,7 @@ class _RouteFunction(torch.autograd.Function):
                 grad_null_value = torch.mv(grad.t(), w[n]).to(null_value.dtype)
         if grad_q is not None:
             grad_q = grad_q.to(q.dtype)
-        return (None, grad_q, grad_gate, grad_null_logit, grad_null_value, *grad_values,
+        return (None, None, grad_q, grad_gate, grad_null_logit, grad_null_value, *grad_values,
                 *([None] * n))
 
 
@@ -209,15 +209,17 @@ def route(
     gate: Optional[Tensor] = None,
     null_logit: Optional[Tensor] = None,
     null_value: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Functional router over >= 1 sources. Returns (r [s, b, d] in the sources' dtype,
-    alpha [M, s*b] with M = N (+1 for the null source, last)). ``gate`` scales r (fused)."""
+    """Functional router over >= 1 sources. Returns (r [s, b, d] in ``out_dtype`` (default: the
+    first source's dtype), alpha [M, s*b] with M = N (+1 for the null source, last)).
+    ``gate`` scales r (fused into the fp32 math)."""
     n = len(sources)
     if n == 0:
         raise ValueError("route() needs at least one source")
     values = [src.value for src in sources]
     invs = [src.inv_rms for src in sources]
-    return _RouteFunction.apply(n, q, gate, null_logit, null_value, *values, *invs)
+    return _RouteFunction.apply(n, out_dtype, q, gate, null_logit, null_value, *values, *invs)
 
 
 def _mark_router_param(p: torch.nn.Parameter, sequence_parallel: bool) -> None:
@@ -292,7 +294,8 @@ class DepthRouter(torch.nn.Module):
         like: Optional[Tensor] = None,
         apply_gate: bool = False,
     ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-        """Route over ``sources``. Returns r [s, b, d] in the sources' dtype and, with
+        """Route over ``sources``. Returns r [s, b, d] in the sources' dtype (``like.dtype`` when
+        ``like`` is given: the activation dtype of the residual stream) and, with
         ``return_weights``, alpha [s, b, N(+1)] fp32 (detached; the null source is LAST).
 
         ``apply_gate=True`` returns ``gated(r)`` computed in fp32 before the single cast (fused, no
@@ -311,7 +314,8 @@ class DepthRouter(torch.nn.Module):
                 null_logit, null_value = self._null(q)
             if len(sources) == 0:
                 return self._no_sources(q, gate, null_logit, null_value, like, return_weights)
-            out, alpha = route(sources, q, gate=gate, null_logit=null_logit, null_value=null_value)
+            out, alpha = route(sources, q, gate=gate, null_logit=null_logit, null_value=null_value,
+                               out_dtype=None if like is None else like.dtype)
         if return_weights:
             shape = sources[0].value.shape[:-1]
             return out, alpha.t().reshape(*shape, alpha.shape[0])

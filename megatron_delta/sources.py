@@ -109,6 +109,15 @@ class SourcePlan:
     # ------------------------------------------------------------------ readers
     def reads(self, j: int) -> List[str]:
         """Names of the sources sublayer j's router reads, in order (the null source excluded)."""
+        return list(self._reads(j))
+
+    def _reads(self, j: int) -> tuple:
+        cache = self.__dict__.setdefault("_reads_cache", {})
+        if j not in cache:
+            cache[j] = tuple(self._compute_reads(j))
+        return cache[j]
+
+    def _compute_reads(self, j: int) -> List[str]:
         self._check_j(j)
         if self.mode == "delta":
             if self.authors and j == 0:
@@ -313,7 +322,7 @@ class SourceBuffer:
 
     def read(self, j: int) -> List[Source]:
         """The sources sublayer j's router reads (null source excluded), in order."""
-        names = self.plan.reads(j)
+        names = self.plan._reads(j)
         missing = [n for n in names if n not in self._entries]
         if missing:
             raise RuntimeError(

@@ -142,6 +142,14 @@ def test_bf16_sources_fp32_math():
     assert make_source(vals[0], EPS).inv_rms.dtype == torch.float32
 
 
+def test_like_sets_output_dtype():
+    router = DepthRouter(8, null_source=False, gate=True, eps=EPS)
+    vals = [torch.randn(3, 1, 8).bfloat16() for _ in range(2)]
+    x = torch.randn(3, 1, 8)  # e.g. an fp32 residual stream with bf16 sublayer outputs
+    r = router([make_source(v, EPS) for v in vals], like=x, apply_gate=True)
+    assert r.dtype == torch.float32
+
+
 def test_fp32_under_autocast():
     router = DepthRouter(8, null_source=False, gate=False, eps=EPS)
     vals = [torch.randn(3, 1, 8) for _ in range(3)]

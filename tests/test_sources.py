@@ -356,7 +356,7 @@ def _quadratic_fit(ls, ys):
 def test_saved_bytes_grow_linearly_with_depth():
     d, s, b = 256, 4, 1
     h0 = torch.randn(s, b, d)
-    ours, naive = [], []
+    ours, block, naive = [], [], []
     ls = (4, 8, 16)
     for L in ls:
         toy = Toy(SourcePlan("delta", L, 1), d, seed=8)
@@ -365,9 +365,13 @@ def test_saved_bytes_grow_linearly_with_depth():
         torch.testing.assert_close(out, out2, rtol=1e-4, atol=1e-4)
         ours.append(n_ours)
         naive.append(n_naive)
+        toy = Toy(SourcePlan("delta_block", L, 4), d, seed=8)
+        block.append(_saved_bytes(lambda: toy.run(h0)[0], toy.params())[0])
     _, lin, quad = _quadratic_fit(ls, ours)
     # the only quadratic term is the per-token routing scalars (4 bytes x N per sublayer)
     assert quad * ls[-1] < 0.03 * lin, (ours, lin, quad)
+    _, lin_b, quad_b = _quadratic_fit(ls, block)
+    assert abs(quad_b) * ls[-1] < 0.01 * lin_b, (block, lin_b, quad_b)
     _, lin_n, quad_n = _quadratic_fit(ls, naive)
     assert quad_n * ls[-1] > 0.5 * lin_n, (naive, lin_n, quad_n)
     assert naive[-1] > 2 * ours[-1]
