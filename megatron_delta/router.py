@@ -102,25 +102,25 @@ class _RouteFunction(torch.autograd.Function):
         qc = _as(q, cdt)
         has_null = null_logit is not None
         m = n + int(has_null)
-        dev = v0.device
+        flat = [v.reshape(rows, d) for v in values]
 
-        logits = torch.empty(m, rows, dtype=cdt, device=dev)
+        logits = torch.empty(m, rows, dtype=cdt, device=v0.device)
         dots = logits[:n]
-        for i in range(n):
-            torch.mv(_as(_flat(values[i], rows, d), cdt), qc, out=dots[i])
-        inv = _stack_inv(invs, rows, cdt)
-        dots.mul_(inv)
+        for vf, dot in zip(flat, dots.unbind(0)):
+            torch.mv(vf if vf.dtype == cdt else vf.to(cdt), qc, out=dot)
+        dots.mul_(_stack_inv(invs, rows, cdt))
         if has_null:
             logits[n].copy_(null_logit)
         alpha = torch.softmax(logits, dim=0)
         w = alpha if gate is None else alpha * _as(gate, cdt)
+        wcols = w.unsqueeze(2).unbind(0)
 
         # Accumulate on a fresh compute-dtype buffer; mixed-dtype ops upcast on the fly.
-        out = torch.mul(_flat(values[0], rows, d), w[0].unsqueeze(1))
+        out = torch.mul(flat[0], wcols[0])
         if out.dtype != cdt:
             out = out.to(cdt)
         for i in range(1, n):
-            out.addcmul_(_flat(values[i], rows, d), w[i].unsqueeze(1))
+            out.addcmul_(flat[i], wcols[i])
         if has_null:
             out.addr_(w[n], _as(null_value, cdt))
         result = _as(out, out_dtype or v0.dtype).view(shape)
@@ -143,19 +143,19 @@ class _RouteFunction(torch.autograd.Function):
         d = ctx.shape[-1]
         m, rows = logits.shape
         has_null = null_logit is not None
-        dev = logits.device
         qc = _as(q, cdt)
         needs = ctx.needs_input_grad[1:]  # (out_dtype, q, gate, null_logit, null_value, *v, *inv)
+        flat = [v.reshape(rows, d) for v in values]
 
         alpha = torch.softmax(logits, dim=0)  # bitwise the forward's
         g = None if gate is None else _as(gate, cdt)
         w = alpha if g is None else alpha * g
 
-        grad = _as(_flat(grad_out, rows, d), cdt)
+        grad = _as(grad_out.reshape(rows, d), cdt)
         # dL/dw_i per token: <grad, v_i>
-        dw = torch.empty(m, rows, dtype=cdt, device=dev)
-        for i in range(n):
-            torch.linalg.vecdot(grad, _as(_flat(values[i], rows, d), cdt), out=dw[i])
+        dw = torch.empty(m, rows, dtype=cdt, device=logits.device)
+        for vf, dwi in zip(flat, dw[:n].unbind(0)):
+            torch.linalg.vecdot(grad, vf if vf.dtype == cdt else vf.to(cdt), out=dwi)
         if has_null:
             torch.mv(grad, _as(null_value, cdt), out=dw[n])
 
@@ -169,21 +169,23 @@ class _RouteFunction(torch.autograd.Function):
         c = dlogit[:n] * inv  # dL/d(v_i . q) per token
         e = dlogit[:n] * logits[:n]  # dL/dv_i through inv_i: e_i v_i
         e.mul_(inv.square_()).mul_(-1.0 / d)
+        cs = c.unbind(0)
+        ecols = e.unsqueeze(2).unbind(0)
+        wcols = w.unsqueeze(2).unbind(0)
 
         grad_q = torch.zeros_like(qc) if needs[1] else None
         grad_values = []
         for i in range(n):
-            v = values[i]
-            vf = _flat(v, rows, d)
+            vf = flat[i]
             if needs[5 + i]:
-                gv = torch.mul(grad, w[i].unsqueeze(1))
-                gv.addr_(c[i], qc)
-                gv.addcmul_(vf, e[i].unsqueeze(1))
-                grad_values.append(_as(gv, v.dtype).view(v.shape))
+                gv = torch.mul(grad, wcols[i])
+                gv.addr_(cs[i], qc)
+                gv.addcmul_(vf, ecols[i])
+                grad_values.append(_as(gv, vf.dtype).view(values[i].shape))
             else:
                 grad_values.append(None)
             if grad_q is not None:
-                grad_q.addmv_(_as(vf, cdt).t(), c[i])
+                grad_q.addmv_((vf if vf.dtype == cdt else vf.to(cdt)).t(), cs[i])
         grad_null_logit = None
         grad_null_value = None
         if has_null:
