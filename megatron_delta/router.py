@@ -55,7 +55,7 @@ def _inv_rms(value: Tensor, eps: float) -> Tensor:
     cdt = _compute_dtype(value.dtype)
     # vector_norm accumulates in `cdt` without materialising an fp32 copy of a bf16 value.
     norm = torch.linalg.vector_norm(value, dim=-1, dtype=cdt)
-    return torch.rsqrt(norm.square_().div_(value.shape[-1]).add_(eps))
+    return norm.square_().div_(value.shape[-1]).add_(eps).rsqrt_()
 
 
 def make_source(value: Tensor, eps: float) -> Source:
