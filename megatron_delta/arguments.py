@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro x data-parallel")
-    g.add_argument("--train-iters", type=int, default=None, help="default: 400 (embedded default run)")
+    g.add_argument("--train-iters", type=int, default=None, help="default: 300 in the embedded default run, else 100")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=3e-4)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the bundled State of the Union corpus")
     g.add_argument("--split", type=str, default="969,30,1")
     g.add_argument("--valid-data-path", nargs="*", default=None,
-                   help="held-out data evaluated separately (default run: the Wikipedia sample)")
+                   help="validation data (Megatron-LM: then --data-path is all training data)")
+    g.add_argument("--heldout-data-path", nargs="*", default=None,
+                   help="another distribution, evaluated beside validation (default run: the Wikipedia sample)")
     g.add_argument("--tokenizer-type", choices=["SentencePieceTokenizer", "NullTokenizer"], default=None)
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--vocab-size", type=int, default=None)
@@ -232,7 +234,9 @@ def validate_args(args: argparse.Namespace) -> None:
 
     # Schedule.
     if args.train_iters is None:
-        args.train_iters = 400 if args.embedded_default else 100
+        args.train_iters = 300 if args.embedded_default else 100
+    if args.embedded_default and args.time_limit_minutes is None:
+        args.time_limit_minutes = 4.0  # the default run promises at most 5 minutes on 2 cores
     if args.train_iters < 0:
         _fail("--train-iters must be >= 0")
     if args.lr_decay_iters is None:

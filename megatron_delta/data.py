@@ -569,6 +569,20 @@ def _check_split(split: str) -> str:
     return ",".join(parts)
 
 
+def _check_splits_have_documents(blend, split_matrix, sizes, split_arg):
+    """Megatron loops forever building samples from a split with no documents: refuse it first."""
+    for i, name in enumerate(("train", "valid", "test")):
+        if sizes[i] == 0 or split_matrix[i] is None:
+            continue
+        for prefix in blend[0]:
+            n = validate_indexed_prefix(prefix)
+            # The same rounding as Megatron's BlendedMegatronDatasetBuilder.
+            docs = int(round(split_matrix[i][1] * n)) - int(round(split_matrix[i][0] * n))
+            if docs == 0:
+                raise ValueError(f"--split {split_arg}: the {name} split of {prefix} ({n} documents) gets no "
+                                 f"document; give it a larger share or use more data")
+
+
 def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
                        num_samples: tuple[int, int, int], tokenizer, mock: bool = False,
                        cache_dir: Optional[str] = None, valid_data_path=None, test_data_path=None,
@@ -646,6 +660,8 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
     if mock:
         assert config.mock
     cls = MockGPTDataset if mock else GPTDataset
+    if blend is not None:
+        _check_splits_have_documents(blend, config.split_matrix, sizes, split_arg)
     try:
         datasets = BlendedMegatronDatasetBuilder(
             cls, sizes, is_built_on_rank or (lambda: True), config).build()

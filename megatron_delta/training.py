@@ -116,9 +116,8 @@ def _resolve_data(args):
         paths = ensure_default_data(os.path.join("runs", "cache"))
         args.data_path = paths["train_data_path"]
         args.tokenizer_model = args.tokenizer_model or paths["tokenizer_model"]
-        if args.valid_data_path is None:
-            args.valid_data_path = paths["heldout_data_path"]
-        args.split = "969,30,1" if args.split is None else args.split
+        args.valid_data_path = args.valid_data_path or [paths["sotu_valid_data_path"]]
+        args.heldout_data_path = args.heldout_data_path or [paths["heldout_data_path"]]
 
 
 def build_data(args, tokenizer):
@@ -127,15 +126,15 @@ def build_data(args, tokenizer):
     from megatron_delta.data import build_gpt_datasets
 
     gbs = args.global_batch_size
-    n_evals = args.train_iters // args.eval_interval + 1
-    num_samples = (max(args.train_iters, 1) * gbs, n_evals * args.eval_iters * gbs, args.eval_iters * gbs)
-    train, valid, test = build_gpt_datasets(
-        args.data_path, args.split, args.seq_length, args.seed, num_samples, tokenizer,
-        mock=args.mock_data, cache_dir=args.data_cache_path)
+    # Every evaluation reads the same first eval_iters batches of a split (comparable over time).
+    eval_samples = args.eval_iters * gbs
+    train, valid, _ = build_gpt_datasets(
+        args.data_path, args.split, args.seq_length, args.seed, (max(args.train_iters, 1) * gbs, eval_samples, 0),
+        tokenizer, mock=args.mock_data, cache_dir=args.data_cache_path, valid_data_path=args.valid_data_path)
     heldout = None
-    if args.valid_data_path:
-        _, heldout, _ = build_gpt_datasets(
-            args.valid_data_path, "0,100,0", args.seq_length, args.seed, (0, n_evals * args.eval_iters * gbs, 0),
+    if args.heldout_data_path:
+        heldout, _, _ = build_gpt_datasets(
+            args.heldout_data_path, "100,0,0", args.seq_length, args.seed, (eval_samples, 0, 0),
             tokenizer, cache_dir=args.data_cache_path)
     return {"train": train, "valid": valid, "heldout": heldout}
 
