@@ -381,7 +381,17 @@ def report_payload(args, reporter):
         reporter.print(line)
 
 
+def _quiet_known_warnings():
+    """Megatron warns at import that TE/apex are absent: expected on CPU, noise in every run."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
 def main(argv=None):
+    _quiet_known_warnings()
     try:
         args = parse_args(argv)
     except ArgumentError as e:
