@@ -1,0 +1,334 @@
+#!/usr/bin/env python
+"""Side-by-side cost of the residual modes: one process, same seed, fp32, mock tokens.
+
+    python tools/benchmark.py [--num-layers 12 --hidden-size 512 --seq-length 512 --micro-batch-size 2
+                               --modes baseline,delta_block,delta,attnres,full_attnres --repeats 3
+                               --pp-layout 4 --output bench.json]
+
+Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.model, TP1/PP1):
+
+- time: one forward + backward of a micro-batch (loss = mean token loss). Modes are run interleaved
+  (round r runs every mode once, in order) after one warm-up step each, and the median over rounds
+  is reported, so drifting machine load hits every mode alike.
+- saved bytes: bytes of the tensors autograd saves for backward during the forward, counted with
+  torch.autograd.graph.saved_tensors_hooks over UNIQUE storages (views of one storage count once)
+  and without the parameters (weights are saved by every mode; they are not activation memory).
+- peak memory: the CPU allocator's peak of allocated bytes during forward + backward, above what
+  was allocated when the step started (parameters). Measured with torch.profiler(profile_memory=True):
+  every allocation/free of the c10 CPU allocator is an instant event carrying the allocator's
+  running "Total Allocated"; the maximum over the step minus the value at its start is the peak.
+  This counts tensor bytes exactly (no RSS / glibc arena noise) and includes the parameter gradients
+  created in backward (same for every mode, plus the routers'). It runs in its own, untimed step.
+- added parameters: parameters beyond the baseline's (the routers).
+- pipeline payload: bytes per micro-batch crossing each boundary of the layout --pp-layout P (or
+  PxV for P stages with V virtual chunks each), from SourcePlan.payload_names, vs. the baseline's
+  one [s, b, h] tensor.
+
+Prints a markdown table of ratios to the baseline with the issue's targets and a pass/miss column,
+and writes every number to --output (JSON). Performance is judged from this table, never by timed
+unit tests. CPU timings move with machine load: read ratios, not absolute numbers, and rerun with
+more --repeats on a busy machine.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+MODES = ("baseline", "delta_block", "delta", "attnres", "full_attnres")
+# Issue 6 targets, as ratios to the baseline: (time, saved bytes, peak memory).
+TARGETS = {"delta_block": (1.02, 1.08, 1.05), "delta": (1.15, 1.3, 1.25)}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=12)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=None, help="default: the model default (GQA 2)")
+    p.add_argument("--ffn-hidden-size", type=int, default=None)
+    p.add_argument("--seq-length", type=int, default=512)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=1024, help="mock tokens' vocabulary")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--delta-num-blocks", type=int, default=None, help="K for delta_block / attnres (default 4)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--pp-layout", default="4", help="P or PxV: pipeline stages (x virtual chunks) for payloads")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--no-memory", action="store_true", help="skip the profiler peak-memory step")
+    p.add_argument("--profile", default=None, metavar="MODE",
+                   help="also run torch.profiler on one step of MODE and print the top ops")
+    p.add_argument("--output", default=None, help="JSON results")
+    return p
+
+
+def _mode_args(opts, mode):
+    from megatron_delta.arguments import parse_args
+
+    argv = ["--mock-data", "--vocab-size", str(opts.vocab_size), "--residual", mode,
+            "--num-layers", str(opts.num_layers), "--hidden-size", str(opts.hidden_size),
+            "--num-attention-heads", str(opts.num_attention_heads), "--seq-length", str(opts.seq_length),
+            "--micro-batch-size", str(opts.micro_batch_size), "--train-iters", "1", "--seed", str(opts.seed)]
+    if opts.num_query_groups:
+        argv += ["--num-query-groups", str(opts.num_query_groups)]
+    if opts.ffn_hidden_size:
+        argv += ["--ffn-hidden-size", str(opts.ffn_hidden_size)]
+    if opts.delta_num_blocks and mode in ("delta_block", "attnres"):
+        argv += ["--delta-num-blocks", str(opts.delta_num_blocks)]
+    return parse_args(argv, world_size=1)
+
+
+def build_model(opts, mode):
+    """(model, args): one TP1/PP1 chunk, fp32, seeded exactly like pretrain_gpt.py."""
+    from megatron_delta.cpu_platform import initialize_distributed
+    from megatron_delta.model import build_model_chunks, padded_vocab_size, transformer_config_from_args
+
+    args = _mode_args(opts, mode)
+    initialize_distributed(1, 1, seed=opts.seed)  # re-seeds: every mode gets the same backbone
+    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args)
+    model = build_model_chunks(args, transformer_config_from_args(args), args.padded_vocab_size)[0]
+    model.train()
+    return model, args
+
+
+def mock_batch(opts, vocab):
+    g = torch.Generator().manual_seed(opts.seed)
+    b, s = opts.micro_batch_size, opts.seq_length
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
+    pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+    return tokens[:, :-1].contiguous(), pos, tokens[:, 1:].contiguous()
+
+
+def step(model, batch):
+    tokens, pos, labels = batch
+    for p in model.parameters():
+        p.grad = None
+    loss = model(tokens, pos, None, labels=labels).float().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def saved_bytes(model, batch):
+    """Bytes autograd saves for backward in one forward (unique storages, parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in params and ptr != 0:
+            seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+        return t
+
+    tokens, pos, labels = batch
+    for p in model.parameters():
+        p.grad = None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, pos, None, labels=labels).float().mean()
+    loss.backward()
+    return sum(seen.values())
+
+
+def peak_bytes(model, batch):
+    """The CPU allocator's peak allocated bytes over one forward+backward, above the start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in model.parameters():
+        p.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, batch)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        events = [e for e in json.load(open(path))["traceEvents"] if e.get("name") == "[memory]"]
+    events = [e for e in events if e.get("args", {}).get("Device Type", 0) == 0]
+    if not events:
+        return None
+    events.sort(key=lambda e: e["ts"])
+    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in events) - start
+
+
+def parse_layout(text):
+    if "x" in text:
+        p, v = text.split("x")
+        return int(p), int(v)
+    return int(text), 1
+
+
+def payloads(opts, mode, args):
+    """[{boundary, first_layer, names, bytes}] per (virtual) pipeline boundary of --pp-layout."""
+    from megatron_delta.sources import SourcePlan
+
+    p, v = parse_layout(opts.pp_layout)
+    chunks = p * v
+    if opts.num_layers % chunks:
+        raise SystemExit(f"--pp-layout {opts.pp_layout}: {chunks} chunks do not divide {opts.num_layers} layers")
+    per = opts.num_layers // chunks
+    one = opts.seq_length * opts.micro_batch_size * opts.hidden_size * 4
+    out = []
+    for k in range(1, chunks):
+        first = k * per
+        if mode == "baseline":
+            names = ["x"]
+        else:
+            plan = SourcePlan(mode=mode, num_layers=args.num_layers,
+                              num_blocks=args.delta_num_blocks or args.num_layers, sources=args.delta_sources)
+            names = plan.payload_names(first)
+        out.append({"boundary": k, "first_layer": first, "names": names, "bytes": len(names) * one})
+    return out
+
+
+def max_sources(mode, args):
+    if mode == "baseline":
+        return 0
+    from megatron_delta.sources import SourcePlan
+
+    return SourcePlan(mode=mode, num_layers=args.num_layers, num_blocks=args.delta_num_blocks or args.num_layers,
+                      sources=args.delta_sources).max_sources()
+
+
+def profile_mode(model, batch, top=15):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, batch)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
+def run(opts):
+    from megatron_delta.cpu_platform import destroy_distributed
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
+    if "baseline" not in modes:
+        modes.insert(0, "baseline")
+    models, results = {}, {}
+    try:
+        for mode in modes:
+            model, args = build_model(opts, mode)
+            batch = mock_batch(opts, args.vocab_size)
+            models[mode] = (model, batch)
+            results[mode] = {
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "max_sources": max_sources(mode, args),
+                "delta_num_blocks": args.delta_num_blocks if mode in ("delta_block", "attnres") else None,
+                "payloads": payloads(opts, mode, args),
+                "times_s": [],
+            }
+        base_params = results["baseline"]["parameters"]
+        for mode in modes:
+            model, batch = models[mode]
+            r = results[mode]
+            r["added_parameters"] = r["parameters"] - base_params
+            for _ in range(opts.warmup):
+                r["loss"] = float(step(model, batch))
+            r["saved_bytes"] = saved_bytes(model, batch)
+            r["peak_bytes"] = None if opts.no_memory else peak_bytes(model, batch)
+        for _ in range(opts.repeats):
+            for mode in modes:
+                model, batch = models[mode]
+                t0 = time.perf_counter()
+                step(model, batch)
+                results[mode]["times_s"].append(time.perf_counter() - t0)
+        for mode in modes:
+            results[mode]["time_s"] = statistics.median(results[mode]["times_s"])
+        profile_text = None
+        if opts.profile:
+            model, batch = models[opts.profile]
+            profile_text = profile_mode(model, batch)
+    finally:
+        destroy_distributed()
+    base = results["baseline"]
+    for mode, r in results.items():
+        r["time_ratio"] = r["time_s"] / base["time_s"]
+        r["saved_ratio"] = r["saved_bytes"] / base["saved_bytes"] if base["saved_bytes"] else None
+        r["peak_ratio"] = (r["peak_bytes"] / base["peak_bytes"]
+                           if r["peak_bytes"] is not None and base["peak_bytes"] else None)
+        r["max_payload_ratio"] = (max(p["bytes"] for p in r["payloads"]) / max(p["bytes"] for p in base["payloads"])
+                                  if r["payloads"] else None)
+        tg = TARGETS.get(mode)
+        if tg:
+            checks = [(r["time_ratio"], tg[0]), (r["saved_ratio"], tg[1]), (r["peak_ratio"], tg[2])]
+            r["targets"] = {"time": tg[0], "saved": tg[1], "peak": tg[2]}
+            r["pass"] = {k: (v is not None and v <= t) for k, (v, t) in zip(("time", "saved", "peak"), checks)}
+    meta = {k: v for k, v in vars(opts).items()}
+    meta.update(torch=torch.__version__, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
+                loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
+    return {"config": meta, "modes": results, "profile": profile_text}
+
+
+def _mib(b):
+    return "-" if b is None else f"{b / 2**20:.2f}"
+
+
+def _ratio(x):
+    return "-" if x is None else f"{x:.3f}x"
+
+
+def format_table(report):
+    res = report["modes"]
+    lines = [
+        "| mode | sources (max) | added params | fwd+bwd s (median) | time | saved MiB | saved | peak MiB | peak "
+        "| max payload MiB | payload | targets (time/saved/peak) | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in res.items():
+        maxp = max((p["bytes"] for p in r["payloads"]), default=None)
+        if "targets" in r:
+            t = r["targets"]
+            tgt = f"<= {t['time']}x / {t['saved']}x / {t['peak']}x"
+            verdict = " / ".join("pass" if r["pass"][k] else "MISS" for k in ("time", "saved", "peak"))
+        else:
+            tgt = verdict = "-"
+        lines.append(
+            f"| {mode} | {r['max_sources']} | {r['added_parameters']:,} | {r['time_s']:.3f} | {_ratio(r['time_ratio'])} "
+            f"| {_mib(r['saved_bytes'])} | {_ratio(r['saved_ratio'])} | {_mib(r['peak_bytes'])} "
+            f"| {_ratio(r['peak_ratio'])} | {_mib(maxp)} | {_ratio(r['max_payload_ratio'])} | {tgt} | {verdict} |")
+    out = ["\n".join(lines)]
+    cfg = report["config"]
+    # Per-boundary payloads.
+    blines = ["", f"Pipeline payload per micro-batch, layout {cfg['pp_layout']} (MiB per boundary):", "",
+              "| mode | " + " | ".join(f"into layer {p['first_layer']}" for p in res["baseline"]["payloads"]) + " |",
+              "|---|" + "---|" * len(res["baseline"]["payloads"])]
+    for mode, r in res.items():
+        blines.append(f"| {mode} | " + " | ".join(f"{_mib(p['bytes'])} ({len(p['names'])})" for p in r["payloads"]) + " |")
+    if res["baseline"]["payloads"]:
+        out.append("\n".join(blines))
+    return "\n".join(out)
+
+
+def main(argv=None):
+    opts = build_parser().parse_args(argv)
+    for m in opts.modes.split(","):
+        if m.strip() and m.strip() not in MODES:
+            print(f"benchmark.py: error: unknown mode {m!r} (choose from {', '.join(MODES)})", file=sys.stderr)
+            return 2
+    report = run(opts)
+    cfg = report["config"]
+    print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "
+          f"{cfg['micro_batch_size']}, fp32, {cfg['repeats']} interleaved rounds (median), {cfg['threads']} "
+          f"threads, load average {cfg['loadavg']}\n")
+    print(format_table(report))
+    if report["profile"]:
+        print(f"\ntorch.profiler, one step of {opts.profile}:\n{report['profile']}")
+    if opts.output:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
+        with open(opts.output, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
