@@ -92,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    # FP8 (Transformer Engine, GPU only): Megatron-LM's flags and defaults.
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="train the TE linears in FP8 (hybrid: e4m3 forward, e5m2 gradients); "
+                        "needs --transformer-impl transformer_engine and --bf16")
+    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise", "mxfp8", "blockwise"], default="delayed",
+                   help="FP8 scaling recipe (mxfp8 needs Blackwell)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="delayed scaling: number of steps of amax history")
+    g.add_argument("--fp8-amax-compute-algo", choices=["max", "most_recent"], default="most_recent",
+                   help="delayed scaling: how the scale is computed from the amax history")
     g.add_argument("--time-limit-minutes", type=float, default=None,
                    help="stop training (then validate and save) after this much wall time")
 
@@ -219,6 +229,15 @@ def validate_args(args: argparse.Namespace) -> None:
         _fail("--bf16 and --fp16 are mutually exclusive")
     if args.fp16:
         _fail("--fp16 is not supported (use --bf16): fp16 needs a loss scaler tested only on GPUs")
+    if args.fp8_format is not None:
+        if args.transformer_impl != "transformer_engine":
+            _fail(f"--fp8-format {args.fp8_format} needs --transformer-impl transformer_engine "
+                  "(FP8 GEMMs are Transformer Engine kernels; the local backend has none)")
+        if not args.bf16:
+            _fail(f"--fp8-format {args.fp8_format} needs --bf16 (FP8 GEMMs with BF16 weights and "
+                  "activations, as in Megatron-LM)")
+        if args.fp8_amax_history_len < 1:
+            _fail(f"--fp8-amax-history-len must be >= 1 (got {args.fp8_amax_history_len})")
 
     # Batch sizes.
     dp_mbs = args.micro_batch_size * args.data_parallel_size

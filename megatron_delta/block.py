@@ -67,13 +67,19 @@ class DeltaTransformerBlock(TransformerBlock):
             names = self.plan.payload_names(self.first_layer)
             tensors = unpack_stage_payload(hidden_states, len(names))
             buffer = None
+            # GPTModel sizes the rotary table from input_tensor, which is the packed payload
+            # (len(names) x seq): keep the positions of one sequence.
+            if isinstance(rotary_pos_emb, torch.Tensor):
+                full = tensors[0].size(0) * (self.config.tensor_model_parallel_size
+                                             if self.config.sequence_parallel else 1)
+                rotary_pos_emb = rotary_pos_emb[:full]
         layer_kwargs = dict(attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                             rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params,
                             sequence_len_offset=sequence_len_offset, inference_context=inference_context)
 
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
-        with rng:
+        with rng, self._outer_fp8_context():
             if self.config.recompute_granularity == "full" and self.training:
                 if buffer is not None:
                     tensors = buffer.to_tensors()
@@ -84,7 +90,8 @@ class DeltaTransformerBlock(TransformerBlock):
                     buffer = SourceBuffer.from_tensors(self.plan, self.first_layer, tensors, eps,
                                                        record_routing=self.record_routing)
                 for layer in self.layers:
-                    layer(buffer, **layer_kwargs)
+                    with self._inner_fp8_context(layer):
+                        layer(buffer, **layer_kwargs)
                 if self.record_routing:
                     self.routing_records.append(buffer)
 
@@ -95,6 +102,24 @@ class DeltaTransformerBlock(TransformerBlock):
         else:
             out = pack_stage_payload(buffer.to_tensors())
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
+
+    # FP8 contexts as in TransformerBlock.forward: the delayed recipe wraps the whole layer loop once
+    # (one amax reduction per pass), the other recipes wrap each layer (get_fp8_context may leave
+    # first/last layers in BF16). The routers inside switch FP8 off again (router._outside_fp8), and
+    # the final router / final norm run after the outer context, as Megatron's final norm does.
+    def _outer_fp8_context(self):
+        if not self.config.fp8 or self.config.fp8_recipe != "delayed":
+            return nullcontext()
+        from megatron.core.fp8_utils import get_fp8_context
+
+        return get_fp8_context(self.config)
+
+    def _inner_fp8_context(self, layer):
+        if not self.config.fp8 or self.config.fp8_recipe == "delayed":
+            return nullcontext()
+        from megatron.core.fp8_utils import get_fp8_context
+
+        return get_fp8_context(self.config, layer.layer_number - 1)
 
     # Replaces TransformerBlock._checkpointed_forward: the checkpointed function takes the sources
     # as explicit tensor arguments (recompute re-runs it in backward, so nothing may be captured).
@@ -107,11 +132,18 @@ class DeltaTransformerBlock(TransformerBlock):
                 first = self.layers[start].layer_number - 1
                 buffer = SourceBuffer.from_tensors(self.plan, first, list(ts), eps)
                 for layer in self.layers[start:end]:
-                    layer(buffer, **layer_kwargs)
+                    with self._inner_fp8_context(layer):
+                        layer(buffer, **layer_kwargs)
                 return tuple(buffer.to_tensors())
             return fn
 
         def checkpointed(start, end, ts):
+            if self.config.fp8:  # as TransformerBlock: TE's checkpoint restores the FP8 state on recompute
+                from megatron.core.extensions.transformer_engine import te_checkpoint
+
+                return list(te_checkpoint(run(start, end), self.config.distribute_saved_activations,
+                                          tensor_parallel.random.get_cuda_rng_tracker,
+                                          parallel_state.get_tensor_model_parallel_group(), *ts))
             return list(tensor_parallel.checkpoint(run(start, end), self.config.distribute_saved_activations, *ts))
 
         if self.config.recompute_method == "uniform":

@@ -24,9 +24,11 @@ class DeltaTransformerLayerSubmodules(TransformerLayerSubmodules):
 
 def build_router(spec, config):
     """A DepthRouter from the config's delta_* fields (no random numbers are consumed)."""
-    return build_module(spec, config.hidden_size, null_source=config.delta_null_source,
-                        gate=config.delta_gate == "scalar", eps=config.delta_router_eps,
-                        sequence_parallel=config.sequence_parallel)
+    router = build_module(spec, config.hidden_size, null_source=config.delta_null_source,
+                          gate=config.delta_gate == "scalar", eps=config.delta_router_eps,
+                          sequence_parallel=config.sequence_parallel)
+    router.outside_fp8 = bool(config.fp8)  # DESIGN.md 2: router math fp32, outside FP8 autocast
+    return router
 
 
 class DeltaTransformerLayer(TransformerLayer):

@@ -19,6 +19,7 @@ disabled; the result is cast back to the sources' dtype.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -224,6 +225,18 @@ def route(
     return _RouteFunction.apply(n, out_dtype, q, gate, null_logit, null_value, *values, *invs)
 
 
+def _outside_fp8(enabled: bool):
+    """A context that switches Transformer Engine's FP8 autocast OFF (router math stays fp32 under
+    FP8 training); a no-op unless ``enabled``. TE is imported only then (never on CPU machines).
+    Nested ``enabled=False`` does not trigger TE's amax reduction (only the outermost enabled exit does)."""
+    if not enabled:
+        return nullcontext()
+    import transformer_engine.pytorch as te
+
+    autocast = getattr(te, "autocast", None) or te.fp8_autocast  # TE >= 2.8 renamed fp8_autocast
+    return autocast(enabled=False)
+
+
 def _mark_router_param(p: torch.nn.Parameter, sequence_parallel: bool) -> None:
     # Megatron's finalize-grads step all-reduces, over the TP group, the grads of parameters marked
     # `sequence_parallel` (as for LayerNorm weights); the router is per token, so under SP each TP
@@ -256,6 +269,7 @@ class DepthRouter(torch.nn.Module):
         self.hidden_size = int(hidden_size)
         self.eps = float(eps)
         self.sequence_parallel = bool(sequence_parallel)
+        self.outside_fp8 = False  # set by build_router when config.fp8: run outside TE's FP8 autocast
         self.query = torch.nn.Parameter(torch.zeros(hidden_size, dtype=torch.float32))
         self.key_norm_weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
         if null_source:
@@ -308,7 +322,7 @@ class DepthRouter(torch.nn.Module):
         """
         ref = sources[0].value if len(sources) else like
         device_type = ref.device.type if ref is not None else "cpu"
-        with torch.autocast(device_type=device_type, enabled=False):
+        with torch.autocast(device_type=device_type, enabled=False), _outside_fp8(self.outside_fp8):
             q = self.query * self.key_norm_weight
             gate = self.gate if (apply_gate and self.gate is not None) else None
             null_logit = null_value = None
