@@ -1,0 +1,278 @@
+#!/usr/bin/env python
+"""Where does each sublayer route? Routing diagnostics of a trained checkpoint on held-out text.
+
+    python tools/routing_report.py --load runs/default-delta_block --output runs/report
+        [--data-path PREFIX ...] [--mock-data] [--num-batches 4] [--micro-batch-size 4]
+
+Loads a megatron-delta checkpoint saved under any TP/PP/VPP layout into ONE process (TP1/PP1:
+dist_checkpointing reshards), runs text through it with routing recording on (DESIGN.md section 1,
+"Routing diagnostics") and writes to --output:
+
+  routing.json              per dataset: per receiving sublayer (j, or 'final') the number of
+                            sources, their names, mean max weight, mean normalised entropy
+                            H(alpha)/log N and mean weights; plus the receiver x source matrix
+  routing_matrix_<ds>.png   mean routing weight, receiving sublayer x source (blank where the
+                            receiver does not see that source)
+  routing_curves_<ds>.png   per receiver: max weight (with the uniform 1/N reference) and
+                            normalised entropy (uniform routing = 1)
+
+Data: by default the bundled SOTU validation split and the Wikipedia held-out sample
+(megatron_delta.data.ensure_default_data; the checkpoint must use that tokenizer, as the default
+run does); --data-path PREFIX for other preprocessed data (tokenised with the checkpoint's
+tokenizer); --mock-data for checkpoints trained on mock tokens (NullTokenizer).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="a run directory (its latest checkpoint) or an iter_* directory")
+    p.add_argument("--output", required=True, help="directory for routing.json and the PNGs")
+    p.add_argument("--data-path", nargs="+", default=None, help="preprocessed data prefix(es) (Megatron blend)")
+    p.add_argument("--mock-data", action="store_true", help="mock tokens (checkpoints trained with --mock-data)")
+    p.add_argument("--tokenizer-model", default=None, help="default: the checkpoint's")
+    p.add_argument("--num-batches", type=int, default=4, help="batches per dataset")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's")
+    p.add_argument("--cache-dir", default=os.path.join("runs", "cache"), help="where the default data is built")
+    return p
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+# run_config.json key -> how it becomes a pretrain_gpt.py flag
+_VALUE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "normalization", "norm_epsilon", "position_embedding_type", "rotary_base",
+                "max_position_embeddings", "residual", "delta_num_blocks", "delta_gate", "delta_sources",
+                "delta_router_eps", "seed")
+_BOOL_FLAGS = {"swiglu": ("--swiglu", "--no-swiglu"), "qk_layernorm": ("--qk-layernorm", "--no-qk-layernorm"),
+               "disable_bias_linear": ("--disable-bias-linear", "--add-bias-linear"),
+               "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", None),
+               "delta_null_source": ("--delta-null-source", None)}
+
+
+def args_from_run_config(cfg, opts):
+    """pretrain_gpt.py flags describing the checkpoint's model, in a TP1/PP1 layout."""
+    from megatron_delta.arguments import parse_args
+
+    argv = []
+    for k in _VALUE_FLAGS:
+        if cfg.get(k) is not None:
+            argv += [_flag(k), str(cfg[k])]
+    for k, (on, off) in _BOOL_FLAGS.items():
+        if cfg.get(k) is True:
+            argv.append(on)
+        elif cfg.get(k) is False and off:
+            argv.append(off)
+    seq = opts.seq_length or cfg.get("seq_length")
+    if seq:
+        argv += ["--seq-length", str(seq)]
+        if cfg.get("max_position_embeddings") is None or seq > cfg["max_position_embeddings"]:
+            pass  # parse_args will refuse a seq longer than the model's positions; say so there
+    argv += ["--micro-batch-size", str(opts.micro_batch_size), "--train-iters", "0"]
+    tok_type, vocab = cfg.get("tokenizer_type"), cfg.get("vocab_size")
+    if opts.mock_data:
+        argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab or 1024)]
+    else:
+        if tok_type == "NullTokenizer":
+            raise SystemExit("routing_report.py: error: the checkpoint was trained with NullTokenizer (mock tokens); "
+                             "pass --mock-data")
+        model = opts.tokenizer_model or cfg.get("tokenizer_model")
+        argv += ["--data-path", "unused", "--tokenizer-type", tok_type or "SentencePieceTokenizer"]
+        if model:
+            argv += ["--tokenizer-model", model]
+    args = parse_args(argv, world_size=1)
+    args.padded_vocab_size = cfg["padded_vocab_size"]
+    return args
+
+
+def datasets_to_report(opts, args, tokenizer):
+    """[(name, dataset)] to run through the model."""
+    from megatron_delta.data import build_gpt_datasets, ensure_default_data
+
+    n = opts.num_batches * args.global_batch_size
+
+    def build(prefixes, mock=False):
+        ds, _, _ = build_gpt_datasets(prefixes, "100,0,0", args.seq_length, args.seed, (n, 0, 0), tokenizer,
+                                      mock=mock)
+        return ds
+
+    if opts.mock_data:
+        return [("mock", build(None, mock=True))]
+    if opts.data_path:
+        return [("data", build(opts.data_path))]
+    paths = ensure_default_data(opts.cache_dir)
+    return [("valid", build([paths["sotu_valid_data_path"]])), ("heldout", build([paths["heldout_data_path"]]))]
+
+
+def source_columns(plan, stats, null_source):
+    """Column names of the receiver x source matrix (first appearance order) and, per receiver,
+    the names of the sources its weights refer to."""
+    names_of = {}
+    for key in stats["order"]:
+        names = plan.final_reads() if key == "final" else plan.reads(int(key))
+        names_of[key] = list(names) + (["null"] if null_source else [])
+        if len(names_of[key]) != stats["receivers"][key]["num_sources"]:  # defensive: unnamed columns
+            names_of[key] = [f"s{i}" for i in range(stats["receivers"][key]["num_sources"])]
+    columns = []
+    for key in stats["order"]:
+        for n in names_of[key]:
+            if n not in columns and n != "null":
+                columns.append(n)
+    if null_source:
+        columns.append("null")
+    return columns, names_of
+
+
+def aligned_matrix(stats, columns, names_of):
+    """Rows = receivers, columns = named sources; None where the receiver does not see it."""
+    rows = []
+    for key in stats["order"]:
+        row = [None] * len(columns)
+        for name, w in zip(names_of[key], stats["receivers"][key]["mean_weights"]):
+            row[columns.index(name)] = w
+        rows.append(row)
+    return rows
+
+
+def receiver_label(key):
+    if key == "final":
+        return "final"
+    j = int(key)
+    return f"{j // 2}.{'attn' if j % 2 == 0 else 'mlp'}"
+
+
+def plot_matrix(path, title, rows, columns, receivers):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    data = np.ma.masked_invalid(np.array([[np.nan if v is None else v for v in r] for r in rows], dtype=float))
+    h = max(3.0, 0.25 * len(rows) + 1.5)
+    w = max(4.0, 0.3 * len(columns) + 2.5)
+    fig, ax = plt.subplots(figsize=(w, h))
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("white")
+    im = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=max(float(data.max()) if data.count() else 1.0, 1e-6),
+                   aspect="auto", interpolation="nearest")
+    ax.set_xticks(range(len(columns)))
+    ax.set_xticklabels(columns, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(receivers)))
+    ax.set_yticklabels([receiver_label(k) for k in receivers], fontsize=7)
+    ax.set_xlabel("source")
+    ax.set_ylabel("receiving sublayer (layer.sublayer)")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label="mean routing weight")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(path, title, stats):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = stats["order"]
+    xs = list(range(len(keys)))
+    rec = [stats["receivers"][k] for k in keys]
+    maxw = [r["max_weight"] if r["max_weight"] is not None else float("nan") for r in rec]
+    uniform = [1.0 / r["num_sources"] if r["num_sources"] else float("nan") for r in rec]
+    ent = [r["entropy"] if r["entropy"] is not None else float("nan") for r in rec]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(6.0, 0.25 * len(keys) + 2), 6), sharex=True)
+    a1.plot(xs, maxw, "o-", label="mean max weight")
+    a1.step(xs, uniform, "--", where="mid", color="gray", label="uniform routing (1/N)")
+    a1.set_ylabel("max weight")
+    a1.set_ylim(0, 1.05)
+    a1.legend(fontsize=8)
+    a1.set_title(title, fontsize=9)
+    a2.plot(xs, ent, "o-", color="C1", label="mean H(alpha)/log N")
+    a2.axhline(1.0, ls="--", color="gray", label="uniform routing")
+    a2.set_ylabel("normalised entropy")
+    a2.set_ylim(0, 1.05)
+    a2.legend(fontsize=8)
+    a2.set_xticks(xs)
+    a2.set_xticklabels([receiver_label(k) for k in keys], rotation=90, fontsize=7)
+    a2.set_xlabel("receiving sublayer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    opts = build_parser().parse_args(argv)
+    from megatron_delta.checkpointing import CheckpointError, load_checkpoint, read_run_config, resolve_checkpoint_dir
+
+    try:
+        ckpt_dir, iteration = resolve_checkpoint_dir(opts.load)
+        cfg = read_run_config(ckpt_dir)
+    except CheckpointError as e:
+        print(f"routing_report.py: error: {e}", file=sys.stderr)
+        return 1
+    if cfg.get("residual", "baseline") == "baseline":
+        print("routing_report.py: error: the checkpoint is --residual baseline: it has no routing", file=sys.stderr)
+        return 1
+    args = args_from_run_config(cfg, opts)
+
+    from megatron_delta.block import collect_routing_stats
+    from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
+    from megatron_delta.data import build_tokenizer
+    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+    from megatron_delta.sources import SourcePlan
+    from megatron_delta.training import forward_step
+
+    initialize_distributed(1, 1, seed=args.seed)
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        config = transformer_config_from_args(args)
+        model = build_model_chunks(args, config, args.padded_vocab_size)
+        load_checkpoint(ckpt_dir, model, None, None, args, load_optim=False, load_rng=False)
+        print(f" loaded {ckpt_dir} (iteration {iteration}, --residual {args.residual}, saved with TP"
+              f"{cfg.get('tensor_model_parallel_size')} PP{cfg.get('pipeline_model_parallel_size')}"
+              f" VPP{cfg.get('virtual_pipeline_model_parallel_size')}; read as TP1 PP1)")
+        plan = SourcePlan(mode=args.residual, num_layers=args.num_layers,
+                          num_blocks=args.delta_num_blocks or args.num_layers, sources=args.delta_sources)
+        report = {"checkpoint": os.path.abspath(ckpt_dir), "iteration": iteration, "residual": args.residual,
+                  "num_layers": args.num_layers, "delta_num_blocks": args.delta_num_blocks,
+                  "delta_sources": args.delta_sources, "delta_null_source": bool(args.delta_null_source),
+                  "seq_length": args.seq_length, "tokens_per_dataset": opts.num_batches * args.global_batch_size
+                  * args.seq_length, "datasets": {}}
+        os.makedirs(opts.output, exist_ok=True)
+        for name, ds in datasets_to_report(opts, args, tokenizer):
+            res = collect_routing_stats(args, model, ds, forward_step, num_batches=opts.num_batches)
+            stats = res["stats"]
+            columns, names_of = source_columns(plan, stats, bool(args.delta_null_source))
+            for key in stats["order"]:
+                stats["receivers"][key]["source_names"] = names_of[key]
+                n = stats["receivers"][key]["num_sources"]
+                stats["receivers"][key]["uniform_max_weight"] = 1.0 / n if n else None
+            stats["columns"] = columns
+            stats["aligned_matrix"] = aligned_matrix(stats, columns, names_of)
+            report["datasets"][name] = stats
+            title = f"{args.residual} (iteration {iteration}), {name}"
+            plot_matrix(os.path.join(opts.output, f"routing_matrix_{name}.png"), title,
+                        stats["aligned_matrix"], columns, stats["order"])
+            plot_curves(os.path.join(opts.output, f"routing_curves_{name}.png"), title, stats)
+            print(f"\n[{name}]\n{res['text']}")
+        with open(os.path.join(opts.output, "routing.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\n wrote {opts.output}/routing.json and routing_*.png")
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
