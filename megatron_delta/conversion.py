@@ -1,0 +1,456 @@
+"""Checkpoint conversion between megatron-delta (torch_dist) and Hugging Face transformers.
+
+    export: Megatron checkpoint -> HF directory
+            baseline      -> stock Qwen3ForCausalLM (qk_layernorm) / LlamaForCausalLM (no qk norm),
+                             loadable without remote code
+            routed modes  -> DeltaQwen3ForCausalLM remote code (trust_remote_code=True)
+            + the SentencePiece tokenizer named in run_config.json (tokenizer.json, tokenizer.model)
+    import: HF Qwen3 / Llama directory -> Megatron checkpoint (iteration 0, model weights only) in any
+            residual mode; router parameters get their initial values (zero query, unit key norm,
+            zero null source / gate), so with `--delta-gate scalar` the imported model computes
+            the HF model's function exactly.
+
+Reading a checkpoint: the model is built in this process under TP1/PP1 and loaded with
+`checkpointing.load_checkpoint`; dist_checkpointing reshards, so a checkpoint saved under any
+TP/PP/VPP layout yields full tensors. Writing: torch_dist checkpoints are layout independent
+(loading reshards), so saving under TP1/PP1 is enough for training under any TP/PP later; only the
+vocabulary padding depends on TP (Megatron pads to a multiple of make-vocab-size-divisible-by x TP),
+so `import` pads for the TP size it is given.
+
+Megatron names (GPTModel local spec) <-> HF names:
+    embedding.word_embeddings.weight              model.embed_tokens.weight  (padding rows stripped)
+    decoder.layers.i.input_layernorm.weight       model.layers.i.input_layernorm.weight
+    ...self_attention.linear_qkv.weight           q_proj/k_proj/v_proj (fused per query group:
+                                                  [q heads of group g; k_g; v_g] for each g)
+    ...self_attention.{q,k}_layernorm.weight      self_attn.{q,k}_norm.weight (Qwen3)
+    ...self_attention.linear_proj.weight          self_attn.o_proj.weight
+    ...pre_mlp_layernorm.weight                   post_attention_layernorm.weight
+    ...mlp.linear_fc1.weight ([gate; up])         mlp.gate_proj / mlp.up_proj
+    ...mlp.linear_fc2.weight                      mlp.down_proj.weight
+    decoder.final_layernorm.weight                model.norm.weight
+    output_layer.weight (untied only)             lm_head.weight
+    decoder.layers.i.self_attention_router.*      model.layers.i.attn_router.*
+    decoder.layers.i.mlp_router.*                 model.layers.i.mlp_router.*
+    decoder.final_router.*                        model.final_router.*
+"""
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+ROUTER_FIELDS = ("query", "key_norm_weight", "null_source", "gate")
+SUPPORTED_HF_ARCHS = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+class ConversionError(ValueError):
+    """A checkpoint or model that cannot be converted; the message says why."""
+
+
+# =============================================================================================== names
+def megatron_to_hf_state_dict(sd, *, num_layers, num_attention_heads, num_query_groups, kv_channels,
+                              hidden_size, qk_layernorm, tied, vocab_size):
+    """Megatron (TP1, full tensors) state dict -> HF (Qwen3/Llama/DeltaQwen3) state dict."""
+    sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
+    per = num_attention_heads // num_query_groups
+    hn, d = kv_channels, hidden_size
+    emb = sd.pop("embedding.word_embeddings.weight")
+    if emb.shape[0] < vocab_size:
+        raise ConversionError(f"embedding has {emb.shape[0]} rows, fewer than the vocabulary ({vocab_size})")
+    out = {"model.embed_tokens.weight": emb[:vocab_size], "model.norm.weight": sd.pop("decoder.final_layernorm.weight")}
+    if "output_layer.weight" in sd:
+        w = sd.pop("output_layer.weight")
+        if not tied:
+            out["lm_head.weight"] = w[:vocab_size]
+    for i in range(num_layers):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = sd.pop(p + "self_attention.linear_qkv.weight").view(num_query_groups, per + 2, hn, d)
+        out[q + "self_attn.q_proj.weight"] = qkv[:, :per].reshape(-1, d)
+        out[q + "self_attn.k_proj.weight"] = qkv[:, per].reshape(-1, d)
+        out[q + "self_attn.v_proj.weight"] = qkv[:, per + 1].reshape(-1, d)
+        out[q + "self_attn.o_proj.weight"] = sd.pop(p + "self_attention.linear_proj.weight")
+        if qk_layernorm:
+            out[q + "self_attn.q_norm.weight"] = sd.pop(p + "self_attention.q_layernorm.weight")
+            out[q + "self_attn.k_norm.weight"] = sd.pop(p + "self_attention.k_layernorm.weight")
+        out[q + "input_layernorm.weight"] = sd.pop(p + "input_layernorm.weight")
+        out[q + "post_attention_layernorm.weight"] = sd.pop(p + "pre_mlp_layernorm.weight")
+        gate, up = sd.pop(p + "mlp.linear_fc1.weight").chunk(2, dim=0)
+        out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = gate, up
+        out[q + "mlp.down_proj.weight"] = sd.pop(p + "mlp.linear_fc2.weight")
+    for name in list(sd):
+        if "_router." in name:
+            out[name.replace("decoder.", "model.", 1).replace("self_attention_router", "attn_router")] = sd.pop(name)
+    if sd:
+        raise ConversionError(f"Megatron tensors with no HF counterpart: {sorted(sd)[:8]}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_to_megatron_state_dict(hf, *, num_layers, num_attention_heads, num_query_groups, kv_channels,
+                              hidden_size, qk_layernorm, tied, padded_vocab_size):
+    """HF backbone state dict -> Megatron (TP1) names; vocabulary padded with zero rows."""
+    hf = dict(hf)
+    per = num_attention_heads // num_query_groups
+    hn, d = kv_channels, hidden_size
+
+    def pad(w):
+        if w.shape[0] > padded_vocab_size:
+            raise ConversionError(f"vocabulary {w.shape[0]} exceeds the padded size {padded_vocab_size}")
+        return torch.cat([w, w.new_zeros(padded_vocab_size - w.shape[0], w.shape[1])]) \
+            if w.shape[0] < padded_vocab_size else w
+
+    emb = hf.pop("model.embed_tokens.weight")
+    out = {"embedding.word_embeddings.weight": pad(emb), "decoder.final_layernorm.weight": hf.pop("model.norm.weight")}
+    head = hf.pop("lm_head.weight", None)
+    if tied:
+        # Megatron keeps a (tied) output_layer.weight in its state dict on the last stage
+        out["output_layer.weight"] = out["embedding.word_embeddings.weight"]
+    else:
+        if head is None:
+            raise ConversionError("untied embeddings but the HF model has no lm_head.weight")
+        out["output_layer.weight"] = pad(head)
+    for i in range(num_layers):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qw = hf.pop(q + "self_attn.q_proj.weight").view(num_query_groups, per, hn, d)
+        kw = hf.pop(q + "self_attn.k_proj.weight").view(num_query_groups, 1, hn, d)
+        vw = hf.pop(q + "self_attn.v_proj.weight").view(num_query_groups, 1, hn, d)
+        out[p + "self_attention.linear_qkv.weight"] = torch.cat([qw, kw, vw], dim=1).reshape(-1, d)
+        out[p + "self_attention.linear_proj.weight"] = hf.pop(q + "self_attn.o_proj.weight")
+        if qk_layernorm:
+            out[p + "self_attention.q_layernorm.weight"] = hf.pop(q + "self_attn.q_norm.weight")
+            out[p + "self_attention.k_layernorm.weight"] = hf.pop(q + "self_attn.k_norm.weight")
+        out[p + "input_layernorm.weight"] = hf.pop(q + "input_layernorm.weight")
+        out[p + "pre_mlp_layernorm.weight"] = hf.pop(q + "post_attention_layernorm.weight")
+        out[p + "mlp.linear_fc1.weight"] = torch.cat([hf.pop(q + "mlp.gate_proj.weight"),
+                                                      hf.pop(q + "mlp.up_proj.weight")], dim=0)
+        out[p + "mlp.linear_fc2.weight"] = hf.pop(q + "mlp.down_proj.weight")
+    for name in list(hf):
+        if "_router." in name:
+            out[name.replace("model.", "decoder.", 1).replace("attn_router", "self_attention_router")] = hf.pop(name)
+        elif name.endswith("rotary_emb.inv_freq"):
+            hf.pop(name)
+    if hf:
+        raise ConversionError(f"HF tensors with no Megatron counterpart (unsupported architecture "
+                              f"feature?): {sorted(hf)[:8]}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# =============================================================================================== Megatron side
+def _model_argv(c: dict) -> list:
+    """pretrain_gpt flags that rebuild the model described by a run_config-like dict."""
+    argv = ["--num-layers", c["num_layers"], "--hidden-size", c["hidden_size"],
+            "--ffn-hidden-size", c["ffn_hidden_size"], "--num-attention-heads", c["num_attention_heads"],
+            "--num-query-groups", c["num_query_groups"], "--kv-channels", c["kv_channels"],
+            "--norm-epsilon", c["norm_epsilon"], "--rotary-base", c["rotary_base"],
+            "--max-position-embeddings", c["max_position_embeddings"], "--seq-length", c["max_position_embeddings"],
+            "--residual", c["residual"], "--delta-gate", c.get("delta_gate") or "none",
+            "--delta-sources", c.get("delta_sources") or "exact", "--micro-batch-size", 1,
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 1, "--train-iters", 0]
+    argv += ["--qk-layernorm"] if c["qk_layernorm"] else ["--no-qk-layernorm"]
+    if c.get("untie_embeddings_and_output_weights"):
+        argv.append("--untie-embeddings-and-output-weights")
+    if c.get("delta_num_blocks") is not None and c["residual"] in ("delta_block", "attnres"):
+        argv += ["--delta-num-blocks", c["delta_num_blocks"]]
+    if c.get("delta_null_source"):
+        argv.append("--delta-null-source")
+    if c.get("delta_router_eps") is not None:
+        argv += ["--delta-router-eps", c["delta_router_eps"]]
+    return [str(a) for a in argv]
+
+
+def _check_supported_run_config(rc: dict, where: str):
+    bad = []
+    if rc.get("normalization", "RMSNorm") != "RMSNorm":
+        bad.append(f"normalization={rc.get('normalization')}")
+    if rc.get("swiglu") is False:
+        bad.append("swiglu=False")
+    if rc.get("disable_bias_linear") is False:
+        bad.append("linear biases (--add-bias-linear)")
+    if rc.get("position_embedding_type", "rope") != "rope":
+        bad.append(f"position_embedding_type={rc.get('position_embedding_type')}")
+    if bad:
+        raise ConversionError(f"{where}: cannot convert a model with {', '.join(bad)}; "
+                              f"the HF export supports RMSNorm + SwiGLU + RoPE without biases (Qwen3/Llama)")
+
+
+def build_megatron_model(model_config: dict, padded_vocab_size: int):
+    """One GPT model (TP1/PP1, fp32, this process) for the flags in `model_config`. Returns (model, args)."""
+    from megatron_delta.arguments import parse_args
+    from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
+    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+
+    args = parse_args(_model_argv(model_config), world_size=1)
+    args.padded_vocab_size = padded_vocab_size
+    activate_cpu_platform()
+    initialize_distributed(1, 1, seed=args.seed)
+    config = transformer_config_from_args(args)
+    (model,) = build_model_chunks(args, config, padded_vocab_size)
+    return model, args
+
+
+def true_vocab_size(rc: dict) -> int:
+    """The tokenizer's vocabulary (the HF vocab_size): the Megatron embedding minus its padding."""
+    if rc.get("hf_vocab_size"):
+        return int(rc["hf_vocab_size"])
+    ttype = rc.get("tokenizer_type")
+    if ttype == "NullTokenizer":
+        return int(rc["vocab_size"]) + 1  # Megatron's NullTokenizer: eod = N, vocab_size = N + 1
+    spm = rc.get("tokenizer_model")
+    if not spm or not os.path.isfile(spm):
+        raise ConversionError(f"the checkpoint's tokenizer model {spm!r} (run_config.json tokenizer_model) does "
+                              f"not exist: it is needed for the vocabulary size and the exported tokenizer; "
+                              f"restore it at that path (or retrain it with tools/train_tokenizer.py)")
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_file=spm).get_piece_size()
+
+
+def load_megatron(load: str):
+    """Load a checkpoint (any TP/PP/VPP layout) as one TP1/PP1 model. Returns (model, args, run_config)."""
+    from megatron_delta.checkpointing import load_checkpoint, read_run_config, resolve_checkpoint_dir
+
+    ckpt_dir, _ = resolve_checkpoint_dir(load)
+    rc = read_run_config(ckpt_dir)
+    _check_supported_run_config(rc, f"--load {ckpt_dir}")
+    model, args = build_megatron_model(rc, rc["padded_vocab_size"])
+    load_checkpoint(ckpt_dir, [model], None, None, args, load_optim=False, load_rng=False)
+    model.eval()
+    return model, args, rc
+
+
+def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """[b, s] token ids -> [b, s, padded_vocab] fp32 logits of a TP1/PP1 model."""
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    with torch.no_grad():
+        return model(tokens, pos, None).float()
+
+
+# =============================================================================================== HF configs
+def hf_config_from_run_config(rc: dict, vocab_size: int):
+    """transformers config for the checkpoint: Qwen3Config / LlamaConfig (baseline) or DeltaQwen3Config."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    kw = dict(vocab_size=vocab_size, hidden_size=rc["hidden_size"], intermediate_size=rc["ffn_hidden_size"],
+              num_hidden_layers=rc["num_layers"], num_attention_heads=rc["num_attention_heads"],
+              num_key_value_heads=rc["num_query_groups"], head_dim=rc["kv_channels"],
+              max_position_embeddings=rc["max_position_embeddings"], rms_norm_eps=rc["norm_epsilon"],
+              rope_theta=float(rc["rotary_base"]), tie_word_embeddings=not rc["untie_embeddings_and_output_weights"],
+              hidden_act="silu", attention_bias=False, attention_dropout=0.0)
+    if rc.get("bos_token_id") is not None:
+        kw["bos_token_id"] = rc["bos_token_id"]
+    if rc.get("eos_token_id") is not None:
+        kw["eos_token_id"] = rc["eos_token_id"]
+    if rc["residual"] == "baseline":
+        if rc["qk_layernorm"]:
+            cfg = Qwen3Config(**kw)
+            cfg.architectures = ["Qwen3ForCausalLM"]
+        else:
+            cfg = LlamaConfig(mlp_bias=False, **kw)
+            cfg.architectures = ["LlamaForCausalLM"]
+        return cfg
+    from megatron_delta.hf import DeltaQwen3Config
+
+    return DeltaQwen3Config(
+        residual=rc["residual"],
+        delta_num_blocks=rc.get("delta_num_blocks") if rc["residual"] in ("delta_block", "attnres") else None,
+        delta_sources=rc.get("delta_sources") or "exact", delta_null_source=bool(rc.get("delta_null_source")),
+        delta_gate=rc.get("delta_gate") or "none", delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
+        use_qk_norm=bool(rc["qk_layernorm"]), **kw)
+
+
+def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source=False, delta_gate="none",
+                         delta_sources="exact", delta_router_eps=None) -> dict:
+    """A run_config-like dict (Megatron model flags) for a stock Qwen3 / Llama config."""
+    archs = list(getattr(cfg, "architectures", None) or [])
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in ("qwen3", "llama") or (archs and archs[0] not in SUPPORTED_HF_ARCHS):
+        raise ConversionError(f"unsupported architecture {archs or mtype!r} (model_type {mtype!r}): import "
+                              f"supports {', '.join(SUPPORTED_HF_ARCHS)}")
+    if getattr(cfg, "mlp_bias", False) or getattr(cfg, "attention_bias", False):
+        raise ConversionError("linear biases (attention_bias / mlp_bias) are not supported by the import")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ConversionError(f"hidden_act={cfg.hidden_act!r}: only SwiGLU (silu) MLPs are supported")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConversionError(f"rope scaling {rope.get('rope_type')!r} is not supported (plain RoPE only)")
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    if float(theta) != int(theta):
+        raise ConversionError(f"rope_theta {theta} is not an integer (Megatron's --rotary-base is an int)")
+    if getattr(cfg, "use_sliding_window", False):
+        raise ConversionError("sliding-window attention is not supported")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+                num_attention_heads=cfg.num_attention_heads,
+                num_query_groups=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                kv_channels=head_dim, norm_epsilon=cfg.rms_norm_eps, qk_layernorm=(mtype == "qwen3"),
+                untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, rotary_base=int(theta),
+                max_position_embeddings=cfg.max_position_embeddings, residual=residual,
+                delta_num_blocks=delta_num_blocks, delta_null_source=delta_null_source, delta_gate=delta_gate,
+                delta_sources=delta_sources, delta_router_eps=delta_router_eps)
+
+
+# =============================================================================================== export / import
+def _tmp_sibling(path):
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=os.path.basename(os.path.abspath(path)) + ".tmp-", dir=parent)
+
+
+def _finish(tmp, final):
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) -> str:
+    """Megatron checkpoint -> HF directory (written to a temporary sibling, renamed at the end)."""
+    if dtype not in ("fp32", "bf16"):
+        raise ConversionError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    from megatron_delta.checkpointing import read_run_config, resolve_checkpoint_dir
+
+    ckpt_dir, _ = resolve_checkpoint_dir(load)
+    rc = read_run_config(ckpt_dir)
+    vocab = true_vocab_size(rc)  # fails early on a missing tokenizer
+    model, _, rc = load_megatron(load)
+    sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()
+          if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    tied = not rc["untie_embeddings_and_output_weights"]
+    hf_sd = megatron_to_hf_state_dict(
+        sd, num_layers=rc["num_layers"], num_attention_heads=rc["num_attention_heads"],
+        num_query_groups=rc["num_query_groups"], kv_channels=rc["kv_channels"], hidden_size=rc["hidden_size"],
+        qk_layernorm=rc["qk_layernorm"], tied=tied, vocab_size=vocab)
+    spm = rc.get("tokenizer_model") if rc.get("tokenizer_type") != "NullTokenizer" else None
+    if spm:
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=spm)
+        rc = dict(rc, bos_token_id=sp.bos_id() if sp.bos_id() >= 0 else None,
+                  eos_token_id=sp.eos_id() if sp.eos_id() >= 0 else None)
+    cfg = hf_config_from_run_config(rc, vocab)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    tmp = _tmp_sibling(output)
+    try:
+        if rc["residual"] == "baseline":
+            from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+            cls = Qwen3ForCausalLM if rc["qk_layernorm"] else LlamaForCausalLM
+            hf = cls(cfg)
+            missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
+            missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+            if missing or unexpected:
+                raise ConversionError(f"export: missing {missing}, unexpected {unexpected}")
+            if tied:
+                hf.tie_weights()
+            hf.to(torch_dtype).save_pretrained(tmp)
+        else:
+            from megatron_delta.hf import write_remote_code_model
+
+            write_remote_code_model(hf_sd, cfg, tmp, dtype=torch_dtype if dtype == "bf16" else None)
+        if spm:
+            from megatron_delta.hf import export_sentencepiece_tokenizer
+
+            export_sentencepiece_tokenizer(spm, tmp)
+        elif rc.get("hf_tokenizer_dir") and os.path.isdir(rc["hf_tokenizer_dir"]):
+            for f in TOKENIZER_FILES:
+                src = os.path.join(rc["hf_tokenizer_dir"], f)
+                if os.path.isfile(src) and f != "generation_config.json":
+                    shutil.copyfile(src, os.path.join(tmp, f))
+        else:
+            log(f"[export] no tokenizer exported (tokenizer_type {rc.get('tokenizer_type')}: token ids only)")
+        with open(os.path.join(tmp, "megatron_run_config.json"), "w") as f:
+            json.dump(rc, f, indent=1)
+        _finish(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"[export] {ckpt_dir} ({rc['residual']}) -> {output} ({type(cfg).__name__}, {dtype}, vocab {vocab})")
+    return output
+
+
+def load_hf_model(hf_dir: str):
+    """A stock Qwen3/Llama HF model (fp32) from a directory, with a clear error for anything else."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ConversionError(f"--hf {hf_dir}: no config.json (not a transformers model directory)")
+    try:
+        cfg = AutoConfig.from_pretrained(hf_dir)
+    except (ValueError, KeyError) as e:
+        raise ConversionError(f"--hf {hf_dir}: unsupported architecture ({e}); import supports "
+                              f"{', '.join(SUPPORTED_HF_ARCHS)}") from None
+    model_config_from_hf(cfg, "baseline")  # raises on unsupported architectures
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+
+def import_checkpoint(hf_dir_or_model, save: str, residual: str = "baseline", delta_num_blocks=None,
+                      delta_null_source=False, delta_gate="none", delta_sources="exact",
+                      tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                      make_vocab_size_divisible_by=128, log=print) -> str:
+    """HF Qwen3/Llama -> Megatron checkpoint `save/iter_0000000` (model only; use `--finetune --load`)."""
+    from megatron_delta.checkpointing import save_checkpoint
+
+    if isinstance(hf_dir_or_model, str):
+        hf_dir, hf = hf_dir_or_model, load_hf_model(hf_dir_or_model)
+    else:
+        hf_dir, hf = None, hf_dir_or_model
+    mc = model_config_from_hf(hf.config, residual, delta_num_blocks, delta_null_source, delta_gate, delta_sources)
+    if mc["num_layers"] % pipeline_model_parallel_size:
+        raise ConversionError(f"--pipeline-model-parallel-size {pipeline_model_parallel_size} does not divide "
+                              f"the {mc['num_layers']} layers")
+    for name, n in (("num_attention_heads", mc["num_attention_heads"]), ("num_query_groups", mc["num_query_groups"])):
+        if n % tensor_model_parallel_size:
+            raise ConversionError(f"--tensor-model-parallel-size {tensor_model_parallel_size} does not divide "
+                                  f"{name}={n}")
+    vocab = hf.config.vocab_size
+    emb_rows = hf.get_input_embeddings().weight.shape[0]
+    if emb_rows != vocab:
+        raise ConversionError(f"config vocab_size {vocab} != embedding rows {emb_rows}")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    padded = ((vocab + multiple - 1) // multiple) * multiple
+    model, args = build_megatron_model(mc, padded)
+    tied = not mc["untie_embeddings_and_output_weights"]
+    meg_sd = hf_to_megatron_state_dict(
+        {k: v.detach().float() for k, v in hf.state_dict().items()}, num_layers=mc["num_layers"],
+        num_attention_heads=mc["num_attention_heads"], num_query_groups=mc["num_query_groups"],
+        kv_channels=mc["kv_channels"], hidden_size=mc["hidden_size"], qk_layernorm=mc["qk_layernorm"],
+        tied=tied, padded_vocab_size=padded)
+    target = model.state_dict()
+    new = {}
+    for k, v in target.items():
+        if k.endswith("_extra_state") or not isinstance(v, torch.Tensor):
+            new[k] = v
+        elif k in meg_sd:
+            if tuple(meg_sd[k].shape) != tuple(v.shape):
+                raise ConversionError(f"{k}: HF gives shape {tuple(meg_sd[k].shape)}, Megatron expects {tuple(v.shape)}")
+            new[k] = meg_sd.pop(k).to(v.dtype)
+        elif "_router." in k:
+            new[k] = v  # initial router values (zero query, unit key norm, zero null source / gate)
+        else:
+            raise ConversionError(f"Megatron parameter {k} has no HF counterpart")
+    meg_sd.pop("output_layer.weight", None) if tied else None
+    if meg_sd:
+        raise ConversionError(f"HF tensors left over: {sorted(meg_sd)[:8]}")
+    model.load_state_dict(new)
+    # record the requested layout's vocabulary padding and the HF vocabulary / tokenizer
+    args.tensor_model_parallel_size_for_padding = tensor_model_parallel_size
+    args.vocab_size = vocab - 1  # NullTokenizer semantics: --vocab-size N gives N + 1 tokens
+    args.tokenizer_type, args.tokenizer_model = "NullTokenizer", None
+    args.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+    extra = dict(hf_vocab_size=vocab, imported_from=hf_dir, hf_tokenizer_dir=hf_dir,
+                 imported_for_layout=dict(tensor_model_parallel_size=tensor_model_parallel_size,
+                                          pipeline_model_parallel_size=pipeline_model_parallel_size))
+    tmp = _tmp_sibling(save)
+    try:
+        save_checkpoint(tmp, 0, [model], None, None, 0, args, save_optim=False, extra=extra)
+        _finish(tmp, save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"[import] {hf_dir or type(hf).__name__} -> {save} (residual {residual}, vocab {vocab} padded to {padded} "
+        f"for TP{tensor_model_parallel_size}; torch_dist checkpoints load under any TP/PP layout)")
+    return save
