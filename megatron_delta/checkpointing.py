@@ -117,10 +117,15 @@ def _rng_sharded_object(state=None):
     return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
 
 
+def _unwrap(m):
+    """The GPT model inside Megatron's DDP wrapper: keys as in Megatron-LM checkpoints (no `module.`)."""
+    return m.module if hasattr(m, "module") else m
+
+
 def _model_sharded_state_dict(model):
     if len(model) == 1:
-        return {"model": model[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model)}
+        return {"model": _unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(model)}
 
 
 def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed_samples, args,
@@ -181,10 +186,10 @@ def load_checkpoint(path, model, optimizer, scheduler, args, load_optim=True, lo
     loaded = dist_checkpointing.load(state, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
 
     if len(model) == 1:
-        model[0].load_state_dict(loaded["model"])
+        _unwrap(model[0]).load_state_dict(loaded["model"])
     else:
         for i, m in enumerate(model):
-            m.load_state_dict(loaded[f"model{i}"])
+            _unwrap(m).load_state_dict(loaded[f"model{i}"])
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])

@@ -1,0 +1,125 @@
+"""Test driver: one process group (one launch) runs one parallel layout for several residual modes.
+
+Used by tests/test_parallel_parity.py and tests/test_checkpoints.py through
+tests.dist_utils.run_distributed. Each `run_layout` call, on every rank:
+
+  for each mode: (optionally) save the initial model under the current layout with
+  `--train-iters 0 --save ROOT/init-MODE`, then train `iters` iterations from `--load ROOT/init-MODE
+  --finetune` with the layout's flags, losses going to ROOT/TAG-MODE.jsonl (`--metrics-file`).
+
+The real training code runs (megatron_delta.training._pretrain); only the model list is kept aside
+so router parameters and gradients can be returned. One initialize_distributed per run replaces the
+model-parallel state (torch.distributed is kept), so many runs share one launch.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The tiny model every parity test uses: 4 layers, hidden 64, 4 heads in 2 query groups, seq 32.
+COMMON = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+          "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
+          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "256",
+          "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "20",
+          "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1000"]
+
+MODES = ("baseline", "delta", "delta_block", "attnres", "full_attnres")
+
+
+def mode_flags(mode: str) -> list[str]:
+    """K=2 blocks of 2 layers: under PP4 / PP2+VPP2 (one layer per chunk) every block straddles a
+    stage boundary; under PP2 the boundary is a block boundary."""
+    flags = ["--residual", mode]
+    if mode in ("delta_block", "attnres"):
+        flags += ["--delta-num-blocks", "2"]
+    return flags
+
+
+def _run(argv: list[str]):
+    """parse_args + initialize_distributed + _pretrain; returns (result, model list, args)."""
+    import torch
+
+    from megatron_delta import training
+    from megatron_delta.arguments import parse_args
+    from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
+
+    args = parse_args(argv, world_size=torch.distributed.get_world_size()
+                      if torch.distributed.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
+    activate_cpu_platform()
+    initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                           args.virtual_pipeline_model_parallel_size, args.context_parallel_size, seed=args.seed)
+    kept = {}
+    original = training.setup_model_and_optimizer
+
+    def keep(*a, **k):
+        out = original(*a, **k)
+        kept["model"] = out[0]
+        return out
+
+    training.setup_model_and_optimizer = keep
+    try:
+        result = training._pretrain(args)
+    finally:
+        training.setup_model_and_optimizer = original
+    return result, kept["model"], args
+
+
+def read_losses(path: str, split: str | None = None) -> list[float]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if "lm_loss" in r and r.get("split") == split:
+                out.append(r["lm_loss"])
+    return out
+
+
+def router_state(model) -> dict:
+    """{global name: [param values], ...} and grads (main_grad) of every router parameter on this rank."""
+    from megatron_delta.block import DeltaTransformerBlock
+
+    params, grads = {}, {}
+    for chunk in model:
+        inner = chunk.module if hasattr(chunk, "module") else chunk
+        dec = getattr(inner, "decoder", None)
+        if not isinstance(dec, DeltaTransformerBlock):
+            continue
+        named = []
+        for layer in dec.layers:
+            for n, p in layer.named_parameters():
+                if getattr(p, "is_delta_router", False):
+                    named.append((f"layer{layer.layer_number}.{n}", p))
+        if dec.final_router is not None:
+            named += [(f"final.{n}", p) for n, p in dec.final_router.named_parameters()]
+        for name, p in named:
+            params[name] = p.detach().double().reshape(-1).tolist()
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                grads[name] = g.detach().double().reshape(-1).tolist()
+    return {"params": params, "grads": grads}
+
+
+def run_layout(root: str, tag: str, layout: list[str], modes: list[str], iters: int = 5,
+               save_initial: bool = False, collect_routers: bool = False, extra: list[str] | None = None) -> dict:
+    """See the module docstring. Returns {mode: {"losses": [...], "routers": {...}}} (losses on every rank)."""
+    import torch
+
+    extra = extra or []
+    out = {}
+    for mode in modes:
+        init = os.path.join(root, f"init-{mode}")
+        if save_initial:
+            _run(COMMON + mode_flags(mode) + ["--train-iters", "0", "--save", init])
+        metrics = os.path.join(root, f"{tag}-{mode}.jsonl")
+        if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1 and os.path.exists(metrics):
+            os.remove(metrics)
+        _, model, _ = _run(COMMON + mode_flags(mode) + layout + extra +
+                           ["--train-iters", str(iters), "--load", init, "--finetune", "--metrics-file", metrics])
+        torch.distributed.barrier()
+        entry = {"losses": read_losses(metrics)}
+        if collect_routers and mode != "baseline":
+            entry["routers"] = router_state(model)
+        out[mode] = entry
+    return out
