@@ -1,0 +1,137 @@
+"""Smoke tests of the analysis tools (issue 6): benchmark, routing report, loss plots, run comparison.
+
+Tiny sizes only and no timing assertions: performance is read from tools/benchmark.py's table.
+The tools run as subprocesses (each initialises and tears down its own one-process world).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist_utils import REPO_ROOT, run_distributed
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2"]
+
+
+def _run(script, *argv, timeout=600):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(REPO_ROOT, script), *argv], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{script} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+# ------------------------------------------------------------------------------------ benchmark
+def test_benchmark_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    text = _run("tools/benchmark.py", *TINY, "--modes", "baseline,delta_block,delta,full_attnres",
+                "--repeats", "1", "--warmup", "1", "--pp-layout", "2x2", "--output", str(out))
+    assert "| delta_block |" in text and ("pass" in text or "MISS" in text)
+    rep = json.load(open(out))["modes"]
+    assert set(rep) == {"baseline", "delta_block", "delta", "full_attnres"}
+    base = rep["baseline"]
+    assert base["added_parameters"] == 0 and base["time_ratio"] == 1.0
+    assert base["saved_bytes"] > 0 and base["peak_bytes"] and base["peak_bytes"] > 0
+    for mode in ("delta_block", "delta", "full_attnres"):
+        r = rep[mode]
+        assert r["added_parameters"] > 0  # the routers
+        assert r["time_s"] > 0 and r["saved_ratio"] > 0 and r["peak_ratio"] > 0
+        assert math.isclose(r["loss"], base["loss"], rel_tol=0.05)  # same backbone, same tokens
+    # Payloads: 3 boundaries (2 stages x 2 virtual chunks of 1 layer); baseline sends one tensor.
+    one = 16 * 2 * 32 * 4
+    assert [p["bytes"] for p in base["payloads"]] == [one] * 3
+    assert [len(p["names"]) for p in rep["delta"]["payloads"]] == [4, 6, 8]  # x, h0, v0..v(2f-1)
+    assert rep["delta"]["payloads"][2]["bytes"] == 8 * one
+    assert "targets" in rep["delta_block"] and set(rep["delta_block"]["pass"]) == {"time", "saved", "peak"}
+    assert rep["delta"]["max_sources"] == 8  # h0 + v0..v6 for the last MLP of 4 layers
+
+
+# ------------------------------------------------------------------------- routing report (PP2 ckpt)
+@pytest.fixture(scope="module")
+def pp2_run(tmp_path_factory):
+    """A 5-iteration delta_block run on mock tokens, saved under PP2 (reloaded as PP1 by the report)."""
+    d = tmp_path_factory.mktemp("pp2run")
+    run_distributed(os.path.join(REPO_ROOT, "pretrain_gpt.py"), 2, "--mock-data", "--residual", "delta_block",
+                    "--delta-num-blocks", "2", "--delta-null-source", *TINY, "--pipeline-model-parallel-size", "2",
+                    "--train-iters", "5", "--eval-iters", "1", "--eval-interval", "5",
+                    "--save", str(d / "ckpt"), "--metrics-file", str(d / "metrics.jsonl"), timeout=600)
+    return d
+
+
+def test_routing_report_from_pp2_checkpoint(pp2_run, tmp_path):
+    out = tmp_path / "report"
+    text = _run("tools/routing_report.py", "--load", str(pp2_run / "ckpt"), "--output", str(out), "--mock-data",
+                "--num-batches", "2", "--micro-batch-size", "2")
+    assert "read as TP1 PP1" in text
+    rep = json.load(open(out / "routing.json"))
+    assert rep["residual"] == "delta_block" and rep["iteration"] == 5
+    st = rep["datasets"]["mock"]
+    assert st["order"] == [str(j) for j in range(8)]  # 4 layers x 2 sublayers, additive: no final router
+    # Receiver j of block b reads h0, D0..D(b-1), P_b (unless it starts the block), plus the null source.
+    assert st["receivers"]["0"]["source_names"] == ["h0", "null"]
+    assert st["receivers"]["5"]["source_names"] == ["h0", "D0", "P1", "null"]
+    assert st["columns"][-1] == "null" and set(st["columns"]) == {"h0", "P0", "D0", "P1", "null"}
+    for key, row in zip(st["order"], st["aligned_matrix"]):
+        rec = st["receivers"][key]
+        present = [w for w in row if w is not None]
+        assert len(present) == rec["num_sources"] and math.isclose(sum(present), 1.0, rel_tol=1e-6)
+        assert rec["uniform_max_weight"] == pytest.approx(1.0 / rec["num_sources"])
+        assert 1.0 / rec["num_sources"] - 1e-9 <= rec["max_weight"] <= 1.0
+        assert 0.0 <= rec["entropy"] <= 1.0 + 1e-9
+    for name in ("routing_matrix_mock.png", "routing_curves_mock.png"):
+        assert (out / name).stat().st_size > 1000
+
+
+def test_plot_metrics(pp2_run, tmp_path):
+    import plot_metrics
+
+    m = plot_metrics.read_metrics(str(pp2_run / "metrics.jsonl"))
+    assert [it for it, _ in m["train"]] == [1, 2, 3, 4, 5] and m["valid"]
+    png = tmp_path / "loss.png"
+    assert plot_metrics.main(["--metrics-file", str(pp2_run / "metrics.jsonl"), str(pp2_run / "metrics.jsonl"),
+                              "--labels", "a", "b", "--output", str(png)]) == 0
+    assert png.stat().st_size > 1000
+
+
+# -------------------------------------------------------------------------------- compare_runs
+def _fake_run(root, name, residual, valid, heldout, tps, params, rss, sources):
+    d = root / name
+    d.mkdir()
+    with open(d / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"iteration": 10, "lm_loss": valid + 0.1, "tokens_per_sec": tps}) + "\n")
+        f.write(json.dumps({"iteration": 10, "split": "valid", "lm_loss": valid, "ppl": math.exp(valid)}) + "\n")
+        f.write(json.dumps({"iteration": 10, "split": "heldout", "lm_loss": heldout, "ppl": 0}) + "\n")
+    json.dump({"residual": residual, "parameters": params, "peak_rss_bytes": rss, "max_sources": sources,
+               "delta_num_blocks": None}, open(d / "summary.json", "w"))
+    return str(d)
+
+
+def test_compare_runs_table(tmp_path):
+    import compare_runs
+
+    runs = [compare_runs.read_run(_fake_run(tmp_path, "delta", "delta", math.log(90), math.log(200), 500, 1100,
+                                            2 * 2**30, 25)),
+            compare_runs.read_run(_fake_run(tmp_path, "base", "baseline", math.log(100), math.log(200), 1000, 1000,
+                                            2**30, 0))]
+    table = compare_runs.make_table(runs)
+    assert "Baseline: base" in table
+    row = next(line for line in table.splitlines() if line.startswith("| delta |"))
+    assert "90.000" in row and "-10.00%" in row and "+0.00%" in row and "0.500x" in row and "2.000x" in row
+    assert "| 25 | 100 |" in row
+
+
+def test_compare_runs_train_summary(tmp_path):
+    run_dir = tmp_path / "delta"
+    _run("tools/compare_runs.py", "train", "--run-dir", str(run_dir), "--", "--mock-data", "--residual", "delta",
+         *TINY, "--train-iters", "2", "--eval-iters", "1")
+    s = json.load(open(run_dir / "summary.json"))
+    assert s["residual"] == "delta" and s["max_sources"] == 8 and s["router_parameters"] > 0
+    assert s["peak_rss_bytes"] > 0
+    out = _run("tools/compare_runs.py", "table", str(run_dir))
+    assert "| delta | delta |" in out
