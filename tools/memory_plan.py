@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""Per-GPU memory plan: weights, gradients, optimizer state and activations per pipeline stage.
+
+    python tools/memory_plan.py --preset qwen3-8b                       # the paper's 8B run (sbatch)
+    python tools/memory_plan.py --num-layers 36 --hidden-size 4096 ... --residual delta_block \
+        --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --bf16 --world-size 16
+
+Takes pretrain_gpt.py's model/parallel flags (plus --world-size) and prints a table and a JSON object
+(--json FILE also writes it). No model is built and no Megatron code runs.
+
+Model of the activations (bytes saved for backward per micro-batch, counted as unique storages):
+- local backend: the tensors Megatron's local spec saves, counted on CPU (tests/test_memory_plan.py
+  checks this estimate against torch.autograd.graph.saved_tensors_hooks within 10 %). Per layer and
+  token: 6 norm-region tensors [h] (input, normalised, norm output; twice), 6 of the query width,
+  the qkv output, one of the KV width, 5 x FFN (SwiGLU), the [heads, s] attention probabilities
+  (unfused softmax) and fp32 norm statistics; per layer the rope tables and the causal mask.
+- transformer_engine backend: norms fused into the linears (input + ln_out per sublayer), flash
+  attention (no [s, s] term; fp32 log-sum-exp per head); FP8 keeps FP8 copies (1 byte) of the GEMM
+  inputs instead of BF16 ones.
+- routed modes (delta, delta_block, attnres, full_attnres): + one [h] tensor per sublayer (the
+  routed input next to the residual stream; the sublayer outputs become sources held by reference),
+  + the fp32 router logits [M, tokens] and one fp32 inv_rms per source.
+- TP divides tensor-parallel regions; SP also divides the norm region, the sources and the payloads.
+- Pipeline: 1F1B keeps min(PP - stage, micro-batches) micro-batches in flight on a stage
+  (interleaved: Megatron's warm-up count + 1 chunk-micro-batches); each in-flight micro-batch of a
+  stage that receives a payload also holds the payload tensors beyond x (the sources the stage
+  reads). The last stage adds the logits (fp32 [tokens, vocab / TP]) of one micro-batch.
+- Weights: bf16 (2 B) + fp32 gradient buffer (4 B, Megatron's grad_reduce_in_fp32 with bf16) +
+  Adam in fp32 (master weights, m, v: 12 B; fp32 training: m, v: 8 B), sharded over DP by
+  --use-distributed-optimizer. Not counted: the CUDA context, NCCL buffers, allocator
+  fragmentation and temporary buffers (add 10-20 %).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GiB = 2**30
+
+PRESETS = {
+    # The paper's 8B run = examples/slurm/pretrain_qwen3_8b_delta_block.sbatch on 2 nodes x 8 GPUs.
+    "qwen3-8b": dict(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
+                     num_query_groups=8, kv_channels=128, seq_length=2048, vocab_size=151936,
+                     untie_embeddings_and_output_weights=True, residual="delta_block", delta_num_blocks=4,
+                     tensor_model_parallel_size=2, pipeline_model_parallel_size=1, sequence_parallel=True,
+                     use_distributed_optimizer=True, bf16=True, fp8_format="hybrid",
+                     transformer_impl="transformer_engine", micro_batch_size=1, global_batch_size=64,
+                     world_size=16),
+}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS))
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 3 x hidden (SwiGLU)")
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--num-query-groups", type=int, default=2)
+    p.add_argument("--kv-channels", type=int, default=None)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    p.add_argument("--residual", choices=["baseline", "attnres", "full_attnres", "delta", "delta_block"],
+                   default="baseline")
+    p.add_argument("--delta-num-blocks", type=int, default=None)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
+    p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="default: transformer_engine with --bf16, else local")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--global-batch-size", type=int, default=None)
+    p.add_argument("--world-size", type=int, default=None, help="default TP x PP (DP 1)")
+    p.add_argument("--json", default=None, help="also write the JSON here")
+    return p
+
+
+def parse(argv=None):
+    p = build_parser()
+    pre, _ = p.parse_known_args(argv)
+    if pre.preset:
+        p.set_defaults(**PRESETS[pre.preset])
+    a = p.parse_args(argv)
+    if a.ffn_hidden_size is None:
+        a.ffn_hidden_size = 3 * a.hidden_size
+    if a.kv_channels is None:
+        a.kv_channels = a.hidden_size // a.num_attention_heads
+    if a.transformer_impl is None:
+        a.transformer_impl = "transformer_engine" if a.bf16 else "local"
+    t, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    if a.world_size is None:
+        a.world_size = t * pp
+    if a.world_size % (t * pp) or a.num_layers % pp:
+        p.error("world size must be a multiple of TP x PP, and PP must divide --num-layers")
+    a.data_parallel_size = a.world_size // (t * pp)
+    if a.global_batch_size is None:
+        a.global_batch_size = a.micro_batch_size * a.data_parallel_size
+    a.num_microbatches = a.global_batch_size // (a.micro_batch_size * a.data_parallel_size)
+    a.vpp = None
+    if a.num_layers_per_virtual_pipeline_stage:
+        a.vpp = a.num_layers // pp // a.num_layers_per_virtual_pipeline_stage
+    if a.tensor_model_parallel_size == 1:
+        a.sequence_parallel = False
+    if a.residual in ("delta_block", "attnres") and a.delta_num_blocks is None:
+        a.delta_num_blocks = 4 if a.num_layers % 4 == 0 and a.num_layers >= 4 else a.num_layers
+    return a
+
+
+def source_plan(a):
+    if a.residual == "baseline":
+        return None
+    from megatron_delta.sources import SourcePlan
+
+    return SourcePlan(mode=a.residual, num_layers=a.num_layers, num_blocks=a.delta_num_blocks or a.num_layers)
+
+
+# ----------------------------------------------------------------------------------- parameters
+def layer_params(a):
+    h, q, kv, f = a.hidden_size, a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels, a.ffn_hidden_size
+    tp_split = h * (q + 2 * kv) + q * h + h * 2 * f + f * h  # divided by TP
+    replicated = 2 * h + 2 * a.kv_channels  # input norms, q/k norms
+    if a.residual != "baseline":
+        replicated += 2 * 2 * h  # two routers: query + key-norm weight
+    return tp_split, replicated
+
+
+def stage_params(a, stage):
+    """Parameters on one GPU of pipeline stage `stage` (all its virtual chunks)."""
+    t, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    split, rep = layer_params(a)
+    n = a.num_layers // pp * (split / t + rep)
+    vocab = a.vocab_size / t
+    if stage == 0:
+        n += vocab * a.hidden_size
+    if stage == pp - 1:
+        n += a.hidden_size  # final norm
+        if a.residual in ("attnres", "full_attnres"):
+            n += 2 * a.hidden_size  # final router
+        if a.untie_embeddings_and_output_weights or pp > 1:
+            n += vocab * a.hidden_size  # output layer (a tied copy lives on the last stage when PP > 1)
+    return n
+
+
+# ---------------------------------------------------------------------------------- activations
+def layer_activation_bytes(a, first_layer, num_layers):
+    """Bytes saved for backward by `num_layers` layers from global layer `first_layer`, one micro-batch."""
+    t = a.tensor_model_parallel_size
+    sp = t if a.sequence_parallel else 1
+    s, b = a.seq_length, a.micro_batch_size
+    T = s * b
+    h, dh = a.hidden_size, a.kv_channels
+    heads, groups = a.num_attention_heads / t, a.num_query_groups / t
+    q, kv, f = heads * dh, groups * dh, a.ffn_hidden_size / t
+    act = 2 if a.bf16 else 4
+    gemm_in = 1 if a.fp8_format else act  # FP8: TE keeps FP8 copies of the GEMM inputs
+    if a.transformer_impl == "local":
+        # LocalNorm computes in fp32: with bf16 activations its input copy and x*rsqrt are fp32.
+        norm_h = (2 * 4 + act) if a.bf16 else 3 * act  # (input, normalised, output) per norm
+        per_token = (2 * norm_h * h / sp               # attention + MLP input norms (norm region)
+                     + act * (6 * q + (q + 2 * kv) + kv + 5 * f)  # q path, qkv, k, SwiGLU
+                     + act * heads * s                  # softmax probabilities [b, np, s, s]
+                     + 4 * (2 / sp + heads + groups))   # fp32 rsqrt of the norms
+        per_layer = 4 * 4 * dh * s + s * s              # rope cos/sin (fp32, per position), causal mask
+    else:
+        per_token = (2 * h / sp * (act + gemm_in)      # LayerNormLinear: input + ln_out, twice
+                     + act * (3 * q + 3 * kv + (q + 2 * kv) + 4 * f) + gemm_in * (q + f)  # qk-norm/rope, qkv, SwiGLU, proj/fc2 inputs
+                     + 4 * (2 / sp + heads + groups + heads))  # rsigma, q/k-norm stats, flash lse
+        per_layer = 4 * 4 * dh * s
+    total = num_layers * (per_token * T + per_layer)
+    plan = source_plan(a)
+    if plan is not None:
+        total += num_layers * 2 * act * h * T / sp      # the routed input of each sublayer
+        for j in range(2 * first_layer, 2 * (first_layer + num_layers)):
+            m = plan.num_sources_read(j)
+            total += 4 * (m + 1) * T / sp               # fp32 router logits [M, T] + one new inv_rms
+    return total
+
+
+def in_flight(a, stage):
+    """Micro-batches (1F1B) or chunk-micro-batches (interleaved) whose activations a stage holds at peak."""
+    pp, m = a.pipeline_model_parallel_size, a.num_microbatches
+    if a.vpp:
+        warmup = (pp - stage - 1) * 2 + (a.vpp - 1) * pp
+        return min(warmup + 1, m * a.vpp)
+    return min(pp - stage, m)
+
+
+def payload_extra_bytes(a, first_layer):
+    """Payload tensors beyond x that a chunk starting at `first_layer` receives and holds, per micro-batch."""
+    plan = source_plan(a)
+    if plan is None or first_layer == 0:
+        return 0
+    sp = a.tensor_model_parallel_size if a.sequence_parallel else 1
+    n = len(plan.payload_names(first_layer))
+    return (n - 1) * a.seq_length * a.micro_batch_size * a.hidden_size / sp * (2 if a.bf16 else 4)
+
+
+def plan_stage(a, stage):
+    pp, t = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
+    chunks = a.vpp or 1
+    per_chunk = a.num_layers // (pp * chunks)
+    n = stage_params(a, stage)
+    w = n * (2 if a.bf16 else 4)
+    g = n * 4
+    o = n * (12 if a.bf16 else 8) / (a.data_parallel_size if a.use_distributed_optimizer else 1)
+    # Activations of one micro-batch through each chunk on this stage, and its payload.
+    chunk_acts, chunk_payload = [], []
+    for c in range(chunks):
+        first = (c * pp + stage) * per_chunk
+        chunk_acts.append(layer_activation_bytes(a, first, per_chunk))
+        chunk_payload.append(payload_extra_bytes(a, first))
+    k = in_flight(a, stage)
+    if a.vpp:
+        per = (sum(chunk_acts) + sum(chunk_payload)) / chunks
+        acts = per * k
+        payload = sum(chunk_payload) / chunks * k
+    else:
+        acts = (chunk_acts[0] + chunk_payload[0]) * k
+        payload = chunk_payload[0] * k
+    T = a.seq_length * a.micro_batch_size
+    extra = 0
+    if stage == 0:
+        extra += T * 16  # tokens, labels (int64)
+    if stage == pp - 1:
+        extra += T * a.vocab_size / t * 4 + T  # fp32 logits/softmax of one micro-batch, loss mask
+        sp = t if a.sequence_parallel else 1
+        act = 2 if a.bf16 else 4
+        if a.transformer_impl == "local":  # final norm: input, normalised, output (+ fp32 rsqrt)
+            extra += T / sp * (a.hidden_size * ((2 * 4 + act) if a.bf16 else 3 * act) + 4)
+        else:
+            extra += T / sp * (a.hidden_size * act + 4)
+    total = w + g + o + acts + extra
+    return {"stage": stage, "params": n, "weights": w, "grads": g, "optimizer": o,
+            "activations": acts + extra, "of_which_payload": payload, "in_flight": k, "total": total}
+
+
+def memory_plan(a):
+    return {"config": {k: v for k, v in vars(a).items() if k != "json"},
+            "stages": [plan_stage(a, s) for s in range(a.pipeline_model_parallel_size)]}
+
+
+def format_table(plan):
+    c = plan["config"]
+    head = (f"per-GPU memory plan: {c['residual']} | L {c['num_layers']} h {c['hidden_size']} ffn "
+            f"{c['ffn_hidden_size']} heads {c['num_attention_heads']}/{c['num_query_groups']} seq "
+            f"{c['seq_length']} mbs {c['micro_batch_size']} | TP {c['tensor_model_parallel_size']}"
+            f"{'+SP' if c['sequence_parallel'] else ''} PP {c['pipeline_model_parallel_size']}"
+            f"{' VPP ' + str(c['vpp']) if c['vpp'] else ''} DP {c['data_parallel_size']}"
+            f"{' dist-opt' if c['use_distributed_optimizer'] else ''} | "
+            f"{'fp8-' + c['fp8_format'] if c['fp8_format'] else 'bf16' if c['bf16'] else 'fp32'} "
+            f"{c['transformer_impl']}")
+    cols = ["stage", "params (M)", "weights", "grads", "optimizer", "activations", "(payload)", "in flight", "total GiB"]
+    lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for s in plan["stages"]:
+        lines.append("| " + " | ".join([
+            str(s["stage"]), f"{s['params'] / 1e6:,.0f}", f"{s['weights'] / GiB:.2f}", f"{s['grads'] / GiB:.2f}",
+            f"{s['optimizer'] / GiB:.2f}", f"{s['activations'] / GiB:.2f}", f"{s['of_which_payload'] / GiB:.2f}",
+            str(s["in_flight"]), f"{s['total'] / GiB:.2f}"]) + " |")
+    lines.append("(GiB; + CUDA context, NCCL buffers, temporaries and fragmentation: plan 10-20 % headroom)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    a = parse(argv)
+    plan = memory_plan(a)
+    print(format_table(plan))
+    text = json.dumps(plan, indent=1)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
