@@ -20,7 +20,8 @@ Key = Union[int, str]
 
 def _flat(alpha: Tensor) -> Tensor:
     alpha = alpha.detach()
-    return alpha.reshape(-1, alpha.shape[-1]).double()
+    # Not reshape(-1, N): with N = 0 (authors-code: layer 0's attention reads no source) -1 is ambiguous.
+    return alpha.reshape(math.prod(alpha.shape[:-1]), alpha.shape[-1]).double()
 
 
 def routing_stats(alpha: Tensor) -> Dict[str, object]:

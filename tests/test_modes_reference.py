@@ -327,6 +327,24 @@ def test_exact_sources_sum_to_residual_stream(monkeypatch, mode, k):
     assert max(e for _, e in checked) < 1e-6, checked
 
 
+def test_routing_stats_of_a_receiver_with_no_source():
+    """authors-code: layer 0's attention reads no source (alpha [s, b, 0]); the routing summary
+    written at the end of training must accept it (it used to fail with reshape(-1, 0))."""
+    from megatron_delta.routing_stats import RoutingStatsAccumulator, routing_stats
+
+    for mode in ("delta", "delta_block"):
+        model, _ = build(mode, "authors-code")
+        routing = _routing(model, tokens())
+        assert routing[0].shape == (S, B, 0)
+        acc = RoutingStatsAccumulator()
+        for key, alpha in routing.items():
+            acc.add(key, alpha)
+        stats = acc.to_dict()
+        assert routing_stats(routing[0])["num_sources"] == 0
+        assert len(stats["receivers"]) == 8
+        acc.format_text()
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Memory of the routing: linear in depth
 # ---------------------------------------------------------------------------------------------
