@@ -206,6 +206,10 @@ def profile_mode(model, batch, top=15):
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
+def _progress(msg):
+    print(f"[benchmark {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def run(opts):
     from megatron_delta.cpu_platform import destroy_distributed
 
@@ -236,12 +240,14 @@ def run(opts):
                 r["loss"] = float(step(model, batch))
             r["saved_bytes"] = saved_bytes(model, batch)
             r["peak_bytes"] = None if opts.no_memory else peak_bytes(model, batch)
+            _progress(f"{mode}: warm-up and memory done")
         for _ in range(opts.repeats):
             for mode in modes:
                 model, batch = models[mode]
                 t0 = time.perf_counter()
                 step(model, batch)
                 results[mode]["times_s"].append(time.perf_counter() - t0)
+                _progress(f"{mode}: step {results[mode]['times_s'][-1]:.2f} s")
         for mode in modes:
             results[mode]["time_s"] = statistics.median(results[mode]["times_s"])
         profile_text = None
