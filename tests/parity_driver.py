@@ -37,6 +37,26 @@ def mode_flags(mode: str) -> list[str]:
     return flags
 
 
+PAYLOADS: dict = {}  # {first global layer of a receiving chunk: dim-0 size of the payload it got}
+
+
+def _record_payloads():
+    """Wrap DeltaTransformerBlock.forward (once) to note the size of every received payload."""
+    from megatron_delta.block import DeltaTransformerBlock
+
+    if getattr(DeltaTransformerBlock.forward, "_records", False):
+        return
+    inner = DeltaTransformerBlock.forward
+
+    def forward(self, *a, **k):
+        if not self.pre_process and self.input_tensor is not None:
+            PAYLOADS[self.first_layer] = int(self.input_tensor.shape[0])
+        return inner(self, *a, **k)
+
+    forward._records = True
+    DeltaTransformerBlock.forward = forward
+
+
 def _run(argv: list[str]):
     """parse_args + initialize_distributed + _pretrain; returns (result, model list, args)."""
     import torch
@@ -50,6 +70,7 @@ def _run(argv: list[str]):
     activate_cpu_platform()
     initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.virtual_pipeline_model_parallel_size, args.context_parallel_size, seed=args.seed)
+    _record_payloads()
     kept = {}
     original = training.setup_model_and_optimizer
 
@@ -115,10 +136,12 @@ def run_layout(root: str, tag: str, layout: list[str], modes: list[str], iters: 
         metrics = os.path.join(root, f"{tag}-{mode}.jsonl")
         if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1 and os.path.exists(metrics):
             os.remove(metrics)
+        PAYLOADS.clear()
         _, model, _ = _run(COMMON + mode_flags(mode) + layout + extra +
                            ["--train-iters", str(iters), "--load", init, "--finetune", "--metrics-file", metrics])
         torch.distributed.barrier()
-        entry = {"losses": read_losses(metrics)}
+        entry = {"losses": read_losses(metrics), "valid": read_losses(metrics, "valid"),
+                 "payloads": {str(k): v for k, v in PAYLOADS.items()}}
         if collect_routers and mode != "baseline":
             entry["routers"] = router_state(model)
         out[mode] = entry

@@ -1,0 +1,78 @@
+"""Bad input to pretrain_gpt.py: a non-zero exit and one line naming the flag or file, no traceback.
+
+Argument errors go through megatron_delta.training.main in-process (cheap); errors found after the
+distributed start-up (data, tokenizer) run pretrain_gpt.py as a subprocess.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_delta.training import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+        "--micro-batch-size", "2", "--train-iters", "1", "--eval-iters", "1"]
+MOCK = ["--mock-data", "--vocab-size", "256"]
+
+
+def _no_traceback(err: str):
+    assert "Traceback" not in err, err
+    assert "pretrain_gpt.py: error:" in err, err
+
+
+@pytest.mark.parametrize("argv, world, needle", [
+    (["--num-attention-heads", "4", "--hidden-size", "64", "--tensor-model-parallel-size", "3"], 3,
+     "--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "--max-position-embeddings"),
+    (["--num-layers", "6", "--residual", "delta_block", "--delta-num-blocks", "4"], 1, "--delta-num-blocks"),
+    (["--residual", "attnres", "--delta-gate", "scalar"], 1, "--delta-gate"),
+    (["--residual", "full_attnres", "--delta-gate", "scalar"], 1, "--delta-gate"),
+    (["--context-parallel-size", "2"], 2, "--context-parallel-size"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--pipeline-model-parallel-size 2"),
+])
+def test_argument_errors(argv, world, needle, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    rc = main(TINY + MOCK + argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    _no_traceback(err)
+    assert needle in err, err
+
+
+def _run(argv, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + TINY + argv,
+                       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stderr
+
+
+def test_missing_data_path(tmp_path):
+    rc, err = _run(["--data-path", str(tmp_path / "nope"), "--tokenizer-type", "NullTokenizer",
+                    "--vocab-size", "256"], tmp_path)
+    assert rc != 0
+    _no_traceback(err)
+    assert "--data-path" in err and "nope" in err and "not found" in err, err
+
+
+def test_corrupted_idx(tmp_path):
+    prefix = tmp_path / "corpus_text_document"
+    (tmp_path / "corpus_text_document.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "corpus_text_document.idx").write_bytes(b"this is not an index")
+    rc, err = _run(["--data-path", str(prefix), "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"],
+                   tmp_path)
+    assert rc != 0
+    _no_traceback(err)
+    assert "corpus_text_document.idx" in err and "corrupted" in err, err
+
+
+def test_unknown_tokenizer_file(tmp_path):
+    rc, err = _run(["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "tok.model")],
+                   tmp_path)
+    assert rc != 0
+    _no_traceback(err)
+    assert "--tokenizer-model" in err and "tok.model" in err, err
