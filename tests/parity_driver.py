@@ -19,9 +19,11 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The tiny model every parity test uses: 4 layers, hidden 64, 4 heads in 2 query groups, seq 32.
+# NullTokenizer adds EOD: 255 + 1 = 256 tokens pad to 256 under TP1 and TP2 alike (a checkpoint only
+# loads into the same padded vocabulary).
 COMMON = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
           "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
-          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "256",
+          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "255",
           "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "20",
           "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1000"]
 
@@ -146,3 +148,43 @@ def run_layout(root: str, tag: str, layout: list[str], modes: list[str], iters: 
             entry["routers"] = router_state(model)
         out[mode] = entry
     return out
+
+
+def train_and_save(root: str, tag: str, layout: list[str], modes: list[str], iters: int = 3) -> dict:
+    """Train `iters` iterations from this layout's own initial model and save ROOT/ckpt-TAG-MODE;
+    returns {mode: final validation loss}."""
+    out = {}
+    for mode in modes:
+        metrics = os.path.join(root, f"save-{tag}-{mode}.jsonl")
+        _run(COMMON + mode_flags(mode) + layout + ["--train-iters", str(iters), "--save",
+                                                   os.path.join(root, f"ckpt-{tag}-{mode}"), "--metrics-file", metrics])
+        out[mode] = read_losses(metrics, "valid")[-1]
+    return out
+
+
+def load_and_evaluate(root: str, src_tag: str, tag: str, layout: list[str], modes: list[str]) -> dict:
+    """Load ROOT/ckpt-SRC_TAG-MODE into this layout (weights only) and evaluate; {mode: valid loss}."""
+    out = {}
+    for mode in modes:
+        metrics = os.path.join(root, f"eval-{src_tag}-in-{tag}-{mode}.jsonl")
+        _run(COMMON + mode_flags(mode) + layout + ["--train-iters", "0", "--finetune", "--load",
+                                                   os.path.join(root, f"ckpt-{src_tag}-{mode}"), "--metrics-file", metrics])
+        out[mode] = read_losses(metrics, "valid")[-1]
+    return out
+
+
+def resume_run(root: str, mode: str, iters: int = 20, split_at: int = 10) -> dict:
+    """`iters` iterations straight (saving at `split_at`), then a second run that resumes from the
+    iteration-`split_at` checkpoint with plain `--load`: returns both loss lists."""
+    straight = os.path.join(root, f"straight-{mode}.jsonl")
+    ckpt = os.path.join(root, f"resume-{mode}")
+    _run(COMMON + mode_flags(mode) + ["--train-iters", str(iters), "--save", ckpt, "--save-interval",
+                                      str(split_at), "--metrics-file", straight])
+    resumed = os.path.join(root, f"resumed-{mode}.jsonl")
+    _, _, args = _run(COMMON + mode_flags(mode) + ["--train-iters", str(iters), "--load",
+                                                   os.path.join(ckpt, f"iter_{split_at:07d}"), "--metrics-file", resumed])
+    return {"straight": read_losses(straight), "resumed": read_losses(resumed),
+            "resumed_iterations": [json.loads(l)["iteration"] for l in open(resumed)
+                                   if "lm_loss" in json.loads(l) and "split" not in json.loads(l)],
+            "straight_lr": [json.loads(l)["lr"] for l in open(straight) if "lr" in json.loads(l)],
+            "resumed_lr": [json.loads(l)["lr"] for l in open(resumed) if "lr" in json.loads(l)]}
