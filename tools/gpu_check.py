@@ -184,6 +184,7 @@ def train(opts, mode, fp8):
 
     from megatron_delta.training import optimizer_overrides
 
+    free()  # collect what earlier runs left in reference cycles before the peak is measured
     torch.cuda.reset_peak_memory_stats()
     args, config, chunk = build(flags(opts, mode, "transformer_engine", fp8=fp8))
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
