@@ -188,3 +188,46 @@ def resume_run(root: str, mode: str, iters: int = 20, split_at: int = 10) -> dic
                                    if "lm_loss" in json.loads(l) and "split" not in json.loads(l)],
             "straight_lr": [json.loads(l)["lr"] for l in open(straight) if "lr" in json.loads(l)],
             "resumed_lr": [json.loads(l)["lr"] for l in open(resumed) if "lr" in json.loads(l)]}
+
+
+RECOMPUTE_VARIANTS = {
+    "none": [],
+    "full_uniform_2": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+    "full_uniform_1": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "full_block_3": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
+    "selective": ["--recompute-granularity", "selective"],
+}
+
+
+def _grads(model) -> dict:
+    out = {}
+    for i, chunk in enumerate(model):
+        for n, p in chunk.named_parameters():
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                out[f"{i}.{n}"] = g.detach().double().reshape(-1).tolist()
+    return out
+
+
+def recompute_compare(root: str, modes: list[str], variants: list[str], iters: int = 3) -> dict:
+    """Train `iters` iterations from the same seed with each recompute variant; return, per mode and
+    variant, the losses and the largest |grad difference| to the variant 'none' (last iteration)."""
+    out = {}
+    for mode in modes:
+        ref_grads = None
+        out[mode] = {}
+        for v in variants:
+            metrics = os.path.join(root, f"recompute-{mode}-{v}.jsonl")
+            if os.path.exists(metrics):
+                os.remove(metrics)
+            _, model, _ = _run(COMMON + mode_flags(mode) + RECOMPUTE_VARIANTS[v] +
+                               ["--train-iters", str(iters), "--metrics-file", metrics])
+            grads = _grads(model)
+            if ref_grads is None:
+                ref_grads = grads
+                gdiff = 0.0
+            else:
+                assert set(grads) == set(ref_grads)
+                gdiff = max(max(abs(a - b) for a, b in zip(grads[k], ref_grads[k])) for k in grads)
+            out[mode][v] = {"losses": read_losses(metrics), "max_grad_diff": gdiff}
+    return out

@@ -15,8 +15,6 @@ import pytest
 from tests import parity_driver as driver
 from tests.dist_utils import run_distributed
 
-pytestmark = pytest.mark.slow
-
 MODES = list(driver.MODES)
 TOL = 1e-5
 
@@ -49,6 +47,7 @@ def _max_diff(a, b):
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_tp1(reference, layout):
     root, ref = reference
@@ -90,3 +89,71 @@ def test_layout_matches_tp1(reference, layout):
                 for name, vals in r0[kind].items():
                     d = _max_diff(vals, ref_r[kind][name])
                     assert d <= TOL, f"{m}: router {kind} {name} differs from TP1 by {d}"
+
+
+# ------------------------------------------------------------------------------------ recompute
+# Activation recompute (full uniform / block, selective) in the training loop changes nothing:
+# same losses and gradients as without, for every residual mode (single process).
+
+RECOMPUTE_TOL = 1e-6
+
+
+@pytest.mark.slow
+def test_recompute_same_losses_and_grads(tmp_path):
+    variants = list(driver.RECOMPUTE_VARIANTS)
+    res = run_distributed(driver.recompute_compare, 1, str(tmp_path), list(driver.MODES), variants,
+                          timeout=1800)[0]
+    bad = []
+    for mode, by_v in res.items():
+        ref = by_v["none"]["losses"]
+        assert len(ref) == 3
+        for v, r in by_v.items():
+            dl = max(abs(a - b) for a, b in zip(r["losses"], ref))
+            if dl > RECOMPUTE_TOL or r["max_grad_diff"] > RECOMPUTE_TOL:
+                bad.append((mode, v, dl, r["max_grad_diff"]))
+    assert not bad, bad
+
+
+# ------------------------------------------------------------------------------ stage payloads
+def _usable(plan, first_layer):
+    """What layers >= first_layer (and the final router) read, plus the residual stream x."""
+    names = {"x"}
+    for j in range(2 * first_layer, plan.num_sublayers):
+        names.update(plan.reads(j))
+    names.update(plan.final_reads())
+    return names
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+@pytest.mark.parametrize("L, K", [(4, 2), (6, 3), (8, 2), (8, 4), (12, 4)])
+def test_payload_holds_only_usable_sources(mode, L, K):
+    """No stage receives a source it cannot use; what it reads from earlier stages is all there."""
+    from megatron_delta.sources import SourcePlan
+
+    for sources in ("exact", "authors-code") if mode in ("delta", "delta_block") else ("exact",):
+        plan = SourcePlan(mode=mode, num_layers=L, num_blocks=K if mode in ("delta_block", "attnres") else L,
+                          sources=sources)
+        for f in range(1, L):
+            names = plan.payload_names(f)
+            assert len(set(names)) == len(names), (mode, f, names)
+            useless = set(names) - _usable(plan, f)
+            assert not useless, f"{mode} L={L} K={K} {sources}: stage at layer {f} receives {useless}"
+
+
+def test_describe_stage_payloads_one_line_per_boundary():
+    from megatron_delta.arguments import parse_args
+    from megatron_delta.block import describe_stage_payloads
+
+    for mode in MODES[1:]:
+        for layout, chunks in ((["--pipeline-model-parallel-size", "2"], 2),
+                               (["--pipeline-model-parallel-size", "4"], 4),
+                               (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                 "1"], 4)):
+            args = parse_args(driver.COMMON + driver.mode_flags(mode) + layout, world_size=4)
+            lines = describe_stage_payloads(args)
+            assert len(lines) == chunks - 1, lines
+            plan = __import__("megatron_delta.block", fromlist=["source_plan"]).SourcePlan(
+                mode=mode, num_layers=4, num_blocks=args.delta_num_blocks or 4, sources="exact")
+            for k, line in enumerate(lines, start=1):
+                first = k * 4 // chunks
+                assert f"into layer {first} " in line and f"{len(plan.payload_names(first))} tensors" in line, line
