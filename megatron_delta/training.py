@@ -150,6 +150,8 @@ def setup_model_and_optimizer(args, vocab_size):
     args.padded_vocab_size = padded_vocab_size(vocab_size, args)
     config = transformer_config_from_args(args)
     chunks = build_model_chunks(args, config, args.padded_vocab_size)
+    if torch.cuda.is_available():  # weights are initialised on CPU (identical in every layout), then moved
+        chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer, check_for_nan_in_grad=True)
