@@ -1,7 +1,8 @@
 """Checkpoint conversion (tools/convert_checkpoint.py, tools/evaluate.py, megatron_delta.conversion).
 
 (a) every residual mode: pretrain_gpt trains a tiny model 3 iterations (one subprocess for all modes,
-    TP1/PP1) -> export -> transformers logits == Megatron logits (tools/evaluate.py's code path);
+    TP1/PP1: TP2+PP2 training needs 4 ranks, too slow on the shared 2-core CI; the resharding load path
+    is the same for any layout) -> export -> transformers logits == Megatron logits (tools/evaluate.py code);
 (b) HF -> Megatron -> HF is lossless (tiny Qwen3 and tied Llama, built offline);
 (c) importing with the scalar gate reproduces the HF logits in Megatron;
 (d) clear errors: unknown architecture, missing tokenizer, mode / vocabulary mismatch.
@@ -230,7 +231,7 @@ def test_import_with_gate_reproduces_hf_logits(tmp_path, kind, mode, extra):
     ids = [7, 3, 250, 299, 0, 12, 12, 44]
     meg = conversion.megatron_logits(model, torch.tensor([ids]))[0, :, :300]
     diff = (meg - _hf_logits(hf, ids)).abs().max().item()
-    assert diff <= TOL, diff  # measured ~1e-6 (different matmul order in the fused QKV / fc1)
+    assert diff <= TOL, diff  # measured 1.8e-7 .. 2.4e-7 (logits ~0.5-0.9)
     # and the routed export of the imported model loads as remote code with the same logits
     conversion.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "out"), log=lambda *a: None)
     delta = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
