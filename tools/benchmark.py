@@ -229,7 +229,7 @@ def finalize(results):
         if tg:
             checks = [(r["time_ratio"], tg[0]), (r["saved_ratio"], tg[1]), (r["peak_ratio"], tg[2])]
             r["targets"] = {"time": tg[0], "saved": tg[1], "peak": tg[2]}
-            r["pass"] = {k: (v is not None and v <= t) for k, (v, t) in zip(("time", "saved", "peak"), checks)}
+            r["pass"] = {k: (None if v is None else v <= t) for k, (v, t) in zip(("time", "saved", "peak"), checks)}
 
 
 def run(opts):
@@ -303,7 +303,8 @@ def format_table(report):
         if "targets" in r:
             t = r["targets"]
             tgt = f"<= {t['time']}x / {t['saved']}x / {t['peak']}x"
-            verdict = " / ".join("pass" if r["pass"][k] else "MISS" for k in ("time", "saved", "peak"))
+            verdict = " / ".join("n/a" if r["pass"][k] is None else "pass" if r["pass"][k] else "MISS"
+                                for k in ("time", "saved", "peak"))
         else:
             tgt = verdict = "-"
         lines.append(
