@@ -32,6 +32,8 @@ def _no_traceback(err: str):
     (["--context-parallel-size", "2"], 2, "--context-parallel-size"),
     (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--pipeline-model-parallel-size 2"),
+    (["--residual", "delta", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"], 2, "Megatron-LM #750"),
 ])
 def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world))

@@ -24,6 +24,8 @@ LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "pp4": (4, ["--pipeline-model-parallel-size", "4"]),
+    # Routed modes under PP2+VPP are refused for now (Megatron-Core 0.16 batches the payload-shape
+    # exchange and swaps the two ranks' messages, Megatron-LM #750): baseline only here.
     "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "tp2_pp2_sp": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--sequence-parallel"]),
@@ -53,10 +55,11 @@ def test_layout_matches_tp1(reference, layout):
     root, ref = reference
     world, flags = LAYOUTS[layout]
     collect = layout == "tp2_sp"
-    results = run_distributed(driver.run_layout, world, root, layout, flags, MODES, 5, False, collect,
+    modes = ["baseline"] if layout == "pp2_vpp2" else MODES
+    results = run_distributed(driver.run_layout, world, root, layout, flags, modes, 5, False, collect,
                               timeout=1500)
     res = results[-1]
-    diffs = {m: _max_diff(res[m]["losses"], ref[m]["losses"]) for m in MODES}
+    diffs = {m: _max_diff(res[m]["losses"], ref[m]["losses"]) for m in modes}
     if REPORT:
         with open(REPORT, "a") as f:
             f.write(json.dumps({"layout": layout, "max_abs_loss_diff": diffs}) + "\n")
@@ -69,12 +72,12 @@ def test_layout_matches_tp1(reference, layout):
     tp = 2 if "tp2" in layout else 1
     seq = 32 // tp if "sp" in layout else 32
     for r in results:
-        for m in MODES[1:]:
+        for m in modes[1:]:
             plan = SourcePlan(mode=m, num_layers=4, num_blocks=2 if m in ("delta_block", "attnres") else 4,
                               sources="exact")
             for first, size in r[m]["payloads"].items():
                 assert size == len(plan.payload_names(int(first))) * seq, (layout, m, first, size)
-    if "pp" in layout:
+    if "pp" in layout and "delta" in modes:
         assert any(r["delta"]["payloads"] for r in results), "no pipeline payload was received"
 
     if collect:
@@ -147,8 +150,7 @@ def test_describe_stage_payloads_one_line_per_boundary():
     for mode in MODES[1:]:
         for layout, chunks in ((["--pipeline-model-parallel-size", "2"], 2),
                                (["--pipeline-model-parallel-size", "4"], 4),
-                               (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-                                 "1"], 4)):
+                               ):
             args = parse_args(driver.COMMON + driver.mode_flags(mode) + layout, world_size=4)
             lines = describe_stage_payloads(args)
             assert len(lines) == chunks - 1, lines
