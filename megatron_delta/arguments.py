@@ -208,13 +208,6 @@ def validate_args(args: argparse.Namespace) -> None:
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
         if args.virtual_pipeline_model_parallel_size == 1:
             args.virtual_pipeline_model_parallel_size = None
-    if args.virtual_pipeline_model_parallel_size and pp == 2 and args.residual != "baseline":
-        # The routed payload's shape is sent first (variable_seq_lengths); Megatron-Core 0.16 always
-        # batches that shape exchange, and with PP=2 the send-next/send-prev shapes to the one peer
-        # get swapped (upstream Megatron-LM #750/#1450): the receive sizes mismatch.
-        _fail(f"--residual {args.residual} with --num-layers-per-virtual-pipeline-stage needs "
-              f"--pipeline-model-parallel-size > 2 (with 2 stages Megatron-Core swaps the payload shapes "
-              f"exchanged between the two ranks, Megatron-LM #750); use PP >= 4 or no virtual pipeline")
     if cp > 1:
         _fail("--context-parallel-size > 1 is not supported by megatron-delta yet "
               "(Megatron-Core's context parallelism needs Transformer Engine attention)")

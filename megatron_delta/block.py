@@ -180,12 +180,10 @@ def _delta_blocks(model):
 
 
 @torch.no_grad()
-def collect_routing_stats(args, model, dataset, forward_step, num_batches=1):
+def collect_routing_stats(args, model, dataset, num_batches=1):
     """Routing statistics over `num_batches` validation batches, gathered from every stage."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from megatron_delta.routing_stats import RoutingStatsAccumulator
-    from megatron_delta.training import PretrainingBatches
+    from megatron_delta.training import PretrainingBatches, run_schedule
 
     blocks = list(_delta_blocks(model))
     for b in blocks:
@@ -198,10 +196,7 @@ def collect_routing_stats(args, model, dataset, forward_step, num_batches=1):
             its = [PretrainingBatches(dataset, i * args.global_batch_size, args.micro_batch_size,
                                       parallel_state.get_data_parallel_rank(),
                                       parallel_state.get_data_parallel_world_size()) for _ in model]
-            get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=its if len(model) > 1 else its[0],
-                model=model if len(model) > 1 else model[0], num_microbatches=args.num_microbatches,
-                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=True)
+            run_schedule(args, model, its if len(model) > 1 else its[0], forward_only=True)
             for b in blocks:
                 for buffer in b.routing_records:
                     acc.add_buffer(buffer)

@@ -56,3 +56,66 @@ def payload_seq_length(plan: SourcePlan, first_layer: int, seq_length: int) -> i
     ``seq_length`` is the per-rank sequence length of one tensor (already divided by the TP size
     under sequence parallelism)."""
     return payload_num_tensors(plan, first_layer) * seq_length
+
+
+def _p2p_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _payload_p2p_communicator_class():
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    class PayloadP2PCommunicator(P2PCommunicator):
+        """Megatron's P2PCommunicator, with a shape exchange that is correct when prev == next peer.
+
+        Routed payloads differ in length from boundary to boundary, so p2p sends their shapes first
+        (`variable_seq_lengths`). Messages between two ranks are matched in posting order.
+        """
+
+        # Replaces P2PCommunicator._communicate_shapes: upstream posts [send_prev, recv_prev,
+        # send_next, recv_next]; with PP=2 (VPP) both peers are the same rank, so a rank's send_prev
+        # meets the peer's recv_prev and the shapes swap (Megatron-LM #750). Posting sends as
+        # next-then-prev and receives as prev-then-next pairs every message with its counterpart.
+        def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+            dev = _p2p_device()
+            recv_prev_shape = torch.empty(3, device=dev, dtype=torch.int64) if recv_prev else None
+            recv_next_shape = torch.empty(3, device=dev, dtype=torch.int64) if recv_next else None
+            isend, irecv, op = torch.distributed.isend, torch.distributed.irecv, torch.distributed.P2POp
+            ops = []
+            if tensor_send_next is not None:
+                shape = torch.tensor(tensor_send_next.size(), device=dev, dtype=torch.int64)
+                ops.append(op(isend, shape, self.next_rank, self.pp_group))
+            if tensor_send_prev is not None:
+                shape = torch.tensor(tensor_send_prev.size(), device=dev, dtype=torch.int64)
+                ops.append(op(isend, shape, self.prev_rank, self.pp_group))
+            if recv_prev_shape is not None:
+                ops.append(op(irecv, recv_prev_shape, self.prev_rank, self.pp_group))
+            if recv_next_shape is not None:
+                ops.append(op(irecv, recv_next_shape, self.next_rank, self.pp_group))
+            if ops:
+                for req in torch.distributed.batch_isend_irecv(ops):
+                    req.wait()
+            return ([0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
+                    [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist())
+
+    return PayloadP2PCommunicator
+
+
+def schedule_communication_kwargs(config) -> dict:
+    """Extra arguments for Megatron's forward_backward_func: our p2p communicator when payload shapes
+    travel (routed modes with PP > 1), with the process groups Megatron would otherwise build itself."""
+    if not getattr(config, "variable_seq_lengths", False):
+        return {}
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pgs = ProcessGroupCollection()
+    pgs.tp = parallel_state.get_tensor_model_parallel_group()
+    pgs.cp = parallel_state.get_context_parallel_group()
+    pgs.pp = pp_group
+    pgs.embd = parallel_state.get_embedding_group(check_initialized=False)
+    pgs.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+    pgs.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    return {"p2p_communicator": _payload_p2p_communicator_class()(pp_group=pp_group, config=config),
+            "pg_collection": pgs}

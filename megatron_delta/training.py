@@ -210,16 +210,25 @@ def _iterators(dataset, consumed, args, n_chunks):
     return its if n_chunks > 1 else its[0]
 
 
-def train_step(args, model, optimizer, scheduler, data_iterator):
+def run_schedule(args, model, data_iterator, forward_only):
+    """One global batch through Megatron's forward_backward_func (1F1B, interleaved or none)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
+    from megatron_delta.payload import schedule_communication_kwargs
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model if len(model) > 1 else model[0],
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=forward_only,
+        **schedule_communication_kwargs(get_model_config(model[0])))
+
+
+def train_step(args, model, optimizer, scheduler, data_iterator):
     for m in model:
         m.zero_grad_buffer()
     optimizer.zero_grad()
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data_iterator, model=model if len(model) > 1 else model[0],
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False)
+    reports = run_schedule(args, model, data_iterator, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=args.global_batch_size)
@@ -236,8 +245,6 @@ def _last_stage_value(value):
 @torch.no_grad()
 def evaluate(args, model, dataset, num_batches, start_sample=0):
     """Token-weighted mean loss over `num_batches` global batches of `dataset`."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for m in model:
         m.eval()
     it = _iterators(dataset, start_sample, args, len(model))
@@ -245,10 +252,7 @@ def evaluate(args, model, dataset, num_batches, start_sample=0):
     from megatron.core import parallel_state
 
     for _ in range(num_batches):
-        reports = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=it, model=model if len(model) > 1 else model[0],
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, forward_only=True)
+        reports = run_schedule(args, model, it, forward_only=True)
         if reports:
             total += torch.stack([r["lm loss"] for r in reports]).sum(0).double()
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
@@ -283,7 +287,7 @@ def routing_summary(args, model, dataset):
         return None
     from megatron_delta.block import collect_routing_stats
 
-    return collect_routing_stats(args, model, dataset, forward_step)
+    return collect_routing_stats(args, model, dataset)
 
 
 def train(args, model, optimizer, scheduler, data, start_iteration, consumed, reporter):

@@ -33,7 +33,8 @@ def _no_traceback(err: str):
     (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--pipeline-model-parallel-size 2"),
     (["--residual", "delta", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
-      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"], 2, "Megatron-LM #750"),
+      "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "3"], 2,
+     "a multiple of --pipeline-model-parallel-size 2"),
 ])
 def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world))

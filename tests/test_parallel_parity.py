@@ -24,8 +24,8 @@ LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "pp4": (4, ["--pipeline-model-parallel-size", "4"]),
-    # Routed modes under PP2+VPP are refused for now (Megatron-Core 0.16 batches the payload-shape
-    # exchange and swaps the two ranks' messages, Megatron-LM #750): baseline only here.
+    # Every chunk boundary carries a payload; with PP=2 both neighbours are one rank (the payload-shape
+    # exchange must pair messages correctly: megatron_delta.payload.PayloadP2PCommunicator).
     "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "tp2_pp2_sp": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--sequence-parallel"]),
@@ -55,7 +55,7 @@ def test_layout_matches_tp1(reference, layout):
     root, ref = reference
     world, flags = LAYOUTS[layout]
     collect = layout == "tp2_sp"
-    modes = ["baseline"] if layout == "pp2_vpp2" else MODES
+    modes = MODES
     results = run_distributed(driver.run_layout, world, root, layout, flags, modes, 5, False, collect,
                               timeout=1500)
     res = results[-1]

@@ -231,7 +231,6 @@ def main(argv=None):
     from megatron_delta.data import build_tokenizer
     from megatron_delta.model import build_model_chunks, transformer_config_from_args
     from megatron_delta.sources import SourcePlan
-    from megatron_delta.training import forward_step
 
     initialize_distributed(1, 1, seed=args.seed)
     try:
@@ -251,7 +250,7 @@ def main(argv=None):
                   * args.seq_length, "datasets": {}}
         os.makedirs(opts.output, exist_ok=True)
         for name, ds in datasets_to_report(opts, args, tokenizer):
-            res = collect_routing_stats(args, model, ds, forward_step, num_batches=opts.num_batches)
+            res = collect_routing_stats(args, model, ds, num_batches=opts.num_batches)
             stats = res["stats"]
             columns, names_of = source_columns(plan, stats, bool(args.delta_null_source))
             for key in stats["order"]:
