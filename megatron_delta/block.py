@@ -23,17 +23,12 @@ from megatron_delta.router import DepthRouter
 from megatron_delta.sources import SourceBuffer, SourcePlan
 
 
-def source_plan(config) -> SourcePlan:
-    return SourcePlan(mode=config.residual, num_layers=config.num_layers,
-                      num_blocks=config.delta_num_blocks or config.num_layers, sources=config.delta_sources)
-
-
 class DeltaTransformerBlock(TransformerBlock):
     """TransformerBlock whose layers thread a SourceBuffer (see module docstring)."""
 
     def init_delta(self):
         """Called once by DeltaGPTModel after Megatron built the block: adds what routing needs."""
-        self.plan = source_plan(self.config)
+        self.plan = SourcePlan.from_config(self.config)
         self.record_routing = False
         self.routing_records = []  # SourceBuffers of the micro-batches run while recording
         if self.config.residual in REPLACEMENT_MODES and self.post_process:
@@ -218,10 +213,7 @@ def collect_routing_stats(args, model, dataset, num_batches=1):
 
 def describe_stage_payloads(args):
     """Start-up lines: what crosses each (virtual) pipeline boundary, and its size per micro-batch."""
-    from megatron_delta.config import DeltaTransformerConfig  # noqa: F401  (documentation link)
-
-    plan = SourcePlan(mode=args.residual, num_layers=args.num_layers,
-                      num_blocks=args.delta_num_blocks or args.num_layers, sources=args.delta_sources)
+    plan = SourcePlan.from_config(args)
     chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
     per_chunk = args.num_layers // chunks
     seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)

@@ -45,6 +45,12 @@ class SourcePlan:
     num_blocks: int
     sources: str = "exact"
 
+    @classmethod
+    def from_config(cls, cfg, mode: Optional[str] = None) -> "SourcePlan":
+        """From a DeltaTransformerConfig or parsed flags (same field names); `mode` overrides residual."""
+        return cls(mode=mode or cfg.residual, num_layers=cfg.num_layers,
+                   num_blocks=cfg.delta_num_blocks or cfg.num_layers, sources=cfg.delta_sources)
+
     def __post_init__(self) -> None:
         if self.mode == "baseline":
             raise ValueError("--residual baseline has no depth sources; build no SourcePlan for it")

@@ -183,9 +183,7 @@ def payloads(opts, mode, args):
         if mode == "baseline":
             names = ["x"]
         else:
-            plan = SourcePlan(mode=mode, num_layers=args.num_layers,
-                              num_blocks=args.delta_num_blocks or args.num_layers, sources=args.delta_sources)
-            names = plan.payload_names(first)
+            names = SourcePlan.from_config(args, mode).payload_names(first)
         out.append({"boundary": k, "first_layer": first, "names": names, "bytes": len(names) * one})
     return out
 
@@ -195,8 +193,7 @@ def max_sources(mode, args):
         return 0
     from megatron_delta.sources import SourcePlan
 
-    return SourcePlan(mode=mode, num_layers=args.num_layers, num_blocks=args.delta_num_blocks or args.num_layers,
-                      sources=args.delta_sources).max_sources()
+    return SourcePlan.from_config(args, mode).max_sources()
 
 
 def profile_mode(model, batch, top=15):

@@ -65,9 +65,7 @@ def cmd_train(run_dir, flags):
     if args.residual != "baseline":
         from megatron_delta.sources import SourcePlan
 
-        max_sources = SourcePlan(mode=args.residual, num_layers=args.num_layers,
-                                 num_blocks=args.delta_num_blocks or args.num_layers,
-                                 sources=args.delta_sources).max_sources() + int(bool(args.delta_null_source))
+        max_sources = SourcePlan.from_config(args).max_sources() + int(bool(args.delta_null_source))
     summary = {
         "residual": args.residual,
         "delta_num_blocks": args.delta_num_blocks if args.residual in ("delta_block", "attnres") else None,

@@ -67,6 +67,7 @@ def build_parser():
     p.add_argument("--residual", choices=["baseline", "attnres", "full_attnres", "delta", "delta_block"],
                    default="baseline")
     p.add_argument("--delta-num-blocks", type=int, default=None)
+    p.add_argument("--delta-sources", choices=["exact", "authors-code"], default="exact")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
@@ -119,7 +120,7 @@ def source_plan(a):
         return None
     from megatron_delta.sources import SourcePlan
 
-    return SourcePlan(mode=a.residual, num_layers=a.num_layers, num_blocks=a.delta_num_blocks or a.num_layers)
+    return SourcePlan.from_config(a)
 
 
 # ----------------------------------------------------------------------------------- parameters

@@ -241,8 +241,7 @@ def main(argv=None):
         print(f" loaded {ckpt_dir} (iteration {iteration}, --residual {args.residual}, saved with TP"
               f"{cfg.get('tensor_model_parallel_size')} PP{cfg.get('pipeline_model_parallel_size')}"
               f" VPP{cfg.get('virtual_pipeline_model_parallel_size')}; read as TP1 PP1)")
-        plan = SourcePlan(mode=args.residual, num_layers=args.num_layers,
-                          num_blocks=args.delta_num_blocks or args.num_layers, sources=args.delta_sources)
+        plan = SourcePlan.from_config(args)
         report = {"checkpoint": os.path.abspath(ckpt_dir), "iteration": iteration, "residual": args.residual,
                   "num_layers": args.num_layers, "delta_num_blocks": args.delta_num_blocks,
                   "delta_sources": args.delta_sources, "delta_null_source": bool(args.delta_null_source),
