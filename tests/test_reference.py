@@ -493,17 +493,22 @@ def test_megatron_components_match(megatron_gpt):
 
 def test_megatron_full_forward_matches_baseline(megatron_gpt):
     """Whole GPTModel logits vs the baseline reference. Megatron-Core's DotProductAttention (global
-    memory buffer) and RotaryEmbedding.get_emb call torch.cuda.current_device(), so this needs CUDA."""
-    if not torch.cuda.is_available():
-        pytest.skip("Megatron-Core's GPTModel forward needs CUDA (DotProductAttention's global "
-                    "memory buffer, RotaryEmbedding.get_emb); components are checked on CPU")
+    memory buffer) and RotaryEmbedding.get_emb call torch.cuda.current_device(): without CUDA the
+    package's CPU adaptation of Megatron makes that the CPU device."""
+    from megatron.core import tensor_parallel
+
+    from megatron_delta.cpu_platform import activate_cpu_platform
+
+    activate_cpu_platform()
+    tensor_parallel.model_parallel_cuda_manual_seed(11)  # attention forks the model-parallel RNG
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     model, _ = megatron_gpt
     w = weights_from_megatron_state_dict(model.state_dict())
     tok = _tokens()
-    model = model.cuda()
+    model = model.to(dev)
     try:
         with torch.no_grad():
-            out = model(tok.cuda(), torch.arange(S, device="cuda")[None].expand(B, S), None)
+            out = model(tok.to(dev), torch.arange(S, device=dev)[None].expand(B, S), None)
     finally:
         model.cpu()
     ref = reference_forward(w, CFG, tok, "baseline")
