@@ -20,7 +20,7 @@ disabled; the result is cast back to the sources' dtype.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Union
 
 import torch
 from torch import Tensor

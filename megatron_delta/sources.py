@@ -20,11 +20,9 @@ At the very start (first_layer 0) every mode's state is just the embedding outpu
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
-import torch
 from torch import Tensor
 
 from megatron_delta.router import DepthRouter, Source, make_source

@@ -12,7 +12,6 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -123,8 +122,6 @@ def _resolve_data(args):
 
 
 def build_data(args, tokenizer):
-    from megatron.core import parallel_state
-
     from megatron_delta.data import build_gpt_datasets
 
     gbs = args.global_batch_size
@@ -142,7 +139,6 @@ def build_data(args, tokenizer):
 
 
 def setup_model_and_optimizer(args, vocab_size):
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

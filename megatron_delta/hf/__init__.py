@@ -31,7 +31,6 @@ def write_remote_code_model(model_or_state_dict, config: DeltaQwen3Config, out_d
     dropped (it is re-tied on load). ``dtype`` optionally casts floating backbone tensors; router
     tensors (``*_router.*``) always stay fp32.
     """
-    import torch
     from safetensors.torch import save_file
 
     if not isinstance(config, DeltaQwen3Config):
