@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro x data-parallel")
-    g.add_argument("--train-iters", type=int, default=None, help="default: 300 in the embedded default run, else 100")
+    g.add_argument("--train-iters", type=int, default=None, help="default: 200 in the embedded default run, else 100")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=3e-4)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
@@ -253,7 +253,7 @@ def validate_args(args: argparse.Namespace) -> None:
 
     # Schedule.
     if args.train_iters is None:
-        args.train_iters = 300 if args.embedded_default else 100
+        args.train_iters = 200 if args.embedded_default else 100
     if args.embedded_default and args.time_limit_minutes is None:
         args.time_limit_minutes = 3.5  # the default run promises at most 5 minutes on 2 cores, data build included
     if args.train_iters < 0:
