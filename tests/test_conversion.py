@@ -1,8 +1,8 @@
 """Checkpoint conversion (tools/convert_checkpoint.py, tools/evaluate.py, megatron_delta.conversion).
 
-(a) every residual mode: pretrain_gpt trains a tiny model 3 iterations (one subprocess for all modes,
-    TP1/PP1: TP2+PP2 training needs 4 ranks, too slow on the shared 2-core CI; the resharding load path
-    is the same for any layout) -> export -> transformers logits == Megatron logits (tools/evaluate.py code);
+(a) every residual mode: pretrain_gpt trains a tiny model 3 iterations under TP2+PP2 (4 gloo ranks, ONE
+    launch trains all modes in sequence: tests/conversion_driver.py) -> export (resharded to one
+    process) -> transformers logits == Megatron logits (tools/evaluate.py code), fp32, <= 1e-4;
 (b) HF -> Megatron -> HF is lossless (tiny Qwen3 and tied Llama, built offline);
 (c) importing with the scalar gate reproduces the HF logits in Megatron;
 (d) clear errors: unknown architecture, missing tokenizer, mode / vocabulary mismatch.
@@ -26,6 +26,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 
 from megatron_delta import conversion  # noqa: E402
 from megatron_delta.checkpointing import CheckpointError, load_checkpoint  # noqa: E402
+from tests import conversion_driver  # noqa: E402
+from tests.dist_utils import run_distributed  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4
@@ -41,20 +43,12 @@ MODES = {
     "attnres": ["--residual", "attnres", "--delta-num-blocks", "2", "--delta-null-source"],
     "full_attnres": ["--residual", "full_attnres"],
 }
+# TP2+PP2 (4 ranks, DP1): 2 micro-batches of 2 per iteration
+LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 COMMON = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-          "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "3",
-          "--lr", "3e-2", "--lr-warmup-iters", "0", "--eval-iters", "1", "--eval-interval", "100",
-          "--log-interval", "100"]
-
-_TRAIN_ALL = """
-import json, sys, torch
-torch.set_num_threads(1)
-from megatron_delta.training import main
-for argv in json.loads(sys.argv[1]):
-    rc = main(argv)
-    if rc:
-        sys.exit(rc)
-"""
+          "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+          "--train-iters", "3", "--lr", "3e-2", "--lr-warmup-iters", "0", "--eval-iters", "1",
+          "--eval-interval", "100", "--log-interval", "100"] + LAYOUT
 
 
 @pytest.fixture(autouse=True)
@@ -91,19 +85,20 @@ def _spm_model(tmp):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Train every mode 3 iterations in one pretrain_gpt subprocess; returns {name: checkpoint dir}."""
+    """Train every mode 3 iterations under TP2+PP2 in one 4-rank launch; returns {name: checkpoint dir}."""
     tmp = tmp_path_factory.mktemp("trained")
     spm = _spm_model(tmp)
     runs, argvs = {}, []
     for name, flags in MODES.items():
         runs[name] = str(tmp / name)
         tok = (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", spm] if name == "baseline"
-               else ["--vocab-size", "256"])
+               else ["--vocab-size", "255"])  # NullTokenizer: 255 + EOD = 256 tokens
         argvs.append(COMMON + flags + tok + ["--save", runs[name]])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-c", _TRAIN_ALL, json.dumps(argvs)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = run_distributed(conversion_driver.train_all, 4, argvs, timeout=900)
+    assert [r["iteration"] for r in results[-1]] == [3] * len(argvs)
+    for name, ckpt in runs.items():  # really saved under the TP2+PP2 layout
+        rc = json.load(open(os.path.join(ckpt, "iter_0000003", "run_config.json")))
+        assert (rc["tensor_model_parallel_size"], rc["pipeline_model_parallel_size"]) == (2, 2), name
     return runs, spm, tmp
 
 
