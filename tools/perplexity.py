@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""Held-out perplexity of a megatron-delta checkpoint: SOTU validation speeches and the Wikipedia sample.
+
+    python tools/perplexity.py --load runs/default-delta_block [--output ppl.json]
+        [--data-path [NAME=]PREFIX ...] [--max-tokens 65536] [--seq-length S] [--batch-size 8]
+
+By default it reads the two held-out sets of the bundled corpus (megatron_delta.data.ensure_default_data,
+built once under --cache-dir): `sotu_valid` (every 10th State of the Union speech, never trained on) and
+`wiki` (the Wikipedia sample, another distribution). `--data-path` takes other preprocessed prefixes
+(tokenised with the checkpoint's tokenizer), optionally named `NAME=PREFIX`.
+
+What is measured: each dataset's documents are concatenated in file order (EOD after each document, as
+preprocessing wrote them) and the first --max-tokens tokens (0 = all) are cut into consecutive windows of
+--seq-length + 1 tokens that overlap by one token, so every token after the first is predicted exactly
+once, with up to --seq-length tokens of context from its own window. The perplexity is
+exp(sum of next-token NLL / number of predicted tokens) over the tokenizer's vocabulary (the padding rows
+of Megatron's embedding are dropped, as in the exported Hugging Face model). Unlike the validation that
+pretrain_gpt.py prints (the first --eval-iters batches of Megatron's shuffled GPTDataset), this covers a
+fixed, contiguous prefix of each set, the same for every checkpoint, so runs compare directly.
+
+The checkpoint (any TP/PP/VPP layout) is read resharded into one TP1/PP1 model in this process.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+PROG = "perplexity.py"
+
+
+class PerplexityError(ValueError):
+    """Bad input; the message names the flag or file."""
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--load", required=True, help="a run directory (its latest checkpoint) or an iter_* directory")
+    p.add_argument("--output", default=None, help="write the figures as JSON here")
+    p.add_argument("--data-path", nargs="+", default=None, metavar="[NAME=]PREFIX",
+                   help="preprocessed data prefixes (default: the bundled SOTU validation split and Wikipedia sample)")
+    p.add_argument("--max-tokens", type=int, default=65536, help="tokens read per dataset (0 = all; default 65536)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="tokens of context per window (default: the checkpoint's --seq-length)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--cache-dir", default=os.path.join("runs", "cache"), help="where the default data is built")
+    return p
+
+
+def read_token_stream(prefix, max_tokens, flag="--data-path"):
+    """The documents of a Megatron indexed dataset concatenated in order (first max_tokens; 0 = all)."""
+    import numpy as np
+
+    from megatron_delta.data import validate_indexed_prefix
+
+    validate_indexed_prefix(prefix, flag)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    parts, n = [], 0
+    for i in range(len(ds)):
+        doc = np.asarray(ds[i], dtype=np.int64)
+        if max_tokens:
+            doc = doc[:max_tokens - n]
+        parts.append(doc)
+        n += len(doc)
+        if max_tokens and n >= max_tokens:
+            break
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def windows(num_tokens, seq_length):
+    """[(start, end)] of consecutive windows of up to seq_length + 1 tokens overlapping by one token:
+    window k predicts tokens start+1 .. end-1, so tokens 1 .. num_tokens-1 are each predicted once."""
+    out, start = [], 0
+    while start + 1 < num_tokens:
+        end = min(start + seq_length + 1, num_tokens)
+        out.append((start, end))
+        start = end - 1
+    return out
+
+
+def stream_nll(logits_fn, stream, seq_length, batch_size, vocab):
+    """Summed next-token NLL (float64) and the number of predicted tokens. logits_fn: [b, s] -> [b, s, V>=vocab]."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens = torch.as_tensor(stream, dtype=torch.long)
+    spans = windows(len(tokens), seq_length)
+    total, count = 0.0, 0
+    i = 0
+    while i < len(spans):
+        # one batch: windows of one length (only the last window may be shorter)
+        length = spans[i][1] - spans[i][0]
+        batch = [spans[i]]
+        while len(batch) < batch_size and i + len(batch) < len(spans) and \
+                spans[i + len(batch)][1] - spans[i + len(batch)][0] == length:
+            batch.append(spans[i + len(batch)])
+        x = torch.stack([tokens[s:e] for s, e in batch])
+        logits = logits_fn(x[:, :-1])[..., :vocab].double()
+        total += F.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1), reduction="sum").item()
+        count += x[:, 1:].numel()
+        i += len(batch)
+    return total, count
+
+
+def datasets_to_measure(opts, rc):
+    """[(name, prefix, flag)]: the default held-out sets, or --data-path."""
+    if opts.data_path:
+        out = []
+        for item in opts.data_path:
+            name, _, prefix = item.rpartition("=") if "=" in item else (None, "", item)
+            out.append((name or os.path.basename(prefix).replace("_text_document", ""), prefix, "--data-path"))
+        return out
+    if rc.get("tokenizer_type") == "NullTokenizer":
+        raise PerplexityError("--load: the checkpoint was trained on mock tokens (NullTokenizer); pass --data-path")
+    from megatron_delta.data import ensure_default_data
+
+    paths = ensure_default_data(opts.cache_dir)
+    mine = rc.get("tokenizer_model")
+    if not mine or not os.path.isfile(mine) or not _same_file(mine, paths["tokenizer_model"]):
+        raise PerplexityError(f"--load: the checkpoint's tokenizer ({mine}) is not the bundled corpus' default "
+                              f"tokenizer ({paths['tokenizer_model']}); pass --data-path with data preprocessed "
+                              f"by the checkpoint's tokenizer")
+    return [("sotu_valid", paths["sotu_valid_data_path"], "default SOTU validation data"),
+            ("wiki", paths["heldout_data_path"], "default Wikipedia held-out data")]
+
+
+def _same_file(a, b):
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def main(argv=None):
+    opts = build_parser().parse_args(argv)
+    try:
+        if opts.max_tokens < 0:
+            raise PerplexityError(f"--max-tokens must be >= 0 (0 = all), got {opts.max_tokens}")
+        if opts.batch_size < 1:
+            raise PerplexityError(f"--batch-size must be >= 1, got {opts.batch_size}")
+        if opts.seq_length is not None and opts.seq_length < 1:
+            raise PerplexityError(f"--seq-length must be >= 1, got {opts.seq_length}")
+        return _run(opts)
+    except PerplexityError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(opts):
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from megatron_delta.training import _quiet_known_warnings
+
+    _quiet_known_warnings()
+    from megatron_delta.checkpointing import CheckpointError, read_run_config, resolve_checkpoint_dir
+    from megatron_delta.conversion import ConversionError, load_megatron, megatron_logits, true_vocab_size
+    from megatron_delta.cpu_platform import destroy_distributed
+
+    try:
+        ckpt_dir, iteration = resolve_checkpoint_dir(opts.load)
+        rc = read_run_config(ckpt_dir)
+        seq = opts.seq_length or rc.get("seq_length") or rc["max_position_embeddings"]
+        if seq > rc["max_position_embeddings"]:
+            raise PerplexityError(f"--seq-length {seq} exceeds the checkpoint's --max-position-embeddings "
+                                  f"{rc['max_position_embeddings']}")
+        sets = datasets_to_measure(opts, rc)
+        streams = []
+        for name, prefix, flag in sets:
+            try:
+                streams.append((name, prefix, read_token_stream(prefix, opts.max_tokens, flag)))
+            except ValueError as err:
+                raise PerplexityError(str(err)) from err
+        model, _, rc = load_megatron(ckpt_dir)
+        vocab = true_vocab_size(rc)
+        result = {"checkpoint": os.path.abspath(ckpt_dir), "iteration": iteration, "residual": rc.get("residual"),
+                  "seq_length": seq, "max_tokens": opts.max_tokens, "datasets": {}}
+        print(f" loaded {ckpt_dir} (iteration {iteration}, --residual {rc.get('residual')}); windows of {seq} "
+              f"tokens of context")
+        for name, prefix, stream in streams:
+            bad = stream[(stream < 0) | (stream >= vocab)]
+            if len(bad):
+                raise PerplexityError(f"{prefix}: token ids {bad[:5].tolist()} are outside the checkpoint's "
+                                      f"vocabulary [0, {vocab}): preprocess it with the checkpoint's tokenizer")
+            t0 = time.time()
+            nll, count = stream_nll(lambda x: megatron_logits(model, x), stream, seq, opts.batch_size, vocab)
+            if count == 0:
+                raise PerplexityError(f"{prefix}: fewer than 2 tokens to evaluate")
+            mean = nll / count
+            result["datasets"][name] = {"data_path": prefix, "num_tokens": int(len(stream)),
+                                        "predicted_tokens": count, "windows": len(windows(len(stream), seq)),
+                                        "nll": nll, "mean_nll": mean, "ppl": math.exp(min(mean, 50.0))}
+            print(f" [{name}] {count:,} predicted tokens | mean NLL {mean:.4f} | ppl {math.exp(min(mean, 50.0)):.3f}"
+                  f" | {time.time() - t0:.1f} s")
+    except (ConversionError, CheckpointError) as err:
+        raise PerplexityError(str(err)) from err
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            destroy_distributed()
+    if opts.output:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
+        with open(opts.output, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f" wrote {opts.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
