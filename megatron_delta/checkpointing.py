@@ -35,6 +35,11 @@ LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
 RECORDED_FLAGS = MODEL_FLAGS + LAYOUT_FLAGS + ("seq_length", "tokenizer_type", "tokenizer_model", "vocab_size",
                                                "transformer_impl", "bf16", "seed")
+# What a checkpoint imported from Hugging Face (tools/convert_checkpoint.py import) records about its origin;
+# a run that loads it (`--finetune --load`, or a resume) with the same NullTokenizer vocabulary keeps it in
+# every checkpoint it saves, so exporting the fine-tuned model writes the HF tokenizer again.
+PROVENANCE_KEYS = ("hf_vocab_size", "imported_from", "imported_for_layout")
+HF_TOKENIZER_SUBDIR = "hf_tokenizer"  # the HF tokenizer files, copied into the checkpoint directory
 
 
 class CheckpointError(RuntimeError):
@@ -80,6 +85,51 @@ def read_run_config(ckpt_dir: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a megatron-delta checkpoint")
     return json.load(open(path))
+
+
+def hf_tokenizer_dir(ckpt_dir: str, rc: dict) -> str | None:
+    """The HF tokenizer directory a checkpoint carries (run_config `hf_tokenizer_dir`, relative to the
+    checkpoint directory, or absolute in older checkpoints); None when it records none."""
+    path = rc.get("hf_tokenizer_dir")
+    if not path:
+        return None
+    return path if os.path.isabs(path) else os.path.join(ckpt_dir, path)
+
+
+def carried_provenance(ckpt_dir: str, saved: dict, args) -> dict:
+    """The HF provenance of a loaded checkpoint that the run's own checkpoints keep: only when the run
+    uses the same token ids (NullTokenizer with the imported vocabulary). {} otherwise."""
+    if not saved.get("hf_vocab_size"):
+        return {}
+    same_ids = (getattr(args, "tokenizer_type", None) == "NullTokenizer"
+                and getattr(args, "vocab_size", None) is not None and args.vocab_size + 1 == saved["hf_vocab_size"])
+    if not same_ids:
+        return {}
+    carried = {k: saved[k] for k in PROVENANCE_KEYS if k in saved}
+    tok = hf_tokenizer_dir(ckpt_dir, saved)
+    if tok is not None:
+        if not os.path.isdir(tok):
+            raise CheckpointError(f"--load {ckpt_dir}: its run_config.json names the HF tokenizer directory {tok}, "
+                                  f"which is missing; restore it or re-import the model")
+        carried["hf_tokenizer_source"] = os.path.abspath(tok)
+    return carried
+
+
+def copy_hf_tokenizer(src: str, ckpt_dir: str) -> str | None:
+    """Copy the tokenizer files of `src` into CKPT/hf_tokenizer; returns the relative name to record
+    (None when `src` holds no tokenizer file, e.g. a model built from a config alone)."""
+    names = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    if not any(n not in ("generation_config.json", "tokenizer_config.json") for n in names):
+        return None
+    dst = os.path.join(ckpt_dir, HF_TOKENIZER_SUBDIR)
+    os.makedirs(dst, exist_ok=True)
+    for name in names:
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    return HF_TOKENIZER_SUBDIR
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
 def check_model_flags(saved: dict, args, ckpt_dir: str) -> None:
@@ -152,7 +202,12 @@ def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed_sampl
     if _rank0():
         config = {k: getattr(args, k, None) for k in RECORDED_FLAGS}
         config.update(iteration=iteration, consumed_samples=consumed_samples, has_optimizer=bool(save_optim))
-        config.update(extra or {})
+        carried = dict(getattr(args, "carried_provenance", None) or {})
+        carried.update(extra or {})
+        tok_src = carried.pop("hf_tokenizer_source", None)
+        if tok_src and copy_hf_tokenizer(tok_src, partial):
+            carried["hf_tokenizer_dir"] = HF_TOKENIZER_SUBDIR
+        config.update(carried)
         with open(os.path.join(partial, RUN_CONFIG), "w") as f:
             json.dump(config, f, indent=1)
         if os.path.isdir(final_dir):  # re-saving an iteration (e.g. --train-iters 0 twice)

@@ -40,10 +40,10 @@ import tempfile
 
 import torch
 
+from megatron_delta.checkpointing import HF_TOKENIZER_FILES
+
 ROUTER_FIELDS = ("query", "key_norm_weight", "null_source", "gate")
 SUPPORTED_HF_ARCHS = ("Qwen3ForCausalLM", "LlamaForCausalLM")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")
 
 
 class ConversionError(ValueError):
@@ -138,16 +138,17 @@ def hf_to_megatron_state_dict(hf, *, num_layers, num_attention_heads, num_query_
 
 
 # =============================================================================================== Megatron side
-def _model_argv(c: dict) -> list:
-    """pretrain_gpt flags that rebuild the model described by a run_config-like dict."""
+def model_flags(c: dict) -> list:
+    """pretrain_gpt flags of the model a run_config-like dict describes (no data / tokenizer / layout flags).
+    For an imported checkpoint, fine-tune with these + `--tokenizer-type NullTokenizer --vocab-size
+    <run_config vocab_size> --finetune --load CKPT`."""
     argv = ["--num-layers", c["num_layers"], "--hidden-size", c["hidden_size"],
             "--ffn-hidden-size", c["ffn_hidden_size"], "--num-attention-heads", c["num_attention_heads"],
             "--num-query-groups", c["num_query_groups"], "--kv-channels", c["kv_channels"],
             "--norm-epsilon", c["norm_epsilon"], "--rotary-base", c["rotary_base"],
-            "--max-position-embeddings", c["max_position_embeddings"], "--seq-length", c["max_position_embeddings"],
+            "--max-position-embeddings", c["max_position_embeddings"],
             "--residual", c["residual"], "--delta-gate", c.get("delta_gate") or "none",
-            "--delta-sources", c.get("delta_sources") or "exact", "--micro-batch-size", 1,
-            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 1, "--train-iters", 0]
+            "--delta-sources", c.get("delta_sources") or "exact"]
     argv += ["--qk-layernorm"] if c["qk_layernorm"] else ["--no-qk-layernorm"]
     if c.get("untie_embeddings_and_output_weights"):
         argv.append("--untie-embeddings-and-output-weights")
@@ -158,6 +159,13 @@ def _model_argv(c: dict) -> list:
     if c.get("delta_router_eps") is not None:
         argv += ["--delta-router-eps", c["delta_router_eps"]]
     return [str(a) for a in argv]
+
+
+def _model_argv(c: dict) -> list:
+    """pretrain_gpt flags that rebuild the model described by a run_config-like dict (no training)."""
+    return model_flags(c) + [str(a) for a in (
+        "--seq-length", c["max_position_embeddings"], "--micro-batch-size", 1, "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", 1, "--train-iters", 0)]
 
 
 def _check_supported_run_config(rc: dict, where: str):
@@ -309,11 +317,15 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
     """Megatron checkpoint -> HF directory (written to a temporary sibling, renamed at the end)."""
     if dtype not in ("fp32", "bf16"):
         raise ConversionError(f"--dtype must be fp32 or bf16, got {dtype!r}")
-    from megatron_delta.checkpointing import read_run_config, resolve_checkpoint_dir
+    from megatron_delta.checkpointing import hf_tokenizer_dir, read_run_config, resolve_checkpoint_dir
 
     ckpt_dir, _ = resolve_checkpoint_dir(load)
     rc = read_run_config(ckpt_dir)
     vocab = true_vocab_size(rc)  # fails early on a missing tokenizer
+    hf_tok = hf_tokenizer_dir(ckpt_dir, rc)
+    if hf_tok is not None and not os.path.isdir(hf_tok):
+        raise ConversionError(f"--load {ckpt_dir}: the HF tokenizer directory {hf_tok} (run_config.json "
+                              f"hf_tokenizer_dir) is missing; restore it or re-import the model")
     model, _, rc = load_megatron(load)
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()
           if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
@@ -353,9 +365,9 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
             from megatron_delta.hf import export_sentencepiece_tokenizer
 
             export_sentencepiece_tokenizer(spm, tmp)
-        elif rc.get("hf_tokenizer_dir") and os.path.isdir(rc["hf_tokenizer_dir"]):
-            for f in TOKENIZER_FILES:
-                src = os.path.join(rc["hf_tokenizer_dir"], f)
+        elif hf_tok:
+            for f in HF_TOKENIZER_FILES:
+                src = os.path.join(hf_tok, f)
                 if os.path.isfile(src) and f != "generation_config.json":
                     shutil.copyfile(src, os.path.join(tmp, f))
         else:
@@ -441,7 +453,9 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = "baseline", de
     args.vocab_size = vocab - 1  # NullTokenizer semantics: --vocab-size N gives N + 1 tokens
     args.tokenizer_type, args.tokenizer_model = "NullTokenizer", None
     args.make_vocab_size_divisible_by = make_vocab_size_divisible_by
-    extra = dict(hf_vocab_size=vocab, imported_from=hf_dir, hf_tokenizer_dir=hf_dir,
+    # the HF tokenizer files are copied into the checkpoint (CKPT/iter_*/hf_tokenizer): fine-tuning runs that
+    # load it carry them on, and export writes them next to the model
+    extra = dict(hf_vocab_size=vocab, imported_from=hf_dir, hf_tokenizer_source=hf_dir,
                  imported_for_layout=dict(tensor_model_parallel_size=tensor_model_parallel_size,
                                           pipeline_model_parallel_size=pipeline_model_parallel_size))
     tmp = _tmp_sibling(save)

@@ -366,6 +366,10 @@ def _pretrain(args):
                 args.load, model, optimizer, scheduler, args,
                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
         reporter.print(f" loaded {ckpt} (iteration {iteration}{', fine-tuning from it' if args.finetune else ''})")
+        from megatron_delta.checkpointing import carried_provenance, read_run_config
+
+        # an imported HF model's vocabulary and tokenizer travel on into this run's checkpoints
+        args.carried_provenance = carried_provenance(ckpt, read_run_config(ckpt), args)
 
     data = build_data(args, tokenizer)
     iteration, consumed = train(args, model, optimizer, scheduler, data, iteration, consumed, reporter)

@@ -267,3 +267,66 @@ def test_mode_and_vocab_mismatch_are_refused(tmp_path):
         conversion.hf_to_megatron_state_dict(sd, num_layers=0, num_attention_heads=4, num_query_groups=2,
                                              kv_channels=16, hidden_size=64, qk_layernorm=True, tied=True,
                                              padded_vocab_size=256)
+
+
+# ---------------------------------------------------------------------------------------------- (e) fine-tuning
+def _finetune(ckpt, save, extra=("--mock-data",), iters=2, seq=16):
+    """pretrain_gpt.py --finetune --load CKPT (an imported checkpoint) with its model flags (+ `extra`)."""
+    from megatron_delta.checkpointing import read_run_config, resolve_checkpoint_dir
+
+    rc = read_run_config(resolve_checkpoint_dir(ckpt)[0])
+    argv = (conversion.model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(rc["vocab_size"]),
+                                          "--finetune", "--load", ckpt, "--router-lr-mult", "100", "--lr", "5e-5",
+                                          "--min-lr", "5e-6", "--lr-warmup-iters", "0", "--weight-decay", "0.0",
+                                          "--seq-length", str(seq), "--micro-batch-size", "1",
+                                          "--global-batch-size", "2", "--train-iters", str(iters),
+                                          "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1",
+                                          "--save", save, "--no-save-optim"] + list(extra))
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
+    """Qwen3 (built from a config) + its tokenizer -> import delta_block (scalar gate, null source) ->
+    pretrain_gpt --finetune --router-lr-mult 100 -> export: the fine-tuned checkpoint still carries the HF
+    tokenizer, AutoTokenizer loads from the export and encodes like the original, the routers moved."""
+    from megatron_delta.hf import export_sentencepiece_tokenizer
+
+    spm = _spm_model(tmp_path)
+    import sentencepiece
+
+    vocab = sentencepiece.SentencePieceProcessor(model_file=spm).get_piece_size()
+    hf = _tiny("qwen3", vocab_size=vocab)
+    hf.save_pretrained(tmp_path / "src")
+    export_sentencepiece_tokenizer(spm, str(tmp_path / "src"))
+    src_tok = AutoTokenizer.from_pretrained(str(tmp_path / "src"))
+    conversion.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "imported"), "delta_block", delta_num_blocks=2,
+                                 delta_gate="scalar", delta_null_source=True, log=lambda *a: None)
+    rc0 = json.load(open(tmp_path / "imported" / "iter_0000000" / "run_config.json"))
+    assert rc0["hf_tokenizer_dir"] == "hf_tokenizer"  # copied into the checkpoint, not a path to the source
+    out = _finetune(str(tmp_path / "imported"), str(tmp_path / "ft"))
+    assert "fine-tuning from it" in out
+    rc = json.load(open(tmp_path / "ft" / "iter_0000002" / "run_config.json"))
+    assert rc["hf_vocab_size"] == vocab and rc["hf_tokenizer_dir"] == "hf_tokenizer"
+    assert rc["imported_from"] == str(tmp_path / "src")
+    # the source directory may go away: the checkpoint carries its own copy
+    import shutil
+
+    shutil.rmtree(tmp_path / "src")
+    shutil.rmtree(tmp_path / "imported")
+    conversion.export_checkpoint(str(tmp_path / "ft"), str(tmp_path / "hf_ft"), log=lambda *a: None)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf_ft"))
+    for text in ("The state of the union.", "people  government\nyear nation"):
+        assert tok(text)["input_ids"] == src_tok(text)["input_ids"], text
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_ft"), trust_remote_code=True).eval()
+    assert type(model).__name__ == "DeltaQwen3ForCausalLM" and model.config.vocab_size == vocab
+    assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if n.endswith("_router.query"))
+    ids = tok("The union of the people.")["input_ids"]
+    assert torch.isfinite(_hf_logits(model, ids)).all()
+    # a recorded tokenizer directory that went missing is a clear error, not a silent export without it
+    shutil.rmtree(tmp_path / "ft" / "iter_0000002" / "hf_tokenizer")
+    with pytest.raises(conversion.ConversionError, match="HF tokenizer directory .* is missing"):
+        conversion.export_checkpoint(str(tmp_path / "ft"), str(tmp_path / "hf_ft2"), log=lambda *a: None)
