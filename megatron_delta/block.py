@@ -36,6 +36,16 @@ class DeltaTransformerBlock(TransformerBlock):
         else:
             self.final_router = None
 
+    def readers(self, layers, final: bool = False) -> dict:
+        """Receiver -> router for a SourceBuffer whose scope is ``layers`` (+ the final router)."""
+        out = {}
+        for layer in layers:
+            out[layer.first_sublayer] = layer.self_attention_router
+            out[layer.first_sublayer + 1] = layer.mlp_router
+        if final and self.final_router is not None:
+            out["final"] = self.final_router
+        return out
+
     @property
     def first_layer(self) -> int:
         """0-based global index of this chunk's first layer."""
@@ -56,7 +66,8 @@ class DeltaTransformerBlock(TransformerBlock):
         eps = self.config.delta_router_eps
         if self.pre_process:
             h0 = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-            buffer = SourceBuffer.start(self.plan, h0, eps, record_routing=self.record_routing)
+            buffer = SourceBuffer.start(self.plan, h0, eps, record_routing=self.record_routing,
+                                        readers=self.readers(self.layers, final=self.post_process))
             tensors = None
         else:
             names = self.plan.payload_names(self.first_layer)
@@ -79,11 +90,13 @@ class DeltaTransformerBlock(TransformerBlock):
                 if buffer is not None:
                     tensors = buffer.to_tensors()
                 tensors = self._checkpointed_layers(tensors, layer_kwargs)
-                buffer = SourceBuffer.from_tensors(self.plan, self.end_layer, tensors, eps)
+                buffer = SourceBuffer.from_tensors(self.plan, self.end_layer, tensors, eps,
+                                                   readers=self.readers([], final=self.post_process))
             else:
                 if buffer is None:
                     buffer = SourceBuffer.from_tensors(self.plan, self.first_layer, tensors, eps,
-                                                       record_routing=self.record_routing)
+                                                       record_routing=self.record_routing,
+                                                       readers=self.readers(self.layers, final=self.post_process))
                 for layer in self.layers:
                     with self._inner_fp8_context(layer):
                         layer(buffer, **layer_kwargs)
@@ -125,7 +138,8 @@ class DeltaTransformerBlock(TransformerBlock):
         def run(start, end):
             def fn(*ts):
                 first = self.layers[start].layer_number - 1
-                buffer = SourceBuffer.from_tensors(self.plan, first, list(ts), eps)
+                buffer = SourceBuffer.from_tensors(self.plan, first, list(ts), eps,
+                                                   readers=self.readers(self.layers[start:end]))
                 for layer in self.layers[start:end]:
                     with self._inner_fp8_context(layer):
                         layer(buffer, **layer_kwargs)

@@ -3,24 +3,28 @@
 Plain PyTorch, no Megatron import. For sources s_1..s_N (each [s, b, d]) and router parameters
 w (query), g (key RMSNorm weight), optional z (null source) and a (scalar gate):
 
-    logit_i = (s_i . (w * g)) * inv_rms_i          inv_rms_i = rsqrt(mean_d(s_i^2) + eps)
-    alpha   = softmax_i(logit)                        per token
-    r       = sum_i alpha_i * s_i                     (values are the UNnormalised sources)
+    logit_i = (s_i . q) * inv_rms_i       q = w * g,  inv_rms_i = rsqrt(mean_d(s_i^2) + eps)
+    alpha   = softmax_i(logit)            per token
+    r       = sum_i alpha_i * s_i         (values are the UNnormalised sources)
 
-Memory: the sources are never stacked. ``_RouteFunction`` saves only references to the source
-values and their (shared) inv_rms tensors - which are alive anyway because they are the sources -
-plus the per-token dot products [N, s*b] (fp32, small) and the few router vectors. ``inv_rms`` is
-computed once per source by :func:`make_source` as a non-differentiable cache; the router's
-backward differentiates through it analytically, so each (source, router) pair costs exactly one
-[s, b, d] gradient tensor.
+Cost model (CPU and GPU alike, the router is memory-bound): a source is read by many routers
+(h0 by every sublayer), so everything that depends only on (source, router query) is done ONCE per
+source, for all the routers that will read it, when the source is created (:func:`make_source`):
+one GEMM [tokens, d] x [d, J] gives the J normalised logit columns, and its backward is one GEMM
+for the source gradient and one for the J query gradients (``_ProjectSource``). The per-router
+work (``_RouteFunction``) is then only the weighted sum (and, in backward, one dot product and one
+scaled copy of the output gradient per source). The additive modes fuse the residual:
+``u = x + gated(r)`` is produced by the same pass (``base=x``).
 
-All router math runs in fp32 (float64 if the inputs are float64, for gradcheck) with autocast
-disabled; the result is cast back to the sources' dtype.
+Memory: sources are never stacked. Saved for backward: references to the source values (alive
+anyway), the softmax weights [M, tokens] and the logits [J, tokens] (fp32, small), the router
+vectors. All router math runs in fp32 (float64 for float64 inputs, for gradcheck) with autocast
+disabled; the result is cast back once to the activation dtype.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -29,10 +33,12 @@ __all__ = ["Source", "make_source", "DepthRouter", "route"]
 
 
 class Source(NamedTuple):
-    """One routing source: its value and the cached 1/rms of every token."""
+    """One routing source: its value, its 1/rms per token and its logit columns per reader."""
 
     value: Tensor  # [s, b, d], activation dtype
-    inv_rms: Tensor  # [s, b], fp32
+    inv_rms: Tensor  # [s, b], fp32, detached (the differentiable path goes through `logits`)
+    logits: Mapping  # DepthRouter -> [s*b] fp32 logit (value . q) * inv_rms, differentiable
+    eps: float
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -43,83 +49,132 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return out
 
 
-def _flat(t: Tensor, rows: int, cols: int) -> Tensor:
-    """[..., cols] -> [rows, cols] without a copy when possible."""
-    return t.reshape(rows, cols)
-
-
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _inv_rms(value: Tensor, eps: float) -> Tensor:
-    cdt = _compute_dtype(value.dtype)
+def _inv_rms(value: Tensor, eps: float, cdt: torch.dtype) -> Tensor:
     # vector_norm accumulates in `cdt` without materialising an fp32 copy of a bf16 value.
     norm = torch.linalg.vector_norm(value, dim=-1, dtype=cdt)
     return norm.square_().div_(value.shape[-1]).add_(eps).rsqrt_()
 
 
-def make_source(value: Tensor, eps: float) -> Source:
-    """Wrap a [s, b, d] tensor as a routing source, computing its inv_rms once.
+class _ProjectSource(torch.autograd.Function):
+    """inv = rsqrt(mean(v^2) + eps) and z_k = (v . q_k) * inv for J queries, in ONE pass over v.
 
-    ``inv_rms`` is a non-differentiable cache (fp32 [s, b], no autograd graph, nothing saved):
-    the router differentiates through it analytically (d inv_rms / d v = -inv_rms^3 v / d), inside
-    its own backward, so the gradient w.r.t. ``value`` is complete without one extra [s, b, d]
-    gradient tensor per (source, router) pair. A Source must therefore always hold
-    ``inv_rms == rsqrt(mean_d(value^2) + eps)`` of its own value - build it with this function.
-    """
-    with torch.no_grad(), torch.autocast(device_type=value.device.type, enabled=False):
-        inv = _inv_rms(value, eps)
-    return Source(value, inv)
+    Inputs: value [.., d], eps, then J queries [d]. Outputs: inv [T] (non-differentiable) and the
+    J logit columns z_k [T] (T = tokens). Backward, with c_k = dz_k * inv:
 
-
-class _RouteFunction(torch.autograd.Function):
-    """r = a * sum_i softmax_i((v_i . q) * inv_i) v_i  (+ the null source), without stacking.
-
-    Inputs: n (number of real sources), q [d], gate ([1] or None: the scale a, fused), null_logit
-    (0-dim or None), null_value ([d] or None), then n values [.., d] and n inv_rms [..].
-    Outputs: r (in the first value's dtype) and alpha [M, T] (non-differentiable; M = n + null,
-    the null source last; T = tokens).
-
-    Saved for backward: q, gate, null tensors, the logits [M, T] (compute dtype) and REFERENCES to
-    the values and inv_rms. Every [T, d] tensor is touched one source at a time, so the transient
-    memory is O(1) tensors of [T, d] (an fp32 copy of one bf16 source at a time), never O(N).
-
-    ``inv_rms`` is treated as the cache of ``rsqrt(mean(v^2) + eps)`` it is (see make_source): no
-    gradient is returned for it; its derivative is folded into each value's gradient:
-
-        d logit_i / d v_i = inv_i q - logit_i inv_i^2 v_i / d
+        dv = C Q - (sum_k dz_k z_k) inv^2 v / d        (one GEMM + one pass)
+        dq_k = c_k . v                                   (one GEMM for all k)
     """
 
     @staticmethod
-    def forward(ctx, n, out_dtype, q, gate, null_logit, null_value, *tensors):
-        values = tensors[:n]
-        invs = tensors[n:]
+    def forward(ctx, value, eps, *queries):
+        ctx.set_materialize_grads(False)
+        d = value.shape[-1]
+        rows = value.numel() // d
+        cdt = _compute_dtype(value.dtype, *(q.dtype for q in queries))
+        vf = _as(value.reshape(rows, d), cdt)
+        inv = _inv_rms(vf, eps, cdt)
+        zt = torch.stack([_as(q, cdt) for q in queries]) @ vf.t() if len(queries) else vf.new_empty(0, rows)
+        zt.mul_(inv)  # [J, T]
+        ctx.cdt = cdt
+        ctx.save_for_backward(value, inv, zt, *queries)
+        ctx.mark_non_differentiable(inv)
+        return (inv, *zt.unbind(0))
+
+    @staticmethod
+    def backward(ctx, _grad_inv, *grad_z):
+        value, inv, zt, *queries = ctx.saved_tensors
+        used = [k for k, g in enumerate(grad_z) if g is not None]
+        if not used:
+            return (None, None) + (None,) * len(queries)
+        cdt = ctx.cdt
+        d = value.shape[-1]
+        rows = inv.numel()
+        dz = torch.stack([_as(grad_z[k], cdt) for k in used])  # [J', T]
+        c = dz * inv
+        e = (dz * zt[used]).sum(0).mul_(inv.square()).mul_(-1.0 / d)  # [T]
+        vf = _as(value.reshape(rows, d), cdt)
+        q = torch.stack([_as(queries[k], cdt) for k in used])  # [J', d]
+        grad_value = None
+        if ctx.needs_input_grad[0]:
+            gv = torch.mm(c.t(), q)
+            gv.addcmul_(vf, e.unsqueeze(1))
+            grad_value = _as(gv, value.dtype).view(value.shape)
+        grad_q = [None] * len(queries)
+        if any(ctx.needs_input_grad[2:]):
+            dq = torch.mm(c, vf)
+            for row, k in zip(dq.unbind(0), used):
+                grad_q[k] = _as(row, queries[k].dtype)
+        return (grad_value, None, *grad_q)
+
+
+def make_source(value: Tensor, eps: float, readers: Sequence["DepthRouter"] = (),
+                queries: Optional[Mapping] = None) -> Source:
+    """Wrap a [s, b, d] tensor as a routing source for the routers ``readers`` (in any order).
+
+    Computes 1/rms per token and the logit column of every reader in one pass over ``value``
+    (see _ProjectSource); a router that is not among ``readers`` projects the source itself when
+    it reads it (correct, one extra pass). The logits are differentiable w.r.t. ``value`` and the
+    readers' parameters; ``inv_rms`` is a detached copy for diagnostics. ``queries`` (router ->
+    its ``query_vector()``) lets many sources share one q tensor per router: each projection saves
+    its queries for backward, and shared ones are saved once, not once per source.
+    """
+    readers = list(dict.fromkeys(readers))  # unique, order kept
+    queries = queries if queries is not None else {}
+    outside = any(r.outside_fp8 for r in readers)
+    with torch.autocast(device_type=value.device.type, enabled=False), _outside_fp8(outside):
+        if not readers:
+            with torch.no_grad():
+                inv = _inv_rms(value.reshape(-1, value.shape[-1]), eps, _compute_dtype(value.dtype))
+            return Source(value, inv.view(value.shape[:-1]), {}, eps)
+        qs = [queries[r] if r in queries else r.query_vector() for r in readers]
+        inv, *cols = _ProjectSource.apply(value, eps, *qs)
+    return Source(value, inv.view(value.shape[:-1]), dict(zip(readers, cols)), eps)
+
+
+class _RouteFunction(torch.autograd.Function):
+    """out = base + a * sum_i softmax_i(z_i) v_i  (+ the null source), without stacking.
+
+    Inputs: n (number of real sources), out_dtype, base ([.., d] or None), gate ([1] or None),
+    null_logit (0-dim or None), null_value ([d] or None), then n values [.., d] and their n logit
+    columns z_i [T]. Outputs: out (``out_dtype``) and alpha [M, T] (non-differentiable; M = n +
+    null, the null source last).
+
+    Saved for backward: gate, null tensors, alpha [M, T] (compute dtype) and REFERENCES to the
+    values. Every [T, d] tensor is touched one source at a time: the transient memory is O(1)
+    tensors of [T, d] (an fp32 copy of one bf16 source at a time), never O(N).
+    """
+
+    @staticmethod
+    def forward(ctx, n, out_dtype, base, gate, null_logit, null_value, *tensors):
+        values, cols = tensors[:n], tensors[n:]
         v0 = values[0]
         shape = v0.shape
         d = shape[-1]
         rows = v0.numel() // d
-        cdt = _compute_dtype(q.dtype, *(v.dtype for v in values))
-        qc = _as(q, cdt)
+        cdt = _compute_dtype(*(v.dtype for v in values), *(c.dtype for c in cols))
         has_null = null_logit is not None
         m = n + int(has_null)
         flat = [v.reshape(rows, d) for v in values]
 
         logits = torch.empty(m, rows, dtype=cdt, device=v0.device)
-        dots = logits[:n]
-        for vf, dot in zip(flat, dots.unbind(0)):
-            torch.mv(vf if vf.dtype == cdt else vf.to(cdt), qc, out=dot)
-        dots.mul_(_stack_inv(invs, rows, cdt))
+        for col, row in zip(cols, logits.unbind(0)):
+            row.copy_(col)
         if has_null:
             logits[n].copy_(null_logit)
         alpha = torch.softmax(logits, dim=0)
         w = alpha if gate is None else alpha * _as(gate, cdt)
         wcols = w.unsqueeze(2).unbind(0)
 
-        # Accumulate on a fresh compute-dtype buffer; mixed-dtype ops upcast on the fly.
-        out = torch.mul(flat[0], wcols[0])
-        if out.dtype != cdt:
-            out = out.to(cdt)
+        # One fresh compute-dtype accumulator; mixed-dtype ops upcast on the fly.
+        if base is None:
+            out = torch.mul(flat[0], wcols[0])
+        else:
+            out = torch.addcmul(_as(base.reshape(rows, d), cdt), flat[0], wcols[0])
+        out = _as(out, cdt)
         for i in range(1, n):
             out.addcmul_(flat[i], wcols[i])
         if has_null:
@@ -127,9 +182,9 @@ class _RouteFunction(torch.autograd.Function):
         result = _as(out, out_dtype or v0.dtype).view(shape)
 
         ctx.n = n
-        ctx.shape = shape
         ctx.cdt = cdt
-        ctx.save_for_backward(q, gate, null_logit, null_value, logits, *values, *invs)
+        ctx.base_dtype = None if base is None else base.dtype
+        ctx.save_for_backward(gate, null_logit, null_value, alpha, *values)
         ctx.mark_non_differentiable(alpha)
         return result, alpha
 
@@ -137,92 +192,68 @@ class _RouteFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_alpha):
         n = ctx.n
         cdt = ctx.cdt
-        saved = ctx.saved_tensors
-        q, gate, null_logit, null_value, logits = saved[:5]
-        values = saved[5 : 5 + n]
-        invs = saved[5 + n :]
-        d = ctx.shape[-1]
-        m, rows = logits.shape
+        gate, null_logit, null_value, alpha, *values = ctx.saved_tensors
+        m, rows = alpha.shape
+        d = grad_out.shape[-1]
         has_null = null_logit is not None
-        qc = _as(q, cdt)
-        needs = ctx.needs_input_grad[1:]  # (out_dtype, q, gate, null_logit, null_value, *v, *inv)
+        # needs: (n, out_dtype, base, gate, null_logit, null_value, *values, *cols)
+        needs = ctx.needs_input_grad
         flat = [v.reshape(rows, d) for v in values]
-
-        alpha = torch.softmax(logits, dim=0)  # bitwise the forward's
         g = None if gate is None else _as(gate, cdt)
         w = alpha if g is None else alpha * g
 
         grad = _as(grad_out.reshape(rows, d), cdt)
         # dL/dw_i per token: <grad, v_i>
-        dw = torch.empty(m, rows, dtype=cdt, device=logits.device)
+        dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)
         for vf, dwi in zip(flat, dw[:n].unbind(0)):
-            torch.linalg.vecdot(grad, vf if vf.dtype == cdt else vf.to(cdt), out=dwi)
+            torch.linalg.vecdot(grad, _as(vf, cdt), out=dwi)
         if has_null:
             torch.mv(grad, _as(null_value, cdt), out=dw[n])
 
         grad_gate = None
-        if g is not None and needs[2]:
+        if g is not None and needs[3]:
             grad_gate = (alpha * dw).sum().reshape(gate.shape).to(gate.dtype)
         dalpha = dw if g is None else dw.mul_(g)
         dlogit = dalpha.sub_((alpha * dalpha).sum(0, keepdim=True)).mul_(alpha)
 
-        inv = _stack_inv(invs, rows, cdt)
-        c = dlogit[:n] * inv  # dL/d(v_i . q) per token
-        e = dlogit[:n] * logits[:n]  # dL/dv_i through inv_i: e_i v_i
-        e.mul_(inv.square_()).mul_(-1.0 / d)
-        cs = c.unbind(0)
-        ecols = e.unsqueeze(2).unbind(0)
         wcols = w.unsqueeze(2).unbind(0)
-
-        grad_q = torch.zeros_like(qc) if needs[1] else None
         grad_values = []
         for i in range(n):
-            vf = flat[i]
-            if needs[5 + i]:
-                gv = torch.mul(grad, wcols[i])
-                gv.addr_(cs[i], qc)
-                gv.addcmul_(vf, ecols[i])
-                grad_values.append(_as(gv, vf.dtype).view(values[i].shape))
+            if needs[6 + i]:
+                grad_values.append(_as(torch.mul(grad, wcols[i]), values[i].dtype).view(values[i].shape))
             else:
                 grad_values.append(None)
-            if grad_q is not None:
-                grad_q.addmv_((vf if vf.dtype == cdt else vf.to(cdt)).t(), cs[i])
-        grad_null_logit = None
-        grad_null_value = None
+        grad_cols = [dlogit[i] if needs[6 + n + i] else None for i in range(n)]
+        grad_base = None
+        if ctx.base_dtype is not None and needs[2]:
+            grad_base = _as(grad_out, ctx.base_dtype)
+        grad_null_logit = grad_null_value = None
         if has_null:
-            if needs[3]:
-                grad_null_logit = dlogit[n].sum().to(null_logit.dtype)
             if needs[4]:
+                grad_null_logit = dlogit[n].sum().to(null_logit.dtype)
+            if needs[5]:
                 grad_null_value = torch.mv(grad.t(), w[n]).to(null_value.dtype)
-        if grad_q is not None:
-            grad_q = grad_q.to(q.dtype)
-        return (None, None, grad_q, grad_gate, grad_null_logit, grad_null_value, *grad_values,
-                *([None] * n))
-
-
-def _stack_inv(invs, rows: int, cdt: torch.dtype) -> Tensor:
-    """[N, T] copy of the N inv_rms (N * T scalars: negligible next to one [T, d] pass)."""
-    return torch.stack([_as(t.reshape(rows), cdt) for t in invs])
+        return (None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, *grad_values,
+                *grad_cols)
 
 
 def route(
-    sources: Sequence[Source],
-    q: Tensor,
+    values: Sequence[Tensor],
+    logits: Sequence[Tensor],
     *,
+    base: Optional[Tensor] = None,
     gate: Optional[Tensor] = None,
     null_logit: Optional[Tensor] = None,
     null_value: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Functional router over >= 1 sources. Returns (r [s, b, d] in ``out_dtype`` (default: the
-    first source's dtype), alpha [M, s*b] with M = N (+1 for the null source, last)).
-    ``gate`` scales r (fused into the fp32 math)."""
-    n = len(sources)
-    if n == 0:
-        raise ValueError("route() needs at least one source")
-    values = [src.value for src in sources]
-    invs = [src.inv_rms for src in sources]
-    return _RouteFunction.apply(n, out_dtype, q, gate, null_logit, null_value, *values, *invs)
+    """Functional router over >= 1 sources given their logit columns [T] (see make_source).
+    Returns (out [s, b, d] = base + gate * r, in ``out_dtype`` (default: the first value's dtype),
+    alpha [M, s*b] with M = N (+1 for the null source, last))."""
+    n = len(values)
+    if n == 0 or len(logits) != n:
+        raise ValueError("route() needs at least one source and one logit column per source")
+    return _RouteFunction.apply(n, out_dtype, base, gate, null_logit, null_value, *values, *logits)
 
 
 def _outside_fp8(enabled: bool):
@@ -297,10 +328,20 @@ class DepthRouter(torch.nn.Module):
             f"eps={self.eps}, sequence_parallel={self.sequence_parallel}"
         )
 
+    def query_vector(self) -> Tensor:
+        """q = w * g: the logit of a source is (s . q) * inv_rms(s)."""
+        return self.query * self.key_norm_weight
+
     def _null(self, q: Tensor) -> Tuple[Tensor, Tensor]:
         z = self.null_source
         inv = torch.rsqrt(z.pow(2).mean() + self.eps)
         return torch.dot(z, q) * inv, z
+
+    def _logit(self, src: Source, q: Tensor) -> Tensor:
+        col = src.logits.get(self)
+        if col is None:  # a source made without this router among its readers: project it now
+            col = _ProjectSource.apply(src.value, src.eps, q)[1]
+        return col
 
     def forward(
         self,
@@ -309,35 +350,39 @@ class DepthRouter(torch.nn.Module):
         *,
         like: Optional[Tensor] = None,
         apply_gate: bool = False,
+        base: Optional[Tensor] = None,
     ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-        """Route over ``sources``. Returns r [s, b, d] in the sources' dtype (``like.dtype`` when
-        ``like`` is given: the activation dtype of the residual stream) and, with
+        """Route over ``sources`` (made by :func:`make_source`). Returns r [s, b, d] and, with
         ``return_weights``, alpha [s, b, N(+1)] fp32 (detached; the null source is LAST).
 
-        ``apply_gate=True`` returns ``gated(r)`` computed in fp32 before the single cast (fused, no
-        extra pass); the default keeps the documented ``u = x + router.gated(router(S))`` form.
-        With zero sources ``like`` gives shape/dtype/device: the result is zeros (or the null
-        source broadcast to every token, when present) as a broadcast (expanded) view, still
-        connected to every parameter (zero gradients) so no parameter is left without a grad.
+        ``base=x`` returns ``x + gated(r)`` in x's dtype, fused (the additive modes' input u);
+        ``apply_gate=True`` applies the gate inside the fp32 math before the single cast. Without
+        ``base`` the result is in the sources' dtype (``like.dtype`` when ``like`` is given).
+        With zero sources ``like`` (or ``base``) gives shape/dtype/device: r is zeros (or the null
+        source broadcast to every token, when present), still connected to every parameter (zero
+        gradients) so no parameter is left without a grad.
         """
+        like = base if base is not None else like
         ref = sources[0].value if len(sources) else like
         device_type = ref.device.type if ref is not None else "cpu"
         with torch.autocast(device_type=device_type, enabled=False), _outside_fp8(self.outside_fp8):
-            q = self.query * self.key_norm_weight
+            q = self.query_vector()
             gate = self.gate if (apply_gate and self.gate is not None) else None
             null_logit = null_value = None
             if self.null_source is not None:
                 null_logit, null_value = self._null(q)
             if len(sources) == 0:
-                return self._no_sources(q, gate, null_logit, null_value, like, return_weights)
-            out, alpha = route(sources, q, gate=gate, null_logit=null_logit, null_value=null_value,
-                               out_dtype=None if like is None else like.dtype)
-        if return_weights:
-            shape = sources[0].value.shape[:-1]
-            return out, alpha.t().reshape(*shape, alpha.shape[0])
-        return out
+                out, alpha = self._no_sources(q, gate, null_logit, null_value, like)
+                if base is not None:
+                    out = base + out
+            else:
+                out, alpha = route([s.value for s in sources], [self._logit(s, q) for s in sources],
+                                   base=base, gate=gate, null_logit=null_logit, null_value=null_value,
+                                   out_dtype=None if like is None else like.dtype)
+                alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])
+        return (out, alpha) if return_weights else out
 
-    def _no_sources(self, q, gate, null_logit, null_value, like, return_weights):
+    def _no_sources(self, q, gate, null_logit, null_value, like):
         if like is None:
             raise ValueError("DepthRouter: zero sources need `like=` (a tensor giving shape/dtype)")
         zero = q.sum() * 0.0
@@ -348,11 +393,9 @@ class DepthRouter(torch.nn.Module):
         if gate is not None:
             vec = vec * gate
         out = vec.to(like.dtype).expand(like.shape)
-        if return_weights:
-            m = 1 if null_value is not None else 0
-            alpha = torch.ones(*like.shape[:-1], m, dtype=torch.float32, device=like.device)
-            return out, alpha
-        return out
+        m = 1 if null_value is not None else 0
+        alpha = torch.ones(*like.shape[:-1], m, dtype=torch.float32, device=like.device)
+        return out, alpha
 
     def gated(self, r: Tensor) -> Tensor:
         """a * r with the scalar gate (computed in fp32, cast back to r's dtype), else r."""

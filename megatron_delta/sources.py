@@ -21,8 +21,9 @@ At the very start (first_layer 0) every mode's state is just the embedding outpu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
+import torch
 from torch import Tensor
 
 from megatron_delta.router import DepthRouter, Source, make_source
@@ -144,6 +145,30 @@ class SourcePlan:
         # full_attnres
         return [f"B{c}" for c in range(j)] + ["p"]
 
+    def value_readers(self, name: str, j: Union[int, str]) -> tuple:
+        """The receivers (sublayer indices >= j, then 'final') that read the VALUE that source
+        ``name`` holds when receiver ``j`` reads it. P<b> and p are rewritten at every commit, so
+        their value has one reader - except p at a replacement-mode block start, which then lives
+        on as the next B<c>."""
+        cache = self.__dict__.setdefault("_value_readers_cache", {})
+        key = (name, j)
+        if key not in cache:
+            cache[key] = tuple(self._compute_value_readers(name, j))
+        return cache[key]
+
+    def _compute_value_readers(self, name: str, j: Union[int, str]) -> List[Union[int, str]]:
+        if j == "final":
+            return ["final"]
+        if name == "p" and (self.mode == "full_attnres" or self.is_block_start(j)):
+            # p becomes B<c>, c = the number of B sources j reads (all but p)
+            return [j] + list(self.value_readers(f"B{len(self._reads(j)) - 1}", j + 1))
+        if name == "p" or (name.startswith("P") and self.mode == "delta_block"):
+            return [j]
+        out: List[Union[int, str]] = [k for k in range(j, self.num_sublayers) if name in self._reads(k)]
+        if name in self.final_reads():
+            out.append("final")
+        return out
+
     def num_sources_read(self, j: int) -> int:
         """How many sources sublayer j's router reads (excluding the null source)."""
         return len(self.reads(j))
@@ -167,7 +192,7 @@ class SourcePlan:
         the last layer (additive: ['x']; replacement: what the final router reads).
 
         Exactly what this and later stages read, plus the residual stream x of the additive modes
-        (sent rather than re-derived from the sources so that pipeline splits are bitwise exact).
+        (sent rather than re-derived from the sources, which would round differently).
         """
         f = first_layer
         L = self.num_layers
@@ -193,7 +218,7 @@ class SourcePlan:
 
 
 class _Entry:
-    """A held source: its value and (lazily, once) its Source with the cached inv_rms."""
+    """A held source: its value and (lazily, once) its Source: 1/rms and its readers' logits."""
 
     __slots__ = ("value", "source")
 
@@ -213,15 +238,16 @@ class SourceBuffer:
     then ``buf.output(final_router)`` on the last stage or ``buf.to_tensors()`` at a stage (or
     recompute-chunk) boundary, i.e. after an MLP sublayer.
 
-    ``inv_rms`` of every source is computed lazily, once, the first time a router reads it. So
-    :meth:`from_tensors` is cheap (no reduction at all until a source is read) and, inside a
-    recomputed (checkpointed) function, rebuilds them as functions of its explicit tensor inputs.
-    A caller that wants to reuse the inv_rms computed before a boundary may pass them
-    (:meth:`payload_inv_rms` / ``from_tensors(..., inv_rms=...)``).
+    ``readers`` maps each receiver of this buffer's scope (sublayer index j, and 'final') to its
+    router: the chunk's layers, or the layers of one recomputed group. A source is projected
+    (make_source: 1/rms and the logits of ALL its readers in the scope, one pass) lazily, the first
+    time a router reads it; so :meth:`from_tensors` is cheap and, inside a recomputed function,
+    rebuilds everything as functions of its explicit tensor inputs. A router missing from
+    ``readers`` still works (it projects the source itself), at the cost of an extra pass.
     """
 
     def __init__(self, plan: SourcePlan, first_layer: int, eps: float, *,
-                 record_routing: bool = False) -> None:
+                 record_routing: bool = False, readers: Optional[Mapping] = None) -> None:
         self.plan = plan
         self.eps = float(eps)
         self.first_layer = first_layer
@@ -231,13 +257,15 @@ class SourceBuffer:
         self._pending: Optional[int] = None
         self.record_routing = record_routing
         self.routing: Dict[Union[int, str], Tensor] = {}  # j (or 'final') -> alpha [s, b, N(+1)]
+        self.readers: Mapping = dict(readers or {})  # j (or 'final') -> DepthRouter
+        self._queries: Dict[DepthRouter, Tensor] = {}  # one q = w * g per router, shared by its sources
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def start(cls, plan: SourcePlan, h0: Tensor, eps: float, *,
-              record_routing: bool = False) -> "SourceBuffer":
+    def start(cls, plan: SourcePlan, h0: Tensor, eps: float, *, record_routing: bool = False,
+              readers: Optional[Mapping] = None) -> "SourceBuffer":
         """The first stage's state, from the embedding output h0 [s, b, d]."""
-        buf = cls(plan, 0, eps, record_routing=record_routing)
+        buf = cls(plan, 0, eps, record_routing=record_routing, readers=readers)
         if plan.additive:
             buf.x = h0
             if not (plan.mode == "delta_block" and plan.authors):
@@ -248,32 +276,24 @@ class SourceBuffer:
 
     @classmethod
     def from_tensors(cls, plan: SourcePlan, first_layer: int, tensors: Sequence[Tensor], eps: float,
-                     *, inv_rms: Optional[Sequence[Optional[Tensor]]] = None,
-                     record_routing: bool = False) -> "SourceBuffer":
+                     *, record_routing: bool = False,
+                     readers: Optional[Mapping] = None) -> "SourceBuffer":
         """Rebuild the state at the start of layer ``first_layer`` from the tensors named
-        ``plan.payload_names(first_layer)`` (in that order). ``inv_rms`` (optional, aligned with
-        ``tensors``, None entries allowed) reuses already computed 1/rms of those sources."""
+        ``plan.payload_names(first_layer)`` (in that order)."""
         names = plan.payload_names(first_layer)
         tensors = list(tensors)
         if len(tensors) != len(names):
             raise ValueError(
                 f"from_tensors: expected {len(names)} tensors {names} for first_layer={first_layer}, "
                 f"got {len(tensors)}")
-        if inv_rms is not None and len(inv_rms) != len(tensors):
-            raise ValueError("from_tensors: inv_rms must be aligned with tensors")
         if first_layer == 0:
-            buf = cls.start(plan, tensors[0], eps, record_routing=record_routing)
-            if inv_rms is not None and inv_rms[0] is not None and buf._entries:
-                entry = next(iter(buf._entries.values()))
-                entry.source = Source(tensors[0], inv_rms[0])
-            return buf
-        buf = cls(plan, first_layer, eps, record_routing=record_routing)
-        for k, (name, t) in enumerate(zip(names, tensors)):
+            return cls.start(plan, tensors[0], eps, record_routing=record_routing, readers=readers)
+        buf = cls(plan, first_layer, eps, record_routing=record_routing, readers=readers)
+        for name, t in zip(names, tensors):
             if name == "x":
                 buf.x = t
-                continue
-            inv = None if inv_rms is None else inv_rms[k]
-            buf._entries[name] = _Entry(t, None if inv is None else Source(t, inv))
+            else:
+                buf._entries[name] = _Entry(t)
         return buf
 
     # ------------------------------------------------------------------ export
@@ -303,25 +323,22 @@ class SourceBuffer:
         f = self._at_boundary("to_tensors")
         return [self._named(n, f).value for n in self.plan.payload_names(f)]
 
-    def payload_inv_rms(self) -> List[Optional[Tensor]]:
-        """inv_rms aligned with :meth:`to_tensors` (None where not computed yet, and for x)."""
-        f = self._at_boundary("payload_inv_rms")
-        out = []
-        for n in self.plan.payload_names(f):
-            e = self._named(n, f)
-            out.append(None if (n == "x" or e.source is None) else e.source.inv_rms)
-        return out
-
     @property
     def names(self) -> List[str]:
         """Debug view of what is held: 'x' (additive modes) and the source names, in order."""
         return (["x"] if self.x is not None else []) + list(self._entries)
 
     # ------------------------------------------------------------------ reading
-    def _source(self, name: str) -> Source:
+    def _source(self, name: str, j: Union[int, str]) -> Source:
+        """The Source of ``name`` as receiver j reads it, projected for all its readers in scope."""
         e = self._entries[name]
         if e.source is None:
-            e.source = make_source(e.value, self.eps)
+            readers = [self.readers[k] for k in self.plan.value_readers(name, j) if k in self.readers]
+            for r in readers:
+                if r not in self._queries:
+                    with torch.autocast(device_type=e.value.device.type, enabled=False):
+                        self._queries[r] = r.query_vector()
+            e.source = make_source(e.value, self.eps, readers, self._queries)
         return e.source
 
     def read(self, j: int) -> List[Source]:
@@ -331,7 +348,7 @@ class SourceBuffer:
         if missing:
             raise RuntimeError(
                 f"sublayer {j} reads {missing}, which this buffer (holding {self.names}) lacks")
-        return [self._source(n) for n in names]
+        return [self._source(n, j) for n in names]
 
     def _expect(self, j: int) -> None:
         if self._pending is not None:
@@ -339,13 +356,13 @@ class SourceBuffer:
         if j != self.next_sublayer:
             raise RuntimeError(f"expected sublayer {self.next_sublayer}, got {j}")
 
-    def _route(self, key, router: DepthRouter, sources: List[Source], *, like: Optional[Tensor],
+    def _route(self, key, router: DepthRouter, sources: List[Source], *, base: Optional[Tensor],
                apply_gate: bool) -> Tensor:
         if self.record_routing:
-            r, alpha = router(sources, True, like=like, apply_gate=apply_gate)
+            r, alpha = router(sources, True, base=base, apply_gate=apply_gate)
             self.routing[key] = alpha.detach()
             return r
-        return router(sources, like=like, apply_gate=apply_gate)
+        return router(sources, base=base, apply_gate=apply_gate)
 
     def routed_input(self, j: int, router: DepthRouter) -> Tensor:
         """The input u of sublayer j: additive modes ``x + gated(r_j(S))``, replacement modes
@@ -354,8 +371,7 @@ class SourceBuffer:
         plan = self.plan
         sources = self.read(j)
         if plan.additive:
-            r = self._route(j, router, sources, like=self.x, apply_gate=True)
-            u = self.x + r
+            u = self._route(j, router, sources, base=self.x, apply_gate=True)  # x + G(r), one pass
             if plan.mode == "delta_block" and plan.authors and plan.is_block_start(j):
                 # The public code appends, after routing and before the output is added,
                 # x (first time) or x - blocks[-1] (later).
@@ -363,7 +379,7 @@ class SourceBuffer:
                 val = self.x if b == 0 else self.x - self._entries[f"A{b - 1}"].value
                 self._entries[f"A{b}"] = _Entry(val)
         else:
-            u = self._route(j, router, sources, like=None, apply_gate=False)
+            u = self._route(j, router, sources, base=None, apply_gate=False)
             if plan.mode == "full_attnres" or plan.is_block_start(j):
                 p = self._entries.pop("p")
                 nb = len(self._entries)
@@ -409,5 +425,5 @@ class SourceBuffer:
         if final_router is None:
             raise ValueError(f"--residual {self.plan.mode} needs a final router")
         names = self.plan.final_reads()
-        return self._route("final", final_router, [self._source(n) for n in names],
-                           like=None, apply_gate=False)
+        return self._route("final", final_router, [self._source(n, "final") for n in names],
+                           base=None, apply_gate=False)

@@ -65,12 +65,23 @@ class Toy:
             ps += list(r.parameters())
         return ps
 
-    def run(self, h0, boundaries=(), check=None, record_routing=False):
+    def readers(self, first_layer, boundaries):
+        """Receiver -> router of the chunk that starts at first_layer (as DeltaTransformerBlock)."""
+        end = min([b for b in boundaries if b > first_layer] + [self.plan.num_layers])
+        out = {j: self.routers[j] for j in range(2 * first_layer, 2 * end)}
+        if end == self.plan.num_layers and self.final is not None:
+            out["final"] = self.final
+        return out
+
+    def run(self, h0, boundaries=(), check=None, record_routing=False, scoped=True):
         """Run all layers; at every layer index in `boundaries` hand the state over through
-        to_tensors -> pack -> unpack -> from_tensors, as a pipeline stage boundary does."""
+        to_tensors -> pack -> unpack -> from_tensors, as a pipeline stage boundary does.
+        ``scoped``: buffers know their chunk's routers (one projection per source), else every
+        router projects the sources it reads itself."""
         plan = self.plan
         s = h0.shape[0]
-        buf = SourceBuffer.start(plan, h0, EPS, record_routing=record_routing)
+        buf = SourceBuffer.start(plan, h0, EPS, record_routing=record_routing,
+                                 readers=self.readers(0, boundaries) if scoped else None)
         bufs = [buf]
         for layer in range(plan.num_layers + 1):
             if layer in boundaries:
@@ -79,8 +90,8 @@ class Toy:
                 payload = pack_stage_payload(ts)
                 assert payload.shape[0] == payload_seq_length(plan, layer, s)
                 tensors = unpack_stage_payload(payload, len(ts))
-                buf = SourceBuffer.from_tensors(plan, layer, tensors, EPS,
-                                                record_routing=record_routing)
+                buf = SourceBuffer.from_tensors(plan, layer, tensors, EPS, record_routing=record_routing,
+                                                readers=self.readers(layer, boundaries) if scoped else None)
                 bufs.append(buf)
                 if check is not None:
                     check(layer, buf)
@@ -175,7 +186,8 @@ def _grads(out, params, h0):
 
 @pytest.mark.parametrize("null,gate", [(False, False), (True, True)])
 @pytest.mark.parametrize("plan", PLANS, ids=_id)
-def test_pipeline_split_is_bitwise_exact(plan, null, gate):
+def test_pipeline_split_gives_the_same_model(plan, null, gate):
+    """A stage split changes only which routers share a projection GEMM (fp32 round-off)."""
     d, s, b = 16, 3, 2
     toy = Toy(plan, d, null=null, gate=gate, seed=1)
     h0 = torch.randn(s, b, d, generator=torch.Generator().manual_seed(2), requires_grad=True)
@@ -192,14 +204,14 @@ def test_pipeline_split_is_bitwise_exact(plan, null, gate):
             received.extend((layer, n, buf._entries[n]) for n in buf._entries)
 
         out, _ = toy.run(h0, boundaries, check=check)
-        assert torch.equal(out, ref), boundaries
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6, msg=str(boundaries))
         grads = _grads(out, toy.params(), h0)
         for g, gr in zip(grads, ref_grads):
             assert (g is None) == (gr is None)
             if g is not None:
                 # gradients meet in a different summation order across a boundary: round-off only
                 err = (g - gr).abs().max() / gr.abs().max().clamp_min(1e-30)
-                assert err < 1e-5, (boundaries, err)
+                assert err < 5e-5, (boundaries, err)
         # every source a stage received was read by one of its routers (inv_rms is lazy)
         for layer, name, entry in received:
             if layer > 0:
@@ -309,12 +321,13 @@ def test_activation_recompute_per_layer(plan, reentrant):
 
     toy = Toy(plan, 8, null=True, gate=True, seed=10)
     h0 = torch.randn(3, 2, 8, requires_grad=True)
-    ref, _ = toy.run(h0)
+    per_layer = tuple(range(1, plan.num_layers + 1))  # the same router scopes as one stage per layer
+    ref, _ = toy.run(h0, per_layer)
     ref_grads = _grads(ref, toy.params(), h0)
 
     def layer_fn(layer):
         def fn(*tensors):
-            buf = SourceBuffer.from_tensors(plan, layer, tensors, EPS)
+            buf = SourceBuffer.from_tensors(plan, layer, tensors, EPS, readers=toy.readers(layer, per_layer))
             for j in (2 * layer, 2 * layer + 1):
                 buf.commit(j, sublayer(buf.routed_input(j, toy.routers[j]), toy.weights[j]))
             return tuple(buf.to_tensors())
@@ -323,7 +336,8 @@ def test_activation_recompute_per_layer(plan, reentrant):
     tensors = [h0]
     for layer in range(plan.num_layers):
         tensors = checkpoint(layer_fn(layer), *tensors, use_reentrant=reentrant)
-    out = SourceBuffer.from_tensors(plan, plan.num_layers, tensors, EPS).output(toy.final)
+    out = SourceBuffer.from_tensors(plan, plan.num_layers, tensors, EPS,
+                                    readers=toy.readers(plan.num_layers, per_layer)).output(toy.final)
     assert torch.equal(out, ref)
     leaves = toy.params() + [h0]
     for t in leaves:
@@ -336,20 +350,36 @@ def test_activation_recompute_per_layer(plan, reentrant):
             assert (g - gr).abs().max() <= 1e-5 * gr.abs().max()
 
 
-def test_inv_rms_reuse_across_boundary():
-    plan = SourcePlan("delta", 3, 1)
-    toy = Toy(plan, 8, seed=7)
-    h0 = torch.randn(2, 2, 8)
-    buf = SourceBuffer.start(plan, h0, EPS)
-    for j in range(2):
-        buf.commit(j, sublayer(buf.routed_input(j, toy.routers[j]), toy.weights[j]))
-    ts, invs = buf.to_tensors(), buf.payload_inv_rms()
-    assert invs[0] is None and all(i is not None for i in invs[1:3])  # x; h0 and v0 were read
-    b1 = SourceBuffer.from_tensors(plan, 1, ts, EPS, inv_rms=invs)
-    b2 = SourceBuffer.from_tensors(plan, 1, ts, EPS)
-    assert b1.read(2)[0].inv_rms is invs[1]
-    for s1, s2 in zip(b1.read(2), b2.read(2)):
-        assert torch.equal(s1.inv_rms, s2.inv_rms)
+@pytest.mark.parametrize("plan", PLANS, ids=_id)
+def test_one_projection_per_source(plan, monkeypatch):
+    """With its chunk's readers known, a buffer projects each source value ONCE for all the routers
+    that read it (make_source); the result equals every router projecting for itself."""
+    from megatron_delta import router as router_mod
+
+    calls = []
+    orig = router_mod._ProjectSource.apply
+
+    def counting(value, eps, *queries):
+        calls.append(len(queries))
+        return orig(value, eps, *queries)
+
+    monkeypatch.setattr(router_mod._ProjectSource, "apply", counting)
+    toy = Toy(plan, 8, null=True, seed=11)
+    h0 = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(12), requires_grad=True)
+    pairs = sum(plan.num_sources_read(j) for j in range(plan.num_sublayers)) + len(plan.final_reads())
+    for boundaries in [(), (1, 3)]:
+        calls.clear()
+        ref, _ = toy.run(h0, boundaries, scoped=False)
+        assert calls == [1] * pairs  # the fallback: one projection per (source, router) pair
+        ref_grads = _grads(ref, toy.params(), h0)
+        calls.clear()
+        out, _ = toy.run(h0, boundaries)
+        assert sum(calls) == pairs and len(calls) < pairs, (calls, pairs)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        for g, gr in zip(_grads(out, toy.params(), h0), ref_grads):
+            assert (g is None) == (gr is None)
+            if g is not None:
+                torch.testing.assert_close(g, gr, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- memory
@@ -403,9 +433,12 @@ def test_saved_bytes_grow_linearly_with_depth():
         naive.append(n_naive)
         toy = Toy(SourcePlan("delta_block", L, 4), d, seed=8)
         block.append(_saved_bytes(lambda: toy.run(h0)[0], toy.params())[0])
-    _, lin, quad = _quadratic_fit(ls, ours)
-    # the only quadratic term is the per-token routing scalars (4 bytes x N per sublayer)
-    assert quad * ls[-1] < 0.03 * lin, (ours, lin, quad)
+    # The only quadratic term is the per-token routing scalars: for each (source, reader) pair one
+    # fp32 logit (saved by the source's projection) and one softmax weight (saved by the router).
+    pairs = [sum(SourcePlan("delta", L, 1).num_sources_read(j) for j in range(2 * L)) for L in ls]
+    scalars = [8 * s * b * p for p in pairs]
+    _, lin, quad = _quadratic_fit(ls, [o - c for o, c in zip(ours, scalars)])
+    assert abs(quad) * ls[-1] < 0.01 * lin, (ours, scalars, lin, quad)
     _, lin_b, quad_b = _quadratic_fit(ls, block)
     assert abs(quad_b) * ls[-1] < 0.01 * lin_b, (block, lin_b, quad_b)
     _, lin_n, quad_n = _quadratic_fit(ls, naive)

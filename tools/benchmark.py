@@ -9,7 +9,9 @@ Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.model, TP1
 
 - time: one forward + backward of a micro-batch (loss = mean token loss). Modes are run interleaved
   (round r runs every mode once, in order) after one warm-up step each, and the median over rounds
-  is reported, so drifting machine load hits every mode alike.
+  is reported, so drifting machine load hits every mode alike. "cpu time" is the median ratio of
+  the process's CPU seconds per step: with --threads 1 it is the work done, almost insensitive to
+  other processes on the machine (wall time is not: on a shared machine read the cpu column).
 - saved bytes: bytes of the tensors autograd saves for backward during the forward, counted with
   torch.autograd.graph.saved_tensors_hooks over UNIQUE storages (views of one storage count once)
   and without the parameters (weights are saved by every mode; they are not activation memory).
@@ -213,10 +215,12 @@ def finalize(results):
     for r in results.values():
         r["time_s"] = statistics.median(r["times_s"])
         r["time_min_s"] = min(r["times_s"])
+        r["cpu_s"] = statistics.median(r["cpu_times_s"]) if r.get("cpu_times_s") else None
     base = results["baseline"]
     for mode, r in results.items():
         r["time_min_ratio"] = r["time_min_s"] / base["time_min_s"]
         r["time_ratio"] = r["time_s"] / base["time_s"]
+        r["cpu_ratio"] = r["cpu_s"] / base["cpu_s"] if r["cpu_s"] and base.get("cpu_s") else None
         r["saved_ratio"] = r["saved_bytes"] / base["saved_bytes"] if base["saved_bytes"] else None
         r["peak_ratio"] = (r["peak_bytes"] / base["peak_bytes"]
                            if r["peak_bytes"] is not None and base["peak_bytes"] else None)
@@ -249,6 +253,7 @@ def run(opts):
                 "delta_num_blocks": args.delta_num_blocks if mode in ("delta_block", "attnres") else None,
                 "payloads": payloads(opts, mode, args),
                 "times_s": [],
+                "cpu_times_s": [],
             }
         base_params = results["baseline"]["parameters"]
         for mode in modes:
@@ -263,9 +268,10 @@ def run(opts):
         for _ in range(opts.repeats):
             for mode in modes:
                 model, batch = models[mode]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(model, batch)
                 results[mode]["times_s"].append(time.perf_counter() - t0)
+                results[mode]["cpu_times_s"].append(time.process_time() - c0)
                 _progress(f"{mode}: step {results[mode]['times_s'][-1]:.2f} s")
         profile_text = None
         if opts.profile:
@@ -291,9 +297,9 @@ def _ratio(x):
 def format_table(report):
     res = report["modes"]
     lines = [
-        "| mode | sources (max) | added params | fwd+bwd s (median) | time | time (min) | saved MiB | saved | peak MiB | peak "
-        "| max payload MiB | payload | targets (time/saved/peak) | pass |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | sources (max) | added params | fwd+bwd s (median) | time | time (min) | cpu time | saved MiB | saved "
+        "| peak MiB | peak | max payload MiB | payload | targets (time/saved/peak) | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in res.items():
         maxp = max((p["bytes"] for p in r["payloads"]), default=None)
@@ -306,7 +312,7 @@ def format_table(report):
             tgt = verdict = "-"
         lines.append(
             f"| {mode} | {r['max_sources']} | {r['added_parameters']:,} | {r['time_s']:.3f} | {_ratio(r['time_ratio'])} "
-            f"| {_ratio(r.get('time_min_ratio'))} "
+            f"| {_ratio(r.get('time_min_ratio'))} | {_ratio(r.get('cpu_ratio'))} "
             f"| {_mib(r['saved_bytes'])} | {_ratio(r['saved_ratio'])} | {_mib(r['peak_bytes'])} "
             f"| {_ratio(r['peak_ratio'])} | {_mib(maxp)} | {_ratio(r['max_payload_ratio'])} | {tgt} | {verdict} |")
     out = ["\n".join(lines)]
