@@ -145,12 +145,28 @@ def ensure_cloze_data(cache_dir: str = os.path.join("runs", "cache"), max_exampl
     return root
 
 
-def read_examples(data_dir: str, source: str) -> list[dict]:
+def read_examples(data_dir: str, source: str, flag: str = "cloze data") -> list[dict]:
+    """The examples of one source; a clear error when the file is missing or malformed."""
     path = os.path.join(data_dir, f"{source}.jsonl")
     if not os.path.isfile(path):
-        raise ClozeError(f"cloze data {path} is missing; build it with tools/cloze_eval.py --build-only")
+        raise ClozeError(f"{flag}: {path} is missing; build the examples with tools/cloze_eval.py --build-only")
+    rows = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ClozeError(f"{flag}: {path}:{lineno}: not valid JSON ({err})") from err
+            if not isinstance(row, dict) or not all(isinstance(row.get(k), str) and row.get(k)
+                                                    for k in ("id", "context", "target")):
+                raise ClozeError(f"{flag}: {path}:{lineno}: expected an object with non-empty 'id', 'context', "
+                                 f"'target' strings")
+            rows.append(row)
+    if not rows:
+        raise ClozeError(f"{flag}: {path} holds no examples")
+    return rows
 
 
 # ------------------------------------------------------------------------------------ lm-eval

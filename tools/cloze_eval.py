@@ -50,6 +50,9 @@ def build_parser():
     p.add_argument("--samples-file", default=None,
                    help="also write per-example results (JSON lines: source, id, target, log-likelihood, greedy)")
     p.add_argument("--cache-dir", default=os.path.join("runs", "cache"))
+    p.add_argument("--data-dir", default=None,
+                   help="evaluate prebuilt examples (DIR/sotu_valid.jsonl, DIR/wiki.jsonl: one JSON object per line "
+                        "with 'id', 'context', 'target') instead of building them")
     p.add_argument("--build-only", action="store_true", help="build the task data, print its directory and stop")
     return p
 
@@ -77,7 +80,14 @@ def _run(opts):
             raise cloze.ClozeError("--hf is required (an exported model directory), unless --build-only")
         cloze.check_hf_dir(opts.hf)
         cloze.import_lm_eval()
-    data_dir = cloze.ensure_cloze_data(opts.cache_dir, opts.max_examples, opts.min_words, opts.max_words)
+    if opts.data_dir:
+        if opts.build_only:
+            raise cloze.ClozeError("--build-only builds the default examples; it does not take --data-dir")
+        data_dir = os.path.abspath(opts.data_dir)
+        for s in opts.sources:
+            cloze.read_examples(data_dir, s, flag="--data-dir")
+    else:
+        data_dir = cloze.ensure_cloze_data(opts.cache_dir, opts.max_examples, opts.min_words, opts.max_words)
     if opts.build_only:
         print(data_dir)
         return 0
