@@ -29,7 +29,29 @@ from typing import Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["Source", "make_source", "DepthRouter", "route"]
+__all__ = ["Source", "GradSink", "make_source", "DepthRouter", "route"]
+
+
+class GradSink:
+    """The gradient w.r.t. one projected source that its readers' routers accumulate in place.
+
+    A router's backward adds ``w_i * grad`` here (one fused pass) instead of returning a fresh
+    tensor that autograd would then add to the source's gradient (two more passes). The source's
+    projection (_ProjectSource) consumes the sum in its backward, which autograd runs only after
+    every router that read the source (they consume its logit columns), and returns it as part of
+    the source's gradient.
+    """
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: Optional[Tensor] = None
+
+    def add(self, grad: Tensor, weight: Tensor, dtype: torch.dtype) -> None:
+        if self.grad is None:
+            self.grad = _as(torch.mul(grad, weight), dtype)
+        else:
+            self.grad.addcmul_(grad, weight)
 
 
 class Source(NamedTuple):
@@ -39,6 +61,7 @@ class Source(NamedTuple):
     inv_rms: Tensor  # [s, b], fp32, detached (the differentiable path goes through `logits`)
     logits: Mapping  # DepthRouter -> [s*b] fp32 logit (value . q) * inv_rms, differentiable
     eps: float
+    sink: Optional[GradSink]  # where the readers' routers accumulate their gradient w.r.t. value
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -62,15 +85,16 @@ def _inv_rms(value: Tensor, eps: float, cdt: torch.dtype) -> Tensor:
 class _ProjectSource(torch.autograd.Function):
     """inv = rsqrt(mean(v^2) + eps) and z_k = (v . q_k) * inv for J queries, in ONE pass over v.
 
-    Inputs: value [.., d], eps, then J queries [d]. Outputs: inv [T] (non-differentiable) and the
-    J logit columns z_k [T] (T = tokens). Backward, with c_k = dz_k * inv:
+    Inputs: value [.., d], eps, the GradSink of the routers reading it, then J queries [d].
+    Outputs: inv [T] (non-differentiable) and the J logit columns z_k [T] (T = tokens). Backward,
+    with c_k = dz_k * inv:
 
-        dv = C Q - (sum_k dz_k z_k) inv^2 v / d        (one GEMM + one pass)
+        dv = sink + C Q - (sum_k dz_k z_k) inv^2 v / d  (in place on the sink: one GEMM + one pass)
         dq_k = c_k . v                                   (one GEMM for all k)
     """
 
     @staticmethod
-    def forward(ctx, value, eps, *queries):
+    def forward(ctx, value, eps, sink, *queries):
         ctx.set_materialize_grads(False)
         d = value.shape[-1]
         rows = value.numel() // d
@@ -80,6 +104,7 @@ class _ProjectSource(torch.autograd.Function):
         zt = torch.stack([_as(q, cdt) for q in queries]) @ vf.t() if len(queries) else vf.new_empty(0, rows)
         zt.mul_(inv)  # [J, T]
         ctx.cdt = cdt
+        ctx.sink = sink
         ctx.save_for_backward(value, inv, zt, *queries)
         ctx.mark_non_differentiable(inv)
         return (inv, *zt.unbind(0))
@@ -87,9 +112,11 @@ class _ProjectSource(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad_inv, *grad_z):
         value, inv, zt, *queries = ctx.saved_tensors
+        acc, ctx.sink.grad = ctx.sink.grad, None  # the routers' share of dv (see GradSink)
         used = [k for k, g in enumerate(grad_z) if g is not None]
+        grad_q = [None] * len(queries)
         if not used:
-            return (None, None) + (None,) * len(queries)
+            return (None if acc is None else acc.view(value.shape), None, None, *grad_q)
         cdt = ctx.cdt
         d = value.shape[-1]
         rows = inv.numel()
@@ -100,15 +127,18 @@ class _ProjectSource(torch.autograd.Function):
         q = torch.stack([_as(queries[k], cdt) for k in used])  # [J', d]
         grad_value = None
         if ctx.needs_input_grad[0]:
-            gv = torch.mm(c.t(), q)
-            gv.addcmul_(vf, e.unsqueeze(1))
-            grad_value = _as(gv, value.dtype).view(value.shape)
-        grad_q = [None] * len(queries)
-        if any(ctx.needs_input_grad[2:]):
+            if acc is None or acc.dtype != cdt:
+                gv = torch.mm(c.t(), q)
+                gv.addcmul_(vf, e.unsqueeze(1))
+                gv = _as(gv, value.dtype) if acc is None else acc.add_(gv)
+            else:
+                gv = acc.addmm_(c.t(), q).addcmul_(vf, e.unsqueeze(1))
+            grad_value = gv.view(value.shape)
+        if any(ctx.needs_input_grad[3:]):
             dq = torch.mm(c, vf)
             for row, k in zip(dq.unbind(0), used):
                 grad_q[k] = _as(row, queries[k].dtype)
-        return (grad_value, None, *grad_q)
+        return (grad_value, None, None, *grad_q)
 
 
 def make_source(value: Tensor, eps: float, readers: Sequence["DepthRouter"] = (),
@@ -129,18 +159,20 @@ def make_source(value: Tensor, eps: float, readers: Sequence["DepthRouter"] = ()
         if not readers:
             with torch.no_grad():
                 inv = _inv_rms(value.reshape(-1, value.shape[-1]), eps, _compute_dtype(value.dtype))
-            return Source(value, inv.view(value.shape[:-1]), {}, eps)
+            return Source(value, inv.view(value.shape[:-1]), {}, eps, None)
         qs = [queries[r] if r in queries else r.query_vector() for r in readers]
-        inv, *cols = _ProjectSource.apply(value, eps, *qs)
-    return Source(value, inv.view(value.shape[:-1]), dict(zip(readers, cols)), eps)
+        sink = GradSink()
+        inv, *cols = _ProjectSource.apply(value, eps, sink, *qs)
+    return Source(value, inv.view(value.shape[:-1]), dict(zip(readers, cols)), eps, sink)
 
 
 class _RouteFunction(torch.autograd.Function):
     """out = base + a * sum_i softmax_i(z_i) v_i  (+ the null source), without stacking.
 
-    Inputs: n (number of real sources), out_dtype, base ([.., d] or None), gate ([1] or None),
-    null_logit (0-dim or None), null_value ([d] or None), then n values [.., d] and their n logit
-    columns z_i [T]. Outputs: out (``out_dtype``) and alpha [M, T] (non-differentiable; M = n +
+    Inputs: n (number of real sources), out_dtype, sinks (the GradSink of each source: its gradient
+    goes there, not to the value input), base ([.., d] or None), gate ([1] or None), null_logit
+    (0-dim or None), null_value ([d] or None), then n values [.., d] and their n logit columns
+    z_i [T]. Outputs: out (``out_dtype``) and alpha [M, T] (non-differentiable; M = n +
     null, the null source last).
 
     Saved for backward: gate, null tensors, alpha [M, T] (compute dtype) and REFERENCES to the
@@ -149,7 +181,7 @@ class _RouteFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, n, out_dtype, base, gate, null_logit, null_value, *tensors):
+    def forward(ctx, n, out_dtype, sinks, base, gate, null_logit, null_value, *tensors):
         values, cols = tensors[:n], tensors[n:]
         v0 = values[0]
         shape = v0.shape
@@ -183,6 +215,7 @@ class _RouteFunction(torch.autograd.Function):
 
         ctx.n = n
         ctx.cdt = cdt
+        ctx.sinks = sinks
         ctx.base_dtype = None if base is None else base.dtype
         ctx.save_for_backward(gate, null_logit, null_value, alpha, *values)
         ctx.mark_non_differentiable(alpha)
@@ -196,8 +229,8 @@ class _RouteFunction(torch.autograd.Function):
         m, rows = alpha.shape
         d = grad_out.shape[-1]
         has_null = null_logit is not None
-        # needs: (n, out_dtype, base, gate, null_logit, null_value, *values, *cols)
-        needs = ctx.needs_input_grad
+        # needs: (n, out_dtype, sinks, base, gate, null_logit, null_value, *values, *cols)
+        needs = ctx.needs_input_grad[1:]  # aligned with the forward's tensors below
         flat = [v.reshape(rows, d) for v in values]
         g = None if gate is None else _as(gate, cdt)
         w = alpha if g is None else alpha * g
@@ -217,12 +250,9 @@ class _RouteFunction(torch.autograd.Function):
         dlogit = dalpha.sub_((alpha * dalpha).sum(0, keepdim=True)).mul_(alpha)
 
         wcols = w.unsqueeze(2).unbind(0)
-        grad_values = []
-        for i in range(n):
+        for i in range(n):  # each source's a_i * grad goes to its sink (see GradSink)
             if needs[6 + i]:
-                grad_values.append(_as(torch.mul(grad, wcols[i]), values[i].dtype).view(values[i].shape))
-            else:
-                grad_values.append(None)
+                ctx.sinks[i].add(grad, wcols[i], values[i].dtype)
         grad_cols = [dlogit[i] if needs[6 + n + i] else None for i in range(n)]
         grad_base = None
         if ctx.base_dtype is not None and needs[2]:
@@ -233,13 +263,14 @@ class _RouteFunction(torch.autograd.Function):
                 grad_null_logit = dlogit[n].sum().to(null_logit.dtype)
             if needs[5]:
                 grad_null_value = torch.mv(grad.t(), w[n]).to(null_value.dtype)
-        return (None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, *grad_values,
+        return (None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, *([None] * n),
                 *grad_cols)
 
 
 def route(
     values: Sequence[Tensor],
     logits: Sequence[Tensor],
+    sinks: Sequence[GradSink],
     *,
     base: Optional[Tensor] = None,
     gate: Optional[Tensor] = None,
@@ -247,13 +278,15 @@ def route(
     null_value: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Functional router over >= 1 sources given their logit columns [T] (see make_source).
+    """Functional router over >= 1 sources given their logit columns [T] and gradient sinks (see
+    make_source; a value's gradient from here reaches it through its sink's projection).
     Returns (out [s, b, d] = base + gate * r, in ``out_dtype`` (default: the first value's dtype),
     alpha [M, s*b] with M = N (+1 for the null source, last))."""
     n = len(values)
-    if n == 0 or len(logits) != n:
-        raise ValueError("route() needs at least one source and one logit column per source")
-    return _RouteFunction.apply(n, out_dtype, base, gate, null_logit, null_value, *values, *logits)
+    if n == 0 or len(logits) != n or len(sinks) != n:
+        raise ValueError("route() needs at least one source, and one logit column and sink per source")
+    return _RouteFunction.apply(n, out_dtype, list(sinks), base, gate, null_logit, null_value, *values,
+                                *logits)
 
 
 def _outside_fp8(enabled: bool):
@@ -337,11 +370,13 @@ class DepthRouter(torch.nn.Module):
         inv = torch.rsqrt(z.pow(2).mean() + self.eps)
         return torch.dot(z, q) * inv, z
 
-    def _logit(self, src: Source, q: Tensor) -> Tensor:
+    def _logit(self, src: Source, q: Tensor) -> Tuple[Tensor, GradSink]:
         col = src.logits.get(self)
-        if col is None:  # a source made without this router among its readers: project it now
-            col = _ProjectSource.apply(src.value, src.eps, q)[1]
-        return col
+        if col is not None:
+            return col, src.sink
+        # a source made without this router among its readers: project it now, for this router
+        sink = GradSink()
+        return _ProjectSource.apply(src.value, src.eps, sink, q)[1], sink
 
     def forward(
         self,
@@ -376,8 +411,9 @@ class DepthRouter(torch.nn.Module):
                 if base is not None:
                     out = base + out
             else:
-                out, alpha = route([s.value for s in sources], [self._logit(s, q) for s in sources],
-                                   base=base, gate=gate, null_logit=null_logit, null_value=null_value,
+                cols, sinks = zip(*(self._logit(s, q) for s in sources))
+                out, alpha = route([s.value for s in sources], cols, sinks, base=base, gate=gate,
+                                   null_logit=null_logit, null_value=null_value,
                                    out_dtype=None if like is None else like.dtype)
                 alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])
         return (out, alpha) if return_weights else out

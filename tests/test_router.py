@@ -218,3 +218,39 @@ def test_router_saves_no_copies_of_sources():
     assert sum(new_bytes.values()) <= 4 * n * s * b + 4 * 8 * d + 64
     r.sum().backward()
     assert all(v.grad is not None for v in vals)
+
+
+def test_shared_projection_grads_and_second_backward():
+    """Sources projected once for several routers (make_source readers=...) give the naive
+    gradients; a second backward of a retained graph gives them again (the sinks are emptied)."""
+    torch.manual_seed(4)
+    d = 8
+    routers = [DepthRouter(d, null_source=True, gate=True, eps=EPS).double() for _ in range(3)]
+    with torch.no_grad():
+        for r in routers:
+            r.query.normal_()
+            r.null_source.normal_()
+            r.gate.fill_(0.6)
+    vals = [torch.randn(3, 2, d, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    x = torch.randn(3, 2, d, dtype=torch.float64, requires_grad=True)
+
+    def run(shared):
+        # router k reads the first k+1 sources, as sublayer k of `delta` does
+        srcs = [make_source(v, EPS, routers[i:] if shared else ()) for i, v in enumerate(vals)]
+        return sum(routers[k](srcs[: k + 1], base=x, apply_gate=True).pow(2).sum() for k in range(3))
+
+    def naive():
+        total = 0
+        for k, r in enumerate(routers):
+            rr, _ = naive_route(vals[: k + 1], r.query, r.key_norm_weight, r.null_source, r.gate, EPS)
+            total = total + (x + rr).pow(2).sum()
+        return total
+
+    leaves = vals + [x] + [p for r in routers for p in r.parameters()]
+    ref = torch.autograd.grad(naive(), leaves)
+    loss = run(shared=True)
+    torch.testing.assert_close(loss, run(shared=False), rtol=1e-12, atol=1e-12)
+    for _ in range(2):
+        got = torch.autograd.grad(loss, leaves, retain_graph=True)
+        for g, gr in zip(got, ref):
+            torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-12)

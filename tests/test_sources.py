@@ -359,9 +359,9 @@ def test_one_projection_per_source(plan, monkeypatch):
     calls = []
     orig = router_mod._ProjectSource.apply
 
-    def counting(value, eps, *queries):
+    def counting(value, eps, sink, *queries):
         calls.append(len(queries))
-        return orig(value, eps, *queries)
+        return orig(value, eps, sink, *queries)
 
     monkeypatch.setattr(router_mod._ProjectSource, "apply", counting)
     toy = Toy(plan, 8, null=True, seed=11)
@@ -378,8 +378,8 @@ def test_one_projection_per_source(plan, monkeypatch):
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         for g, gr in zip(_grads(out, toy.params(), h0), ref_grads):
             assert (g is None) == (gr is None)
-            if g is not None:
-                torch.testing.assert_close(g, gr, rtol=1e-5, atol=1e-6)
+            if g is not None:  # summation order differs: fp32 round-off relative to the largest entry
+                assert (g - gr).abs().max() <= 1e-5 * gr.abs().max(), boundaries
 
 
 # --------------------------------------------------------------------------- memory
