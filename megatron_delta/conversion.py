@@ -258,6 +258,70 @@ def load_megatron(load: str):
     return model, args, rc
 
 
+def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1):
+    """Load a checkpoint (saved under any layout) split over TP x PP ranks of this torch.distributed world
+    (torchrun's WORLD_SIZE; the remaining factor is data parallel), as training would hold it.
+    Returns (model chunks of this rank, args, run_config)."""
+    from megatron_delta.arguments import parse_args
+    from megatron_delta.checkpointing import load_checkpoint, read_run_config, resolve_checkpoint_dir
+    from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
+    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+
+    tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ConversionError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs "
+                              f"{tp * pp} ranks per model, but the world size is {world}: launch with "
+                              f"`torchrun --nproc-per-node {tp * pp}` (or a multiple of it)")
+    ckpt_dir, _ = resolve_checkpoint_dir(load)
+    rc = read_run_config(ckpt_dir)
+    _check_supported_run_config(rc, f"--load {ckpt_dir}")
+    padded = rc["padded_vocab_size"]
+    if padded % tp:
+        raise ConversionError(f"--tensor-model-parallel-size {tp} does not divide the checkpoint's padded "
+                              f"vocabulary ({padded})")
+    args = parse_args(_model_argv(rc) + ["--tensor-model-parallel-size", str(tp),
+                                         "--pipeline-model-parallel-size", str(pp)], world_size=world)
+    args.padded_vocab_size = padded
+    activate_cpu_platform()
+    initialize_distributed(tp, pp, seed=args.seed)
+    config = transformer_config_from_args(args)
+    # routed modes send a payload whose length differs by stage boundary (as in training)
+    config.variable_seq_lengths = rc["residual"] != "baseline" and pp > 1
+    chunks = build_model_chunks(args, config, padded)
+    load_checkpoint(ckpt_dir, chunks, None, None, args, load_optim=False, load_rng=False)
+    for c in chunks:
+        c.eval()
+    return chunks, args, rc
+
+
+def megatron_logits_parallel(chunks, ids) -> torch.Tensor | None:
+    """One sequence through Megatron's pipeline schedule (forward only) on this rank's model chunks:
+    [len(ids), padded_vocab] fp32 logits (gathered over TP) on the last pipeline stage, None elsewhere."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    from megatron_delta.payload import schedule_communication_kwargs
+
+    tokens = torch.tensor([list(ids)], dtype=torch.long)
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0)
+
+    def step(data_iterator, model):
+        next(data_iterator)
+        return model(tokens, pos, None), None  # no loss function: the schedule returns the logits
+
+    its = [iter([None]) for _ in chunks]
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=its if len(chunks) > 1 else its[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=1, seq_length=tokens.shape[1],
+            micro_batch_size=1, forward_only=True, **schedule_communication_kwargs(get_model_config(chunks[0])))
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        return tensor_parallel.gather_from_tensor_model_parallel_region(out[0])[0].float()
+
+
 def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """[b, s] token ids -> [b, s, padded_vocab] fp32 logits of a TP1/PP1 model."""
     b, s = tokens.shape
