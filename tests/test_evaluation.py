@@ -150,6 +150,10 @@ def test_cloze_bad_input_is_one_line(tmp_path):
     p = _run("tools/cloze_eval.py", "--hf", str(tmp_path / "hf"), "--data-dir", str(tmp_path / "nodata"), check=False)
     assert p.returncode == 2 and len(_errors(p)) == 1 and "--data-dir:" in _errors(p)[0]
     assert "sotu_valid.jsonl is missing" in _errors(p)[0]
+    p = _run("tools/cloze_eval.py", "--hf", str(tmp_path / "hf"), "--limit", "1", check=False)
+    assert p.returncode == 2 and len(_errors(p)) == 1
+    assert _errors(p)[0].startswith(f"cloze_eval.py: error: --hf: {tmp_path / 'hf'} could not be loaded as a "
+                                    f"transformers model")
 
 
 def test_cloze_missing_lm_eval_message(tmp_path, monkeypatch, capsys):

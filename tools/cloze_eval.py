@@ -95,7 +95,14 @@ def _run(opts):
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t0 = time.time()
-    out = cloze.run_cloze_eval(opts.hf, data_dir, opts.sources, opts.batch_size, opts.limit, opts.max_length)
+    try:
+        out = cloze.run_cloze_eval(opts.hf, data_dir, opts.sources, opts.batch_size, opts.limit, opts.max_length)
+    except (OSError, ValueError) as err:  # transformers cannot load the directory
+        if isinstance(err, cloze.ClozeError):
+            raise
+        msg = " ".join(str(err).split())
+        raise cloze.ClozeError(f"--hf: {opts.hf} could not be loaded as a transformers model: "
+                               f"{type(err).__name__}: {msg[:300]}") from err
     summary = out["summary"]
     for s, r in summary.items():
         print(f" [{s}] {r['n']} examples | last-word accuracy {r['acc']:.4f} | last-word perplexity {r['ppl']:.2f}")
