@@ -19,7 +19,8 @@ Model of the activations (bytes saved for backward per micro-batch, counted as u
   inputs instead of BF16 ones.
 - routed modes (delta, delta_block, attnres, full_attnres): + one [h] tensor per sublayer (the
   routed input next to the residual stream; the sublayer outputs become sources held by reference),
-  + the fp32 router logits [M, tokens] and one fp32 inv_rms per source.
+  + per (source, reader) pair one fp32 logit and one fp32 softmax weight per token, one fp32
+  inv_rms per source.
 - TP divides tensor-parallel regions; SP also divides the norm region, the sources and the payloads.
 - Pipeline: 1F1B keeps min(PP - stage, micro-batches) micro-batches in flight on a stage
   (interleaved: Megatron's warm-up count + 1 chunk-micro-batches); each in-flight micro-batch of a
@@ -181,7 +182,7 @@ def layer_activation_bytes(a, first_layer, num_layers):
         total += num_layers * 2 * act * h * T / sp      # the routed input of each sublayer
         for j in range(2 * first_layer, 2 * (first_layer + num_layers)):
             m = plan.num_sources_read(j)
-            total += 4 * (m + 1) * T / sp               # fp32 router logits [M, T] + one new inv_rms
+            total += 4 * (2 * m + 1) * T / sp           # fp32 softmax weights and logit columns [M, T], one inv_rms
     return total
 
 
