@@ -262,8 +262,9 @@ def validate_args(args: argparse.Namespace) -> None:
         args.lr_decay_iters = max(args.train_iters, 1)
     if args.lr_warmup_iters is None:
         args.lr_warmup_iters = args.train_iters // 20
-    if args.lr_warmup_iters > args.lr_decay_iters:
-        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
+    if args.lr_warmup_iters >= args.lr_decay_iters:  # Megatron's scheduler asserts warmup < decay
+        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+              f"(default: --train-iters)")
     if args.min_lr > args.lr:
         _fail(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     if args.log_interval <= 0 or args.eval_interval <= 0:

@@ -31,6 +31,7 @@ def _no_traceback(err: str):
     (["--residual", "full_attnres", "--delta-gate", "scalar"], 1, "--delta-gate"),
     (["--context-parallel-size", "2"], 2, "--context-parallel-size"),
     (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (["--train-iters", "2", "--lr-warmup-iters", "2"], 1, "--lr-warmup-iters 2 must be below --lr-decay-iters 2"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--pipeline-model-parallel-size 2"),
     (["--residual", "delta", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
       "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "3"], 2,
