@@ -170,6 +170,9 @@ def test_cloze_missing_lm_eval_message(tmp_path, monkeypatch, capsys):
 def test_perplexity_bad_input_is_one_line(tmp_path):
     p = _run("tools/perplexity.py", "--load", str(tmp_path / "nope"), check=False)
     assert p.returncode == 2 and _errors(p) == [f"perplexity.py: error: --load: {tmp_path / 'nope'} does not exist"]
+    p = _run("tools/perplexity.py", "--load", str(tmp_path), check=False)  # a directory, but no checkpoint
+    assert p.returncode == 2 and len(_errors(p)) == 1
+    assert _errors(p)[0].startswith(f"perplexity.py: error: --load: {tmp_path} holds no complete checkpoint")
 
 
 # ------------------------------------------------------------------------------------ cloze vs direct

@@ -147,6 +147,8 @@ def main(argv=None):
             raise PerplexityError(f"--batch-size must be >= 1, got {opts.batch_size}")
         if opts.seq_length is not None and opts.seq_length < 1:
             raise PerplexityError(f"--seq-length must be >= 1, got {opts.seq_length}")
+        if not os.path.exists(opts.load):  # before the slow imports
+            raise PerplexityError(f"--load: {opts.load} does not exist")
         return _run(opts)
     except PerplexityError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
