@@ -283,6 +283,13 @@ def validate_args(args: argparse.Namespace) -> None:
               "tools/train_tokenizer.py)")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         _fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.embedded_default and (args.tokenizer_type != "SentencePieceTokenizer" or args.tokenizer_model):
+        # The bundled corpus is tokenized with the bundled tokenizer; other token ids would index
+        # past (or silently mis-read) the model's vocabulary.
+        _fail(f"--tokenizer-type {args.tokenizer_type}"
+              f"{' --tokenizer-model ' + args.tokenizer_model if args.tokenizer_model else ''} needs "
+              f"--data-path (data tokenized with that tokenizer: tools/preprocess_data.py) or --mock-data; "
+              f"without them the run uses the bundled corpus and its own tokenizer")
     if args.data_path is not None and len(args.data_path) == 0:
         _fail("--data-path needs at least one dataset prefix")
 

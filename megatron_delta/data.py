@@ -660,7 +660,11 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
     if mock:
         assert config.mock
     cls = MockGPTDataset if mock else GPTDataset
-    if blend is not None:
+    if blend is not None and config.split_matrix is not None:
+        # Megatron builds every split with a positive --split weight, even one asked for 0 samples,
+        # and loops forever on a split without documents: do not build the splits nobody reads.
+        # (split_matrix holds absolute bounds, so the other splits keep exactly their documents.)
+        config.split_matrix = [None if n == 0 else bounds for n, bounds in zip(sizes, config.split_matrix)]
         _check_splits_have_documents(blend, config.split_matrix, sizes, split_arg)
     try:
         datasets = BlendedMegatronDatasetBuilder(
@@ -668,7 +672,6 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
     except IndexError as e:
         raise ValueError(f"num_samples {tuple(sizes)}: Megatron could not draw the requested "
                          f"samples from --data-path ({e})") from e
-    # Megatron builds a split with a positive --split weight even for 0 samples: hide it.
     return tuple(None if n == 0 else ds for n, ds in zip(sizes, datasets))
 
 

@@ -80,3 +80,17 @@ def test_unknown_tokenizer_file(tmp_path):
     assert rc != 0
     _no_traceback(err)
     assert "--tokenizer-model" in err and "tok.model" in err, err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "49151"], "--tokenizer-type NullTokenizer needs --data-path"),
+    (["--tokenizer-model", "my.model"], "--tokenizer-model my.model needs --data-path"),
+])
+def test_own_tokenizer_without_data(argv, needle, capsys):
+    """No data flags = the bundled corpus, tokenized with its own tokenizer: another tokenizer (e.g.
+    an imported model's, when fine-tuning) must bring its own data."""
+    rc = main(TINY + argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    _no_traceback(err)
+    assert needle in err and "bundled corpus" in err, err

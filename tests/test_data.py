@@ -382,3 +382,18 @@ def test_ensure_default_data_builds_once_and_is_shared(corpus, tmp_path, monkeyp
     t0 = time.time()
     assert D.ensure_default_data(cache) == d
     assert time.time() - t0 < 1.0
+
+
+def test_unused_split_without_documents_is_not_built(datasets, tokenizer):
+    """--split 969,30,1 on a small corpus leaves the test split without documents. Megatron builds
+    every split with a positive weight and loops forever on an empty one; a split asked for no
+    samples is not built at all, and the others keep exactly their documents."""
+    p = datasets["a"]
+    n = D.validate_indexed_prefix(p)
+    assert round(0.999 * n) == n  # the test share (1/1000) of this corpus is empty
+    train, valid, test = D.build_gpt_datasets([p], "969,30,1", 16, 1, (10, 1, 0), tokenizer)
+    assert test is None and len(train) >= 10 and len(valid) >= 1
+    # the train documents are the first round(0.969 n), as with the test split built
+    assert set(int(i) for i in train.document_index) == set(range(round(0.969 * n)))
+    with pytest.raises(ValueError, match=r"--split 969,30,1: the test split of .* gets no document"):
+        D.build_gpt_datasets([p], "969,30,1", 16, 1, (10, 1, 1), tokenizer)
