@@ -18,8 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: E402  (required: pinned in requirements-lock.txt)
+import safetensors  # noqa: E402,F401
 
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel,  # noqa: E402
                           LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -51,26 +51,11 @@ COMMON = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-atte
           "--eval-interval", "100", "--log-interval", "100"] + LAYOUT
 
 
-@pytest.fixture(autouse=True)
-def _single_thread(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _teardown_distributed():
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from megatron_delta.cpu_platform import destroy_distributed
-
-        destroy_distributed()
+pytestmark = pytest.mark.usefixtures("offline_single_thread", "distributed_teardown")
 
 
 def _spm_model(tmp):
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm
     words = "the of and to in a is that union state congress nation people government year world".split()
     import random
 

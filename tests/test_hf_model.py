@@ -11,8 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: E402  (required: pinned in requirements-lock.txt)
+import safetensors  # noqa: E402,F401
 
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,  # noqa: E402
                           Qwen3Config, Qwen3ForCausalLM)
@@ -386,7 +386,7 @@ def _corpus(path):
     ("unigram", {}),
 ])
 def test_sentencepiece_export_encodes_identically(tmp_path, model_type, extra):
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm
     lines = _corpus(tmp_path / "corpus.txt")
     prefix = str(tmp_path / "spm")
     spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=prefix, model_type=model_type,

