@@ -64,10 +64,10 @@ class DeltaTransformerBlock(TransformerBlock):
         if not self.pre_process:
             hidden_states = self.input_tensor  # the previous stage's payload (see set_input_tensor)
         eps = self.config.delta_router_eps
+        scope = self.readers(self.layers, final=self.post_process)  # the routers of this chunk
         if self.pre_process:
             h0 = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-            buffer = SourceBuffer.start(self.plan, h0, eps, record_routing=self.record_routing,
-                                        readers=self.readers(self.layers, final=self.post_process))
+            buffer = SourceBuffer.start(self.plan, h0, eps, record_routing=self.record_routing, readers=scope)
             tensors = None
         else:
             names = self.plan.payload_names(self.first_layer)
@@ -95,8 +95,7 @@ class DeltaTransformerBlock(TransformerBlock):
             else:
                 if buffer is None:
                     buffer = SourceBuffer.from_tensors(self.plan, self.first_layer, tensors, eps,
-                                                       record_routing=self.record_routing,
-                                                       readers=self.readers(self.layers, final=self.post_process))
+                                                       record_routing=self.record_routing, readers=scope)
                 for layer in self.layers:
                     with self._inner_fp8_context(layer):
                         layer(buffer, **layer_kwargs)
