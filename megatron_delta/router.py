@@ -401,7 +401,9 @@ class DepthRouter(torch.nn.Module):
         ref = sources[0].value if len(sources) else like
         device_type = ref.device.type if ref is not None else "cpu"
         with torch.autocast(device_type=device_type, enabled=False), _outside_fp8(self.outside_fp8):
-            q = self.query_vector()
+            # q = w * g only when needed here: the sources' projections already hold their logits
+            need_q = self.null_source is not None or not all(self in s.logits for s in sources)
+            q = self.query_vector() if need_q or len(sources) == 0 else None
             gate = self.gate if (apply_gate and self.gate is not None) else None
             null_logit = null_value = None
             if self.null_source is not None:
