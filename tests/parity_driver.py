@@ -86,6 +86,8 @@ def _run(argv: list[str]):
         result = training._pretrain(args)
     finally:
         training.setup_model_and_optimizer = original
+    # The metrics file is written by the last rank only: no rank reads it before that rank is done.
+    torch.distributed.barrier()
     return result, kept["model"], args
 
 
@@ -141,7 +143,6 @@ def run_layout(root: str, tag: str, layout: list[str], modes: list[str], iters: 
         PAYLOADS.clear()
         _, model, _ = _run(COMMON + mode_flags(mode) + layout + extra +
                            ["--train-iters", str(iters), "--load", init, "--finetune", "--metrics-file", metrics])
-        torch.distributed.barrier()
         entry = {"losses": read_losses(metrics), "valid": read_losses(metrics, "valid"),
                  "payloads": {str(k): v for k, v in PAYLOADS.items()}}
         if collect_routers and mode != "baseline":
