@@ -43,6 +43,10 @@ def test_benchmark_smoke(tmp_path):
         assert r["added_parameters"] > 0  # the routers
         assert r["time_s"] > 0 and r["saved_ratio"] > 0 and r["peak_ratio"] > 0
         assert math.isclose(r["loss"], base["loss"], rel_tol=0.05)  # same backbone, same tokens
+        assert r["routing_alone_ms"] > 0 and r["routing_alone_share"] > 0  # routing costs more than x + v
+    assert "routing_alone_ms" not in base and "Routing alone" in text
+    cfg = json.load(open(out))["config"]
+    assert cfg["stream_gbps"] > 0 and len(cfg["op_ms"]) == 4 and min(cfg["op_ms"].values()) > 0
     # Payloads: 3 boundaries (2 stages x 2 virtual chunks of 1 layer); baseline sends one tensor.
     one = 16 * 2 * 32 * 4
     assert [p["bytes"] for p in base["payloads"]] == [one] * 3

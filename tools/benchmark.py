@@ -22,6 +22,16 @@ Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.model, TP1
   This counts tensor bytes exactly (no RSS / glibc arena noise) and includes the parameter gradients
   created in backward (same for every mode, plus the routers'). It runs in its own, untimed step.
 - added parameters: parameters beyond the baseline's (the routers).
+- routing alone: the same model's routers and SourceBuffer run over stand-in sublayers
+  (v_j = u_j * s_j, one cheap pass) for the 2L sublayers, forward + backward, minus the baseline's
+  residual loop over the same stand-ins (x = x + x * s_j): the router's own cost in ms per step and
+  as a share of the baseline model's step, far less noisy than the difference of two model steps
+  (the model step also shows indirect costs: the router's traffic evicts the backbone's data from cache).
+- operator costs and stream rate: ms per [tokens, hidden] fp32 tensor of an in-place multiply-add,
+  an add into a new tensor that is kept, a row-wise dot product and a read-only row norm, on
+  tensors cycled through more memory than the caches below L3 hold, and the in-place multiply-add's
+  GB/s (read a, read c, write c): what this machine charges for the router's kind of work, for
+  estimating what a fused router kernel could reach.
 - pipeline payload: bytes per micro-batch crossing each boundary of the layout --pp-layout P (or
   PxV for P stages with V virtual chunks each), from SourcePlan.payload_names, vs. the baseline's
   one [s, b, h] tensor.
@@ -198,6 +208,73 @@ def max_sources(mode, args):
     return SourcePlan.from_config(args, mode).max_sources()
 
 
+def routing_alone_ms(model, opts, rounds=15):
+    """Median ms of one forward + backward of the routing alone (see the module docstring)."""
+    from megatron_delta.sources import SourceBuffer
+
+    block = model.decoder
+    g = torch.Generator().manual_seed(opts.seed)
+    h0 = torch.randn(opts.seq_length, opts.micro_batch_size, opts.hidden_size, generator=g, requires_grad=True)
+    n = 2 * len(block.layers)
+    scales = [torch.full((opts.hidden_size,), 0.5, requires_grad=True) for _ in range(n)]
+    eps = block.config.delta_router_eps
+
+    def routed():
+        buf = SourceBuffer.start(block.plan, h0 * 1.0, eps, readers=block.readers(block.layers, final=True))
+        for layer in block.layers:
+            j = layer.first_sublayer
+            for k, router in ((j, layer.self_attention_router), (j + 1, layer.mlp_router)):
+                buf.commit(k, buf.routed_input(k, router) * scales[k])
+        buf.output(block.final_router).sum().backward()
+
+    def plain():
+        x = h0 * 1.0
+        for k in range(n):
+            x = x + x * scales[k]
+        x.sum().backward()
+
+    for f in (routed, plain):
+        f()
+    diffs = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        routed()
+        t1 = time.perf_counter()
+        plain()
+        diffs.append((t1 - t0) - (time.perf_counter() - t1))
+    return statistics.median(diffs) * 1e3
+
+
+def op_costs(opts, rounds=5):
+    """Median ms per [tokens, hidden] fp32 tensor of the operators a router is made of, on tensors
+    cycled through more memory than the caches below L3 hold, and the stream rate (GB/s) of the
+    in-place multiply-add (bytes: read a, read c, write c). See the module docstring."""
+    t, h = opts.seq_length * opts.micro_batch_size, opts.hidden_size
+    sets = max(4, (64 << 20) // (3 * 4 * t * h))  # >= 64 MiB in rotation: beyond L2
+    g = torch.Generator().manual_seed(opts.seed)
+    data = [(torch.randn(t, h, generator=g), torch.randn(t, h, generator=g), torch.rand(t, 1, generator=g))
+            for _ in range(sets)]
+    kept = []
+    ops = {
+        "in-place multiply-add": lambda a, c, w: c.addcmul_(a, w),
+        "add into a new tensor that is kept": lambda a, c, w: kept.append(torch.add(a, c)),
+        "row-wise dot product": lambda a, c, w: torch.linalg.vecdot(a, c),
+        "row-wise norm (read only)": lambda a, c, w: torch.linalg.vector_norm(a, dim=-1),
+    }
+    out = {}
+    for name, op in ops.items():
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for a, c, w in data:
+                op(a, c, w)
+            times.append((time.perf_counter() - t0) / sets)
+            kept.clear()
+        out[name] = statistics.median(times) * 1e3
+    out["stream_gbps"] = 3 * 4 * t * h / (out["in-place multiply-add"] / 1e3) / 1e9
+    return out
+
+
 def profile_mode(model, batch, top=15):
     from torch.profiler import ProfilerActivity, profile
 
@@ -226,6 +303,8 @@ def finalize(results):
                            if r["peak_bytes"] is not None and base["peak_bytes"] else None)
         r["max_payload_ratio"] = (max(p["bytes"] for p in r["payloads"]) / max(p["bytes"] for p in base["payloads"])
                                   if r["payloads"] else None)
+        if r.get("routing_alone_ms") is not None:
+            r["routing_alone_share"] = r["routing_alone_ms"] / 1e3 / base["time_s"]
         tg = TARGETS.get(mode)
         if tg:
             checks = [(r["time_ratio"], tg[0]), (r["saved_ratio"], tg[1]), (r["peak_ratio"], tg[2])]
@@ -273,6 +352,10 @@ def run(opts):
                 results[mode]["times_s"].append(time.perf_counter() - t0)
                 results[mode]["cpu_times_s"].append(time.process_time() - c0)
                 _progress(f"{mode}: step {results[mode]['times_s'][-1]:.2f} s")
+        for mode in modes:
+            if mode != "baseline":
+                results[mode]["routing_alone_ms"] = routing_alone_ms(models[mode][0], opts)
+                _progress(f"{mode}: routing alone {results[mode]['routing_alone_ms']:.1f} ms")
         profile_text = None
         if opts.profile:
             model, batch = models[opts.profile]
@@ -281,7 +364,9 @@ def run(opts):
         destroy_distributed()
     finalize(results)
     meta = {k: v for k, v in vars(opts).items()}
-    meta.update(torch=torch.__version__, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
+    costs = op_costs(opts)
+    meta.update(stream_gbps=costs.pop("stream_gbps"), op_ms=costs, torch=torch.__version__,
+                threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                 loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
     return {"config": meta, "modes": results, "profile": profile_text}
 
@@ -325,6 +410,10 @@ def format_table(report):
         blines.append(f"| {mode} | " + " | ".join(f"{_mib(p['bytes'])} ({len(p['names'])})" for p in r["payloads"]) + " |")
     if res["baseline"]["payloads"]:
         out.append("\n".join(blines))
+    alone = [(m, r) for m, r in res.items() if r.get("routing_alone_ms") is not None]
+    if alone:
+        out.append("\nRouting alone (stand-in sublayers, median), as a share of the baseline model's step: " + ", ".join(
+            f"{m} {r['routing_alone_ms']:.1f} ms = {100 * r['routing_alone_share']:.1f} %" for m, r in alone))
     return "\n".join(out)
 
 
@@ -343,8 +432,10 @@ def main(argv=None):
     cfg = report["config"]
     print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "
           f"{cfg['micro_batch_size']}, fp32, {cfg['repeats']} interleaved rounds (median), {cfg['threads']} "
-          f"threads, load average {cfg['loadavg']}\n")
+          f"threads, load average {cfg['loadavg']}, stream rate {cfg.get('stream_gbps', 0):.1f} GB/s\n")
     print(format_table(report))
+    print("\nOperator costs per [tokens, hidden] fp32 tensor, not in cache (ms): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in cfg["op_ms"].items()))
     if report["profile"]:
         print(f"\ntorch.profiler, one step of {opts.profile}:\n{report['profile']}")
     if opts.output:
