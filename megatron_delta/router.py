@@ -238,8 +238,9 @@ class _RouteFunction(torch.autograd.Function):
         grad = _as(grad_out.reshape(rows, d), cdt)
         # dL/dw_i per token: <grad, v_i>
         dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)
+        prod = torch.empty_like(grad)  # one product buffer, reused (and cache-warm) for every source
         for vf, dwi in zip(flat, dw[:n].unbind(0)):
-            torch.linalg.vecdot(grad, _as(vf, cdt), out=dwi)
+            torch.sum(torch.mul(grad, vf, out=prod), dim=-1, out=dwi)
         if has_null:
             torch.mv(grad, _as(null_value, cdt), out=dw[n])
 
