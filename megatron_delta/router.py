@@ -403,8 +403,8 @@ class DepthRouter(torch.nn.Module):
         device_type = ref.device.type if ref is not None else "cpu"
         with torch.autocast(device_type=device_type, enabled=False), _outside_fp8(self.outside_fp8):
             # q = w * g only when needed here: the sources' projections already hold their logits
-            need_q = self.null_source is not None or not all(self in s.logits for s in sources)
-            q = self.query_vector() if need_q or len(sources) == 0 else None
+            need_q = not sources or self.null_source is not None or any(self not in s.logits for s in sources)
+            q = self.query_vector() if need_q else None
             gate = self.gate if (apply_gate and self.gate is not None) else None
             null_logit = null_value = None
             if self.null_source is not None:
