@@ -252,7 +252,8 @@ class SourceBuffer:
         self.eps = float(eps)
         self.first_layer = first_layer
         self.next_sublayer = 2 * first_layer
-        self.x: Optional[Tensor] = None
+        self._x: Optional[Tensor] = None  # the residual stream (additive modes); see the x property
+        self._x_own = False  # _x was made by commit and nobody else holds it: the next commit adds in place
         self._entries: Dict[str, _Entry] = {}  # insertion order = payload order
         self._pending: Optional[int] = None
         self.record_routing = record_routing
@@ -267,7 +268,7 @@ class SourceBuffer:
         """The first stage's state, from the embedding output h0 [s, b, d]."""
         buf = cls(plan, 0, eps, record_routing=record_routing, readers=readers)
         if plan.additive:
-            buf.x = h0
+            buf._x = h0
             if not (plan.mode == "delta_block" and plan.authors):
                 buf._entries["h0"] = _Entry(h0)
         else:
@@ -291,7 +292,7 @@ class SourceBuffer:
         buf = cls(plan, first_layer, eps, record_routing=record_routing, readers=readers)
         for name, t in zip(names, tensors):
             if name == "x":
-                buf.x = t
+                buf._x = t
             else:
                 buf._entries[name] = _Entry(t)
         return buf
@@ -310,7 +311,7 @@ class SourceBuffer:
                 return self._entries.get("h0") or _Entry(self.x)
             return self._entries["p"]
         if name == "x":
-            return _Entry(self.x)
+            return _Entry(self.x)  # handed out (payload, checkpoint output): shared from now on
         return self._entries[name]
 
     def payload_names(self) -> List[str]:
@@ -324,9 +325,17 @@ class SourceBuffer:
         return [self._named(n, f).value for n in self.plan.payload_names(f)]
 
     @property
+    def x(self) -> Optional[Tensor]:
+        """The residual stream (additive modes). Commit adds each v_j into it in place while the
+        buffer alone holds it; reading it here marks it shared, so a tensor once read never changes
+        (the next commit makes a new one)."""
+        self._x_own = False
+        return self._x
+
+    @property
     def names(self) -> List[str]:
         """Debug view of what is held: 'x' (additive modes) and the source names, in order."""
-        return (["x"] if self.x is not None else []) + list(self._entries)
+        return (["x"] if self._x is not None else []) + list(self._entries)
 
     # ------------------------------------------------------------------ reading
     def _source(self, name: str, j: Union[int, str]) -> Source:
@@ -371,12 +380,12 @@ class SourceBuffer:
         plan = self.plan
         sources = self.read(j)
         if plan.additive:
-            u = self._route(j, router, sources, base=self.x, apply_gate=True)  # x + G(r), one pass
+            u = self._route(j, router, sources, base=self._x, apply_gate=True)  # x + G(r), one pass
             if plan.mode == "delta_block" and plan.authors and plan.is_block_start(j):
                 # The public code appends, after routing and before the output is added,
                 # x (first time) or x - blocks[-1] (later).
                 b = plan.block_of(j)
-                val = self.x if b == 0 else self.x - self._entries[f"A{b - 1}"].value
+                val = self.x if b == 0 else self._x - self._entries[f"A{b - 1}"].value  # A0 is x itself
                 self._entries[f"A{b}"] = _Entry(val)
         else:
             u = self._route(j, router, sources, base=None, apply_gate=False)
@@ -393,7 +402,10 @@ class SourceBuffer:
             raise RuntimeError(f"commit({j}) without routed_input({j})")
         plan = self.plan
         if plan.additive:
-            self.x = self.x + out  # NOT u + v_j
+            if self._x_own and out.dtype == self._x.dtype:  # nothing saved x (routers do not save their base)
+                self._x.add_(out)  # NOT u + v_j
+            else:
+                self._x, self._x_own = self._x + out, True
             if plan.mode == "delta":
                 if j + 1 < plan.num_sublayers:  # v_{2L-1} is read by nobody
                     self._entries[f"v{j}"] = _Entry(out)

@@ -232,6 +232,44 @@ def test_exact_sources_sum_to_x(plan):
         buf.commit(j, sublayer(u, toy.weights[j]))
 
 
+@pytest.mark.parametrize("plan", [p for p in PLANS if p.additive], ids=_id)
+def test_residual_updated_in_place_only_when_nobody_else_holds_it(plan):
+    """commit adds v_j into x in place once x is its own: h0, the tensors to_tensors() handed out
+    (payload / checkpoint outputs) and the authors-code A0 (= x) keep their values, and outputs and
+    gradients equal a run in which every commit makes a new x."""
+    toy = Toy(plan, 8, seed=5)
+    h0 = torch.randn(4, 2, 8, requires_grad=True)
+    h0_before = h0.detach().clone()
+
+    def run(in_place):
+        handed, snapshots, xs = [], [], []
+        buf = SourceBuffer.start(plan, h0, EPS)
+        for j in range(plan.num_sublayers):
+            u = buf.routed_input(j, toy.routers[j])
+            if not in_place:
+                buf._x_own = False  # as if x were held elsewhere: commit makes a new tensor
+            buf.commit(j, sublayer(u, toy.weights[j]))
+            xs.append(buf._x)  # kept alive, so distinct tensors have distinct storages (not .x: it marks x shared)
+            if j % 4 == 1 and j + 1 < plan.num_sublayers:  # a layer boundary: what a payload carries
+                handed += buf.to_tensors()
+                snapshots += [t.detach().clone() for t in handed[len(snapshots):]]
+        out = buf.output(None)
+        for t, snap in zip(handed, snapshots):
+            assert torch.equal(t.detach(), snap)
+        assert (len({x.data_ptr() for x in xs}) < plan.num_sublayers) == in_place  # the in-place path ran
+        for p in [h0] + toy.params():
+            p.grad = None
+        out.square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in [h0] + toy.params()]
+
+    out, grads = run(in_place=True)
+    assert torch.equal(h0.detach(), h0_before)
+    ref, ref_grads = run(in_place=False)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
 def test_authors_code_block_sources_are_alternating_sums():
     plan = SourcePlan("delta_block", 6, 3, "authors-code")
     toy = Toy(plan, 8, seed=4)
