@@ -432,7 +432,7 @@ def main(argv=None):
     cfg = report["config"]
     print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "
           f"{cfg['micro_batch_size']}, fp32, {cfg['repeats']} interleaved rounds (median), {cfg['threads']} "
-          f"threads, load average {cfg['loadavg']}, stream rate {cfg.get('stream_gbps', 0):.1f} GB/s\n")
+          f"threads, load average {cfg['loadavg']}, stream rate {cfg['stream_gbps']:.1f} GB/s\n")
     print(format_table(report))
     print("\nOperator costs per [tokens, hidden] fp32 tensor, not in cache (ms): " + ", ".join(
         f"{k} {v:.3f}" for k, v in cfg["op_ms"].items()))
