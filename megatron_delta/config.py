@@ -38,7 +38,8 @@ def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, 
                                       ("--delta-sources authors-code", sources != "exact"),
                                       ("--router-lr-mult", router_lr_mult != 1.0)] if on]
         if used:
-            raise ValueError(f"{', '.join(used)} need a routed residual mode; --residual baseline has no "
+            verb = "needs" if len(used) == 1 else "need"
+            raise ValueError(f"{', '.join(used)} {verb} a routed residual mode; --residual baseline has no "
                              f"routers (choose --residual delta_block, delta, attnres or full_attnres)")
         return None
     if gate != "none" and residual in REPLACEMENT_MODES:
@@ -50,7 +51,7 @@ def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, 
         if num_blocks is None:
             num_blocks = default_num_blocks(residual, num_layers)
         if num_blocks < 1 or num_layers % num_blocks:
-            raise ValueError(f"--delta-num-blocks {num_blocks} must divide --num-layers {num_layers} "
+            raise ValueError(f"--delta-num-blocks {num_blocks} must be a positive divisor of --num-layers {num_layers} "
                              f"(each block holds L/K consecutive layers)")
     elif num_blocks is not None:
         raise ValueError(f"--delta-num-blocks applies to --residual delta_block and attnres, "
