@@ -31,7 +31,8 @@ def _run(script, *argv, timeout=600):
 def test_benchmark_smoke(tmp_path):
     out = tmp_path / "bench.json"
     text = _run("tools/benchmark.py", *TINY, "--modes", "baseline,delta_block,delta,full_attnres",
-                "--repeats", "1", "--warmup", "1", "--pp-layout", "2x2", "--output", str(out))
+                "--repeats", "1", "--warmup", "1", "--pp-layout", "2x2", "--routing-breakdown",
+                "--output", str(out))
     assert "| delta_block |" in text and ("pass" in text or "MISS" in text)
     rep = json.load(open(out))["modes"]
     assert set(rep) == {"baseline", "delta_block", "delta", "full_attnres"}
@@ -45,6 +46,11 @@ def test_benchmark_smoke(tmp_path):
         assert math.isclose(r["loss"], base["loss"], rel_tol=0.05)  # same backbone, same tokens
         assert r["routing_alone_ms"] > 0 and r["routing_alone_share"] > 0  # routing costs more than x + v
     assert "routing_alone_ms" not in base and "Routing alone" in text
+    for mode in ("delta_block", "delta", "full_attnres"):  # --routing-breakdown
+        split = rep[mode]["routing_breakdown_ms"]
+        assert split["total"] == rep[mode]["routing_alone_ms"] and split["rest"] > 0
+        assert f"- {mode}: " in text and "touching each tensor once" in text
+    assert rep["delta"]["fused_router_passes"] == 188  # see test_fused_router_passes_by_hand
     cfg = json.load(open(out))["config"]
     assert cfg["stream_gbps"] > 0 and len(cfg["op_ms"]) == 4 and min(cfg["op_ms"].values()) > 0
     # Payloads: 3 boundaries (2 stages x 2 virtual chunks of 1 layer); baseline sends one tensor.
@@ -54,6 +60,41 @@ def test_benchmark_smoke(tmp_path):
     assert rep["delta"]["payloads"][2]["bytes"] == 8 * one
     assert "targets" in rep["delta_block"] and set(rep["delta_block"]["pass"]) == {"time", "saved", "peak"}
     assert rep["delta"]["max_sources"] == 8  # h0 + v0..v6 for the last MLP of 4 layers
+
+
+def test_fused_router_passes_by_hand():
+    """The pass count behind the benchmark's fused-router floor, counted by hand from DESIGN.md."""
+    import benchmark
+
+    def passes(mode, layers, blocks=None):
+        argv = [*TINY, "--num-layers", str(layers)] + (["--delta-num-blocks", str(blocks)] if blocks else [])
+        opts = benchmark.build_parser().parse_args(argv)
+        return benchmark.fused_router_passes(mode, benchmark._mode_args(opts, mode))
+
+    # Per router with N sources: N (forward, beyond the stand-in's copy) + 3N + 1 (backward) in the
+    # additive modes, N - 1 + 3N + 1 in the replacement ones; 4 per source made (h0 + 2L).
+    # delta, 1 layer: sublayer 0 reads h0 (N=1), sublayer 1 reads h0, v0 (N=2).
+    assert passes("delta", 1) == (1 + 4) + (2 + 7) + 4 * 3
+    # delta, 4 layers: N = 1..8.
+    assert passes("delta", 4) == sum(n + 3 * n + 1 for n in range(1, 9)) + 4 * 9 == 188
+    # delta_block, 2 layers in 2 blocks: reads [h0], [h0 P], [h0 D0], [h0 D0 P] -> N = 1, 2, 2, 3.
+    assert passes("delta_block", 2, 2) == sum(4 * n + 1 for n in (1, 2, 2, 3)) + 4 * 5
+    # full_attnres, 1 layer: reads [h0] (p = h0), [h0, v0]; final router [h0, v0, v1].
+    assert passes("full_attnres", 1) == sum(4 * n for n in (1, 2, 3)) + 4 * 3
+
+
+def test_stand_ins_are_restored():
+    """--routing-breakdown swaps the router's kernels; they must come back, even after an error."""
+    import benchmark
+    from megatron_delta import router
+
+    originals = router._RouteFunction, router._ProjectSource
+    with pytest.raises(RuntimeError, match="inside"):
+        with benchmark._stand_ins(True, True):
+            assert router._RouteFunction is benchmark._RouteStandIn
+            assert router._ProjectSource is benchmark._ProjectStandIn
+            raise RuntimeError("inside")
+    assert (router._RouteFunction, router._ProjectSource) == originals
 
 
 # ------------------------------------------------------------------------- routing report (PP2 ckpt)

@@ -27,6 +27,11 @@ Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.model, TP1
   residual loop over the same stand-ins (x = x + x * s_j): the router's own cost in ms per step and
   as a share of the baseline model's step, far less noisy than the difference of two model steps
   (the model step also shows indirect costs: the router's traffic evicts the backbone's data from cache).
+  --routing-breakdown splits it by running the same loop with the router's kernels replaced by
+  stand-ins: the weighted sums (_RouteFunction), the source projections (_ProjectSource) and the
+  rest (SourceBuffer bookkeeping, partial sums, autograd, Python), and adds the least a router
+  touching each [tokens, hidden] tensor once could cost: the rest plus its passes over memory
+  (fused_router_passes) at the measured cost of one pass.
 - operator costs and stream rate: ms per [tokens, hidden] fp32 tensor of an in-place multiply-add,
   an add into a new tensor that is kept, a row-wise dot product and a read-only row norm, on
   tensors cycled through more memory than the caches below L3 hold, and the in-place multiply-add's
@@ -43,6 +48,7 @@ more --repeats on a busy machine.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -78,6 +84,9 @@ def build_parser():
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the profiler peak-memory step")
+    p.add_argument("--routing-breakdown", action="store_true",
+                   help="split the routing alone into weighted sums, source projections and the rest "
+                        "(stand-in kernels), and print what a router touching each tensor once would cost")
     p.add_argument("--profile", default=None, metavar="MODE",
                    help="also run torch.profiler on one step of MODE and print the top ops")
     p.add_argument("--output", default=None, help="JSON results")
@@ -208,8 +217,12 @@ def max_sources(mode, args):
     return SourcePlan.from_config(args, mode).max_sources()
 
 
-def routing_alone_ms(model, opts, rounds=15):
-    """Median ms of one forward + backward of the routing alone (see the module docstring)."""
+def routing_alone_ms(model, opts, rounds=15, breakdown=False):
+    """Median ms of one forward + backward of the routing alone (see the module docstring).
+
+    With ``breakdown`` also the same loop with the router's two kernels replaced by stand-ins
+    (weighted sums; weighted sums and source projections), interleaved round by round: returns
+    {"total", "route", "project", "rest"} in ms, the parts by difference (see _stand_ins)."""
     from megatron_delta.sources import SourceBuffer
 
     block = model.decoder
@@ -233,16 +246,103 @@ def routing_alone_ms(model, opts, rounds=15):
             x = x + x * scales[k]
         x.sum().backward()
 
-    for f in (routed, plain):
-        f()
-    diffs = []
+    variants = [(False, False)] + ([(True, False), (True, True)] if breakdown else [])
+    for stand_in in variants:
+        with _stand_ins(*stand_in):
+            routed()
+    plain()
+    diffs = {v: [] for v in variants}
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        routed()
-        t1 = time.perf_counter()
-        plain()
-        diffs.append((t1 - t0) - (time.perf_counter() - t1))
-    return statistics.median(diffs) * 1e3
+        for stand_in in variants:
+            with _stand_ins(*stand_in):
+                t0 = time.perf_counter()
+                routed()
+                t1 = time.perf_counter()
+            plain()
+            diffs[stand_in].append((t1 - t0) - (time.perf_counter() - t1))
+    ms = {v: statistics.median(d) * 1e3 for v, d in diffs.items()}
+    if not breakdown:
+        return ms[(False, False)]
+    total, no_route, neither = ms[(False, False)], ms[(True, False)], ms[(True, True)]
+    return {"total": total, "route": total - no_route, "project": no_route - neither, "rest": neither}
+
+
+class _RouteStandIn(torch.autograd.Function):
+    """In place of router._RouteFunction (--routing-breakdown): no weighted sum, only a copy of the
+    base (the first value in the replacement modes) so the buffer's bookkeeping runs unchanged; its
+    backward hands the gradient to that input and zero logit gradients to the projections (which then
+    do their full backward work, but receive nothing in their gradient sinks)."""
+
+    @staticmethod
+    def forward(ctx, n, out_dtype, sinks, base, gate, null_logit, null_value, *tensors):
+        ref = base if base is not None else tensors[0]
+        ctx.n, ctx.has_base = n, base is not None
+        alpha = torch.softmax(torch.stack(tensors[n:]), dim=0)  # [n, T], tiny
+        ctx.zero = alpha.new_zeros(alpha.shape[1])
+        ctx.mark_non_differentiable(alpha)
+        return ref.to(out_dtype or ref.dtype, copy=True), alpha
+
+    @staticmethod
+    def backward(ctx, grad, _grad_alpha):
+        n = ctx.n
+        first = [None] * n
+        if not ctx.has_base:
+            first[0] = grad
+        return (None, None, None, grad if ctx.has_base else None, None, None, None, *first, *([ctx.zero] * n))
+
+
+class _ProjectStandIn(torch.autograd.Function):
+    """In place of router._ProjectSource (--routing-breakdown): no norm, no GEMM (1/rms = 1, zero
+    logits); its backward passes on what the routers left in the source's gradient sink."""
+
+    @staticmethod
+    def forward(ctx, value, eps, sink, *queries):
+        rows = value.numel() // value.shape[-1]
+        ctx.sink, ctx.shape, ctx.nq = sink, value.shape, len(queries)
+        inv = torch.ones(rows, dtype=torch.float32, device=value.device)
+        ctx.mark_non_differentiable(inv)
+        return (inv, *torch.zeros(len(queries), rows, dtype=torch.float32, device=value.device).unbind(0))
+
+    @staticmethod
+    def backward(ctx, _grad_inv, *_grad_z):
+        acc, ctx.sink.grad = ctx.sink.grad, None
+        return (None if acc is None else acc.view(ctx.shape), None, None, *([None] * ctx.nq))
+
+
+@contextlib.contextmanager
+def _stand_ins(route, project):
+    """Swap the router's kernels for the stand-ins above while the block runs: routing alone with
+    both kernels minus routing alone without the weighted sums is what the weighted sums cost, and
+    so on. Attribution is by difference and approximate (the parts share caches; with the weighted
+    sums gone the projections' backward gets no sink to add to). Always restored on exit."""
+    from megatron_delta import router
+
+    saved = router._RouteFunction, router._ProjectSource
+    try:
+        if route:
+            router._RouteFunction = _RouteStandIn
+        if project:
+            router._ProjectSource = _ProjectStandIn
+        yield
+    finally:
+        router._RouteFunction, router._ProjectSource = saved
+
+
+def fused_router_passes(mode, args):
+    """Passes over a [tokens, hidden] tensor per step that a router touching each tensor once would
+    make BEYOND what the stand-in loop (the "rest" of --routing-breakdown) already does. Per router
+    with N sources: forward N + 2 (read the sources and the base x, write u) or N + 1 in the
+    replacement modes (no base), of which the stand-in's copy already does 2; backward 3N + 1 (read
+    the output gradient and each source, read and write each source's gradient). Per source made
+    (h0 and one per sublayer): 1 forward (its norm and logit columns in one read), 3 backward (read
+    it, read and write its gradient)."""
+    from megatron_delta.sources import SourcePlan
+
+    plan = SourcePlan.from_config(args, mode)
+    counts = [plan.num_sources_read(j) for j in range(plan.num_sublayers)] + [len(plan.final_reads())]
+    base = 1 if plan.additive else 0
+    route = sum((nj + base - 1) + (3 * nj + 1) for nj in counts if nj)
+    return route + 4 * (plan.num_sublayers + 1)
 
 
 def op_costs(opts, rounds=5):
@@ -320,12 +420,13 @@ def run(opts):
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
     if "baseline" not in modes:
         modes.insert(0, "baseline")
-    models, results = {}, {}
+    models, results, args_of = {}, {}, {}
     try:
         for mode in modes:
             model, args = build_model(opts, mode)
             batch = mock_batch(opts, args.vocab_size)
             models[mode] = (model, batch)
+            args_of[mode] = args
             results[mode] = {
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "max_sources": max_sources(mode, args),
@@ -354,7 +455,12 @@ def run(opts):
                 _progress(f"{mode}: step {results[mode]['times_s'][-1]:.2f} s")
         for mode in modes:
             if mode != "baseline":
-                results[mode]["routing_alone_ms"] = routing_alone_ms(models[mode][0], opts)
+                alone = routing_alone_ms(models[mode][0], opts, breakdown=opts.routing_breakdown)
+                if opts.routing_breakdown:
+                    results[mode]["routing_breakdown_ms"] = alone
+                    results[mode]["fused_router_passes"] = fused_router_passes(mode, args_of[mode])
+                    alone = alone["total"]
+                results[mode]["routing_alone_ms"] = alone
                 _progress(f"{mode}: routing alone {results[mode]['routing_alone_ms']:.1f} ms")
         profile_text = None
         if opts.profile:
@@ -414,6 +520,20 @@ def format_table(report):
     if alone:
         out.append("\nRouting alone (stand-in sublayers, median), as a share of the baseline model's step: " + ", ".join(
             f"{m} {r['routing_alone_ms']:.1f} ms = {100 * r['routing_alone_share']:.1f} %" for m, r in alone))
+    split = [(m, r) for m, r in alone if r.get("routing_breakdown_ms")]
+    if split:
+        pass_ms = cfg["op_ms"]["in-place multiply-add"] / 3  # read a, read c, write c
+        base_ms = res["baseline"]["time_s"] * 1e3
+        out.append(f"\nRouting alone split by stand-in kernels (by difference), and the least a router touching each "
+                   f"[tokens, hidden] tensor once would cost (the rest + its passes at {pass_ms:.3f} ms, a third of "
+                   f"the in-place multiply-add):")
+        for m, r in split:
+            b = r["routing_breakdown_ms"]
+            floor = b["rest"] + r["fused_router_passes"] * pass_ms
+            out.append(f"- {m}: {b['total']:.1f} ms = weighted sums {b['route']:.1f} + source projections "
+                       f"{b['project']:.1f} + the rest {b['rest']:.1f} (SourceBuffer, partial sums, autograd, "
+                       f"Python); touching each tensor once: >= {floor:.1f} ms = {100 * floor / base_ms:.1f} % "
+                       f"({r['fused_router_passes']} passes)")
     return "\n".join(out)
 
 
