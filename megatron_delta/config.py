@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_delta import cpu_kernels
+
 RESIDUAL_MODES = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
 ADDITIVE_MODES = ("delta", "delta_block")
 REPLACEMENT_MODES = ("attnres", "full_attnres")
@@ -23,7 +25,8 @@ def default_num_blocks(residual: str, num_layers: int) -> int | None:
 
 
 def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, null_source: bool,
-                        gate: str, sources: str, router_lr_mult: float = 1.0) -> int | None:
+                        gate: str, sources: str, router_lr_mult: float = 1.0,
+                        router_kernels: str = "auto") -> int | None:
     """Validate one combination of residual options; returns the resolved number of blocks."""
     if residual not in RESIDUAL_MODES:
         raise ValueError(f"--residual {residual!r} is not one of {', '.join(RESIDUAL_MODES)}")
@@ -36,7 +39,8 @@ def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, 
                                       ("--delta-null-source", null_source),
                                       ("--delta-gate scalar", gate != "none"),
                                       ("--delta-sources authors-code", sources != "exact"),
-                                      ("--router-lr-mult", router_lr_mult != 1.0)] if on]
+                                      ("--router-lr-mult", router_lr_mult != 1.0),
+                                      ("--delta-router-kernels", router_kernels != "auto")] if on]
         if used:
             verb = "needs" if len(used) == 1 else "need"
             raise ValueError(f"{', '.join(used)} {verb} a routed residual mode; --residual baseline has no "
@@ -58,6 +62,7 @@ def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, 
                          f"not {residual} (every sublayer is its own source there)")
     if router_lr_mult <= 0:
         raise ValueError(f"--router-lr-mult must be positive (got {router_lr_mult})")
+    cpu_kernels.check(router_kernels)  # `c` must build here: fail at start-up, not at the first step
     return num_blocks
 
 
@@ -68,7 +73,7 @@ def validate_delta_flags(args) -> None:
     try:
         args.delta_num_blocks = check_delta_options(
             args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
-            args.delta_gate, args.delta_sources, args.router_lr_mult)
+            args.delta_gate, args.delta_sources, args.router_lr_mult, args.delta_router_kernels)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     if args.delta_router_eps is None:
@@ -91,12 +96,14 @@ class DeltaTransformerConfig(TransformerConfig):
     """'exact' (DESIGN.md) or 'authors-code' (the public code's block sources)."""
     delta_router_eps: float = 1e-6
     """eps of the routers' key RMS norm."""
+    delta_router_kernels: str = "auto"
+    """'auto' / 'c': fused C kernels for fp32 CPU tensors (cpu_kernels.py); 'torch': PyTorch ops."""
 
     def __post_init__(self):
         super().__post_init__()
         self.delta_num_blocks = check_delta_options(
             self.residual, self.num_layers, self.delta_num_blocks, self.delta_null_source,
-            self.delta_gate, self.delta_sources)
+            self.delta_gate, self.delta_sources, router_kernels=self.delta_router_kernels)
 
     @property
     def routed(self) -> bool:

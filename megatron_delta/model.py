@@ -69,6 +69,7 @@ def transformer_config_from_args(args, **overrides) -> DeltaTransformerConfig:
         delta_gate=args.delta_gate,
         delta_sources=args.delta_sources,
         delta_router_eps=args.delta_router_eps,
+        delta_router_kernels=args.delta_router_kernels,
     )
     kw.update(overrides)
     return DeltaTransformerConfig(**kw)

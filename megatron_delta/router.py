@@ -29,6 +29,8 @@ from typing import Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from megatron_delta import cpu_kernels
+
 __all__ = ["Source", "GradSink", "make_source", "DepthRouter", "route"]
 
 
@@ -169,19 +171,21 @@ def make_source(value: Tensor, eps: float, readers: Sequence["DepthRouter"] = ()
 class _RouteFunction(torch.autograd.Function):
     """out = base + a * sum_i softmax_i(z_i) v_i  (+ the null source), without stacking.
 
-    Inputs: n (number of real sources), out_dtype, sinks (the GradSink of each source: its gradient
-    goes there, not to the value input), base ([.., d] or None), gate ([1] or None), null_logit
-    (0-dim or None), null_value ([d] or None), then n values [.., d] and their n logit columns
-    z_i [T]. Outputs: out (``out_dtype``) and alpha [M, T] (non-differentiable; M = n +
-    null, the null source last).
+    Inputs: n (number of real sources), out_dtype, lib (the fused CPU kernels of cpu_kernels.py, or
+    None for PyTorch ops), sinks (the GradSink of each source: its gradient goes there, not to the
+    value input), base ([.., d] or None), gate ([1] or None), null_logit (0-dim or None), null_value
+    ([d] or None), then n values [.., d] and their n logit columns z_i [T]. Outputs: out
+    (``out_dtype``) and alpha [M, T] (non-differentiable; M = n + null, the null source last).
 
     Saved for backward: gate, null tensors, alpha [M, T] (compute dtype) and REFERENCES to the
     values. Every [T, d] tensor is touched one source at a time: the transient memory is O(1)
-    tensors of [T, d] (an fp32 copy of one bf16 source at a time), never O(N).
+    tensors of [T, d] (an fp32 copy of one bf16 source at a time), never O(N). With ``lib`` and
+    fp32 CPU tensors the weighted sum, and in backward the dot products and sink updates, are one
+    pass each in C; the [M, T] softmax math is the same PyTorch code either way.
     """
 
     @staticmethod
-    def forward(ctx, n, out_dtype, sinks, base, gate, null_logit, null_value, *tensors):
+    def forward(ctx, n, out_dtype, lib, sinks, base, gate, null_logit, null_value, *tensors):
         values, cols = tensors[:n], tensors[n:]
         v0 = values[0]
         shape = v0.shape
@@ -191,6 +195,10 @@ class _RouteFunction(torch.autograd.Function):
         has_null = null_logit is not None
         m = n + int(has_null)
         flat = [v.reshape(rows, d) for v in values]
+        flat_base = None if base is None else base.reshape(rows, d)
+        out_dtype = out_dtype or v0.dtype
+        if not (cdt == out_dtype == torch.float32 and cpu_kernels.eligible(*flat, flat_base, null_value)):
+            lib = None  # the C kernels take fp32 CPU tensors only
 
         logits = torch.empty(m, rows, dtype=cdt, device=v0.device)
         for col, row in zip(cols, logits.unbind(0)):
@@ -199,22 +207,26 @@ class _RouteFunction(torch.autograd.Function):
             logits[n].copy_(null_logit)
         alpha = torch.softmax(logits, dim=0)
         w = alpha if gate is None else alpha * _as(gate, cdt)
-        wcols = w.unsqueeze(2).unbind(0)
 
-        # One fresh compute-dtype accumulator; mixed-dtype ops upcast on the fly.
-        if base is None:
-            out = torch.mul(flat[0], wcols[0])
+        if lib is not None:
+            out = cpu_kernels.route_forward(lib, flat, w, flat_base, null_value, v0.new_empty(rows, d))
         else:
-            out = torch.addcmul(_as(base.reshape(rows, d), cdt), flat[0], wcols[0])
-        out = _as(out, cdt)
-        for i in range(1, n):
-            out.addcmul_(flat[i], wcols[i])
-        if has_null:
-            out.addr_(w[n], _as(null_value, cdt))
-        result = _as(out, out_dtype or v0.dtype).view(shape)
+            # One fresh compute-dtype accumulator; mixed-dtype ops upcast on the fly.
+            wcols = w.unsqueeze(2).unbind(0)
+            if base is None:
+                out = torch.mul(flat[0], wcols[0])
+            else:
+                out = torch.addcmul(_as(flat_base, cdt), flat[0], wcols[0])
+            out = _as(out, cdt)
+            for i in range(1, n):
+                out.addcmul_(flat[i], wcols[i])
+            if has_null:
+                out.addr_(w[n], _as(null_value, cdt))
+        result = _as(out, out_dtype).view(shape)
 
         ctx.n = n
         ctx.cdt = cdt
+        ctx.lib = lib
         ctx.sinks = sinks
         ctx.base_dtype = None if base is None else base.dtype
         ctx.save_for_backward(gate, null_logit, null_value, alpha, *values)
@@ -229,18 +241,36 @@ class _RouteFunction(torch.autograd.Function):
         m, rows = alpha.shape
         d = grad_out.shape[-1]
         has_null = null_logit is not None
-        # needs: (n, out_dtype, sinks, base, gate, null_logit, null_value, *values, *cols)
-        needs = ctx.needs_input_grad[1:]  # aligned with the forward's tensors below
+        # needs: (lib, sinks, base, gate, null_logit, null_value, *values, *cols)
+        needs = ctx.needs_input_grad[2:]  # aligned with the forward's tensors below
         flat = [v.reshape(rows, d) for v in values]
         g = None if gate is None else _as(gate, cdt)
         w = alpha if g is None else alpha * g
 
         grad = _as(grad_out.reshape(rows, d), cdt)
-        # dL/dw_i per token: <grad, v_i>
+        # dL/dw_i per token: <grad, v_i>; and each source's a_i * grad goes to its sink (see GradSink)
         dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)
-        prod = torch.empty_like(grad)  # one product buffer, reused (and cache-warm) for every source
-        for vf, dwi in zip(flat, dw[:n].unbind(0)):
-            torch.sum(torch.mul(grad, vf, out=prod), dim=-1, out=dwi)
+        used = [i for i in range(n) if needs[6 + i]]
+        lib = ctx.lib
+        if lib is not None and not (cpu_kernels.eligible(grad) and all(
+                ctx.sinks[i].grad is None or (cpu_kernels.eligible(ctx.sinks[i].grad)
+                                              and ctx.sinks[i].grad.shape == grad.shape) for i in used)):
+            lib = None
+        if lib is not None:
+            targets = [(None, False)] * n
+            for i in used:  # the first reader to reach a sink creates it (fresh: assigned, not added)
+                fresh = ctx.sinks[i].grad is None
+                if fresh:
+                    ctx.sinks[i].grad = torch.empty_like(grad)
+                targets[i] = (ctx.sinks[i].grad, fresh)
+            cpu_kernels.route_backward(lib, grad, flat, w, targets, dw)
+        else:
+            prod = torch.empty_like(grad)  # one product buffer, reused (and cache-warm) for every source
+            for vf, dwi in zip(flat, dw[:n].unbind(0)):
+                torch.sum(torch.mul(grad, vf, out=prod), dim=-1, out=dwi)
+            wcols = w.unsqueeze(2).unbind(0)
+            for i in used:
+                ctx.sinks[i].add(grad, wcols[i], values[i].dtype)
         if has_null:
             torch.mv(grad, _as(null_value, cdt), out=dw[n])
 
@@ -250,10 +280,6 @@ class _RouteFunction(torch.autograd.Function):
         dalpha = dw if g is None else dw.mul_(g)
         dlogit = dalpha.sub_((alpha * dalpha).sum(0, keepdim=True)).mul_(alpha)
 
-        wcols = w.unsqueeze(2).unbind(0)
-        for i in range(n):  # each source's a_i * grad goes to its sink (see GradSink)
-            if needs[6 + i]:
-                ctx.sinks[i].add(grad, wcols[i], values[i].dtype)
         grad_cols = [dlogit[i] if needs[6 + n + i] else None for i in range(n)]
         grad_base = None
         if ctx.base_dtype is not None and needs[2]:
@@ -264,8 +290,8 @@ class _RouteFunction(torch.autograd.Function):
                 grad_null_logit = dlogit[n].sum().to(null_logit.dtype)
             if needs[5]:
                 grad_null_value = torch.mv(grad.t(), w[n]).to(null_value.dtype)
-        return (None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, *([None] * n),
-                *grad_cols)
+        return (None, None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value,
+                *([None] * n), *grad_cols)
 
 
 def route(
@@ -278,15 +304,18 @@ def route(
     null_logit: Optional[Tensor] = None,
     null_value: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    kernels: str = "torch",
 ) -> Tuple[Tensor, Tensor]:
     """Functional router over >= 1 sources given their logit columns [T] and gradient sinks (see
     make_source; a value's gradient from here reaches it through its sink's projection).
     Returns (out [s, b, d] = base + gate * r, in ``out_dtype`` (default: the first value's dtype),
-    alpha [M, s*b] with M = N (+1 for the null source, last))."""
+    alpha [M, s*b] with M = N (+1 for the null source, last)). ``kernels``: auto / c / torch, see
+    cpu_kernels.py (the C kernels apply to fp32 CPU tensors only)."""
     n = len(values)
     if n == 0 or len(logits) != n or len(sinks) != n:
         raise ValueError("route() needs at least one source, and one logit column and sink per source")
-    return _RouteFunction.apply(n, out_dtype, list(sinks), base, gate, null_logit, null_value, *values,
+    lib = cpu_kernels.library(kernels) if values[0].device.type == "cpu" else None
+    return _RouteFunction.apply(n, out_dtype, lib, list(sinks), base, gate, null_logit, null_value, *values,
                                 *logits)
 
 
@@ -329,8 +358,12 @@ class DepthRouter(torch.nn.Module):
         gate: bool,
         eps: float,
         sequence_parallel: bool = False,
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
+        if kernels not in cpu_kernels.KERNEL_CHOICES:
+            raise ValueError(f"DepthRouter: kernels={kernels!r} is not one of {', '.join(cpu_kernels.KERNEL_CHOICES)}")
+        self.kernels = kernels  # fused C kernels for fp32 CPU tensors (cpu_kernels.py) unless "torch"
         self.hidden_size = int(hidden_size)
         self.eps = float(eps)
         self.sequence_parallel = bool(sequence_parallel)
@@ -359,7 +392,7 @@ class DepthRouter(torch.nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{self.hidden_size}, null_source={self.has_null_source}, gate={self.has_gate}, "
-            f"eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+            f"eps={self.eps}, sequence_parallel={self.sequence_parallel}, kernels={self.kernels}"
         )
 
     def query_vector(self) -> Tensor:
@@ -417,7 +450,7 @@ class DepthRouter(torch.nn.Module):
                 cols, sinks = zip(*(self._logit(s, q) for s in sources))
                 out, alpha = route([s.value for s in sources], cols, sinks, base=base, gate=gate,
                                    null_logit=null_logit, null_value=null_value,
-                                   out_dtype=None if like is None else like.dtype)
+                                   out_dtype=None if like is None else like.dtype, kernels=self.kernels)
                 alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])
         return (out, alpha) if return_weights else out
 

@@ -29,6 +29,7 @@ def _no_traceback(err: str):
     (["--num-layers", "6", "--residual", "delta_block", "--delta-num-blocks", "4"], 1, "--delta-num-blocks"),
     (["--residual", "attnres", "--delta-gate", "scalar"], 1, "--delta-gate"),
     (["--residual", "full_attnres", "--delta-gate", "scalar"], 1, "--delta-gate"),
+    (["--delta-router-kernels", "torch"], 1, "--delta-router-kernels needs a routed residual mode"),
     (["--context-parallel-size", "2"], 2, "--context-parallel-size"),
     (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
     (["--train-iters", "2", "--lr-warmup-iters", "2"], 1, "--lr-warmup-iters 2 must be below --lr-decay-iters 2"),
@@ -46,8 +47,8 @@ def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     assert needle in err, err
 
 
-def _run(argv, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+def _run(argv, tmp_path, **extra_env):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, **extra_env)
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + TINY + argv,
@@ -94,3 +95,24 @@ def test_own_tokenizer_without_data(argv, needle, capsys):
     assert rc == 2, err
     _no_traceback(err)
     assert needle in err and "bundled corpus" in err, err
+
+
+def test_router_kernels_c_without_a_compiler(tmp_path):
+    """`--delta-router-kernels c` where the C kernels cannot be built: an error at start-up that says
+    why and what to do (never a silent switch to PyTorch ops)."""
+    rc, err = _run(MOCK + ["--residual", "delta", "--delta-router-kernels", "c"], tmp_path,
+                   CC="false", MEGATRON_DELTA_CACHE=str(tmp_path / "kernels"))
+    assert rc == 2
+    _no_traceback(err)
+    assert "--delta-router-kernels c: the fused CPU kernels cannot be built" in err and "false" in err, err
+    assert "--delta-router-kernels torch" in err, err
+    assert not list((tmp_path / "kernels").glob("*.so*")), "a failed build must leave no library behind"
+
+
+def test_router_kernels_auto_without_a_compiler_warns(tmp_path):
+    """The default `auto` trains on PyTorch ops where no compiler exists, and says so once."""
+    rc, err = _run(MOCK + ["--residual", "delta"], tmp_path, CC="no-such-cc",
+                   MEGATRON_DELTA_CACHE=str(tmp_path / "kernels"))
+    assert rc == 0, err
+    assert err.count("the fused CPU router kernels cannot be built (no C compiler 'no-such-cc' on PATH") == 1, err
+    assert "--delta-router-kernels torch" in err, err

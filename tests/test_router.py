@@ -254,3 +254,107 @@ def test_shared_projection_grads_and_second_backward():
         got = torch.autograd.grad(loss, leaves, retain_graph=True)
         for g, gr in zip(got, ref):
             torch.testing.assert_close(g, gr, rtol=1e-10, atol=1e-12)
+
+
+def _kernel_calls(monkeypatch):
+    """Count the C kernel calls (to prove a test ran the path it means to)."""
+    from megatron_delta import cpu_kernels
+
+    calls = {"forward": 0, "backward": 0}
+    fwd, bwd = cpu_kernels.route_forward, cpu_kernels.route_backward
+
+    def counting_fwd(*a, **k):
+        calls["forward"] += 1
+        return fwd(*a, **k)
+
+    def counting_bwd(*a, **k):
+        calls["backward"] += 1
+        return bwd(*a, **k)
+
+    monkeypatch.setattr(cpu_kernels, "route_forward", counting_fwd)
+    monkeypatch.setattr(cpu_kernels, "route_backward", counting_bwd)
+    return calls
+
+
+@pytest.mark.parametrize("null,gate,with_base,shared", list(itertools.product([False, True], repeat=4)))
+def test_c_kernels_match_reference(null, gate, with_base, shared, monkeypatch):
+    """The fused C kernels (kernels='c', fp32) give the float64 naive router's outputs and every
+    gradient (sources, base, query, key norm, null source, gate) to fp32 round-off, as the PyTorch
+    path does; three routers reading 1, 2, 3 sources, so sinks are both created and accumulated."""
+    calls = _kernel_calls(monkeypatch)
+    torch.manual_seed(7 + null + 2 * gate + 4 * with_base + 8 * shared)
+    d = 48
+    routers = {k: [DepthRouter(d, null_source=null, gate=gate, eps=EPS, kernels=k) for _ in range(3)]
+               for k in ("c", "torch")}
+    with torch.no_grad():
+        for i, r in enumerate(routers["c"]):
+            r.query.normal_()
+            r.key_norm_weight.uniform_(0.5, 1.5)
+            if null:
+                r.null_source.normal_()
+            if gate:
+                r.gate.fill_(0.4 + 0.2 * i)
+        for rc, rt in zip(routers["c"], routers["torch"]):
+            rt.load_state_dict(rc.state_dict())
+    vals64 = [torch.randn(5, 3, d, dtype=torch.float64) for _ in range(3)]
+    x64 = torch.randn(5, 3, d, dtype=torch.float64)
+
+    def run(rs, dtype):
+        vals = [v.to(dtype).requires_grad_() for v in vals64]
+        x = x64.to(dtype).requires_grad_()
+        params = [p for r in rs for p in r.parameters()]
+        if dtype == torch.float64:
+            total = 0
+            for k, r in enumerate(rs):
+                p = {n: t.double() for n, t in r.named_parameters()}
+                rr, _ = naive_route(vals[: k + 1], p["query"], p["key_norm_weight"], p.get("null_source"),
+                                    p.get("gate"), EPS)
+                total = total + ((x if with_base else 0) + rr).pow(2).sum() * (k + 1)
+        else:
+            srcs = [make_source(v, EPS, rs[i:] if shared else ()) for i, v in enumerate(vals)]
+            total = sum(r(srcs[: k + 1], base=x if with_base else None, apply_gate=True).pow(2).sum() * (k + 1)
+                        for k, r in enumerate(rs))
+        leaves = vals + ([x] if with_base else []) + params
+        return total, torch.autograd.grad(total, leaves)
+
+    ref_loss, ref_grads = run(routers["c"], torch.float64)
+    for kind in ("c", "torch"):
+        before = dict(calls)
+        loss, grads = run(routers[kind], torch.float32)
+        ran_c = calls["forward"] > before["forward"] and calls["backward"] > before["backward"]
+        assert ran_c == (kind == "c")
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=2e-6, atol=1e-5)
+        for g, gr in zip(grads, ref_grads):  # fp32 round-off, relative to each gradient's scale
+            scale = gr.abs().max().item()
+            torch.testing.assert_close(g.double(), gr.double(), rtol=1e-4, atol=1e-5 * scale, msg=kind)
+
+
+def test_c_kernels_bitwise_across_thread_counts(monkeypatch):
+    """Every token's row is computed by one thread in a fixed order: 1 or 2 threads, same bits."""
+    calls = _kernel_calls(monkeypatch)
+    torch.manual_seed(11)
+    d = 64
+    router = DepthRouter(d, null_source=True, gate=True, eps=EPS, kernels="c")
+    with torch.no_grad():
+        router.query.normal_()
+        router.gate.fill_(0.5)
+    vals = [torch.randn(33, 2, d, requires_grad=True) for _ in range(4)]
+    x = torch.randn(33, 2, d, requires_grad=True)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            out = router([make_source(v, EPS, [router]) for v in vals], base=x, apply_gate=True)
+            grads = torch.autograd.grad(out.pow(2).sum(), vals + [x] + list(router.parameters()))
+            results.append((out, grads))
+    finally:
+        torch.set_num_threads(threads)
+    assert calls["forward"] == 2 and calls["backward"] == 2
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_router_kernels_choice_is_checked():
+    with pytest.raises(ValueError, match="kernels='cuda' is not one of auto, c, torch"):
+        DepthRouter(8, null_source=False, gate=False, eps=EPS, kernels="cuda")

@@ -274,7 +274,7 @@ class _RouteStandIn(torch.autograd.Function):
     do their full backward work, but receive nothing in their gradient sinks)."""
 
     @staticmethod
-    def forward(ctx, n, out_dtype, sinks, base, gate, null_logit, null_value, *tensors):
+    def forward(ctx, n, out_dtype, lib, sinks, base, gate, null_logit, null_value, *tensors):
         ref = base if base is not None else tensors[0]
         ctx.n, ctx.has_base = n, base is not None
         alpha = torch.softmax(torch.stack(tensors[n:]), dim=0)  # [n, T], tiny
@@ -288,7 +288,8 @@ class _RouteStandIn(torch.autograd.Function):
         first = [None] * n
         if not ctx.has_base:
             first[0] = grad
-        return (None, None, None, grad if ctx.has_base else None, None, None, None, *first, *([ctx.zero] * n))
+        return (None, None, None, None, grad if ctx.has_base else None, None, None, None, *first,
+                *([ctx.zero] * n))
 
 
 class _ProjectStandIn(torch.autograd.Function):

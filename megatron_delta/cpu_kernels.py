@@ -1,0 +1,179 @@
+"""The router's fused CPU kernels (csrc/router_kernels.c): built with the system C compiler on first
+use, cached, loaded with ctypes.
+
+Why C and not PyTorch ops: on CPU the router is memory-bound and every eager operator is a pass over
+memory; the kernels make each pass the method needs once (README, Performance). They take fp32,
+contiguous CPU tensors; anything else (GPU, bf16, float64) runs router.py's PyTorch path, which
+computes the same function. No torch headers are involved, so the build takes well under a second
+and does not depend on the PyTorch version.
+
+`--delta-router-kernels` (config `delta_router_kernels`) chooses: `auto` (default) uses them for
+fp32 CPU tensors and, if they cannot be built, warns once and uses PyTorch ops; `c` makes a failed
+build an error at start-up; `torch` never uses them.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+KERNEL_CHOICES = ("auto", "c", "torch")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "router_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_lock = threading.Lock()
+_lib = None
+_error: Optional[str] = None
+_warned = False
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernels cannot be built or loaded here; the message says why and what to do."""
+
+
+def cache_dir() -> str:
+    """Where built kernels are kept: $MEGATRON_DELTA_CACHE, else $XDG_CACHE_HOME/megatron_delta,
+    else ~/.cache/megatron_delta."""
+    if os.environ.get("MEGATRON_DELTA_CACHE"):
+        return os.environ["MEGATRON_DELTA_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "megatron_delta")
+
+
+def _machine() -> bytes:
+    # -march=native: a library built on one CPU model must not be loaded on another.
+    flags = b""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            flags = next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        pass
+    return platform.machine().encode() + flags
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise KernelBuildError(f"no C compiler {cc!r} on PATH (set CC, or install gcc)")
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    version = subprocess.run([cc, "--version"], capture_output=True).stdout
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version, _machine()])).hexdigest()[:16]
+    out_dir = cache_dir()
+    lib_path = os.path.join(out_dir, f"router_kernels-{key}.so")
+    if not os.path.exists(lib_path):
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            raise KernelBuildError(f"cannot create the kernel cache {out_dir} ({e}); set MEGATRON_DELTA_CACHE")
+        # Build under a temporary name and rename: ranks building at once never load a partial file.
+        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            p = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
+            if p.returncode != 0:
+                raise KernelBuildError(f"{cc} {' '.join(FLAGS)} {SOURCE} failed:\n{p.stderr.strip()[-2000:]}")
+            os.replace(tmp, lib_path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    try:
+        lib = ctypes.CDLL(lib_path)
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {lib_path}: {e}") from None
+    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.delta_route_forward.argtypes = [I64, I64, INT, P, P, P, P, P, P, INT]
+    lib.delta_route_forward.restype = None
+    lib.delta_route_backward.argtypes = [I64, I64, INT, P, P, P, P, P, P, INT]
+    lib.delta_route_backward.restype = None
+    return lib
+
+
+def load() -> ctypes.CDLL:
+    """The kernel library, built on first use; raises KernelBuildError (once per process it is tried)."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except KernelBuildError as e:
+                _error = str(e)
+        if _lib is None:
+            raise KernelBuildError(_error)
+        return _lib
+
+
+def check(choice: str) -> None:
+    """Start-up check of `--delta-router-kernels`: `c` must build here (raises ValueError if not)."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"--delta-router-kernels {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "c":
+        try:
+            load()
+        except KernelBuildError as e:
+            raise ValueError(f"--delta-router-kernels c: the fused CPU kernels cannot be built: {e}. "
+                             f"Install a C compiler or use --delta-router-kernels torch") from None
+
+
+def library(choice: str) -> Optional[ctypes.CDLL]:
+    """The library for a router's `kernels` choice, or None for PyTorch ops (`torch`, or `auto` where
+    the kernels cannot be built: then one warning per process says so)."""
+    global _warned
+    if choice == "torch":
+        return None
+    try:
+        return load()
+    except KernelBuildError as e:
+        if choice == "c":
+            raise
+        if not _warned:
+            _warned = True
+            warnings.warn(f"megatron-delta: the fused CPU router kernels cannot be built ({e}); the routers run on "
+                          f"PyTorch ops, slower on CPU. Install a C compiler, or pass --delta-router-kernels torch "
+                          f"to choose PyTorch ops knowingly.", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def eligible(*tensors: Optional[Tensor]) -> bool:
+    """True when every given tensor is an fp32, contiguous CPU tensor (None entries are skipped)."""
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
+               for t in tensors)
+
+
+def _ptrs(tensors: Sequence[Optional[Tensor]]):
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+
+def _ptr(t: Optional[Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+def route_forward(lib, values: Sequence[Tensor], w: Tensor, base: Optional[Tensor],
+                  null_value: Optional[Tensor], out: Tensor) -> Tensor:
+    """out = base + sum_i w[i] * values[i] (+ w[n] * null_value); values/base/out [T, d], w [M, T]."""
+    rows, d = out.shape
+    n = len(values)
+    w_null = w[n] if null_value is not None else None
+    lib.delta_route_forward(rows, d, n, _ptrs(values), w.data_ptr(), _ptr(base), _ptr(null_value),
+                            _ptr(w_null), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def route_backward(lib, grad: Tensor, values: Sequence[Tensor], w: Tensor,
+                   sinks: List[Tuple[Optional[Tensor], bool]], dw: Tensor) -> None:
+    """dw[i] = rowwise <grad, values[i]>; sink tensors (or None) += w[i] * grad (= when fresh)."""
+    rows, d = grad.shape
+    n = len(values)
+    fresh = (ctypes.c_int * n)(*[int(f) for _, f in sinks])
+    lib.delta_route_backward(rows, d, n, grad.data_ptr(), _ptrs(values), w.data_ptr(),
+                             _ptrs([s for s, _ in sinks]), fresh, dw.data_ptr(), torch.get_num_threads())
