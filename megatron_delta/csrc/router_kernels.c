@@ -12,12 +12,12 @@
 #include <stdint.h>
 
 /* out[t] = base[t] (or 0) + sum_i w[i][t] * v_i[t] (+ w_null[t] * null_value). */
-void delta_route_forward(int64_t T, int64_t d, int n, const float *const *v, const float *w,
-                         const float *base, const float *null_value, const float *w_null, float *out,
+void delta_route_forward(int64_t T, int64_t d, int n, const float *const *v, const float *restrict w,
+                         const float *restrict base, const float *restrict null_value, const float *restrict w_null, float *restrict out,
                          int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < T; ++t) {
-    float *o = out + t * d;
+    float *restrict o = out + t * d;
     const float *v0 = v[0] + t * d;
     const float w0 = w[t];
     if (base) {
@@ -28,7 +28,7 @@ void delta_route_forward(int64_t T, int64_t d, int n, const float *const *v, con
     }
     for (int i = 1; i < n; ++i) {
       const float wi = w[(int64_t)i * T + t];
-      const float *vi = v[i] + t * d;
+      const float *restrict vi = v[i] + t * d;
       for (int64_t k = 0; k < d; ++k) o[k] += wi * vi[k];
     }
     if (null_value) {
@@ -44,16 +44,16 @@ void delta_route_backward(int64_t T, int64_t d, int n, const float *grad, const 
                           const float *w, float *const *sink, const int *fresh, float *dw, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < T; ++t) {
-    const float *g = grad + t * d;
+    const float *restrict g = grad + t * d;
     for (int i = 0; i < n; ++i) {
-      const float *vi = v[i] + t * d;
+      const float *restrict vi = v[i] + t * d;
       float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
       for (int64_t k = 0; k < d; ++k) acc += g[k] * vi[k];
       dw[(int64_t)i * T + t] = acc;
       if (sink[i]) {
         const float wi = w[(int64_t)i * T + t];
-        float *s = sink[i] + t * d;
+        float *restrict s = sink[i] + t * d;
         if (fresh[i]) {
           for (int64_t k = 0; k < d; ++k) s[k] = wi * g[k];
         } else {
