@@ -10,6 +10,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_delta", "megatron_delta.*"]),
+    package_data={"megatron_delta": ["csrc/*.c"]},  # the router's CPU kernels, compiled on first use
     install_requires=["torch>=2.4", "megatron-core>=0.16.1", "sentencepiece", "numpy", "psutil"],
     extras_require={
         "test": ["pytest", "matplotlib", "tensorboard", "transformers>=5.0", "safetensors"],

@@ -78,6 +78,8 @@ def build_parser():
     p.add_argument("--vocab-size", type=int, default=1024, help="mock tokens' vocabulary")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--delta-num-blocks", type=int, default=None, help="K for delta_block / attnres (default 4)")
+    p.add_argument("--delta-router-kernels", choices=["auto", "c", "torch"], default="auto",
+                   help="the routers' kernels, as pretrain_gpt.py's flag (torch: PyTorch ops, for A/B runs)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--pp-layout", default="4", help="P or PxV: pipeline stages (x virtual chunks) for payloads")
@@ -107,6 +109,8 @@ def _mode_args(opts, mode):
         argv += ["--ffn-hidden-size", str(opts.ffn_hidden_size)]
     if opts.delta_num_blocks and mode in ("delta_block", "attnres"):
         argv += ["--delta-num-blocks", str(opts.delta_num_blocks)]
+    if mode != "baseline":
+        argv += ["--delta-router-kernels", opts.delta_router_kernels]
     return parse_args(argv, world_size=1)
 
 
@@ -552,7 +556,8 @@ def main(argv=None):
     report = run(opts)
     cfg = report["config"]
     print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "
-          f"{cfg['micro_batch_size']}, fp32, {cfg['repeats']} interleaved rounds (median), {cfg['threads']} "
+          f"{cfg['micro_batch_size']}, fp32, router kernels {cfg['delta_router_kernels']}, "
+          f"{cfg['repeats']} interleaved rounds (median), {cfg['threads']} "
           f"threads, load average {cfg['loadavg']}, stream rate {cfg['stream_gbps']:.1f} GB/s\n")
     print(format_table(report))
     print("\nOperator costs per [tokens, hidden] fp32 tensor, not in cache (ms): " + ", ".join(
