@@ -304,7 +304,7 @@ def route(
     null_logit: Optional[Tensor] = None,
     null_value: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
-    kernels: str = "torch",
+    kernels: str = "auto",
 ) -> Tuple[Tensor, Tensor]:
     """Functional router over >= 1 sources given their logit columns [T] and gradient sinks (see
     make_source; a value's gradient from here reaches it through its sink's projection).
