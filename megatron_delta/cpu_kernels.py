@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -62,13 +63,15 @@ def _machine() -> bytes:
 
 
 def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        raise KernelBuildError(f"no C compiler {cc!r} on PATH (set CC, or install gcc)")
+    cc_text = os.environ.get("CC") or "cc"
+    cc = shlex.split(cc_text)  # CC may carry a wrapper or flags ("ccache gcc")
+    if not cc or shutil.which(cc[0]) is None:
+        raise KernelBuildError(f"no C compiler {cc_text!r} on PATH (set CC, or install gcc)")
     with open(SOURCE, "rb") as f:
         src = f.read()
-    version = subprocess.run([cc, "--version"], capture_output=True).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version, _machine()])).hexdigest()[:16]
+    version = subprocess.run([*cc, "--version"], capture_output=True).stdout
+    key = hashlib.sha256(b"\0".join([src, cc_text.encode(), " ".join(FLAGS).encode(), version,
+                                     _machine()])).hexdigest()[:16]
     out_dir = cache_dir()
     lib_path = os.path.join(out_dir, f"router_kernels-{key}.so")
     if not os.path.exists(lib_path):
@@ -80,9 +83,10 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
         os.close(fd)
         try:
-            p = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
+            p = subprocess.run([*cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
             if p.returncode != 0:
-                raise KernelBuildError(f"{cc} {' '.join(FLAGS)} {SOURCE} failed:\n{p.stderr.strip()[-2000:]}")
+                raise KernelBuildError(f"{cc_text} {' '.join(FLAGS)} {SOURCE} failed (exit {p.returncode}):\n"
+                                       f"{p.stderr.strip()[-2000:]}")
             os.replace(tmp, lib_path)
         finally:
             if os.path.exists(tmp):

@@ -13,8 +13,8 @@
 
 /* out[t] = base[t] (or 0) + sum_i w[i][t] * v_i[t] (+ w_null[t] * null_value). */
 void delta_route_forward(int64_t T, int64_t d, int n, const float *const *v, const float *restrict w,
-                         const float *restrict base, const float *restrict null_value, const float *restrict w_null, float *restrict out,
-                         int threads) {
+                         const float *restrict base, const float *restrict null_value,
+                         const float *restrict w_null, float *restrict out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < T; ++t) {
     float *restrict o = out + t * d;
