@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delayed scaling: how the scale is computed from the amax history")
     g.add_argument("--time-limit-minutes", type=float, default=None,
                    help="stop training (then validate and save) after this much wall time")
+    g.add_argument("--delta-cpu-allocator", choices=["cache", "system"], default="cache",
+                   help="CPU runs: cache = glibc keeps freed tensor memory for reuse, as the CUDA caching "
+                        "allocator does (no page faults on every new activation); system = malloc as configured")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,

@@ -31,6 +31,7 @@ from torch import Tensor
 KERNEL_CHOICES = ("auto", "c", "torch")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "router_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+LIBS = ("-lm",)  # after the source: linkers with --as-needed drop libraries named before their user
 
 _lock = threading.Lock()
 _lib = None
@@ -70,7 +71,7 @@ def _build() -> ctypes.CDLL:
     with open(SOURCE, "rb") as f:
         src = f.read()
     version = subprocess.run([*cc, "--version"], capture_output=True).stdout
-    key = hashlib.sha256(b"\0".join([src, cc_text.encode(), " ".join(FLAGS).encode(), version,
+    key = hashlib.sha256(b"\0".join([src, cc_text.encode(), " ".join(FLAGS + LIBS).encode(), version,
                                      _machine()])).hexdigest()[:16]
     out_dir = cache_dir()
     lib_path = os.path.join(out_dir, f"router_kernels-{key}.so")
@@ -83,7 +84,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
         os.close(fd)
         try:
-            p = subprocess.run([*cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
+            p = subprocess.run([*cc, *FLAGS, SOURCE, "-o", tmp, *LIBS], capture_output=True, text=True)
             if p.returncode != 0:
                 raise KernelBuildError(f"{cc_text} {' '.join(FLAGS)} {SOURCE} failed (exit {p.returncode}):\n"
                                        f"{p.stderr.strip()[-2000:]}")
@@ -95,10 +96,10 @@ def _build() -> ctypes.CDLL:
         lib = ctypes.CDLL(lib_path)
     except OSError as e:
         raise KernelBuildError(f"cannot load {lib_path}: {e}") from None
-    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.delta_route_forward.argtypes = [I64, I64, INT, P, P, P, P, P, P, INT]
+    P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.delta_route_forward.argtypes = [I64, I64, INT, P, P, P, F, INT, F, P, F, P, P, P, P, P, INT]
     lib.delta_route_forward.restype = None
-    lib.delta_route_backward.argtypes = [I64, I64, INT, P, P, P, P, P, P, INT]
+    lib.delta_route_backward.argtypes = [I64, I64, INT, P, P, P, F, INT, P, P, P, P, P, P, P, P, P, INT]
     lib.delta_route_backward.restype = None
     return lib
 
@@ -162,22 +163,36 @@ def _ptr(t: Optional[Tensor]):
     return None if t is None else t.data_ptr()
 
 
-def route_forward(lib, values: Sequence[Tensor], w: Tensor, base: Optional[Tensor],
-                  null_value: Optional[Tensor], out: Tensor) -> Tensor:
-    """out = base + sum_i w[i] * values[i] (+ w[n] * null_value); values/base/out [T, d], w [M, T]."""
+def route_forward(lib, values: Sequence[Tensor], cols: Sequence[Optional[Tensor]], query: Optional[Tensor],
+                  eps: float, null_logit: Optional[float], null_value: Optional[Tensor], gate: float,
+                  base: Optional[Tensor], alpha: Tensor, proj: Sequence[Optional[Tuple[Tensor, Tensor]]],
+                  out: Tensor) -> Tensor:
+    """out = base + gate * (sum_i alpha_i values[i] + alpha_null null_value), alpha = softmax over the
+    logit columns ``cols`` [T] (None: a local source, projected here with ``query``; its 1/rms and
+    logit go to ``proj[i]`` = (inv [T], z [T])). values/base/out [T, d], alpha [M, T] (written)."""
     rows, d = out.shape
     n = len(values)
-    w_null = w[n] if null_value is not None else None
-    lib.delta_route_forward(rows, d, n, _ptrs(values), w.data_ptr(), _ptr(base), _ptr(null_value),
-                            _ptr(w_null), out.data_ptr(), torch.get_num_threads())
+    has_null = null_value is not None
+    lib.delta_route_forward(rows, d, n, _ptrs(values), _ptrs(cols), _ptr(query), eps, int(has_null),
+                            float(null_logit) if has_null else 0.0, _ptr(null_value), gate, _ptr(base),
+                            alpha.data_ptr(), _ptrs([p and p[0] for p in proj]), _ptrs([p and p[1] for p in proj]),
+                            out.data_ptr(), torch.get_num_threads())
     return out
 
 
-def route_backward(lib, grad: Tensor, values: Sequence[Tensor], w: Tensor,
-                   sinks: List[Tuple[Optional[Tensor], bool]], dw: Tensor) -> None:
-    """dw[i] = rowwise <grad, values[i]>; sink tensors (or None) += w[i] * grad (= when fresh)."""
+def route_backward(lib, grad: Tensor, values: Sequence[Tensor], alpha: Tensor, gate: float,
+                   null_value: Optional[Tensor], query: Optional[Tensor],
+                   proj: Sequence[Optional[Tuple[Tensor, Tensor]]],
+                   targets: List[Tuple[Optional[Tensor], bool]], dw: Tensor, dlogit: Tensor,
+                   c: Sequence[Optional[Tensor]]) -> None:
+    """The backward of route_forward: dw [M, T] (row-wise <grad, value>), dlogit [M, T]; each target
+    (or None) gets its source's gradient (assigned when fresh, else added): gate alpha_i grad, plus for a
+    local source (proj[i] given) its projection's share, whose c_i = dlogit_i inv_i [T] goes to c[i]."""
     rows, d = grad.shape
     n = len(values)
-    fresh = (ctypes.c_int * n)(*[int(f) for _, f in sinks])
-    lib.delta_route_backward(rows, d, n, grad.data_ptr(), _ptrs(values), w.data_ptr(),
-                             _ptrs([s for s, _ in sinks]), fresh, dw.data_ptr(), torch.get_num_threads())
+    fresh = (ctypes.c_int * n)(*[int(f) for _, f in targets])
+    lib.delta_route_backward(rows, d, n, grad.data_ptr(), _ptrs(values), alpha.data_ptr(), gate,
+                             int(null_value is not None), _ptr(null_value), _ptr(query),
+                             _ptrs([p and p[0] for p in proj]), _ptrs([p and p[1] for p in proj]),
+                             _ptrs([t for t, _ in targets]), fresh, dw.data_ptr(), dlogit.data_ptr(),
+                             _ptrs(c), torch.get_num_threads())

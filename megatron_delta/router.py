@@ -57,10 +57,14 @@ class GradSink:
 
 
 class Source(NamedTuple):
-    """One routing source: its value, its 1/rms per token and its logit columns per reader."""
+    """One routing source: its value, its 1/rms per token and its logit columns per reader.
+
+    A router absent from ``logits`` projects the source itself inside its route (a "local" source:
+    the right choice for a source with ONE reader, see _RouteFunction); SourceBuffer makes those with
+    ``inv_rms=None``, ``logits={}``, ``sink=None``."""
 
     value: Tensor  # [s, b, d], activation dtype
-    inv_rms: Tensor  # [s, b], fp32, detached (the differentiable path goes through `logits`)
+    inv_rms: Optional[Tensor]  # [s, b], fp32, detached (the differentiable path goes through `logits`)
     logits: Mapping  # DepthRouter -> [s*b] fp32 logit (value . q) * inv_rms, differentiable
     eps: float
     sink: Optional[GradSink]  # where the readers' routers accumulate their gradient w.r.t. value
@@ -173,44 +177,64 @@ class _RouteFunction(torch.autograd.Function):
 
     Inputs: n (number of real sources), out_dtype, lib (the fused CPU kernels of cpu_kernels.py, or
     None for PyTorch ops), sinks (the GradSink of each source: its gradient goes there, not to the
-    value input), base ([.., d] or None), gate ([1] or None), null_logit (0-dim or None), null_value
-    ([d] or None), then n values [.., d] and their n logit columns z_i [T]. Outputs: out
-    (``out_dtype``) and alpha [M, T] (non-differentiable; M = n + null, the null source last).
+    value input), eps, base ([.., d] or None), gate ([1] or None), null_logit (0-dim or None),
+    null_value ([d] or None), query (q = w * g, [d]; needed for local sources), then n values [.., d]
+    and their n logit columns z_i [T]. A column given as None marks a LOCAL source: one that only this
+    router reads (the partial block sum of delta_block, attnres' partial p): it is projected here, in
+    the same pass that reads it for the weighted sum, and its whole gradient (weighted sum's and
+    projection's shares) is returned as the value's gradient - no _ProjectSource, no sink. Outputs:
+    out (``out_dtype``) and alpha [M, T] (non-differentiable; M = n + null, the null source last).
 
-    Saved for backward: gate, null tensors, alpha [M, T] (compute dtype) and REFERENCES to the
-    values. Every [T, d] tensor is touched one source at a time: the transient memory is O(1)
-    tensors of [T, d] (an fp32 copy of one bf16 source at a time), never O(N). With ``lib`` and
-    fp32 CPU tensors the weighted sum, and in backward the dot products and sink updates, are one
-    pass each in C; the [M, T] softmax math is the same PyTorch code either way.
+    Saved for backward: gate, null tensors, query, alpha [M, T], the local sources' 1/rms and logits
+    [2, T] each (compute dtype) and REFERENCES to the values. Every [T, d] tensor is touched one source
+    at a time: the transient memory is O(1) tensors of [T, d] (an fp32 copy of one bf16 source at a
+    time), never O(N). With ``lib`` and fp32 CPU tensors each direction is one C loop over the tokens
+    (logits of the local sources, softmax over depth, weighted sum; dot products, softmax derivative,
+    every source's gradient); otherwise PyTorch ops compute the same function.
     """
 
     @staticmethod
-    def forward(ctx, n, out_dtype, lib, sinks, base, gate, null_logit, null_value, *tensors):
+    def forward(ctx, n, out_dtype, lib, sinks, eps, base, gate, null_logit, null_value, query, *tensors):
         values, cols = tensors[:n], tensors[n:]
         v0 = values[0]
         shape = v0.shape
         d = shape[-1]
         rows = v0.numel() // d
-        cdt = _compute_dtype(*(v.dtype for v in values), *(c.dtype for c in cols))
+        local = [i for i in range(n) if cols[i] is None]
+        cdt = _compute_dtype(*(v.dtype for v in values), *(c.dtype for c in cols if c is not None),
+                             None if query is None or not local else query.dtype)
         has_null = null_logit is not None
         m = n + int(has_null)
         flat = [v.reshape(rows, d) for v in values]
         flat_base = None if base is None else base.reshape(rows, d)
         out_dtype = out_dtype or v0.dtype
-        if not (cdt == out_dtype == torch.float32 and cpu_kernels.eligible(*flat, flat_base, null_value)):
+        if not (cdt == out_dtype == torch.float32 and cpu_kernels.eligible(
+                *flat, flat_base, null_value, *cols, query if local else None)):
             lib = None  # the C kernels take fp32 CPU tensors only
 
-        logits = torch.empty(m, rows, dtype=cdt, device=v0.device)
-        for col, row in zip(cols, logits.unbind(0)):
-            row.copy_(col)
-        if has_null:
-            logits[n].copy_(null_logit)
-        alpha = torch.softmax(logits, dim=0)
-        w = alpha if gate is None else alpha * _as(gate, cdt)
-
+        proj = torch.empty(2 * len(local), rows, dtype=cdt, device=v0.device)  # local (inv, z) rows
+        pairs = [None] * n
+        for k, i in enumerate(local):
+            pairs[i] = (proj[2 * k], proj[2 * k + 1])
+        gate_value = 1.0 if gate is None else float(gate)
         if lib is not None:
-            out = cpu_kernels.route_forward(lib, flat, w, flat_base, null_value, v0.new_empty(rows, d))
+            alpha = torch.empty(m, rows, dtype=cdt, device=v0.device)
+            out = cpu_kernels.route_forward(lib, flat, cols, query, eps, null_logit, null_value, gate_value,
+                                            flat_base, alpha, pairs, v0.new_empty(rows, d))
         else:
+            logits = torch.empty(m, rows, dtype=cdt, device=v0.device)
+            for i, (col, row) in enumerate(zip(cols, logits.unbind(0))):
+                if col is None:  # local: 1/rms and (v . q) * inv in compute dtype, as _ProjectSource
+                    vf = _as(flat[i], cdt)
+                    inv, z = pairs[i]
+                    inv.copy_(_inv_rms(vf, eps, cdt))
+                    torch.mv(vf, _as(query, cdt), out=z).mul_(inv)
+                    col = z
+                row.copy_(col)
+            if has_null:
+                logits[n].copy_(null_logit)
+            alpha = torch.softmax(logits, dim=0)
+            w = alpha if gate is None else alpha * _as(gate, cdt)
             # One fresh compute-dtype accumulator; mixed-dtype ops upcast on the fly.
             wcols = w.unsqueeze(2).unbind(0)
             if base is None:
@@ -228,8 +252,9 @@ class _RouteFunction(torch.autograd.Function):
         ctx.cdt = cdt
         ctx.lib = lib
         ctx.sinks = sinks
+        ctx.local = local
         ctx.base_dtype = None if base is None else base.dtype
-        ctx.save_for_backward(gate, null_logit, null_value, alpha, *values)
+        ctx.save_for_backward(gate, null_logit, null_value, query if local else None, alpha, proj, *values)
         ctx.mark_non_differentiable(alpha)
         return result, alpha
 
@@ -237,68 +262,97 @@ class _RouteFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_alpha):
         n = ctx.n
         cdt = ctx.cdt
-        gate, null_logit, null_value, alpha, *values = ctx.saved_tensors
+        local = ctx.local
+        gate, null_logit, null_value, query, alpha, proj, *values = ctx.saved_tensors
         m, rows = alpha.shape
         d = grad_out.shape[-1]
         has_null = null_logit is not None
-        # needs: (lib, sinks, base, gate, null_logit, null_value, *values, *cols)
-        needs = ctx.needs_input_grad[2:]  # aligned with the forward's tensors below
+        # needs: (lib, sinks, eps, base, gate, null_logit, null_value, query, *values, *cols)
+        needs = ctx.needs_input_grad[2:]
+        nv = 8  # index of the first value in `needs`
         flat = [v.reshape(rows, d) for v in values]
+        pairs = [None] * n
+        for k, i in enumerate(local):
+            pairs[i] = (proj[2 * k], proj[2 * k + 1])
         g = None if gate is None else _as(gate, cdt)
         w = alpha if g is None else alpha * g
 
         grad = _as(grad_out.reshape(rows, d), cdt)
-        # dL/dw_i per token: <grad, v_i>; and each source's a_i * grad goes to its sink (see GradSink)
-        dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)
-        used = [i for i in range(n) if needs[6 + i]]
+        used = [i for i in range(n) if needs[nv + i] and i not in local]  # sources with a sink
+        grad_values = [None] * n
+        c = [None] * n  # dlogit * inv of each local source (its query gradient is c . v)
         lib = ctx.lib
         if lib is not None and not (cpu_kernels.eligible(grad) and all(
                 ctx.sinks[i].grad is None or (cpu_kernels.eligible(ctx.sinks[i].grad)
                                               and ctx.sinks[i].grad.shape == grad.shape) for i in used)):
             lib = None
         if lib is not None:
+            dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)
+            dlogit = torch.empty_like(dw)
             targets = [(None, False)] * n
             for i in used:  # the first reader to reach a sink creates it (fresh: assigned, not added)
                 fresh = ctx.sinks[i].grad is None
                 if fresh:
                     ctx.sinks[i].grad = torch.empty_like(grad)
                 targets[i] = (ctx.sinks[i].grad, fresh)
-            cpu_kernels.route_backward(lib, grad, flat, w, targets, dw)
+            for i in local:
+                c[i] = grad.new_empty(rows)
+                if needs[nv + i]:
+                    grad_values[i] = torch.empty_like(grad)
+                    targets[i] = (grad_values[i], True)
+            cpu_kernels.route_backward(lib, grad, flat, alpha, 1.0 if g is None else float(g), null_value,
+                                       query, pairs, targets, dw, dlogit, c)
         else:
+            # dL/dw_i per token: <grad, v_i>; and each source's a_i * grad goes to its sink (see GradSink)
+            dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)
             prod = torch.empty_like(grad)  # one product buffer, reused (and cache-warm) for every source
             for vf, dwi in zip(flat, dw[:n].unbind(0)):
                 torch.sum(torch.mul(grad, vf, out=prod), dim=-1, out=dwi)
+            if has_null:
+                torch.mv(grad, _as(null_value, cdt), out=dw[n])
+            dalpha = dw if g is None else dw * g
+            dlogit = alpha * (dalpha - (alpha * dalpha).sum(0, keepdim=True))
             wcols = w.unsqueeze(2).unbind(0)
             for i in used:
                 ctx.sinks[i].add(grad, wcols[i], values[i].dtype)
-        if has_null:
-            torch.mv(grad, _as(null_value, cdt), out=dw[n])
+            for i in local:  # the projection's backward: dv = c q - dlogit z inv^2 / d v, c = dlogit inv
+                inv, z = pairs[i]
+                c[i] = dlogit[i] * inv
+                if needs[nv + i]:
+                    e = (dlogit[i] * z).mul_(inv.square()).mul_(-1.0 / d)
+                    gv = torch.mul(grad, wcols[i])
+                    gv.addr_(c[i], _as(query, cdt)).addcmul_(_as(flat[i], cdt), e.unsqueeze(1))
+                    grad_values[i] = _as(gv, values[i].dtype)
 
         grad_gate = None
-        if g is not None and needs[3]:
+        if g is not None and needs[4]:
             grad_gate = (alpha * dw).sum().reshape(gate.shape).to(gate.dtype)
-        dalpha = dw if g is None else dw.mul_(g)
-        dlogit = dalpha.sub_((alpha * dalpha).sum(0, keepdim=True)).mul_(alpha)
-
-        grad_cols = [dlogit[i] if needs[6 + n + i] else None for i in range(n)]
+        grad_query = None
+        if local and needs[7]:
+            dq = sum(torch.mv(_as(flat[i], cdt).t(), c[i]) for i in local)
+            grad_query = _as(dq, query.dtype)
+        grad_cols = [dlogit[i] if i not in local and needs[nv + n + i] else None for i in range(n)]
+        grad_values = [None if gv is None else gv.view(values[i].shape) for i, gv in enumerate(grad_values)]
         grad_base = None
-        if ctx.base_dtype is not None and needs[2]:
+        if ctx.base_dtype is not None and needs[3]:
             grad_base = _as(grad_out, ctx.base_dtype)
         grad_null_logit = grad_null_value = None
         if has_null:
-            if needs[4]:
-                grad_null_logit = dlogit[n].sum().to(null_logit.dtype)
             if needs[5]:
+                grad_null_logit = dlogit[n].sum().to(null_logit.dtype)
+            if needs[6]:
                 grad_null_value = torch.mv(grad.t(), w[n]).to(null_value.dtype)
-        return (None, None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value,
-                *([None] * n), *grad_cols)
+        return (None, None, None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, grad_query,
+                *grad_values, *grad_cols)
 
 
 def route(
     values: Sequence[Tensor],
-    logits: Sequence[Tensor],
-    sinks: Sequence[GradSink],
+    logits: Sequence[Optional[Tensor]],
+    sinks: Sequence[Optional[GradSink]],
     *,
+    eps: float = 1e-6,
+    query: Optional[Tensor] = None,
     base: Optional[Tensor] = None,
     gate: Optional[Tensor] = None,
     null_logit: Optional[Tensor] = None,
@@ -307,16 +361,20 @@ def route(
     kernels: str = "auto",
 ) -> Tuple[Tensor, Tensor]:
     """Functional router over >= 1 sources given their logit columns [T] and gradient sinks (see
-    make_source; a value's gradient from here reaches it through its sink's projection).
+    make_source; a value's gradient from here reaches it through its sink's projection). A logit
+    given as None (sink None) marks a local source, projected here with ``query`` and ``eps``; its
+    gradient is returned to its value directly.
     Returns (out [s, b, d] = base + gate * r, in ``out_dtype`` (default: the first value's dtype),
     alpha [M, s*b] with M = N (+1 for the null source, last)). ``kernels``: auto / c / torch, see
     cpu_kernels.py (the C kernels apply to fp32 CPU tensors only)."""
     n = len(values)
     if n == 0 or len(logits) != n or len(sinks) != n:
         raise ValueError("route() needs at least one source, and one logit column and sink per source")
+    if query is None and any(col is None for col in logits):
+        raise ValueError("route(): sources without a logit column are projected here and need query=")
     lib = cpu_kernels.library(kernels) if values[0].device.type == "cpu" else None
-    return _RouteFunction.apply(n, out_dtype, lib, list(sinks), base, gate, null_logit, null_value, *values,
-                                *logits)
+    return _RouteFunction.apply(n, out_dtype, lib, list(sinks), float(eps), base, gate, null_logit, null_value,
+                                query, *values, *logits)
 
 
 def _outside_fp8(enabled: bool):
@@ -404,13 +462,11 @@ class DepthRouter(torch.nn.Module):
         inv = torch.rsqrt(z.pow(2).mean() + self.eps)
         return torch.dot(z, q) * inv, z
 
-    def _logit(self, src: Source, q: Tensor) -> Tuple[Tensor, GradSink]:
+    def _logit(self, src: Source) -> Tuple[Optional[Tensor], Optional[GradSink]]:
         col = src.logits.get(self)
         if col is not None:
             return col, src.sink
-        # a source made without this router among its readers: project it now, for this router
-        sink = GradSink()
-        return _ProjectSource.apply(src.value, src.eps, sink, q)[1], sink
+        return None, None  # a source made without this router among its readers: route() projects it
 
     def forward(
         self,
@@ -447,8 +503,12 @@ class DepthRouter(torch.nn.Module):
                 if base is not None:
                     out = base + out
             else:
-                cols, sinks = zip(*(self._logit(s, q) for s in sources))
-                out, alpha = route([s.value for s in sources], cols, sinks, base=base, gate=gate,
+                cols, sinks = zip(*(self._logit(s) for s in sources))
+                eps = {s.eps for s, col in zip(sources, cols) if col is None}
+                if len(eps) > 1:
+                    raise ValueError(f"DepthRouter: sources it projects itself must share one eps, got {sorted(eps)}")
+                out, alpha = route([s.value for s in sources], cols, sinks, eps=eps.pop() if eps else self.eps,
+                                   query=q, base=base, gate=gate,
                                    null_logit=null_logit, null_value=null_value,
                                    out_dtype=None if like is None else like.dtype, kernels=self.kernels)
                 alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])

@@ -343,6 +343,11 @@ class SourceBuffer:
         e = self._entries[name]
         if e.source is None:
             readers = [self.readers[k] for k in self.plan.value_readers(name, j) if k in self.readers]
+            if len(readers) <= 1:
+                # One reader here (P<b>, p, or a scope's last reader): its router projects the source in
+                # the pass that routes it (router._RouteFunction, "local" source), no separate pass.
+                e.source = Source(e.value, None, {}, self.eps, None)
+                return e.source
             for r in readers:
                 if r not in self._queries:
                     with torch.autocast(device_type=e.value.device.type, enabled=False):

@@ -17,7 +17,8 @@ from functools import partial
 import torch
 
 from megatron_delta.arguments import ArgumentError, parse_args
-from megatron_delta.cpu_platform import activate_cpu_platform, destroy_distributed, initialize_distributed
+from megatron_delta.cpu_platform import (activate_cpu_platform, destroy_distributed, initialize_distributed,
+                                         is_cpu_platform, set_cpu_allocator)
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -345,6 +346,8 @@ def _pretrain(args):
     from megatron_delta.data import build_tokenizer
 
     reporter = Reporter(args)
+    if is_cpu_platform():
+        reporter.print(" " + set_cpu_allocator(args.delta_cpu_allocator))
     _resolve_data(args)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     model, optimizer, scheduler, config = setup_model_and_optimizer(args, tokenizer.vocab_size)

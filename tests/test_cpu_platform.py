@@ -628,3 +628,62 @@ def _failing_rank():
     if os.environ["RANK"] == "1":
         raise RuntimeError("boom on rank 1")
     return int(os.environ["RANK"])
+
+
+# ------------------------------------------------------------------------------------------------
+# --delta-cpu-allocator
+# ------------------------------------------------------------------------------------------------
+_ALLOC_PROBE = r"""
+import ctypes, resource, sys
+from megatron_delta.cpu_platform import set_cpu_allocator
+print(set_cpu_allocator(sys.argv[1]))
+libc = ctypes.CDLL("libc.so.6")  # malloc/free of the process's glibc, as PyTorch's CPU allocator calls them
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def one_step():  # as a training step: 4 MiB activations pile up (80 MiB), are written, then all freed
+    blocks = [libc.malloc(4 << 20) for _ in range(20)]
+    for b in blocks:
+        libc.memset(b, 1, 4 << 20)
+    for b in blocks:
+        libc.free(b)
+one_step()
+one_step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    one_step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _alloc_probe(choice, **env):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    full_env.update(env, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", _ALLOC_PROBE, choice], capture_output=True, text=True,
+                         env=full_env, check=True).stdout.split("\n")
+    return out[0], int(out[1])
+
+
+def test_cpu_allocator_cache_stops_page_faults():
+    """With glibc's defaults, memory freed at the end of a step goes back to the OS and the next step
+    faults every page in again (80 MiB = 20480 pages of 4 KiB); `cache` keeps it for reuse."""
+    line, faults = _alloc_probe("system")
+    assert line == "CPU allocator: malloc as configured (--delta-cpu-allocator system)"
+    assert faults > 3 * 15000, faults
+    line, faults = _alloc_probe("cache")
+    assert line == "CPU allocator: glibc keeps freed memory for reuse (--delta-cpu-allocator cache)"
+    assert faults < 3 * 1000, faults
+
+
+def test_cpu_allocator_respects_the_users_malloc_and_checks_the_choice():
+    from megatron_delta.cpu_platform import set_cpu_allocator
+
+    line, faults = _alloc_probe("cache", MALLOC_ARENA_MAX="2")
+    assert line == ("CPU allocator: malloc as configured by MALLOC_ARENA_MAX "
+                    "(--delta-cpu-allocator cache not applied)")
+    assert faults > 3 * 15000, faults  # glibc's defaults were left alone
+    with pytest.raises(ValueError, match="--delta-cpu-allocator 'jemalloc' is not one of cache, system"):
+        set_cpu_allocator("jemalloc")

@@ -331,24 +331,29 @@ def test_c_kernels_match_reference(null, gate, with_base, shared, monkeypatch):
 
 def test_c_kernels_bitwise_across_thread_counts():
     """Each token's row is computed by one thread in a fixed order: the kernels give the same bits
-    with 1 or 2 threads (PyTorch's own ops around them make no such promise: its softmax over depth
-    can differ in the last bit between thread counts), and they compute what they say."""
+    with 1 or 2 threads (PyTorch's own ops make no such promise: its softmax over depth can differ
+    in the last bit between thread counts), and they compute what they say (float64 math written
+    here): two sources with logit columns, two local ones projected in the kernel, null source, gate."""
     from megatron_delta import cpu_kernels as K
 
     lib = K.load()
     g = torch.Generator().manual_seed(12)
-    rows, d, n = 131, 72, 4
+    rows, d, n, eps, gate, null_logit = 131, 72, 4, 1e-6, 0.7, 0.3
     vals = [torch.randn(rows, d, generator=g) for _ in range(n)]
+    cols = [torch.randn(rows, generator=g), None, torch.randn(rows, generator=g), None]
+    q = torch.randn(d, generator=g) / d ** 0.5
     base, grad, null = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g), torch.randn(d, generator=g)
-    w = torch.softmax(torch.randn(n + 1, rows, generator=g), 0)
     sink0 = torch.randn(rows, d, generator=g)
 
     def run():
-        out = K.route_forward(lib, vals, w, base, null, torch.empty(rows, d))
-        sinks = [(sink0.clone(), False), (torch.empty(rows, d), True), (None, False), (sink0.clone(), False)]
-        dw = torch.empty(n + 1, rows)
-        K.route_backward(lib, grad, vals, w, sinks, dw)
-        return [out, dw[:n]] + [t for t, _ in sinks if t is not None]
+        alpha, proj = torch.empty(n + 1, rows), [None, torch.empty(2, rows), None, torch.empty(2, rows)]
+        pairs = [p if p is None else (p[0], p[1]) for p in proj]
+        out = K.route_forward(lib, vals, cols, q, eps, null_logit, null, gate, base, alpha, pairs, torch.empty(rows, d))
+        # sinks: accumulated, fresh; locals: a fresh gradient, and none (only c is wanted)
+        targets = [(sink0.clone(), False), (torch.empty(rows, d), True), (torch.empty(rows, d), True), (None, False)]
+        dw, dlogit, c = torch.empty(n + 1, rows), torch.empty(n + 1, rows), [None, torch.empty(rows), None, torch.empty(rows)]
+        K.route_backward(lib, grad, vals, alpha, gate, null, q, pairs, targets, dw, dlogit, c)
+        return [out, alpha, proj[1], proj[3], dw, dlogit, c[1], c[3]] + [t for t, _ in targets if t is not None]
 
     threads = torch.get_num_threads()
     try:
@@ -359,16 +364,25 @@ def test_c_kernels_bitwise_across_thread_counts():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
-    # and they compute what they say (float64 reference)
-    v64 = [v.double() for v in vals]
-    ref = base.double() + sum(w[i].double().unsqueeze(1) * v64[i] for i in range(n)) + w[n].double().unsqueeze(1) * null
-    torch.testing.assert_close(one[0].double(), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(one[1].double(), torch.stack([(grad.double() * v).sum(1) for v in v64]),
-                               rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(one[2].double(), sink0.double() + w[0].double().unsqueeze(1) * grad.double(),
-                               rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(one[3].double(), w[1].double().unsqueeze(1) * grad.double(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(one[4], sink0 + w[3].unsqueeze(1) * grad, rtol=1e-5, atol=1e-5)
+
+    # float64 reference of what they say
+    v64, g64, q64 = [v.double() for v in vals], grad.double(), q.double()
+    inv = {i: torch.rsqrt(v64[i].pow(2).mean(1) + eps) for i in (1, 3)}
+    z = {i: (v64[i] @ q64) * inv[i] for i in (1, 3)}
+    logits = torch.stack([cols[0].double(), z[1], cols[2].double(), z[3], torch.full((rows,), null_logit).double()])
+    alpha = torch.softmax(logits, 0)
+    w = alpha * gate
+    out = base.double() + sum(w[i].unsqueeze(1) * v64[i] for i in range(n)) + w[n].unsqueeze(1) * null.double()
+    dw = torch.stack([(g64 * v).sum(1) for v in v64] + [g64 @ null.double()])
+    da = dw * gate
+    dlogit = alpha * (da - (alpha * da).sum(0, keepdim=True))
+    c1 = dlogit[1] * inv[1]
+    local1 = (w[1].unsqueeze(1) * g64 + c1.unsqueeze(1) * q64
+              - (dlogit[1] * z[1] * inv[1] ** 2 / d).unsqueeze(1) * v64[1])
+    want = [out, alpha, torch.stack([inv[1], z[1]]), torch.stack([inv[3], z[3]]), dw, dlogit, c1,
+            dlogit[3] * inv[3], sink0.double() + w[0].unsqueeze(1) * g64, local1, w[2].unsqueeze(1) * g64]
+    for got, ref in zip(one, want, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_router_kernels_choice_is_checked():

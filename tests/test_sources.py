@@ -187,7 +187,8 @@ def _grads(out, params, h0):
 @pytest.mark.parametrize("null,gate", [(False, False), (True, True)])
 @pytest.mark.parametrize("plan", PLANS, ids=_id)
 def test_pipeline_split_gives_the_same_model(plan, null, gate):
-    """A stage split changes only which routers share a projection GEMM (fp32 round-off)."""
+    """A stage split changes only which routers share a projection GEMM, or project a source inside
+    their own pass when they are its one reader in the stage (fp32 round-off: 1.5e-6 seen)."""
     d, s, b = 16, 3, 2
     toy = Toy(plan, d, null=null, gate=gate, seed=1)
     h0 = torch.randn(s, b, d, generator=torch.Generator().manual_seed(2), requires_grad=True)
@@ -204,7 +205,7 @@ def test_pipeline_split_gives_the_same_model(plan, null, gate):
             received.extend((layer, n, buf._entries[n]) for n in buf._entries)
 
         out, _ = toy.run(h0, boundaries, check=check)
-        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6, msg=str(boundaries))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=str(boundaries))
         grads = _grads(out, toy.params(), h0)
         for g, gr in zip(grads, ref_grads):
             assert (g is None) == (gr is None)
@@ -390,30 +391,37 @@ def test_activation_recompute_per_layer(plan, reentrant):
 
 @pytest.mark.parametrize("plan", PLANS, ids=_id)
 def test_one_projection_per_source(plan, monkeypatch):
-    """With its chunk's readers known, a buffer projects each source value ONCE for all the routers
-    that read it (make_source); the result equals every router projecting for itself."""
+    """With its chunk's readers known, a buffer projects each source value with several readers ONCE
+    for all of them (make_source), and leaves a value with one reader to that router, which projects
+    it inside its own pass (a local source); the result equals every router projecting for itself."""
     from megatron_delta import router as router_mod
 
-    calls = []
-    orig = router_mod._ProjectSource.apply
+    calls, local = [], []
+    orig, orig_route = router_mod._ProjectSource.apply, router_mod._RouteFunction.apply
 
     def counting(value, eps, sink, *queries):
         calls.append(len(queries))
         return orig(value, eps, sink, *queries)
 
+    def counting_route(n, *args):
+        local.append(sum(c is None for c in args[9 + n:]))
+        return orig_route(n, *args)
+
     monkeypatch.setattr(router_mod._ProjectSource, "apply", counting)
+    monkeypatch.setattr(router_mod._RouteFunction, "apply", counting_route)
     toy = Toy(plan, 8, null=True, seed=11)
     h0 = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(12), requires_grad=True)
     pairs = sum(plan.num_sources_read(j) for j in range(plan.num_sublayers)) + len(plan.final_reads())
     for boundaries in [(), (1, 3)]:
-        calls.clear()
+        calls.clear(), local.clear()
         ref, _ = toy.run(h0, boundaries, scoped=False)
-        assert calls == [1] * pairs  # the fallback: one projection per (source, router) pair
+        assert calls == [] and sum(local) == pairs  # unscoped: every router projects every source itself
         ref_grads = _grads(ref, toy.params(), h0)
-        calls.clear()
+        calls.clear(), local.clear()
         out, _ = toy.run(h0, boundaries)
-        assert sum(calls) == pairs and len(calls) < pairs, (calls, pairs)
-        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        assert calls and min(calls) >= 2, calls  # make_source only for values with several readers
+        assert sum(calls) + sum(local) == pairs and len(calls) + sum(local) < pairs, (calls, local, pairs)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         for g, gr in zip(_grads(out, toy.params(), h0), ref_grads):
             assert (g is None) == (gr is None)
             if g is not None:  # summation order differs: fp32 round-off relative to the largest entry

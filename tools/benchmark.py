@@ -80,6 +80,8 @@ def build_parser():
     p.add_argument("--delta-num-blocks", type=int, default=None, help="K for delta_block / attnres (default 4)")
     p.add_argument("--delta-router-kernels", choices=["auto", "c", "torch"], default="auto",
                    help="the routers' kernels, as pretrain_gpt.py's flag (torch: PyTorch ops, for A/B runs)")
+    p.add_argument("--delta-cpu-allocator", choices=["cache", "system"], default="cache",
+                   help="as pretrain_gpt.py's flag (system: glibc's defaults, for A/B runs)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--pp-layout", default="4", help="P or PxV: pipeline stages (x virtual chunks) for payloads")
@@ -272,17 +274,20 @@ def routing_alone_ms(model, opts, rounds=15, breakdown=False):
 
 
 class _RouteStandIn(torch.autograd.Function):
-    """In place of router._RouteFunction (--routing-breakdown): no weighted sum, only a copy of the
-    base (the first value in the replacement modes) so the buffer's bookkeeping runs unchanged; its
-    backward hands the gradient to that input and zero logit gradients to the projections (which then
-    do their full backward work, but receive nothing in their gradient sinks)."""
+    """In place of router._RouteFunction (--routing-breakdown): no weighted sum, no projection of the
+    local sources, only a copy of the base (the first value in the replacement modes) so the buffer's
+    bookkeeping runs unchanged; its backward hands the gradient to that input and zero logit
+    gradients to the projections (which then do their full backward work, but receive nothing in
+    their gradient sinks)."""
 
     @staticmethod
-    def forward(ctx, n, out_dtype, lib, sinks, base, gate, null_logit, null_value, *tensors):
+    def forward(ctx, n, out_dtype, lib, sinks, eps, base, gate, null_logit, null_value, query, *tensors):
         ref = base if base is not None else tensors[0]
+        rows = ref.numel() // ref.shape[-1]
         ctx.n, ctx.has_base = n, base is not None
-        alpha = torch.softmax(torch.stack(tensors[n:]), dim=0)  # [n, T], tiny
-        ctx.zero = alpha.new_zeros(alpha.shape[1])
+        ctx.local = [c is None for c in tensors[n:]]
+        alpha = torch.softmax(torch.stack([torch.zeros(rows) if c is None else c for c in tensors[n:]]), dim=0)
+        ctx.zero = alpha.new_zeros(rows)
         ctx.mark_non_differentiable(alpha)
         return ref.to(out_dtype or ref.dtype, copy=True), alpha
 
@@ -292,8 +297,8 @@ class _RouteStandIn(torch.autograd.Function):
         first = [None] * n
         if not ctx.has_base:
             first[0] = grad
-        return (None, None, None, None, grad if ctx.has_base else None, None, None, None, *first,
-                *([ctx.zero] * n))
+        return (None, None, None, None, None, grad if ctx.has_base else None, None, None, None, None, *first,
+                *[None if local else ctx.zero for local in ctx.local])
 
 
 class _ProjectStandIn(torch.autograd.Function):
@@ -338,16 +343,32 @@ def fused_router_passes(mode, args):
     make BEYOND what the stand-in loop (the "rest" of --routing-breakdown) already does. Per router
     with N sources: forward N + 2 (read the sources and the base x, write u) or N + 1 in the
     replacement modes (no base), of which the stand-in's copy already does 2; backward 3N + 1 (read
-    the output gradient and each source, read and write each source's gradient). Per source made
-    (h0 and one per sublayer): 1 forward (its norm and logit columns in one read), 3 backward (read
-    it, read and write its gradient)."""
-    from megatron_delta.sources import SourcePlan
+    the output gradient and each source, read and write each source's gradient). Per source with
+    several readers (projected once for all of them, make_source): 1 forward (its norm and logit
+    columns in one read), 3 backward (read it, read and write its gradient); a source with one
+    reader is projected inside that router's passes (a local source), at no extra pass."""
+    from megatron_delta.router import DepthRouter
+    from megatron_delta.sources import SourceBuffer, SourcePlan
 
     plan = SourcePlan.from_config(args, mode)
     counts = [plan.num_sources_read(j) for j in range(plan.num_sublayers)] + [len(plan.final_reads())]
     base = 1 if plan.additive else 0
     route = sum((nj + base - 1) + (3 * nj + 1) for nj in counts if nj)
-    return route + 4 * (plan.num_sublayers + 1)
+    # The sources made, as SourceBuffer makes them (tiny tensors): which are projected for several readers.
+    readers = {j: DepthRouter(1, null_source=False, gate=False, eps=1e-6) for j in [*range(plan.num_sublayers), "final"]}
+    buf = SourceBuffer.start(plan, torch.zeros(1, 1, 1), 1e-6, readers=readers)
+    shared = {}
+    with torch.no_grad():
+        for j in range(plan.num_sublayers):
+            for src in buf.read(j):
+                shared[id(src)] = (src, len(src.logits) > 1)  # keep src alive: ids stay unique
+            buf.routed_input(j, readers[j])
+            buf.commit(j, torch.ones(1, 1, 1))
+        if not plan.additive:
+            for name in plan.final_reads():
+                src = buf._source(name, "final")
+                shared[id(src)] = (src, len(src.logits) > 1)
+    return route + 4 * sum(multi for _, multi in shared.values())
 
 
 def op_costs(opts, rounds=5):
@@ -418,8 +439,9 @@ def finalize(results):
 
 
 def run(opts):
-    from megatron_delta.cpu_platform import destroy_distributed
+    from megatron_delta.cpu_platform import destroy_distributed, set_cpu_allocator
 
+    allocator = set_cpu_allocator(opts.delta_cpu_allocator)  # as pretrain_gpt.py does on CPU
     if opts.threads:
         torch.set_num_threads(opts.threads)
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
@@ -476,7 +498,7 @@ def run(opts):
     finalize(results)
     meta = {k: v for k, v in vars(opts).items()}
     costs = op_costs(opts)
-    meta.update(stream_gbps=costs.pop("stream_gbps"), op_ms=costs, torch=torch.__version__,
+    meta.update(stream_gbps=costs.pop("stream_gbps"), op_ms=costs, torch=torch.__version__, allocator=allocator,
                 threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                 loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
     return {"config": meta, "modes": results, "profile": profile_text}
@@ -558,7 +580,8 @@ def main(argv=None):
     print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "
           f"{cfg['micro_batch_size']}, fp32, router kernels {cfg['delta_router_kernels']}, "
           f"{cfg['repeats']} interleaved rounds (median), {cfg['threads']} "
-          f"threads, load average {cfg['loadavg']}, stream rate {cfg['stream_gbps']:.1f} GB/s\n")
+          f"threads, load average {cfg['loadavg']}, stream rate {cfg['stream_gbps']:.1f} GB/s\n"
+          f"{cfg.get('allocator', '')}\n")
     print(format_table(report))
     print("\nOperator costs per [tokens, hidden] fp32 tensor, not in cache (ms): " + ", ".join(
         f"{k} {v:.3f}" for k, v in cfg["op_ms"].items()))
