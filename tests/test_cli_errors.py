@@ -48,12 +48,18 @@ def test_argument_errors(argv, world, needle, monkeypatch, capsys):
 
 
 def _run(argv, tmp_path, **extra_env):
+    rc, _, err = _run_full(argv, tmp_path, **extra_env)
+    return rc, err
+
+
+def _run_full(argv, tmp_path, **extra_env):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, **extra_env)
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+    malloc = [k for k in env if k.startswith("MALLOC_")]  # a user's malloc choice would switch the allocator line
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", *malloc):
         env.pop(k, None)
     p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + TINY + argv,
                        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
-    return p.returncode, p.stderr
+    return p.returncode, p.stdout, p.stderr
 
 
 def test_missing_data_path(tmp_path):
@@ -110,9 +116,11 @@ def test_router_kernels_c_without_a_compiler(tmp_path):
 
 
 def test_router_kernels_auto_without_a_compiler_warns(tmp_path):
-    """The default `auto` trains on PyTorch ops where no compiler exists, and says so once."""
-    rc, err = _run(MOCK + ["--residual", "delta"], tmp_path, CC="no-such-cc",
-                   MEGATRON_DELTA_CACHE=str(tmp_path / "kernels"))
+    """The default `auto` trains on PyTorch ops where no compiler exists, and says so once. (The
+    start-up log also says which CPU allocator applies: the default `cache` here.)"""
+    rc, out, err = _run_full(MOCK + ["--residual", "delta"], tmp_path, CC="no-such-cc",
+                             MEGATRON_DELTA_CACHE=str(tmp_path / "kernels"))
     assert rc == 0, err
+    assert "CPU allocator: glibc keeps freed memory for reuse (--delta-cpu-allocator cache)" in out, out
     assert err.count("the fused CPU router kernels cannot be built (no C compiler 'no-such-cc' on PATH") == 1, err
     assert "--delta-router-kernels torch" in err, err
