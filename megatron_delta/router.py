@@ -13,8 +13,9 @@ source, for all the routers that will read it, when the source is created (:func
 one GEMM [tokens, d] x [d, J] gives the J normalised logit columns, and its backward is one GEMM
 for the source gradient and one for the J query gradients (``_ProjectSource``). The per-router
 work (``_RouteFunction``) is then only the weighted sum (and, in backward, one dot product and one
-scaled copy of the output gradient per source). The additive modes fuse the residual:
-``u = x + gated(r)`` is produced by the same pass (``base=x``).
+scaled copy of the output gradient per source). A source with ONE reader (J = 1) skips that separate
+pass: its router projects it inside its own pass, which reads the source anyway (a "local" source).
+The additive modes fuse the residual: ``u = x + gated(r)`` is produced by the same pass (``base=x``).
 
 Memory: sources are never stacked. Saved for backward: references to the source values (alive
 anyway), the softmax weights [M, tokens] and the logits [J, tokens] (fp32, small), the router
