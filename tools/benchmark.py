@@ -28,8 +28,9 @@ Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.model, TP1
   as a share of the baseline model's step, far less noisy than the difference of two model steps
   (the model step also shows indirect costs: the router's traffic evicts the backbone's data from cache).
   --routing-breakdown splits it by running the same loop with the router's kernels replaced by
-  stand-ins: the weighted sums (_RouteFunction), the source projections (_ProjectSource) and the
-  rest (SourceBuffer bookkeeping, partial sums, autograd, Python), and adds the least a router
+  stand-ins: the routers' fused passes (_RouteFunction: weighted sums, projections of one-reader
+  sources, softmax), the shared source projections (_ProjectSource) and the rest (SourceBuffer
+  bookkeeping, partial sums, autograd, Python), and adds the least a router
   touching each [tokens, hidden] tensor once could cost: the rest plus its passes over memory
   (fused_router_passes) at the measured cost of one pass.
 - operator costs and stream rate: ms per [tokens, hidden] fp32 tensor of an in-place multiply-add,
@@ -89,7 +90,7 @@ def build_parser():
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the profiler peak-memory step")
     p.add_argument("--routing-breakdown", action="store_true",
-                   help="split the routing alone into weighted sums, source projections and the rest "
+                   help="split the routing alone into the routers' fused passes, shared source projections and the rest "
                         "(stand-in kernels), and print what a router touching each tensor once would cost")
     p.add_argument("--profile", default=None, metavar="MODE",
                    help="also run torch.profiler on one step of MODE and print the top ops")
@@ -227,7 +228,7 @@ def routing_alone_ms(model, opts, rounds=15, breakdown=False):
     """Median ms of one forward + backward of the routing alone (see the module docstring).
 
     With ``breakdown`` also the same loop with the router's two kernels replaced by stand-ins
-    (weighted sums; weighted sums and source projections), interleaved round by round: returns
+    (fused passes; fused passes and shared projections), interleaved round by round: returns
     {"total", "route", "project", "rest"} in ms, the parts by difference (see _stand_ins)."""
     from megatron_delta.sources import SourceBuffer
 
@@ -322,7 +323,7 @@ class _ProjectStandIn(torch.autograd.Function):
 @contextlib.contextmanager
 def _stand_ins(route, project):
     """Swap the router's kernels for the stand-ins above while the block runs: routing alone with
-    both kernels minus routing alone without the weighted sums is what the weighted sums cost, and
+    both kernels minus routing alone without the fused passes is what the fused passes cost, and
     so on. Attribution is by difference and approximate (the parts share caches; with the weighted
     sums gone the projections' backward gets no sink to add to). Always restored on exit."""
     from megatron_delta import router
@@ -557,7 +558,7 @@ def format_table(report):
         for m, r in split:
             b = r["routing_breakdown_ms"]
             floor = b["rest"] + r["fused_router_passes"] * pass_ms
-            out.append(f"- {m}: {b['total']:.1f} ms = weighted sums {b['route']:.1f} + source projections "
+            out.append(f"- {m}: {b['total']:.1f} ms = routers' fused passes {b['route']:.1f} + shared projections "
                        f"{b['project']:.1f} + the rest {b['rest']:.1f} (SourceBuffer, partial sums, autograd, "
                        f"Python); touching each tensor once: >= {floor:.1f} ms = {100 * floor / base_ms:.1f} % "
                        f"({r['fused_router_passes']} passes)")
