@@ -32,7 +32,7 @@ def test_benchmark_smoke(tmp_path):
     out = tmp_path / "bench.json"
     text = _run("tools/benchmark.py", *TINY, "--modes", "baseline,delta_block,delta,full_attnres",
                 "--repeats", "1", "--warmup", "1", "--pp-layout", "2x2", "--routing-breakdown",
-                "--output", str(out))
+                "--model-breakdown", "--output", str(out))
     assert "| delta_block |" in text and ("pass" in text or "MISS" in text)
     rep = json.load(open(out))["modes"]
     assert set(rep) == {"baseline", "delta_block", "delta", "full_attnres"}
@@ -51,6 +51,12 @@ def test_benchmark_smoke(tmp_path):
         assert split["total"] == rep[mode]["routing_alone_ms"] and split["rest"] > 0
         assert f"- {mode}: " in text and "touching each tensor once" in text
     assert rep["delta"]["fused_router_passes"] == 180  # see test_fused_router_passes_by_hand
+    for mode in ("delta_block", "delta", "full_attnres"):  # --model-breakdown: timed with each stand-in
+        b = rep[mode]["model_breakdown"]
+        assert {len(v) for v in rep[mode]["stand_in_cpu_s"].values()} == {1} and b["both_stand_ins_ratio"] > 0
+        assert math.isclose(1 + b["fused_passes"] + b["shared_projections"] + b["rest"], rep[mode]["cpu_ratio"])
+        assert f"- {mode}: {b['cpu_ratio']:.3f}x = 1 + routers' fused passes" in text
+    assert "model_breakdown" not in base
     cfg = json.load(open(out))["config"]
     assert cfg["stream_gbps"] > 0 and len(cfg["op_ms"]) == 4 and min(cfg["op_ms"].values()) > 0
     # Payloads: 3 boundaries (2 stages x 2 virtual chunks of 1 layer); baseline sends one tensor.

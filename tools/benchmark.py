@@ -33,6 +33,11 @@ Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.model, TP1
   bookkeeping, partial sums, autograd, Python), and adds the least a router
   touching each [tokens, hidden] tensor once could cost: the rest plus its passes over memory
   (fused_router_passes) at the measured cost of one pass.
+- --model-breakdown: the same split for the whole model: each routed model's step is also timed
+  (interleaved, CPU time) with the router's fused passes stood in, and with the shared projections
+  stood in as well; the differences of the CPU-time ratios split the model's extra cost into the
+  fused passes, the shared projections, and the rest (bookkeeping and indirect costs such as the
+  backbone's data evicted from cache). Read it with --threads 1, where CPU time is the work done.
 - operator costs and stream rate: ms per [tokens, hidden] fp32 tensor of an in-place multiply-add,
   an add into a new tensor that is kept, a row-wise dot product and a read-only row norm, on
   tensors cycled through more memory than the caches below L3 hold, and the in-place multiply-add's
@@ -92,6 +97,9 @@ def build_parser():
     p.add_argument("--routing-breakdown", action="store_true",
                    help="split the routing alone into the routers' fused passes, shared source projections and the rest "
                         "(stand-in kernels), and print what a router touching each tensor once would cost")
+    p.add_argument("--model-breakdown", action="store_true",
+                   help="also time each routed model with the router's kernels replaced by stand-ins (as "
+                        "--routing-breakdown does for the routing alone) and split its CPU-time ratio")
     p.add_argument("--profile", default=None, metavar="MODE",
                    help="also run torch.profiler on one step of MODE and print the top ops")
     p.add_argument("--output", default=None, help="JSON results")
@@ -414,6 +422,11 @@ def _progress(msg):
     print(f"[benchmark {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _model_stand_ins(opts, mode):
+    """--model-breakdown: the stand-in variants a routed model's step is also timed with."""
+    return [(True, False), (True, True)] if opts.model_breakdown and mode != "baseline" else []
+
+
 def finalize(results):
     """Medians, minima and ratios to the baseline, and the target verdicts (from times_s etc.)."""
     for r in results.values():
@@ -432,6 +445,14 @@ def finalize(results):
                                   if r["payloads"] else None)
         if r.get("routing_alone_ms") is not None:
             r["routing_alone_share"] = r["routing_alone_ms"] / 1e3 / base["time_s"]
+        if r.get("stand_in_cpu_s"):
+            # CPU-time ratios of the model as is, with the fused passes stood in, and with the shared
+            # projections stood in as well: their differences split the model's extra cost
+            full = r["cpu_ratio"]
+            route, both = (statistics.median(r["stand_in_cpu_s"][k]) / base["cpu_s"] for k in ("route", "both"))
+            r["model_breakdown"] = {"cpu_ratio": full, "route_stand_in_ratio": route, "both_stand_ins_ratio": both,
+                                    "fused_passes": full - route, "shared_projections": route - both,
+                                    "rest": both - 1.0}
         tg = TARGETS.get(mode)
         if tg:
             checks = [(r["time_ratio"], tg[0]), (r["saved_ratio"], tg[1]), (r["peak_ratio"], tg[2])]
@@ -470,6 +491,9 @@ def run(opts):
             r["added_parameters"] = r["parameters"] - base_params
             for _ in range(opts.warmup):
                 r["loss"] = float(step(model, batch))
+                for stand_in in _model_stand_ins(opts, mode):
+                    with _stand_ins(*stand_in):
+                        step(model, batch)
             r["saved_bytes"] = saved_bytes(model, batch)
             r["peak_bytes"] = None if opts.no_memory else peak_bytes(model, batch)
             _progress(f"{mode}: warm-up and memory done")
@@ -481,6 +505,12 @@ def run(opts):
                 results[mode]["times_s"].append(time.perf_counter() - t0)
                 results[mode]["cpu_times_s"].append(time.process_time() - c0)
                 _progress(f"{mode}: step {results[mode]['times_s'][-1]:.2f} s")
+                for stand_in in _model_stand_ins(opts, mode):
+                    with _stand_ins(*stand_in):
+                        c0 = time.process_time()
+                        step(model, batch)
+                        results[mode].setdefault("stand_in_cpu_s", {}).setdefault(
+                            "route" if stand_in == (True, False) else "both", []).append(time.process_time() - c0)
         for mode in modes:
             if mode != "baseline":
                 alone = routing_alone_ms(models[mode][0], opts, breakdown=opts.routing_breakdown)
@@ -562,6 +592,13 @@ def format_table(report):
                        f"{b['project']:.1f} + the rest {b['rest']:.1f} (SourceBuffer, partial sums, autograd, "
                        f"Python); touching each tensor once: >= {floor:.1f} ms = {100 * floor / base_ms:.1f} % "
                        f"({r['fused_router_passes']} passes)")
+    model_split = [(m, r["model_breakdown"]) for m, r in res.items() if r.get("model_breakdown")]
+    if model_split:
+        out.append("\nModel step split by stand-in kernels (--model-breakdown; CPU-time ratios to the baseline, by "
+                   "difference):")
+        for m, b in model_split:
+            out.append(f"- {m}: {b['cpu_ratio']:.3f}x = 1 + routers' fused passes {b['fused_passes']:+.3f} + shared "
+                       f"projections {b['shared_projections']:+.3f} + bookkeeping and indirect costs {b['rest']:+.3f}")
     return "\n".join(out)
 
 
