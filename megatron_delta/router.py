@@ -89,6 +89,12 @@ def _inv_rms(value: Tensor, eps: float, cdt: torch.dtype) -> Tensor:
     return norm.square_().div_(value.shape[-1]).add_(eps).rsqrt_()
 
 
+def _projection_grad_coeffs(dz: Tensor, z: Tensor, inv: Tensor, d: int) -> Tuple[Tensor, Tensor]:
+    """The backward of z_k = (v . q_k) * inv, inv = rsqrt(mean(v^2) + eps), for logit gradients dz
+    [J, T]: dv = C Q + e v with C = dz * inv [J, T] and e = -(sum_k dz_k z_k) inv^2 / d [T]."""
+    return dz * inv, (dz * z).sum(0).mul_(inv.square()).mul_(-1.0 / d)
+
+
 class _ProjectSource(torch.autograd.Function):
     """inv = rsqrt(mean(v^2) + eps) and z_k = (v . q_k) * inv for J queries, in ONE pass over v.
 
@@ -128,8 +134,7 @@ class _ProjectSource(torch.autograd.Function):
         d = value.shape[-1]
         rows = inv.numel()
         dz = torch.stack([_as(grad_z[k], cdt) for k in used])  # [J', T]
-        c = dz * inv
-        e = (dz * zt[used]).sum(0).mul_(inv.square()).mul_(-1.0 / d)  # [T]
+        c, e = _projection_grad_coeffs(dz, zt[used], inv, d)  # [J', T], [T]
         vf = _as(value.reshape(rows, d), cdt)
         q = torch.stack([_as(queries[k], cdt) for k in used])  # [J', d]
         grad_value = None
@@ -316,11 +321,11 @@ class _RouteFunction(torch.autograd.Function):
             wcols = w.unsqueeze(2).unbind(0)
             for i in used:
                 ctx.sinks[i].add(grad, wcols[i], values[i].dtype)
-            for i in local:  # the projection's backward: dv = c q - dlogit z inv^2 / d v, c = dlogit inv
+            for i in local:  # the weighted sum's share w_i grad, plus the projection's c q + e v
                 inv, z = pairs[i]
-                c[i] = dlogit[i] * inv
+                ci, e = _projection_grad_coeffs(dlogit[i:i + 1], z.unsqueeze(0), inv, d)
+                c[i] = ci[0]
                 if needs[nv + i]:
-                    e = (dlogit[i] * z).mul_(inv.square()).mul_(-1.0 / d)
                     gv = torch.mul(grad, wcols[i])
                     gv.addr_(c[i], _as(query, cdt)).addcmul_(_as(flat[i], cdt), e.unsqueeze(1))
                     grad_values[i] = _as(gv, values[i].dtype)

@@ -423,8 +423,9 @@ def _progress(msg):
 
 
 def _model_stand_ins(opts, mode):
-    """--model-breakdown: the stand-in variants a routed model's step is also timed with."""
-    return [(True, False), (True, True)] if opts.model_breakdown and mode != "baseline" else []
+    """--model-breakdown: the stand-in variants (name, _stand_ins arguments) a routed model's step is
+    also timed with: the fused passes stood in ("route"), and the shared projections as well ("both")."""
+    return [("route", (True, False)), ("both", (True, True))] if opts.model_breakdown and mode != "baseline" else []
 
 
 def finalize(results):
@@ -491,7 +492,7 @@ def run(opts):
             r["added_parameters"] = r["parameters"] - base_params
             for _ in range(opts.warmup):
                 r["loss"] = float(step(model, batch))
-                for stand_in in _model_stand_ins(opts, mode):
+                for _, stand_in in _model_stand_ins(opts, mode):
                     with _stand_ins(*stand_in):
                         step(model, batch)
             r["saved_bytes"] = saved_bytes(model, batch)
@@ -505,12 +506,12 @@ def run(opts):
                 results[mode]["times_s"].append(time.perf_counter() - t0)
                 results[mode]["cpu_times_s"].append(time.process_time() - c0)
                 _progress(f"{mode}: step {results[mode]['times_s'][-1]:.2f} s")
-                for stand_in in _model_stand_ins(opts, mode):
+                for name, stand_in in _model_stand_ins(opts, mode):
                     with _stand_ins(*stand_in):
                         c0 = time.process_time()
                         step(model, batch)
-                        results[mode].setdefault("stand_in_cpu_s", {}).setdefault(
-                            "route" if stand_in == (True, False) else "both", []).append(time.process_time() - c0)
+                        results[mode].setdefault("stand_in_cpu_s", {}).setdefault(name, []).append(
+                            time.process_time() - c0)
         for mode in modes:
             if mode != "baseline":
                 alone = routing_alone_ms(models[mode][0], opts, breakdown=opts.routing_breakdown)
