@@ -178,6 +178,14 @@ def make_source(value: Tensor, eps: float, readers: Sequence["DepthRouter"] = ()
     return Source(value, inv.view(value.shape[:-1]), dict(zip(readers, cols)), eps, sink)
 
 
+def _local_pairs(proj: Tensor, local: Sequence[int], n: int) -> list:
+    """Per source: (1/rms, logit) rows of ``proj`` [2 * len(local), T] for a local source, else None."""
+    pairs = [None] * n
+    for k, i in enumerate(local):
+        pairs[i] = (proj[2 * k], proj[2 * k + 1])
+    return pairs
+
+
 class _RouteFunction(torch.autograd.Function):
     """out = base + a * sum_i softmax_i(z_i) v_i  (+ the null source), without stacking.
 
@@ -219,14 +227,12 @@ class _RouteFunction(torch.autograd.Function):
             lib = None  # the C kernels take fp32 CPU tensors only
 
         proj = torch.empty(2 * len(local), rows, dtype=cdt, device=v0.device)  # local (inv, z) rows
-        pairs = [None] * n
-        for k, i in enumerate(local):
-            pairs[i] = (proj[2 * k], proj[2 * k + 1])
-        gate_value = 1.0 if gate is None else float(gate)
+        pairs = _local_pairs(proj, local, n)
         if lib is not None:
             alpha = torch.empty(m, rows, dtype=cdt, device=v0.device)
-            out = cpu_kernels.route_forward(lib, flat, cols, query, eps, null_logit, null_value, gate_value,
-                                            flat_base, alpha, pairs, v0.new_empty(rows, d))
+            out = cpu_kernels.route_forward(lib, flat, cols, query, eps, null_logit, null_value,
+                                            1.0 if gate is None else float(gate), flat_base, alpha, pairs,
+                                            v0.new_empty(rows, d))
         else:
             logits = torch.empty(m, rows, dtype=cdt, device=v0.device)
             for i, (col, row) in enumerate(zip(cols, logits.unbind(0))):
@@ -277,9 +283,7 @@ class _RouteFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[2:]
         nv = 8  # index of the first value in `needs`
         flat = [v.reshape(rows, d) for v in values]
-        pairs = [None] * n
-        for k, i in enumerate(local):
-            pairs[i] = (proj[2 * k], proj[2 * k + 1])
+        pairs = _local_pairs(proj, local, n)
         g = None if gate is None else _as(gate, cdt)
         w = alpha if g is None else alpha * g
 
@@ -287,13 +291,13 @@ class _RouteFunction(torch.autograd.Function):
         used = [i for i in range(n) if needs[nv + i] and i not in local]  # sources with a sink
         grad_values = [None] * n
         c = [None] * n  # dlogit * inv of each local source (its query gradient is c . v)
+        dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)  # dL/dw_i per token: <grad, v_i>
         lib = ctx.lib
         if lib is not None and not (cpu_kernels.eligible(grad) and all(
                 ctx.sinks[i].grad is None or (cpu_kernels.eligible(ctx.sinks[i].grad)
                                               and ctx.sinks[i].grad.shape == grad.shape) for i in used)):
             lib = None
         if lib is not None:
-            dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)
             dlogit = torch.empty_like(dw)
             targets = [(None, False)] * n
             for i in used:  # the first reader to reach a sink creates it (fresh: assigned, not added)
@@ -309,8 +313,7 @@ class _RouteFunction(torch.autograd.Function):
             cpu_kernels.route_backward(lib, grad, flat, alpha, 1.0 if g is None else float(g), null_value,
                                        query, pairs, targets, dw, dlogit, c)
         else:
-            # dL/dw_i per token: <grad, v_i>; and each source's a_i * grad goes to its sink (see GradSink)
-            dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)
+            # each source's a_i * grad goes to its sink (see GradSink)
             prod = torch.empty_like(grad)  # one product buffer, reused (and cache-warm) for every source
             for vf, dwi in zip(flat, dw[:n].unbind(0)):
                 torch.sum(torch.mul(grad, vf, out=prod), dim=-1, out=dwi)

@@ -67,6 +67,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 MODES = ("baseline", "delta_block", "delta", "attnres", "full_attnres")
+# The stand-in variants of the breakdowns (_stand_ins arguments): the routers' fused passes stood in,
+# and the shared source projections as well.
+STAND_INS = {"route": (True, False), "both": (True, True)}
 # Issue 6 targets, as ratios to the baseline: (time, saved bytes, peak memory).
 TARGETS = {"delta_block": (1.02, 1.08, 1.05), "delta": (1.15, 1.3, 1.25)}
 
@@ -261,7 +264,7 @@ def routing_alone_ms(model, opts, rounds=15, breakdown=False):
             x = x + x * scales[k]
         x.sum().backward()
 
-    variants = [(False, False)] + ([(True, False), (True, True)] if breakdown else [])
+    variants = [(False, False)] + (list(STAND_INS.values()) if breakdown else [])
     for stand_in in variants:
         with _stand_ins(*stand_in):
             routed()
@@ -278,7 +281,7 @@ def routing_alone_ms(model, opts, rounds=15, breakdown=False):
     ms = {v: statistics.median(d) * 1e3 for v, d in diffs.items()}
     if not breakdown:
         return ms[(False, False)]
-    total, no_route, neither = ms[(False, False)], ms[(True, False)], ms[(True, True)]
+    total, no_route, neither = ms[(False, False)], ms[STAND_INS["route"]], ms[STAND_INS["both"]]
     return {"total": total, "route": total - no_route, "project": no_route - neither, "rest": neither}
 
 
@@ -424,8 +427,8 @@ def _progress(msg):
 
 def _model_stand_ins(opts, mode):
     """--model-breakdown: the stand-in variants (name, _stand_ins arguments) a routed model's step is
-    also timed with: the fused passes stood in ("route"), and the shared projections as well ("both")."""
-    return [("route", (True, False)), ("both", (True, True))] if opts.model_breakdown and mode != "baseline" else []
+    also timed with (STAND_INS)."""
+    return list(STAND_INS.items()) if opts.model_breakdown and mode != "baseline" else []
 
 
 def finalize(results):
