@@ -32,6 +32,7 @@ KERNEL_CHOICES = ("auto", "c", "torch")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "router_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)  # after the source: linkers with --as-needed drop libraries named before their user
+KERNEL_TOKEN_BLOCK = 64  # TB in router_kernels.c: tokens per block of the query gradient's partial sums
 
 _lock = threading.Lock()
 _lib = None
@@ -99,7 +100,7 @@ def _build() -> ctypes.CDLL:
     P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.delta_route_forward.argtypes = [I64, I64, INT, P, P, P, F, INT, F, P, F, P, P, P, P, P, INT]
     lib.delta_route_forward.restype = None
-    lib.delta_route_backward.argtypes = [I64, I64, INT, P, P, P, F, INT, P, P, P, P, P, P, P, P, P, INT]
+    lib.delta_route_backward.argtypes = [I64, I64, INT, P, P, P, F, INT, P, P, P, P, P, P, P, P, INT, P, P, INT]
     lib.delta_route_backward.restype = None
     return lib
 
@@ -184,15 +185,18 @@ def route_backward(lib, grad: Tensor, values: Sequence[Tensor], alpha: Tensor, g
                    null_value: Optional[Tensor], query: Optional[Tensor],
                    proj: Sequence[Optional[Tuple[Tensor, Tensor]]],
                    targets: List[Tuple[Optional[Tensor], bool]], dw: Tensor, dlogit: Tensor,
-                   c: Sequence[Optional[Tensor]]) -> None:
+                   dq: Optional[Tensor] = None, recover: Optional[int] = None) -> None:
     """The backward of route_forward: dw [M, T] (row-wise <grad, value>), dlogit [M, T]; each target
     (or None) gets its source's gradient (assigned when fresh, else added): gate alpha_i grad, plus for a
-    local source (proj[i] given) its projection's share, whose c_i = dlogit_i inv_i [T] goes to c[i]."""
+    local source (proj[i] given) its projection's share; ``dq`` [d] (when given) gets the local sources'
+    share of the query's gradient. ``recover``: index of a source whose entry in ``values`` is the
+    forward's output u, rebuilt from it (the sources sum to the base; see the kernel's comment)."""
     rows, d = grad.shape
     n = len(values)
     fresh = (ctypes.c_int * n)(*[int(f) for _, f in targets])
+    part = None if dq is None else grad.new_empty(-(-rows // KERNEL_TOKEN_BLOCK), d)
     lib.delta_route_backward(rows, d, n, grad.data_ptr(), _ptrs(values), alpha.data_ptr(), gate,
                              int(null_value is not None), _ptr(null_value), _ptr(query),
                              _ptrs([p and p[0] for p in proj]), _ptrs([p and p[1] for p in proj]),
                              _ptrs([t for t, _ in targets]), fresh, dw.data_ptr(), dlogit.data_ptr(),
-                             _ptrs(c), torch.get_num_threads())
+                             -1 if recover is None else recover, _ptr(part), _ptr(dq), torch.get_num_threads())

@@ -186,12 +186,26 @@ def _local_pairs(proj: Tensor, local: Sequence[int], n: int) -> list:
     return pairs
 
 
+def _rebuild_source(flat: Sequence[Tensor], r: int, w: Tensor, null_value: Optional[Tensor]) -> Tensor:
+    """Source r from the router's output u (held at ``flat[r]``) when base = sum of the sources:
+    v_r = (u - sum_{i != r} (1 + w_i) v_i - w_null z) / (1 + w_r), w [M, T] (PyTorch ops; the C
+    kernel does the same per token)."""
+    out = flat[r].clone()
+    for i, vi in enumerate(flat):
+        if i != r:
+            out.addcmul_(vi, (1.0 + w[i]).unsqueeze(1), value=-1.0)
+    if null_value is not None:
+        out.addr_(w[len(flat)], null_value.to(out.dtype), alpha=-1.0)
+    return out.div_((1.0 + w[r]).unsqueeze(1))
+
+
 class _RouteFunction(torch.autograd.Function):
     """out = base + a * sum_i softmax_i(z_i) v_i  (+ the null source), without stacking.
 
     Inputs: n (number of real sources), out_dtype, lib (the fused CPU kernels of cpu_kernels.py, or
     None for PyTorch ops), sinks (the GradSink of each source: its gradient goes there, not to the
-    value input), eps, base ([.., d] or None), gate ([1] or None), null_logit (0-dim or None),
+    value input), base_sums (the caller's promise that base == sum of the values in exact arithmetic,
+    see below), eps, base ([.., d] or None), gate ([1] or None), null_logit (0-dim or None),
     null_value ([d] or None), query (q = w * g, [d]; needed for local sources), then n values [.., d]
     and their n logit columns z_i [T]. A column given as None marks a LOCAL source: one that only this
     router reads (the partial block sum of delta_block, attnres' partial p): it is projected here, in
@@ -200,7 +214,13 @@ class _RouteFunction(torch.autograd.Function):
     out (``out_dtype``) and alpha [M, T] (non-differentiable; M = n + null, the null source last).
 
     Saved for backward: gate, null tensors, query, alpha [M, T], the local sources' 1/rms and logits
-    [2, T] each (compute dtype) and REFERENCES to the values. Every [T, d] tensor is touched one source
+    [2, T] each (compute dtype) and REFERENCES to the values - except, on the C path with ``base_sums``
+    (delta_block: x = h0 + sum Delta + P), the last local source (the partial block sum, which nothing
+    else keeps): its backward rebuilds it per token from the output u, which the next norm saves anyway,
+    P = (u - sum_{i != P} (1 + w_i) v_i - w_null z) / (1 + w_P), w = gate * alpha. Equal in exact
+    arithmetic; in fp32 the rebuilt P differs by the round-off of x (about 1e-7 |x|). Only where
+    1 + w_P >= 1/2 (no gate, or gate >= -1/2), so the division cannot amplify the round-off more than
+    twice; bf16 outputs would round u far more, so the PyTorch path always keeps P. Every [T, d] tensor is touched one source
     at a time: the transient memory is O(1) tensors of [T, d] (an fp32 copy of one bf16 source at a
     time), never O(N). With ``lib`` and fp32 CPU tensors each direction is one C loop over the tokens
     (logits of the local sources, softmax over depth, weighted sum; dot products, softmax derivative,
@@ -208,7 +228,8 @@ class _RouteFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, n, out_dtype, lib, sinks, eps, base, gate, null_logit, null_value, query, *tensors):
+    def forward(ctx, n, out_dtype, lib, sinks, base_sums, eps, base, gate, null_logit, null_value, query,
+                *tensors):
         values, cols = tensors[:n], tensors[n:]
         v0 = values[0]
         shape = v0.shape
@@ -228,11 +249,14 @@ class _RouteFunction(torch.autograd.Function):
 
         proj = torch.empty(2 * len(local), rows, dtype=cdt, device=v0.device)  # local (inv, z) rows
         pairs = _local_pairs(proj, local, n)
+        recover = None
         if lib is not None:
+            gate_f = 1.0 if gate is None else float(gate)
+            if base_sums and base is not None and local and gate_f >= -0.5:
+                recover = local[-1]
             alpha = torch.empty(m, rows, dtype=cdt, device=v0.device)
-            out = cpu_kernels.route_forward(lib, flat, cols, query, eps, null_logit, null_value,
-                                            1.0 if gate is None else float(gate), flat_base, alpha, pairs,
-                                            v0.new_empty(rows, d))
+            out = cpu_kernels.route_forward(lib, flat, cols, query, eps, null_logit, null_value, gate_f,
+                                            flat_base, alpha, pairs, v0.new_empty(rows, d))
         else:
             logits = torch.empty(m, rows, dtype=cdt, device=v0.device)
             for i, (col, row) in enumerate(zip(cols, logits.unbind(0))):
@@ -266,7 +290,11 @@ class _RouteFunction(torch.autograd.Function):
         ctx.sinks = sinks
         ctx.local = local
         ctx.base_dtype = None if base is None else base.dtype
-        ctx.save_for_backward(gate, null_logit, null_value, query if local else None, alpha, proj, *values)
+        ctx.recover = recover
+        kept = list(values)
+        if recover is not None:
+            kept[recover] = result  # the backward rebuilds that source from u (see above)
+        ctx.save_for_backward(gate, null_logit, null_value, query if local else None, alpha, proj, *kept)
         ctx.mark_non_differentiable(alpha)
         return result, alpha
 
@@ -279,9 +307,9 @@ class _RouteFunction(torch.autograd.Function):
         m, rows = alpha.shape
         d = grad_out.shape[-1]
         has_null = null_logit is not None
-        # needs: (lib, sinks, eps, base, gate, null_logit, null_value, query, *values, *cols)
+        # needs: (lib, sinks, base_sums, eps, base, gate, null_logit, null_value, query, *values, *cols)
         needs = ctx.needs_input_grad[2:]
-        nv = 8  # index of the first value in `needs`
+        nv = 9  # index of the first value in `needs`
         flat = [v.reshape(rows, d) for v in values]
         pairs = _local_pairs(proj, local, n)
         g = None if gate is None else _as(gate, cdt)
@@ -291,12 +319,16 @@ class _RouteFunction(torch.autograd.Function):
         used = [i for i in range(n) if needs[nv + i] and i not in local]  # sources with a sink
         grad_values = [None] * n
         c = [None] * n  # dlogit * inv of each local source (its query gradient is c . v)
+        dq = None  # the local sources' share of the query's gradient, from the C kernel
         dw = torch.empty(m, rows, dtype=cdt, device=alpha.device)  # dL/dw_i per token: <grad, v_i>
         lib = ctx.lib
         if lib is not None and not (cpu_kernels.eligible(grad) and all(
                 ctx.sinks[i].grad is None or (cpu_kernels.eligible(ctx.sinks[i].grad)
                                               and ctx.sinks[i].grad.shape == grad.shape) for i in used)):
             lib = None
+        recover = ctx.recover
+        if recover is not None and lib is None:  # this grad or a sink does not suit the kernel
+            flat[recover], recover = _rebuild_source(flat, recover, w, null_value), None
         if lib is not None:
             dlogit = torch.empty_like(dw)
             targets = [(None, False)] * n
@@ -306,12 +338,13 @@ class _RouteFunction(torch.autograd.Function):
                     ctx.sinks[i].grad = torch.empty_like(grad)
                 targets[i] = (ctx.sinks[i].grad, fresh)
             for i in local:
-                c[i] = grad.new_empty(rows)
                 if needs[nv + i]:
                     grad_values[i] = torch.empty_like(grad)
                     targets[i] = (grad_values[i], True)
+            if local and needs[8]:
+                dq = grad.new_empty(d)
             cpu_kernels.route_backward(lib, grad, flat, alpha, 1.0 if g is None else float(g), null_value,
-                                       query, pairs, targets, dw, dlogit, c)
+                                       query, pairs, targets, dw, dlogit, dq, recover)
         else:
             # each source's a_i * grad goes to its sink (see GradSink)
             prod = torch.empty_like(grad)  # one product buffer, reused (and cache-warm) for every source
@@ -334,24 +367,25 @@ class _RouteFunction(torch.autograd.Function):
                     grad_values[i] = _as(gv, values[i].dtype)
 
         grad_gate = None
-        if g is not None and needs[4]:
+        if g is not None and needs[5]:
             grad_gate = (alpha * dw).sum().reshape(gate.shape).to(gate.dtype)
         grad_query = None
-        if local and needs[7]:
-            dq = sum(torch.mv(_as(flat[i], cdt).t(), c[i]) for i in local)
+        if local and needs[8]:
+            if dq is None:
+                dq = sum(torch.mv(_as(flat[i], cdt).t(), c[i]) for i in local)
             grad_query = _as(dq, query.dtype)
         grad_cols = [dlogit[i] if i not in local and needs[nv + n + i] else None for i in range(n)]
         grad_values = [None if gv is None else gv.view(values[i].shape) for i, gv in enumerate(grad_values)]
         grad_base = None
-        if ctx.base_dtype is not None and needs[3]:
+        if ctx.base_dtype is not None and needs[4]:
             grad_base = _as(grad_out, ctx.base_dtype)
         grad_null_logit = grad_null_value = None
         if has_null:
-            if needs[5]:
-                grad_null_logit = dlogit[n].sum().to(null_logit.dtype)
             if needs[6]:
+                grad_null_logit = dlogit[n].sum().to(null_logit.dtype)
+            if needs[7]:
                 grad_null_value = torch.mv(grad.t(), w[n]).to(null_value.dtype)
-        return (None, None, None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, grad_query,
+        return (None, None, None, None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, grad_query,
                 *grad_values, *grad_cols)
 
 
@@ -368,6 +402,7 @@ def route(
     null_value: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     kernels: str = "auto",
+    base_sums: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Functional router over >= 1 sources given their logit columns [T] and gradient sinks (see
     make_source; a value's gradient from here reaches it through its sink's projection). A logit
@@ -375,15 +410,17 @@ def route(
     gradient is returned to its value directly.
     Returns (out [s, b, d] = base + gate * r, in ``out_dtype`` (default: the first value's dtype),
     alpha [M, s*b] with M = N (+1 for the null source, last)). ``kernels``: auto / c / torch, see
-    cpu_kernels.py (the C kernels apply to fp32 CPU tensors only)."""
+    cpu_kernels.py (the C kernels apply to fp32 CPU tensors only). ``base_sums``: the caller states
+    that ``base`` equals the sum of ``values`` in exact arithmetic (delta_block's sources sum to x),
+    which lets the C path keep the last local source out of memory (see _RouteFunction)."""
     n = len(values)
     if n == 0 or len(logits) != n or len(sinks) != n:
         raise ValueError("route() needs at least one source, and one logit column and sink per source")
     if query is None and any(col is None for col in logits):
         raise ValueError("route(): sources without a logit column are projected here and need query=")
     lib = cpu_kernels.library(kernels) if values[0].device.type == "cpu" else None
-    return _RouteFunction.apply(n, out_dtype, lib, list(sinks), float(eps), base, gate, null_logit, null_value,
-                                query, *values, *logits)
+    return _RouteFunction.apply(n, out_dtype, lib, list(sinks), bool(base_sums), float(eps), base, gate, null_logit,
+                                null_value, query, *values, *logits)
 
 
 def _outside_fp8(enabled: bool):
@@ -485,12 +522,14 @@ class DepthRouter(torch.nn.Module):
         like: Optional[Tensor] = None,
         apply_gate: bool = False,
         base: Optional[Tensor] = None,
+        base_sums: bool = False,
     ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
         """Route over ``sources`` (made by :func:`make_source`). Returns r [s, b, d] and, with
         ``return_weights``, alpha [s, b, N(+1)] fp32 (detached; the null source is LAST).
 
         ``base=x`` returns ``x + gated(r)`` in x's dtype, fused (the additive modes' input u);
-        ``apply_gate=True`` applies the gate inside the fp32 math before the single cast. Without
+        ``apply_gate=True`` applies the gate inside the fp32 math before the single cast;
+        ``base_sums=True`` states that x is the sum of the sources (see route). Without
         ``base`` the result is in the sources' dtype (``like.dtype`` when ``like`` is given).
         With zero sources ``like`` (or ``base``) gives shape/dtype/device: r is zeros (or the null
         source broadcast to every token, when present), still connected to every parameter (zero
@@ -519,7 +558,8 @@ class DepthRouter(torch.nn.Module):
                 out, alpha = route([s.value for s in sources], cols, sinks, eps=eps.pop() if eps else self.eps,
                                    query=q, base=base, gate=gate,
                                    null_logit=null_logit, null_value=null_value,
-                                   out_dtype=None if like is None else like.dtype, kernels=self.kernels)
+                                   out_dtype=None if like is None else like.dtype, kernels=self.kernels,
+                                   base_sums=base_sums)
                 alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])
         return (out, alpha) if return_weights else out
 

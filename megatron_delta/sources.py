@@ -372,11 +372,14 @@ class SourceBuffer:
 
     def _route(self, key, router: DepthRouter, sources: List[Source], *, base: Optional[Tensor],
                apply_gate: bool) -> Tensor:
+        # delta_block's exact sources sum to x (h0 + sum Delta + P), so the router may rebuild the
+        # partial sum P from its output in backward instead of keeping it (router._RouteFunction).
+        base_sums = base is not None and self.plan.mode == "delta_block" and not self.plan.authors
         if self.record_routing:
-            r, alpha = router(sources, True, base=base, apply_gate=apply_gate)
+            r, alpha = router(sources, True, base=base, apply_gate=apply_gate, base_sums=base_sums)
             self.routing[key] = alpha.detach()
             return r
-        return router(sources, base=base, apply_gate=apply_gate)
+        return router(sources, base=base, apply_gate=apply_gate, base_sums=base_sums)
 
     def routed_input(self, j: int, router: DepthRouter) -> Tensor:
         """The input u of sublayer j: additive modes ``x + gated(r_j(S))``, replacement modes

@@ -67,7 +67,7 @@ def measured_saved_bytes(flags):
 def test_activation_estimate_within_10_percent(dist, mode, cfg):
     flags = _flags(mode, *cfg)
     measured = measured_saved_bytes(flags)
-    plan = memory_plan.memory_plan(memory_plan.parse(flags + ["--transformer-impl", "local"]))
+    plan = memory_plan.memory_plan(memory_plan.parse(flags + ["--transformer-impl", "local", "--device", "cpu"]))
     (stage,) = plan["stages"]
     assert stage["in_flight"] == 1
     estimate = stage["activations"]

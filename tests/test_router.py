@@ -333,7 +333,8 @@ def test_c_kernels_bitwise_across_thread_counts():
     """Each token's row is computed by one thread in a fixed order: the kernels give the same bits
     with 1 or 2 threads (PyTorch's own ops make no such promise: its softmax over depth can differ
     in the last bit between thread counts), and they compute what they say (float64 math written
-    here): two sources with logit columns, two local ones projected in the kernel, null source, gate."""
+    here): two sources with logit columns, two local ones projected in the kernel, null source, gate;
+    and the backward that rebuilds a local source from the output (base = sum of the sources)."""
     from megatron_delta import cpu_kernels as K
 
     lib = K.load()
@@ -345,25 +346,28 @@ def test_c_kernels_bitwise_across_thread_counts():
     base, grad, null = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g), torch.randn(d, generator=g)
     sink0 = torch.randn(rows, d, generator=g)
 
-    def run():
+    def run(base=base, recover=None):
         alpha, proj = torch.empty(n + 1, rows), [None, torch.empty(2, rows), None, torch.empty(2, rows)]
         pairs = [p if p is None else (p[0], p[1]) for p in proj]
         out = K.route_forward(lib, vals, cols, q, eps, null_logit, null, gate, base, alpha, pairs, torch.empty(rows, d))
-        # sinks: accumulated, fresh; locals: a fresh gradient, and none (only c is wanted)
+        # sinks: accumulated, fresh; locals: a fresh gradient, and none (only the query's share is wanted)
         targets = [(sink0.clone(), False), (torch.empty(rows, d), True), (torch.empty(rows, d), True), (None, False)]
-        dw, dlogit, c = torch.empty(n + 1, rows), torch.empty(n + 1, rows), [None, torch.empty(rows), None, torch.empty(rows)]
-        K.route_backward(lib, grad, vals, alpha, gate, null, q, pairs, targets, dw, dlogit, c)
-        return [out, alpha, proj[1], proj[3], dw, dlogit, c[1], c[3]] + [t for t, _ in targets if t is not None]
+        dw, dlogit, dq = torch.empty(n + 1, rows), torch.empty(n + 1, rows), torch.empty(d)
+        # recover: the backward gets the output u in place of source 3 and rebuilds it (base = sum of sources)
+        held = vals if recover is None else vals[:recover] + [out] + vals[recover + 1:]
+        K.route_backward(lib, grad, held, alpha, gate, null, q, pairs, targets, dw, dlogit, dq, recover)
+        return [out, alpha, proj[1], proj[3], dw, dlogit, dq] + [t for t, _ in targets if t is not None]
 
+    summed = vals[0] + vals[1] + vals[2] + vals[3]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run()
+        one, one_rec = run(), run(summed, 3)
         torch.set_num_threads(2)
-        two = run()
+        two, two_rec = run(), run(summed, 3)
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert all(torch.equal(a, b) for a, b in zip(one + one_rec, two + two_rec, strict=True))
 
     # float64 reference of what they say
     v64, g64, q64 = [v.double() for v in vals], grad.double(), q.double()
@@ -372,17 +376,21 @@ def test_c_kernels_bitwise_across_thread_counts():
     logits = torch.stack([cols[0].double(), z[1], cols[2].double(), z[3], torch.full((rows,), null_logit).double()])
     alpha = torch.softmax(logits, 0)
     w = alpha * gate
-    out = base.double() + sum(w[i].unsqueeze(1) * v64[i] for i in range(n)) + w[n].unsqueeze(1) * null.double()
+    mix = sum(w[i].unsqueeze(1) * v64[i] for i in range(n)) + w[n].unsqueeze(1) * null.double()
     dw = torch.stack([(g64 * v).sum(1) for v in v64] + [g64 @ null.double()])
     da = dw * gate
     dlogit = alpha * (da - (alpha * da).sum(0, keepdim=True))
-    c1 = dlogit[1] * inv[1]
+    c1, c3 = dlogit[1] * inv[1], dlogit[3] * inv[3]
     local1 = (w[1].unsqueeze(1) * g64 + c1.unsqueeze(1) * q64
               - (dlogit[1] * z[1] * inv[1] ** 2 / d).unsqueeze(1) * v64[1])
-    want = [out, alpha, torch.stack([inv[1], z[1]]), torch.stack([inv[3], z[3]]), dw, dlogit, c1,
-            dlogit[3] * inv[3], sink0.double() + w[0].unsqueeze(1) * g64, local1, w[2].unsqueeze(1) * g64]
-    for got, ref in zip(one, want, strict=True):
+    grads = [dw, dlogit, c1 @ v64[1] + c3 @ v64[3], sink0.double() + w[0].unsqueeze(1) * g64, local1,
+             w[2].unsqueeze(1) * g64]
+    head = [alpha, torch.stack([inv[1], z[1]]), torch.stack([inv[3], z[3]])]
+    for got, ref in zip(one, [base.double() + mix] + head + grads, strict=True):
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # the rebuilt source: the same gradients to fp32 round-off of u (|u| ~ |sum of sources|)
+    for got, ref in zip(one_rec, [sum(v64) + mix] + head + grads, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
 
 
 def test_router_kernels_choice_is_checked():

@@ -41,14 +41,15 @@ def sublayer(u, w):
 
 
 class Toy:
-    def __init__(self, plan, d, *, null=False, gate=False, seed=0, random_routers=True):
+    def __init__(self, plan, d, *, null=False, gate=False, seed=0, random_routers=True, kernels="auto",
+                 gate_value=0.7):
         gen = torch.Generator().manual_seed(seed)
         self.plan = plan
         n = plan.num_sublayers
         self.weights = [(torch.randn(d, d, generator=gen) / math.sqrt(d)).requires_grad_()
                         for _ in range(n)]
-        self.routers = [DepthRouter(d, null_source=null, gate=gate, eps=EPS) for _ in range(n)]
-        self.final = None if plan.additive else DepthRouter(d, null_source=null, gate=False, eps=EPS)
+        self.routers = [DepthRouter(d, null_source=null, gate=gate, eps=EPS, kernels=kernels) for _ in range(n)]
+        self.final = None if plan.additive else DepthRouter(d, null_source=null, gate=False, eps=EPS, kernels=kernels)
         if random_routers:
             with torch.no_grad():
                 for r in self.routers + ([self.final] if self.final else []):
@@ -57,7 +58,7 @@ class Toy:
                     if r.null_source is not None:
                         r.null_source.copy_(torch.randn(d, generator=gen))
                     if r.gate is not None:
-                        r.gate.fill_(0.7)
+                        r.gate.fill_(gate_value)
 
     def params(self):
         ps = list(self.weights)
@@ -404,7 +405,7 @@ def test_one_projection_per_source(plan, monkeypatch):
         return orig(value, eps, sink, *queries)
 
     def counting_route(n, *args):
-        local.append(sum(c is None for c in args[9 + n:]))
+        local.append(sum(c is None for c in args[10 + n:]))
         return orig_route(n, *args)
 
     monkeypatch.setattr(router_mod._ProjectSource, "apply", counting)
@@ -490,6 +491,39 @@ def test_saved_bytes_grow_linearly_with_depth():
     _, lin_n, quad_n = _quadratic_fit(ls, naive)
     assert quad_n * ls[-1] > 0.5 * lin_n, (naive, lin_n, quad_n)
     assert naive[-1] > 2 * ours[-1]
+
+
+@pytest.mark.parametrize("null,gate_value", [(False, None), (True, 0.7), (True, -0.3), (False, -0.6)])
+@pytest.mark.parametrize("plan", [SourcePlan("delta_block", 6, 3), SourcePlan("delta_block", 4, 1)], ids=_id)
+def test_partial_block_sum_rebuilt_not_kept(plan, null, gate_value):
+    """delta_block's sources sum to x, so the fp32 C path keeps no partial block sum P for backward:
+    each router that reads one rebuilds it from its output u (which the sublayer's norm saves anyway).
+    Exactly one [T, d] fp32 tensor fewer is saved per such router than on the PyTorch path (which keeps
+    P); outputs and gradients are as close to a float64 run as the PyTorch path's. A gate below -1/2
+    could make 1 + gate * alpha_P small, so there P is kept (no saving)."""
+    d, s, b = 64, 5, 2
+    h0 = torch.randn(s, b, d, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    runs = {}
+    for kernels, dtype in (("c", torch.float32), ("torch", torch.float32), ("torch", torch.float64)):
+        toy = Toy(plan, d, null=null, gate=gate_value is not None, seed=4, kernels=kernels,
+                  gate_value=gate_value or 0.0)
+        params = toy.params()
+        for p in params:
+            p.data = p.data.to(dtype)
+        x0 = h0.to(dtype).requires_grad_()
+        nbytes, out = _saved_bytes(lambda: toy.run(x0)[0], params + [x0])
+        runs[kernels, dtype] = (nbytes, [out] + list(_grads(out, params, x0)))
+    # Readers of a P summing >= 2 outputs (P after one sublayer IS its output, which the toy's tanh saves).
+    sums = sum(not plan.is_block_start(j) and not plan.is_block_start(j - 1) for j in range(plan.num_sublayers))
+    kept = 0 if gate_value is not None and gate_value < -0.5 else sums
+    c32, t32, t64 = runs["c", torch.float32], runs["torch", torch.float32], runs["torch", torch.float64]
+    assert sums > 0 and t32[0] - c32[0] == kept * s * b * d * 4
+    for c, t, ref in zip(c32[1], t32[1], t64[1], strict=True):
+        assert (c is None) == (ref is None)
+        if c is not None:  # fp32 round-off (1e-4, as the router tests); a gate's gradient (a sum over
+            # tokens that cancels) can be off by more on both paths: there no worse than the PyTorch path
+            err_c, err_t = ((x.double() - ref).abs().max().item() for x in (c, t))
+            assert err_c <= max(1e-4 * ref.abs().max().item(), 2 * err_t), (err_c, err_t)
 
 
 # --------------------------------------------------------------------------- payload

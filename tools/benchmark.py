@@ -293,7 +293,8 @@ class _RouteStandIn(torch.autograd.Function):
     their gradient sinks)."""
 
     @staticmethod
-    def forward(ctx, n, out_dtype, lib, sinks, eps, base, gate, null_logit, null_value, query, *tensors):
+    def forward(ctx, n, out_dtype, lib, sinks, base_sums, eps, base, gate, null_logit, null_value, query,
+                *tensors):
         ref = base if base is not None else tensors[0]
         rows = ref.numel() // ref.shape[-1]
         ctx.n, ctx.has_base = n, base is not None
@@ -309,7 +310,7 @@ class _RouteStandIn(torch.autograd.Function):
         first = [None] * n
         if not ctx.has_base:
             first[0] = grad
-        return (None, None, None, None, None, grad if ctx.has_base else None, None, None, None, None, *first,
+        return (None, None, None, None, None, None, grad if ctx.has_base else None, None, None, None, None, *first,
                 *[None if local else ctx.zero for local in ctx.local])
 
 

@@ -20,7 +20,9 @@ Model of the activations (bytes saved for backward per micro-batch, counted as u
 - routed modes (delta, delta_block, attnres, full_attnres): + one [h] tensor per sublayer (the
   routed input next to the residual stream; the sublayer outputs become sources held by reference),
   + per (source, reader) pair one fp32 logit and one fp32 softmax weight per token, one fp32
-  inv_rms per source.
+  inv_rms per source. Except delta_block (exact) in fp32 with the CPU router kernels (--device cpu):
+  a router reading the partial block sum P rebuilds it in backward from its output, so those
+  sublayers keep no extra [h] tensor.
 - TP divides tensor-parallel regions; SP also divides the norm region, the sources and the payloads.
 - Pipeline: 1F1B keeps min(PP - stage, micro-batches) micro-batches in flight on a stage
   (interleaved: Megatron's warm-up count + 1 chunk-micro-batches); each in-flight micro-batch of a
@@ -81,6 +83,8 @@ def build_parser():
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--global-batch-size", type=int, default=None)
     p.add_argument("--world-size", type=int, default=None, help="default TP x PP (DP 1)")
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
+                   help="cpu: the router's fp32 C kernels (delta_block keeps no partial block sums)")
     p.add_argument("--json", default=None, help="also write the JSON here")
     return p
 
@@ -180,7 +184,10 @@ def layer_activation_bytes(a, first_layer, num_layers):
     plan = source_plan(a)
     if plan is not None:
         total += num_layers * 2 * act * h * T / sp      # the routed input of each sublayer
+        rebuilds_p = a.device == "cpu" and not a.bf16 and plan.mode == "delta_block" and not plan.authors
         for j in range(2 * first_layer, 2 * (first_layer + num_layers)):
+            if rebuilds_p and not plan.is_block_start(j):
+                total -= act * h * T / sp               # its P is rebuilt from u in backward (router.py)
             m = plan.num_sources_read(j)
             total += 4 * (2 * m + 1) * T / sp           # fp32 softmax weights and logit columns [M, T], one inv_rms
     return total

@@ -90,52 +90,94 @@ void delta_route_forward(int64_t T, int64_t d, int n, const float *const *v, con
  *   dw_i = <grad[t], v_i[t]> (and <grad[t], null_value>)      -> dw_out [M, T] (for the gate's grad)
  *   dlogit_i = alpha_i (gate dw_i - sum_k alpha_k gate dw_k)  -> dlogit_out [M, T]
  *   target_i[t] (+)= gate alpha_i grad[t]       (a gradient sink; assigned where fresh_i, else added)
- *   local i: c = dlogit_i inv_i -> c_out_i[t] (the query's gradient is sum_t c v_i[t], done by BLAS),
- *            target_i[t] = gate alpha_i grad[t] + c q - dlogit_i z_i inv_i^2 / d v_i[t]  (its whole
- *            gradient: the weighted sum's share plus the projection's). */
+ *   local i: c = dlogit_i inv_i, target_i[t] = gate alpha_i grad[t] + c q - dlogit_i z_i inv_i^2 / d v_i[t]
+ *            (its whole gradient: the weighted sum's share plus the projection's), and the query's
+ *            gradient dq = sum_t sum_local c v_i[t] -> dq_out [d] (when given).
+ * recover >= 0: v[recover] is NOT that source but the forward's output u = base + gate (sum_i alpha_i v_i
+ *   + alpha_null null_value), and base = sum_i v_i (the sources sum to the residual stream: delta_block's
+ *   x = h0 + sum Delta + P). The source is rebuilt per token, v_r = (u - sum_{i!=r} (1 + w_i) v_i
+ *   - w_null null_value) / (1 + w_r), w = gate alpha, from rows this loop reads anyway, so the forward
+ *   need not keep it (one [T, d] tensor less saved per router). The caller guarantees 1 + w_r >= 1/2.
+ * dq is summed over fixed blocks of TB tokens, then over the blocks in order: bitwise the same for any
+ * number of threads. */
+enum { TB = 64 };
+
 void delta_route_backward(int64_t T, int64_t d, int n, const float *grad, const float *const *v,
                           const float *restrict alpha, float gate, int has_null,
                           const float *restrict null_value, const float *restrict q,
                           const float *const *inv, const float *const *z, float *const *target,
                           const int *fresh, float *restrict dw_out, float *restrict dlogit_out,
-                          float *const *c_out, int threads) {
+                          int recover, float *restrict dq_part, float *restrict dq_out, int threads) {
   const int m = n + (has_null != 0);
+  const int64_t nblk = (T + TB - 1) / TB;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    float *restrict part = dq_out ? dq_part + blk * d : NULL;
+    if (part)
+      for (int64_t k = 0; k < d; ++k) part[k] = 0.0f;
+    float rec[recover >= 0 ? d : 1];
+    const float *rows[n];
     float dw[m];
-    const float *restrict g = grad + t * d;
-    for (int i = 0; i < n; ++i) dw[i] = dot(g, v[i] + t * d, d);
-    if (has_null) dw[n] = dot(g, null_value, d);
-    float s = 0.0f;
-    for (int i = 0; i < m; ++i) s += alpha[(int64_t)i * T + t] * dw[i];
-    s *= gate;
-    for (int i = 0; i < m; ++i) {
-      const int64_t it = (int64_t)i * T + t;
-      dw_out[it] = dw[i];
-      dlogit_out[it] = alpha[it] * (gate * dw[i] - s);
-    }
-    for (int i = 0; i < n; ++i) {
-      const int64_t it = (int64_t)i * T + t;
-      const float wi = alpha[it] * gate;
-      float *restrict o = target[i] ? target[i] + t * d : NULL;
-      if (inv[i]) {
-        const float dl = dlogit_out[it], iv = inv[i][t];
-        const float c = dl * iv, e = -dl * z[i][t] * iv * iv / (float)d;
-        c_out[i][t] = c;
-        if (!o) continue;
-        const float *restrict vi = v[i] + t * d;
-        if (fresh[i]) {
-          for (int64_t k = 0; k < d; ++k) o[k] = wi * g[k] + c * q[k] + e * vi[k];
-        } else {
-          for (int64_t k = 0; k < d; ++k) o[k] += wi * g[k] + c * q[k] + e * vi[k];
+    const int64_t t1 = (blk + 1) * TB < T ? (blk + 1) * TB : T;
+    for (int64_t t = blk * TB; t < t1; ++t) {
+      const float *restrict g = grad + t * d;
+      for (int i = 0; i < n; ++i) rows[i] = v[i] + t * d;
+      if (recover >= 0) {
+        const float *restrict u = rows[recover];
+        for (int64_t k = 0; k < d; ++k) rec[k] = u[k];
+        for (int i = 0; i < n; ++i) {
+          if (i == recover) continue;
+          const float ci = 1.0f + gate * alpha[(int64_t)i * T + t];
+          const float *restrict vi = rows[i];
+          for (int64_t k = 0; k < d; ++k) rec[k] -= ci * vi[k];
         }
-      } else if (o) {
-        if (fresh[i]) {
-          for (int64_t k = 0; k < d; ++k) o[k] = wi * g[k];
-        } else {
-          for (int64_t k = 0; k < d; ++k) o[k] += wi * g[k];
+        if (has_null) {
+          const float wz = gate * alpha[(int64_t)n * T + t];
+          for (int64_t k = 0; k < d; ++k) rec[k] -= wz * null_value[k];
+        }
+        const float s = 1.0f / (1.0f + gate * alpha[(int64_t)recover * T + t]);
+        for (int64_t k = 0; k < d; ++k) rec[k] *= s;
+        rows[recover] = rec;
+      }
+      for (int i = 0; i < n; ++i) dw[i] = dot(g, rows[i], d);
+      if (has_null) dw[n] = dot(g, null_value, d);
+      float s = 0.0f;
+      for (int i = 0; i < m; ++i) s += alpha[(int64_t)i * T + t] * dw[i];
+      s *= gate;
+      for (int i = 0; i < m; ++i) {
+        const int64_t it = (int64_t)i * T + t;
+        dw_out[it] = dw[i];
+        dlogit_out[it] = alpha[it] * (gate * dw[i] - s);
+      }
+      for (int i = 0; i < n; ++i) {
+        const int64_t it = (int64_t)i * T + t;
+        const float wi = alpha[it] * gate;
+        float *restrict o = target[i] ? target[i] + t * d : NULL;
+        const float *restrict vi = rows[i];
+        if (inv[i]) {
+          const float dl = dlogit_out[it], iv = inv[i][t];
+          const float c = dl * iv, e = -dl * z[i][t] * iv * iv / (float)d;
+          if (part)
+            for (int64_t k = 0; k < d; ++k) part[k] += c * vi[k];
+          if (!o) continue;
+          if (fresh[i]) {
+            for (int64_t k = 0; k < d; ++k) o[k] = wi * g[k] + c * q[k] + e * vi[k];
+          } else {
+            for (int64_t k = 0; k < d; ++k) o[k] += wi * g[k] + c * q[k] + e * vi[k];
+          }
+        } else if (o) {
+          if (fresh[i]) {
+            for (int64_t k = 0; k < d; ++k) o[k] = wi * g[k];
+          } else {
+            for (int64_t k = 0; k < d; ++k) o[k] += wi * g[k];
+          }
         }
       }
     }
+  }
+  if (dq_out) {
+    for (int64_t k = 0; k < d; ++k) dq_out[k] = 0.0f;
+    for (int64_t blk = 0; blk < nblk; ++blk)
+      for (int64_t k = 0; k < d; ++k) dq_out[k] += dq_part[blk * d + k];
   }
 }
