@@ -329,6 +329,51 @@ def test_c_kernels_match_reference(null, gate, with_base, shared, monkeypatch):
             torch.testing.assert_close(g.double(), gr.double(), rtol=1e-4, atol=1e-5 * scale, msg=kind)
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+def test_base_sums_rebuilds_the_local_source(fallback, monkeypatch):
+    """route(base_sums=True) with base = sum of the sources (delta_block's x): the C path saves the
+    output u instead of the local source and rebuilds it in backward - with the kernel, or with PyTorch
+    ops where the backward cannot use the kernel (``fallback``) - and gives the float64 naive router's
+    gradients. Without base_sums the local source itself is saved."""
+    from megatron_delta import cpu_kernels
+
+    torch.manual_seed(21)
+    d = 40
+    r = DepthRouter(d, null_source=True, gate=True, eps=EPS, kernels="c")
+    with torch.no_grad():
+        r.query.normal_()
+        r.null_source.normal_()
+        r.gate.fill_(-0.4)
+    vals64 = [torch.randn(4, 3, d, dtype=torch.float64) * (1 + i) for i in range(3)]
+
+    def run(dtype, base_sums):
+        vals = [v.to(dtype).requires_grad_() for v in vals64]
+        x = sum(v.detach() for v in vals).requires_grad_()  # the residual stream: the sources' sum
+        params = list(r.parameters())
+        if dtype == torch.float64:
+            p = {n: t.double() for n, t in r.named_parameters()}
+            rr, _ = naive_route(vals, p["query"], p["key_norm_weight"], p["null_source"], p["gate"], EPS)
+            out = x + rr
+        else:
+            srcs = [make_source(v, EPS, [r]) for v in vals[:2]] + [make_source(vals[2], EPS)]  # last: local
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                out = r(srcs, base=x, apply_gate=True, base_sums=base_sums)
+            assert any(t.data_ptr() == vals[2].data_ptr() for t in saved) != base_sums  # P kept, or not
+        loss = (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view(out.shape)).sum()
+        if fallback and dtype == torch.float32:
+            monkeypatch.setattr(cpu_kernels, "eligible", lambda *t: False)  # the backward's kernel check
+        grads = torch.autograd.grad(loss, vals + [x] + params)
+        monkeypatch.undo()
+        return grads
+
+    ref = run(torch.float64, False)
+    for base_sums in (True, False):
+        for g, gr in zip(run(torch.float32, base_sums), ref, strict=True):
+            scale = gr.abs().max().item()
+            torch.testing.assert_close(g.double(), gr.double(), rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"base_sums={base_sums}: {m}")
+
+
 def test_c_kernels_bitwise_across_thread_counts():
     """Each token's row is computed by one thread in a fixed order: the kernels give the same bits
     with 1 or 2 threads (PyTorch's own ops make no such promise: its softmax over depth can differ
