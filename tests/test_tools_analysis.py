@@ -59,6 +59,8 @@ def test_benchmark_smoke(tmp_path):
     assert "model_breakdown" not in base
     cfg = json.load(open(out))["config"]
     assert cfg["stream_gbps"] > 0 and len(cfg["op_ms"]) == 4 and min(cfg["op_ms"].values()) > 0
+    assert cfg["memory_gbps"] > 0 and cfg["memory_rotation_bytes"] >= 256 << 20  # beyond the caches
+    assert "touching each tensor once" in text and ", from memory >= " in text
     # Payloads: 3 boundaries (2 stages x 2 virtual chunks of 1 layer); baseline sends one tensor.
     one = 16 * 2 * 32 * 4
     assert [p["bytes"] for p in base["payloads"]] == [one] * 3
@@ -89,6 +91,18 @@ def test_fused_router_passes_by_hand():
     assert passes("delta_block", 2, 2) == sum(4 * n + 1 for n in (1, 2, 2, 3)) + 4 * 2
     # full_attnres, 1 layer: reads [h0] (p = h0), [h0, v0]; final router [h0, v0, v1]; v1 has one reader.
     assert passes("full_attnres", 1) == sum(4 * n for n in (1, 2, 3)) + 4 * 2
+
+
+def test_last_level_cache_bytes(tmp_path):
+    """The memory rate's rotation is sized from the largest cache sysfs lists; unreadable entries are skipped."""
+    import benchmark
+
+    for entry, size in {"index0": "48K", "index2": "2048K", "index3": "260M", "index4": "n/a"}.items():
+        (tmp_path / entry).mkdir()
+        (tmp_path / entry / "size").write_text(size + "\n")
+    (tmp_path / "index5").mkdir()  # no size file
+    assert benchmark.last_level_cache_bytes(str(tmp_path)) == 260 << 20
+    assert benchmark.last_level_cache_bytes(str(tmp_path / "missing")) is None
 
 
 def test_stand_ins_are_restored():

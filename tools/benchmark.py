@@ -42,7 +42,10 @@ Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.model, TP1
   an add into a new tensor that is kept, a row-wise dot product and a read-only row norm, on
   tensors cycled through more memory than the caches below L3 hold, and the in-place multiply-add's
   GB/s (read a, read c, write c): what this machine charges for the router's kind of work, for
-  estimating what a fused router kernel could reach.
+  estimating what a fused router kernel could reach. The memory rate is the same kind of pass over
+  tensors cycled through twice the last-level cache: what a pass costs when its tensors come from
+  memory, as most of a step's sources do (a step saves several times the cache for backward); the
+  --routing-breakdown floor is printed at both rates.
 - pipeline payload: bytes per micro-batch crossing each boundary of the layout --pp-layout P (or
   PxV for P stages with V virtual chunks each), from SourcePlan.payload_names, vs. the baseline's
   one [s, b, h] tensor.
@@ -411,7 +414,43 @@ def op_costs(opts, rounds=5):
             kept.clear()
         out[name] = statistics.median(times) * 1e3
     out["stream_gbps"] = 3 * 4 * t * h / (out["in-place multiply-add"] / 1e3) / 1e9
+    del data, kept
+    out["memory_gbps"], out["memory_rotation_bytes"] = memory_rate(rounds)
     return out
+
+
+def last_level_cache_bytes(root="/sys/devices/system/cpu/cpu0/cache"):
+    """The largest CPU cache's size in bytes (Linux sysfs: index*/size such as "2048K"), or None where
+    it cannot be read."""
+    sizes = []
+    for entry in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        try:
+            text = open(os.path.join(root, entry, "size")).read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=None)
+
+
+def memory_rate(rounds=5, chunk=8 << 20):
+    """GB/s of an in-place scaled add (read a, read c, write c) over 8 MiB tensors cycled through twice
+    the last-level cache (256 MiB to 2 GiB): what a pass costs when its tensors come from memory, as
+    a step's sources mostly do (a step's saved activations are several times the cache). Returns
+    (GB/s, bytes in rotation)."""
+    llc = last_level_cache_bytes()
+    total = min(max(2 * (llc or 256 << 20), 256 << 20), 2 << 30)
+    n = chunk // 4
+    data = [(torch.ones(n), torch.ones(n)) for _ in range(max(2, total // (2 * chunk)))]
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for a, c in data:
+            c.add_(a, alpha=0.5)
+        times.append(time.perf_counter() - t0)
+    return 3 * chunk * len(data) / statistics.median(times) / 1e9, 2 * chunk * len(data)
 
 
 def profile_mode(model, batch, top=15):
@@ -534,7 +573,8 @@ def run(opts):
     finalize(results)
     meta = {k: v for k, v in vars(opts).items()}
     costs = op_costs(opts)
-    meta.update(stream_gbps=costs.pop("stream_gbps"), op_ms=costs, torch=torch.__version__, allocator=allocator,
+    meta.update(stream_gbps=costs.pop("stream_gbps"), memory_gbps=costs.pop("memory_gbps"),
+                memory_rotation_bytes=costs.pop("memory_rotation_bytes"), op_ms=costs, torch=torch.__version__, allocator=allocator,
                 threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                 loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
     return {"config": meta, "modes": results, "profile": profile_text}
@@ -586,17 +626,27 @@ def format_table(report):
     split = [(m, r) for m, r in alone if r.get("routing_breakdown_ms")]
     if split:
         pass_ms = cfg["op_ms"]["in-place multiply-add"] / 3  # read a, read c, write c
+        tensor_bytes = 4 * cfg["seq_length"] * cfg["micro_batch_size"] * cfg["hidden_size"]
+        # From memory a pass costs at least what it costs in cache (the per-operator overhead included).
+        mem_ms = max(pass_ms, tensor_bytes / (cfg["memory_gbps"] * 1e9) * 1e3) if cfg.get("memory_gbps") else None
         base_ms = res["baseline"]["time_s"] * 1e3
         out.append(f"\nRouting alone split by stand-in kernels (by difference), and the least a router touching each "
-                   f"[tokens, hidden] tensor once would cost (the rest + its passes at {pass_ms:.3f} ms, a third of "
-                   f"the in-place multiply-add):")
+                   f"[tokens, hidden] tensor once would cost: the rest + its passes at {pass_ms:.3f} ms (a third of "
+                   f"the in-place multiply-add, tensors in cache)"
+                   + (f" or {mem_ms:.3f} ms (from memory, {cfg['memory_gbps']:.1f} GB/s)" if mem_ms else "") + ":")
         for m, r in split:
             b = r["routing_breakdown_ms"]
-            floor = b["rest"] + r["fused_router_passes"] * pass_ms
-            out.append(f"- {m}: {b['total']:.1f} ms = routers' fused passes {b['route']:.1f} + shared projections "
-                       f"{b['project']:.1f} + the rest {b['rest']:.1f} (SourceBuffer, partial sums, autograd, "
-                       f"Python); touching each tensor once: >= {floor:.1f} ms = {100 * floor / base_ms:.1f} % "
-                       f"({r['fused_router_passes']} passes)")
+            passes = r["fused_router_passes"]
+            floor = b["rest"] + passes * pass_ms
+            line = (f"- {m}: {b['total']:.1f} ms = routers' fused passes {b['route']:.1f} + shared projections "
+                    f"{b['project']:.1f} + the rest {b['rest']:.1f} (SourceBuffer, partial sums, autograd, "
+                    f"Python); touching each tensor once: >= {floor:.1f} ms = {100 * floor / base_ms:.1f} % "
+                    f"({passes} passes)")
+            if mem_ms:
+                mem_floor = b["rest"] + passes * mem_ms
+                line += (f", from memory >= {mem_floor:.1f} ms = {100 * mem_floor / base_ms:.1f} % (the passes "
+                         f"alone {100 * passes * mem_ms / base_ms:.1f} %)")
+            out.append(line)
     model_split = [(m, r["model_breakdown"]) for m, r in res.items() if r.get("model_breakdown")]
     if model_split:
         out.append("\nModel step split by stand-in kernels (--model-breakdown; CPU-time ratios to the baseline, by "
@@ -623,7 +673,8 @@ def main(argv=None):
     print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "
           f"{cfg['micro_batch_size']}, fp32, router kernels {cfg['delta_router_kernels']}, "
           f"{cfg['repeats']} interleaved rounds (median), {cfg['threads']} "
-          f"threads, load average {cfg['loadavg']}, stream rate {cfg['stream_gbps']:.1f} GB/s\n"
+          f"threads, load average {cfg['loadavg']}, stream rate {cfg['stream_gbps']:.1f} GB/s (in cache), "
+          f"memory rate {cfg['memory_gbps']:.1f} GB/s ({cfg['memory_rotation_bytes'] >> 20} MiB in rotation)\n"
           f"{cfg.get('allocator', '')}\n")
     print(format_table(report))
     print("\nOperator costs per [tokens, hidden] fp32 tensor, not in cache (ms): " + ", ".join(
