@@ -98,9 +98,10 @@ def _build() -> ctypes.CDLL:
     except OSError as e:
         raise KernelBuildError(f"cannot load {lib_path}: {e}") from None
     P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.delta_route_forward.argtypes = [I64, I64, INT, P, P, P, F, INT, F, P, F, P, P, P, P, P, INT]
+    lib.delta_route_forward.argtypes = [I64, I64, INT, P, P, P, F, INT, F, P, F, P, INT, P, P, P, P, INT]
     lib.delta_route_forward.restype = None
-    lib.delta_route_backward.argtypes = [I64, I64, INT, P, P, P, F, INT, P, P, P, P, P, P, P, P, INT, P, P, INT]
+    lib.delta_route_backward.argtypes = [I64, I64, INT, P, P, P, F, INT, P, P, P, P, P, P, INT, P, P, INT, P, P,
+                                         INT]
     lib.delta_route_backward.restype = None
     return lib
 
@@ -167,16 +168,19 @@ def _ptr(t: Optional[Tensor]):
 def route_forward(lib, values: Sequence[Tensor], cols: Sequence[Optional[Tensor]], query: Optional[Tensor],
                   eps: float, null_logit: Optional[float], null_value: Optional[Tensor], gate: float,
                   base: Optional[Tensor], alpha: Tensor, proj: Sequence[Optional[Tuple[Tensor, Tensor]]],
-                  out: Tensor) -> Tensor:
+                  out: Tensor, unit: bool = False) -> Tensor:
     """out = base + gate * (sum_i alpha_i values[i] + alpha_null null_value), alpha = softmax over the
     logit columns ``cols`` [T] (None: a local source, projected here with ``query``; its 1/rms and
-    logit go to ``proj[i]`` = (inv [T], z [T])). values/base/out [T, d], alpha [M, T] (written)."""
+    logit go to ``proj[i]`` = (inv [T], z [T])). values/base/out [T, d], alpha [M, T] (written).
+    ``unit`` (base None): the base is the sum of the values, each value's weight is 1 + gate alpha_i."""
     rows, d = out.shape
     n = len(values)
     has_null = null_value is not None
+    if unit and base is not None:
+        raise ValueError("route_forward: unit=True forms the base from the values; pass base=None")
     lib.delta_route_forward(rows, d, n, _ptrs(values), _ptrs(cols), _ptr(query), eps, int(has_null),
                             float(null_logit) if has_null else 0.0, _ptr(null_value), gate, _ptr(base),
-                            alpha.data_ptr(), _ptrs([p and p[0] for p in proj]), _ptrs([p and p[1] for p in proj]),
+                            int(unit), alpha.data_ptr(), _ptrs([p and p[0] for p in proj]), _ptrs([p and p[1] for p in proj]),
                             out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -185,12 +189,13 @@ def route_backward(lib, grad: Tensor, values: Sequence[Tensor], alpha: Tensor, g
                    null_value: Optional[Tensor], query: Optional[Tensor],
                    proj: Sequence[Optional[Tuple[Tensor, Tensor]]],
                    targets: List[Tuple[Optional[Tensor], bool]], dw: Tensor, dlogit: Tensor,
-                   dq: Optional[Tensor] = None, recover: Optional[int] = None) -> None:
+                   dq: Optional[Tensor] = None, recover: Optional[int] = None, unit: bool = False) -> None:
     """The backward of route_forward: dw [M, T] (row-wise <grad, value>), dlogit [M, T]; each target
     (or None) gets its source's gradient (assigned when fresh, else added): gate alpha_i grad, plus for a
     local source (proj[i] given) its projection's share; ``dq`` [d] (when given) gets the local sources'
     share of the query's gradient. ``recover``: index of a source whose entry in ``values`` is the
-    forward's output u, rebuilt from it (the sources sum to the base; see the kernel's comment)."""
+    forward's output u, rebuilt from it (the sources sum to the base; see the kernel's comment).
+    ``unit``: as in route_forward (the weighted sum's share is (1 + gate alpha_i) grad)."""
     rows, d = grad.shape
     n = len(values)
     fresh = (ctypes.c_int * n)(*[int(f) for _, f in targets])
@@ -198,5 +203,5 @@ def route_backward(lib, grad: Tensor, values: Sequence[Tensor], alpha: Tensor, g
     lib.delta_route_backward(rows, d, n, grad.data_ptr(), _ptrs(values), alpha.data_ptr(), gate,
                              int(null_value is not None), _ptr(null_value), _ptr(query),
                              _ptrs([p and p[0] for p in proj]), _ptrs([p and p[1] for p in proj]),
-                             _ptrs([t for t, _ in targets]), fresh, dw.data_ptr(), dlogit.data_ptr(),
+                             _ptrs([t for t, _ in targets]), fresh, int(unit), dw.data_ptr(), dlogit.data_ptr(),
                              -1 if recover is None else recover, _ptr(part), _ptr(dq), torch.get_num_threads())

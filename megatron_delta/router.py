@@ -186,6 +186,16 @@ def _local_pairs(proj: Tensor, local: Sequence[int], n: int) -> list:
     return pairs
 
 
+def _value_weights(w: Tensor, n: int, unit: bool) -> Tensor:
+    """The weight of each value in the output: w = gate * alpha, plus 1 for the n real sources when the
+    base is their sum (the null source, row n, is not part of the residual stream)."""
+    if not unit:
+        return w
+    out = w.clone()
+    out[:n] += 1.0
+    return out
+
+
 def _rebuild_source(flat: Sequence[Tensor], r: int, w: Tensor, null_value: Optional[Tensor]) -> Tensor:
     """Source r from the router's output u (held at ``flat[r]``) when base = sum of the sources:
     v_r = (u - sum_{i != r} (1 + w_i) v_i - w_null z) / (1 + w_r), w [M, T] (PyTorch ops; the C
@@ -205,7 +215,9 @@ class _RouteFunction(torch.autograd.Function):
     Inputs: n (number of real sources), out_dtype, lib (the fused CPU kernels of cpu_kernels.py, or
     None for PyTorch ops), sinks (the GradSink of each source: its gradient goes there, not to the
     value input), base_sums (the caller's promise that base == sum of the values in exact arithmetic,
-    see below), eps, base ([.., d] or None), gate ([1] or None), null_logit (0-dim or None),
+    see below; with base None: the base IS the sum of the values, formed in this pass, out = sum_i
+    (1 + a alpha_i) v_i + ..., the residual stream of the additive modes kept as its sources), eps,
+    base ([.., d] or None), gate ([1] or None), null_logit (0-dim or None),
     null_value ([d] or None), query (q = w * g, [d]; needed for local sources), then n values [.., d]
     and their n logit columns z_i [T]. A column given as None marks a LOCAL source: one that only this
     router reads (the partial block sum of delta_block, attnres' partial p): it is projected here, in
@@ -242,6 +254,7 @@ class _RouteFunction(torch.autograd.Function):
         m = n + int(has_null)
         flat = [v.reshape(rows, d) for v in values]
         flat_base = None if base is None else base.reshape(rows, d)
+        unit = base_sums and base is None  # out = sum_i (1 + w_i) v_i: the base is the sum of the values
         out_dtype = out_dtype or v0.dtype
         if not (cdt == out_dtype == torch.float32 and cpu_kernels.eligible(
                 *flat, flat_base, null_value, *cols, query if local else None)):
@@ -252,11 +265,11 @@ class _RouteFunction(torch.autograd.Function):
         recover = None
         if lib is not None:
             gate_f = 1.0 if gate is None else float(gate)
-            if base_sums and base is not None and local and gate_f >= -0.5:
+            if base_sums and local and gate_f >= -0.5:
                 recover = local[-1]
             alpha = torch.empty(m, rows, dtype=cdt, device=v0.device)
             out = cpu_kernels.route_forward(lib, flat, cols, query, eps, null_logit, null_value, gate_f,
-                                            flat_base, alpha, pairs, v0.new_empty(rows, d))
+                                            flat_base, alpha, pairs, v0.new_empty(rows, d), unit)
         else:
             logits = torch.empty(m, rows, dtype=cdt, device=v0.device)
             for i, (col, row) in enumerate(zip(cols, logits.unbind(0))):
@@ -272,7 +285,7 @@ class _RouteFunction(torch.autograd.Function):
             alpha = torch.softmax(logits, dim=0)
             w = alpha if gate is None else alpha * _as(gate, cdt)
             # One fresh compute-dtype accumulator; mixed-dtype ops upcast on the fly.
-            wcols = w.unsqueeze(2).unbind(0)
+            wcols = _value_weights(w, n, unit).unsqueeze(2).unbind(0)
             if base is None:
                 out = torch.mul(flat[0], wcols[0])
             else:
@@ -291,6 +304,7 @@ class _RouteFunction(torch.autograd.Function):
         ctx.local = local
         ctx.base_dtype = None if base is None else base.dtype
         ctx.recover = recover
+        ctx.unit = unit
         kept = list(values)
         if recover is not None:
             kept[recover] = result  # the backward rebuilds that source from u (see above)
@@ -344,7 +358,7 @@ class _RouteFunction(torch.autograd.Function):
             if local and needs[8]:
                 dq = grad.new_empty(d)
             cpu_kernels.route_backward(lib, grad, flat, alpha, 1.0 if g is None else float(g), null_value,
-                                       query, pairs, targets, dw, dlogit, dq, recover)
+                                       query, pairs, targets, dw, dlogit, dq, recover, ctx.unit)
         else:
             # each source's a_i * grad goes to its sink (see GradSink)
             prod = torch.empty_like(grad)  # one product buffer, reused (and cache-warm) for every source
@@ -354,7 +368,7 @@ class _RouteFunction(torch.autograd.Function):
                 torch.mv(grad, _as(null_value, cdt), out=dw[n])
             dalpha = dw if g is None else dw * g
             dlogit = alpha * (dalpha - (alpha * dalpha).sum(0, keepdim=True))
-            wcols = w.unsqueeze(2).unbind(0)
+            wcols = _value_weights(w, n, ctx.unit).unsqueeze(2).unbind(0)
             for i in used:
                 ctx.sinks[i].add(grad, wcols[i], values[i].dtype)
             for i in local:  # the weighted sum's share w_i grad, plus the projection's c q + e v
@@ -412,7 +426,9 @@ def route(
     alpha [M, s*b] with M = N (+1 for the null source, last)). ``kernels``: auto / c / torch, see
     cpu_kernels.py (the C kernels apply to fp32 CPU tensors only). ``base_sums``: the caller states
     that ``base`` equals the sum of ``values`` in exact arithmetic (delta_block's sources sum to x),
-    which lets the C path keep the last local source out of memory (see _RouteFunction)."""
+    which lets the C path keep the last local source out of memory (see _RouteFunction); with
+    ``base=None`` the base is that sum, formed in the same pass: out = sum_i (1 + gate alpha_i) v_i
+    (+ the null source's share), i.e. x + gate * r with x never materialised."""
     n = len(values)
     if n == 0 or len(logits) != n or len(sinks) != n:
         raise ValueError("route() needs at least one source, and one logit column and sink per source")
@@ -529,7 +545,8 @@ class DepthRouter(torch.nn.Module):
 
         ``base=x`` returns ``x + gated(r)`` in x's dtype, fused (the additive modes' input u);
         ``apply_gate=True`` applies the gate inside the fp32 math before the single cast;
-        ``base_sums=True`` states that x is the sum of the sources (see route). Without
+        ``base_sums=True`` states that x is the sum of the sources (see route); without ``base`` it
+        makes x that sum and returns ``x + gated(r)`` (x is not materialised). Without
         ``base`` the result is in the sources' dtype (``like.dtype`` when ``like`` is given).
         With zero sources ``like`` (or ``base``) gives shape/dtype/device: r is zeros (or the null
         source broadcast to every token, when present), still connected to every parameter (zero
@@ -547,6 +564,9 @@ class DepthRouter(torch.nn.Module):
             if self.null_source is not None:
                 null_logit, null_value = self._null(q)
             if len(sources) == 0:
+                if base_sums and base is None:
+                    raise ValueError("DepthRouter: base_sums without base makes x the sum of the sources; "
+                                     "it needs at least one source")
                 out, alpha = self._no_sources(q, gate, null_logit, null_value, like)
                 if base is not None:
                     out = base + out

@@ -17,6 +17,15 @@ full_attnres        B0 (= h0), B1 (= v0), ..., p (the latest sublayer output)
 ==================  ==========================================================================
 
 At the very start (first_layer 0) every mode's state is just the embedding output, named ``h0``.
+
+The residual stream x of the additive modes: with exact sources it is their sum (delta: h0 + sum v;
+delta_block: h0 + sum Delta + P). A plan with ``x_from_sources`` (the model's choice when there is no
+gate: ``SourcePlan.from_config``) holds no separate x: each router forms u = x + r = sum_i (1 + alpha_i)
+s_i in the pass that reads the sources anyway, x is summed from the sources only where it is handed
+out (the last layer's output), and it does not travel in the pipeline payload. Equal to DESIGN.md's
+update rule in exact arithmetic; it saves the router's read of x, the separate x chain and its
+gradient additions (about one point of delta_block's step on CPU) and one [s, b, h] tensor per
+pipeline boundary. With the gate x is kept: u = x + a r must equal the baseline's x bitwise at a = 0.
 """
 from __future__ import annotations
 
@@ -43,12 +52,17 @@ class SourcePlan:
     num_layers: int
     num_blocks: int
     sources: str = "exact"
+    x_from_sources: bool = False  # additive modes, exact sources: x is the sum of the sources, not held
 
     @classmethod
     def from_config(cls, cfg, mode: Optional[str] = None) -> "SourcePlan":
-        """From a DeltaTransformerConfig or parsed flags (same field names); `mode` overrides residual."""
-        return cls(mode=mode or cfg.residual, num_layers=cfg.num_layers,
-                   num_blocks=cfg.delta_num_blocks or cfg.num_layers, sources=cfg.delta_sources)
+        """From a DeltaTransformerConfig or parsed flags (same field names); `mode` overrides residual.
+        The additive modes with exact sources and no gate keep x as their sources (module docstring)."""
+        mode = mode or cfg.residual
+        return cls(mode=mode, num_layers=cfg.num_layers, num_blocks=cfg.delta_num_blocks or cfg.num_layers,
+                   sources=cfg.delta_sources,
+                   x_from_sources=(mode in ADDITIVE_MODES and cfg.delta_sources == "exact"
+                                   and getattr(cfg, "delta_gate", "none") == "none"))
 
     def __post_init__(self) -> None:
         if self.mode == "baseline":
@@ -68,6 +82,10 @@ class SourcePlan:
         if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
             raise ValueError(
                 f"--delta-num-blocks must be a positive integer, got {self.num_blocks!r}")
+        if self.x_from_sources and not (self.additive and not self.authors):
+            raise ValueError(
+                f"x_from_sources: only the additive modes' exact sources sum to the residual stream, not "
+                f"--residual {self.mode} --delta-sources {self.sources}")
         if self.blocked and self.num_layers % self.num_blocks != 0:
             raise ValueError(
                 f"--delta-num-blocks ({self.num_blocks}) must divide the number of layers "
@@ -192,7 +210,8 @@ class SourcePlan:
         the last layer (additive: ['x']; replacement: what the final router reads).
 
         Exactly what this and later stages read, plus the residual stream x of the additive modes
-        (sent rather than re-derived from the sources, which would round differently).
+        (sent rather than re-derived from the sources, which would round differently) unless the plan
+        keeps x as its sources (``x_from_sources``: then ['x'] after the last layer is their sum).
         """
         f = first_layer
         L = self.num_layers
@@ -204,11 +223,12 @@ class SourcePlan:
         if self.additive:
             if f == L:
                 return ["x"]
+            x = [] if self.x_from_sources else ["x"]
             if self.mode == "delta":
-                return ["x", "h0"] + [f"v{i}" for i in range(2 * f)]
+                return x + ["h0"] + [f"v{i}" for i in range(2 * f)]
             if self.authors:
-                return ["x"] + [f"A{c}" for c in range(-(-f // lb))]
-            names = ["x", "h0"] + [f"D{c}" for c in range(f // lb)]
+                return x + [f"A{c}" for c in range(-(-f // lb))]
+            names = x + ["h0"] + [f"D{c}" for c in range(f // lb)]
             if f % lb:
                 names.append(f"P{f // lb}")
             return names
@@ -268,7 +288,8 @@ class SourceBuffer:
         """The first stage's state, from the embedding output h0 [s, b, d]."""
         buf = cls(plan, 0, eps, record_routing=record_routing, readers=readers)
         if plan.additive:
-            buf._x = h0
+            if not plan.x_from_sources:
+                buf._x = h0
             if not (plan.mode == "delta_block" and plan.authors):
                 buf._entries["h0"] = _Entry(h0)
         else:
@@ -328,8 +349,15 @@ class SourceBuffer:
     def x(self) -> Optional[Tensor]:
         """The residual stream (additive modes). Commit adds each v_j into it in place while the
         buffer alone holds it; reading it here marks it shared, so a tensor once read never changes
-        (the next commit makes a new one)."""
+        (the next commit makes a new one). With ``plan.x_from_sources`` it is the sum of the held
+        sources, in payload order (the same additions on every pipeline layout)."""
         self._x_own = False
+        if self._x is None and self.plan.x_from_sources and self._entries:
+            values = [e.value for e in self._entries.values()]
+            x = values[0] + values[1] if len(values) > 1 else values[0]
+            for v in values[2:]:
+                x = x.add_(v) if x.dtype == v.dtype else x + v  # x is a fresh sum nobody saved
+            return x
         return self._x
 
     @property
@@ -373,8 +401,10 @@ class SourceBuffer:
     def _route(self, key, router: DepthRouter, sources: List[Source], *, base: Optional[Tensor],
                apply_gate: bool) -> Tensor:
         # delta_block's exact sources sum to x (h0 + sum Delta + P), so the router may rebuild the
-        # partial sum P from its output in backward instead of keeping it (router._RouteFunction).
-        base_sums = base is not None and self.plan.mode == "delta_block" and not self.plan.authors
+        # partial sum P from its output in backward instead of keeping it (router._RouteFunction);
+        # with x_from_sources (base None) the router forms x from them in its pass.
+        base_sums = self.plan.x_from_sources or (
+            base is not None and self.plan.mode == "delta_block" and not self.plan.authors)
         if self.record_routing:
             r, alpha = router(sources, True, base=base, apply_gate=apply_gate, base_sums=base_sums)
             self.routing[key] = alpha.detach()
@@ -389,6 +419,7 @@ class SourceBuffer:
         sources = self.read(j)
         if plan.additive:
             u = self._route(j, router, sources, base=self._x, apply_gate=True)  # x + G(r), one pass
+            # (x_from_sources: self._x is None and the router forms x from the sources, same pass)
             if plan.mode == "delta_block" and plan.authors and plan.is_block_start(j):
                 # The public code appends, after routing and before the output is added,
                 # x (first time) or x - blocks[-1] (later).
@@ -410,12 +441,15 @@ class SourceBuffer:
             raise RuntimeError(f"commit({j}) without routed_input({j})")
         plan = self.plan
         if plan.additive:
-            if self._x_own and out.dtype == self._x.dtype:  # nothing saved x (routers do not save their base)
+            last = j + 1 == plan.num_sublayers
+            if plan.x_from_sources:
+                pass  # x is the sum of the sources, below (NOT u + v_j)
+            elif self._x_own and out.dtype == self._x.dtype:  # nothing saved x (routers do not save their base)
                 self._x.add_(out)  # NOT u + v_j
             else:
                 self._x, self._x_own = self._x + out, True
             if plan.mode == "delta":
-                if j + 1 < plan.num_sublayers:  # v_{2L-1} is read by nobody
+                if not last or plan.x_from_sources:  # v_{2L-1} is read by nobody (but is part of x)
                     self._entries[f"v{j}"] = _Entry(out)
             elif not plan.authors:
                 b = plan.block_of(j)
@@ -423,7 +457,7 @@ class SourceBuffer:
                 prev = self._entries.pop(key, None)
                 val = out if prev is None else prev.value + out
                 if plan.is_block_end(j):
-                    if b + 1 < plan.num_blocks:  # the last block's sum is read by nobody
+                    if b + 1 < plan.num_blocks or plan.x_from_sources:  # the last block's sum: only in x
                         self._entries[f"D{b}"] = _Entry(val)
                 else:
                     self._entries[key] = _Entry(val)

@@ -73,8 +73,9 @@ def test_layout_matches_tp1(reference, layout):
     seq = 32 // tp if "sp" in layout else 32
     for r in results:
         for m in modes[1:]:
+            # no gate: the additive modes keep x as their sources, and x does not travel
             plan = SourcePlan(mode=m, num_layers=4, num_blocks=2 if m in ("delta_block", "attnres") else 4,
-                              sources="exact")
+                              sources="exact", x_from_sources=m in ("delta", "delta_block"))
             for first, size in r[m]["payloads"].items():
                 assert size == len(plan.payload_names(int(first))) * seq, (layout, m, first, size)
     if "pp" in layout and "delta" in modes:
@@ -133,9 +134,12 @@ def test_payload_holds_only_usable_sources(mode, L, K):
     """No stage receives a source it cannot use; what it reads from earlier stages is all there."""
     from megatron_delta.sources import SourcePlan
 
-    for sources in ("exact", "authors-code") if mode in ("delta", "delta_block") else ("exact",):
+    variants = [("exact", False)]
+    if mode in ("delta", "delta_block"):
+        variants += [("exact", True), ("authors-code", False)]
+    for sources, x_from_sources in variants:
         plan = SourcePlan(mode=mode, num_layers=L, num_blocks=K if mode in ("delta_block", "attnres") else L,
-                          sources=sources)
+                          sources=sources, x_from_sources=x_from_sources)
         for f in range(1, L):
             names = plan.payload_names(f)
             assert len(set(names)) == len(names), (mode, f, names)
@@ -154,8 +158,8 @@ def test_describe_stage_payloads_one_line_per_boundary():
             args = parse_args(driver.COMMON + driver.mode_flags(mode) + layout, world_size=4)
             lines = describe_stage_payloads(args)
             assert len(lines) == chunks - 1, lines
-            plan = __import__("megatron_delta.block", fromlist=["source_plan"]).SourcePlan(
-                mode=mode, num_layers=4, num_blocks=args.delta_num_blocks or 4, sources="exact")
+            plan = __import__("megatron_delta.block", fromlist=["source_plan"]).SourcePlan.from_config(args)
+            assert plan.x_from_sources == (mode in ("delta", "delta_block"))  # no gate in these flags
             for k, line in enumerate(lines, start=1):
                 first = k * 4 // chunks
                 assert f"into layer {first} " in line and f"{len(plan.payload_names(first))} tensors" in line, line

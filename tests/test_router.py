@@ -374,6 +374,47 @@ def test_base_sums_rebuilds_the_local_source(fallback, monkeypatch):
             torch.testing.assert_close(g.double(), gr.double(), rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"base_sums={base_sums}: {m}")
 
 
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+@pytest.mark.parametrize("null,gate", [(False, None), (True, -0.4), (True, 0.8)])
+def test_base_formed_from_the_sources(kernels, null, gate):
+    """route(base=None, base_sums=True): the base is the sum of the sources, formed in the router's
+    pass (the additive modes keeping x as its sources): out = sum_i (1 + a alpha_i) v_i + a alpha_null z,
+    equal to the float64 naive router's x + a r with x = sum v, in value and in every gradient (each
+    source's includes x's share); the C path keeps the local source out of memory (rebuilt from u)."""
+    torch.manual_seed(22)
+    d = 40
+    r = DepthRouter(d, null_source=null, gate=gate is not None, eps=EPS, kernels=kernels)
+    with torch.no_grad():
+        r.query.normal_()
+        if null:
+            r.null_source.normal_()
+        if gate is not None:
+            r.gate.fill_(gate)
+    vals64 = [torch.randn(4, 3, d, dtype=torch.float64) * (1 + i) for i in range(3)]
+    weights = torch.linspace(-1, 1, vals64[0].numel(), dtype=torch.float64).view(vals64[0].shape)
+    params = list(r.parameters())
+
+    p = {n: t.double() for n, t in r.named_parameters()}
+    vals = [v.clone().requires_grad_() for v in vals64]
+    rr, _ = naive_route(vals, p["query"], p["key_norm_weight"], p.get("null_source"), p.get("gate"), EPS)
+    ref_out = sum(vals) + rr
+    ref = [ref_out.detach()] + list(torch.autograd.grad((ref_out * weights).sum(), vals + [p[n] for n, _ in r.named_parameters()]))
+
+    vals = [v.float().requires_grad_() for v in vals64]
+    srcs = [make_source(v, EPS, [r]) for v in vals[:2]] + [make_source(vals[2], EPS)]  # last: local
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = r(srcs, apply_gate=True, base_sums=True)
+    kept = any(t.data_ptr() == vals[2].data_ptr() for t in saved)
+    assert kept == (kernels == "torch")  # the C path rebuilds the local source from u
+    got = [out.detach()] + list(torch.autograd.grad((out * weights.float()).sum(), vals + params))
+    for g, want in zip(got, ref, strict=True):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(g.double(), want, rtol=1e-4, atol=2e-5 * scale)
+    with pytest.raises(ValueError, match="base_sums without base makes x the sum of the sources"):
+        r([], like=vals[0], base_sums=True)
+
+
 def test_c_kernels_bitwise_across_thread_counts():
     """Each token's row is computed by one thread in a fixed order: the kernels give the same bits
     with 1 or 2 threads (PyTorch's own ops make no such promise: its softmax over depth can differ
@@ -391,28 +432,31 @@ def test_c_kernels_bitwise_across_thread_counts():
     base, grad, null = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g), torch.randn(d, generator=g)
     sink0 = torch.randn(rows, d, generator=g)
 
-    def run(base=base, recover=None):
+    def run(base=base, recover=None, unit=False):
         alpha, proj = torch.empty(n + 1, rows), [None, torch.empty(2, rows), None, torch.empty(2, rows)]
         pairs = [p if p is None else (p[0], p[1]) for p in proj]
-        out = K.route_forward(lib, vals, cols, q, eps, null_logit, null, gate, base, alpha, pairs, torch.empty(rows, d))
+        out = K.route_forward(lib, vals, cols, q, eps, null_logit, null, gate, base, alpha, pairs, torch.empty(rows, d),
+                              unit)
         # sinks: accumulated, fresh; locals: a fresh gradient, and none (only the query's share is wanted)
         targets = [(sink0.clone(), False), (torch.empty(rows, d), True), (torch.empty(rows, d), True), (None, False)]
         dw, dlogit, dq = torch.empty(n + 1, rows), torch.empty(n + 1, rows), torch.empty(d)
         # recover: the backward gets the output u in place of source 3 and rebuilds it (base = sum of sources)
         held = vals if recover is None else vals[:recover] + [out] + vals[recover + 1:]
-        K.route_backward(lib, grad, held, alpha, gate, null, q, pairs, targets, dw, dlogit, dq, recover)
+        K.route_backward(lib, grad, held, alpha, gate, null, q, pairs, targets, dw, dlogit, dq, recover, unit)
         return [out, alpha, proj[1], proj[3], dw, dlogit, dq] + [t for t, _ in targets if t is not None]
 
     summed = vals[0] + vals[1] + vals[2] + vals[3]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one, one_rec = run(), run(summed, 3)
+        one, one_rec, one_unit = run(), run(summed, 3), run(None, 3, True)
         torch.set_num_threads(2)
-        two, two_rec = run(), run(summed, 3)
+        two, two_rec, two_unit = run(), run(summed, 3), run(None, 3, True)
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(one + one_rec, two + two_rec, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(one + one_rec + one_unit, two + two_rec + two_unit, strict=True))
+    with pytest.raises(ValueError, match="unit=True forms the base from the values"):
+        run(summed, None, True)
 
     # float64 reference of what they say
     v64, g64, q64 = [v.double() for v in vals], grad.double(), q.double()
@@ -435,6 +479,10 @@ def test_c_kernels_bitwise_across_thread_counts():
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     # the rebuilt source: the same gradients to fp32 round-off of u (|u| ~ |sum of sources|)
     for got, ref in zip(one_rec, [sum(v64) + mix] + head + grads, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
+    # unit: the base is the sum of the sources, formed in the pass; each source's weight is 1 + w_i
+    unit_grads = grads[:3] + [grads[3] + g64, grads[4] + g64, grads[5] + g64]
+    for got, ref in zip(one_unit, [sum(v64) + mix] + head + unit_grads, strict=True):
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
 
 

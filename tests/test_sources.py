@@ -23,11 +23,14 @@ PLANS = [
     SourcePlan("attnres", 4, 2),
     SourcePlan("attnres", 4, 4),
     SourcePlan("full_attnres", 4, 1),
+    SourcePlan("delta", 4, 1, x_from_sources=True),
+    SourcePlan("delta_block", 4, 2, x_from_sources=True),
+    SourcePlan("delta_block", 4, 1, x_from_sources=True),
 ]
 
 
 def _id(plan):
-    return f"{plan.mode}-L{plan.num_layers}-K{plan.num_blocks}-{plan.sources}"
+    return f"{plan.mode}-L{plan.num_layers}-K{plan.num_blocks}-{plan.sources}" + ("-xsum" if plan.x_from_sources else "")
 
 
 # --------------------------------------------------------------------------- toy model
@@ -121,6 +124,24 @@ def test_plan_validation_messages():
     with pytest.raises(ValueError, match="--delta-sources"):
         SourcePlan("attnres", 12, 4, "authors-code")
     SourcePlan("delta", 12, 5)  # num_blocks is not used by the fine-grained mode
+    for bad in (dict(mode="attnres"), dict(mode="full_attnres"), dict(mode="delta_block", sources="authors-code"),
+                dict(mode="delta", sources="authors-code")):
+        with pytest.raises(ValueError, match="x_from_sources: only the additive modes' exact sources"):
+            SourcePlan(num_layers=4, num_blocks=2, x_from_sources=True, **bad)
+
+
+@pytest.mark.parametrize("mode,sources,gate,expected", [
+    ("delta", "exact", "none", True), ("delta_block", "exact", "none", True),
+    ("delta", "exact", "scalar", False), ("delta_block", "exact", "scalar", False),  # u = x + 0 r at init
+    ("delta", "authors-code", "none", False), ("delta_block", "authors-code", "none", False),
+    ("attnres", "exact", "none", False), ("full_attnres", "exact", "none", False)])
+def test_from_config_keeps_x_as_its_sources_without_a_gate(mode, sources, gate, expected):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(residual=mode, num_layers=4, delta_num_blocks=2, delta_sources=sources, delta_gate=gate)
+    plan = SourcePlan.from_config(cfg)
+    assert plan.x_from_sources is expected
+    assert ("x" in plan.payload_names(2)) is (plan.additive and not expected)
 
 
 def test_source_counts():
@@ -160,6 +181,10 @@ def test_payload_names_examples():
     assert SourcePlan("attnres", 6, 3).payload_names(3) == ["B0", "B1", "p"]
     assert SourcePlan("attnres", 6, 3).payload_names(6) == ["B0", "B1", "B2", "p"]
     assert SourcePlan("full_attnres", 2, 1).payload_names(1) == ["B0", "B1", "p"]
+    # x as the sum of its sources: it does not travel (after the last layer it is handed out, summed)
+    assert SourcePlan("delta", 4, 1, x_from_sources=True).payload_names(2) == ["h0", "v0", "v1", "v2", "v3"]
+    assert SourcePlan("delta_block", 6, 3, x_from_sources=True).payload_names(3) == ["h0", "D0", "P1"]
+    assert SourcePlan("delta_block", 6, 3, x_from_sources=True).payload_names(6) == ["x"]
 
 
 @pytest.mark.parametrize("plan", PLANS + [SourcePlan("delta_block", 12, 4),
@@ -234,7 +259,7 @@ def test_exact_sources_sum_to_x(plan):
         buf.commit(j, sublayer(u, toy.weights[j]))
 
 
-@pytest.mark.parametrize("plan", [p for p in PLANS if p.additive], ids=_id)
+@pytest.mark.parametrize("plan", [p for p in PLANS if p.additive and not p.x_from_sources], ids=_id)
 def test_residual_updated_in_place_only_when_nobody_else_holds_it(plan):
     """commit adds v_j into x in place once x is its own: h0, the tensors to_tensors() handed out
     (payload / checkpoint outputs) and the authors-code A0 (= x) keep their values, and outputs and
@@ -350,6 +375,38 @@ def test_init_gate_gives_baseline_and_no_gate_preserves_function(mode):
     plain = Toy(plan, 16, seed=6, random_routers=False)
     # uniform weights: u = (1 + 1/N) x, and the pre-norm is scale invariant (up to eps)
     torch.testing.assert_close(plain.run(h0)[0], _baseline(plain, h0), rtol=1e-4, atol=1e-4)
+    summed = Toy(SourcePlan(mode, 4, 2, x_from_sources=True), 16, seed=6, random_routers=False)
+    torch.testing.assert_close(summed.run(h0)[0], _baseline(summed, h0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+@pytest.mark.parametrize("null,gate_value", [(False, None), (True, 0.7), (False, -0.3)])
+@pytest.mark.parametrize("mode,blocks", [("delta", 1), ("delta_block", 2), ("delta_block", 1)])
+def test_x_from_sources_is_the_update_rule(mode, blocks, null, gate_value, kernels):
+    """A plan that keeps x as its sources (u = sum_i (1 + a alpha_i) s_i, x summed only at the end)
+    computes DESIGN.md's update rule (u = x + a r, x <- x + v_j): outputs and every gradient as the
+    plan that holds x, against float64, to fp32 round-off; it holds no x and sends none."""
+    d, L = 16, 4
+    h0 = torch.randn(3, 2, d, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+    def run(x_from_sources, dtype):
+        plan = SourcePlan(mode, L, blocks, x_from_sources=x_from_sources)
+        toy = Toy(plan, d, null=null, gate=gate_value is not None, gate_value=gate_value or 0.0, seed=8,
+                  kernels=kernels)
+        for t in toy.params():
+            t.data = t.data.to(dtype)
+        h = h0.to(dtype).requires_grad_()
+        out, bufs = toy.run(h, boundaries=(2,))
+        assert all((b._x is None) == x_from_sources for b in bufs)
+        return [out] + list(_grads(out, toy.params(), h))
+
+    ref = run(False, torch.float64)
+    summed, held = run(True, torch.float32), run(False, torch.float32)
+    for k, (a, b, want) in enumerate(zip(summed, held, ref, strict=True)):
+        err_summed, err_held = ((t.double() - want).abs().max().item() for t in (a, b))
+        # both are fp32 round-off (seen: up to 5e-6 at scale 10, either within 3.2x of the other); a
+        # gate's gradient is a sum that cancels to ~1e-5, hence the term relative to the held-x error
+        assert err_summed <= 3e-6 * max(want.abs().max().item(), 1.0) + 3 * err_held, (k, err_summed, err_held)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -64,8 +64,8 @@ def test_benchmark_smoke(tmp_path):
     # Payloads: 3 boundaries (2 stages x 2 virtual chunks of 1 layer); baseline sends one tensor.
     one = 16 * 2 * 32 * 4
     assert [p["bytes"] for p in base["payloads"]] == [one] * 3
-    assert [len(p["names"]) for p in rep["delta"]["payloads"]] == [4, 6, 8]  # x, h0, v0..v(2f-1)
-    assert rep["delta"]["payloads"][2]["bytes"] == 8 * one
+    assert [len(p["names"]) for p in rep["delta"]["payloads"]] == [3, 5, 7]  # h0, v0..v(2f-1); x is their sum
+    assert rep["delta"]["payloads"][2]["bytes"] == 7 * one
     assert "targets" in rep["delta_block"] and set(rep["delta_block"]["pass"]) == {"time", "saved", "peak"}
     assert rep["delta"]["max_sources"] == 8  # h0 + v0..v6 for the last MLP of 4 layers
 

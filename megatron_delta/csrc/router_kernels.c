@@ -28,12 +28,15 @@ static float dot(const float *restrict a, const float *restrict b, int64_t d) {
  *             inv_i[t] = 1/sqrt(mean_k v_i[t,k]^2 + eps), stored with the logit in inv_out/z_out)
  *   logit_null = null_logit
  *   alpha[:, t] = softmax(logit)               (stored, [M, T])
- *   out[t] = base[t] (or 0) + gate * (sum_i alpha_i v_i[t] + alpha_null null_value) */
+ *   out[t] = base[t] (or 0) + gate * (sum_i alpha_i v_i[t] + alpha_null null_value)
+ * unit != 0 (base NULL): the base is the sum of the sources themselves, out[t] = sum_i (1 + gate alpha_i)
+ *   v_i[t] + gate alpha_null null_value - the additive modes' residual stream kept as its sources. */
 void delta_route_forward(int64_t T, int64_t d, int n, const float *const *v, const float *const *cols,
                          const float *restrict q, float eps, int has_null, float null_logit,
                          const float *restrict null_value, float gate, const float *restrict base,
-                         float *restrict alpha, float *const *inv_out, float *const *z_out,
+                         int unit, float *restrict alpha, float *const *inv_out, float *const *z_out,
                          float *restrict out, int threads) {
+  const float one = unit ? 1.0f : 0.0f;
   const int m = n + (has_null != 0);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < T; ++t) {
@@ -63,7 +66,7 @@ void delta_route_forward(int64_t T, int64_t d, int n, const float *const *v, con
     for (int i = 0; i < m; ++i) {
       const float a = w[i] * scale;
       alpha[(int64_t)i * T + t] = a;
-      w[i] = a * gate;
+      w[i] = a * gate + (i < n ? one : 0.0f);
     }
 
     float *restrict o = out + t * d;
@@ -89,13 +92,14 @@ void delta_route_forward(int64_t T, int64_t d, int n, const float *const *v, con
 /* Backward of delta_route_forward for the output gradient grad [T, d]. Per token t:
  *   dw_i = <grad[t], v_i[t]> (and <grad[t], null_value>)      -> dw_out [M, T] (for the gate's grad)
  *   dlogit_i = alpha_i (gate dw_i - sum_k alpha_k gate dw_k)  -> dlogit_out [M, T]
- *   target_i[t] (+)= gate alpha_i grad[t]       (a gradient sink; assigned where fresh_i, else added)
+ *   target_i[t] (+)= gate alpha_i grad[t]       (a gradient sink; assigned where fresh_i, else added;
+ *                                                 (1 + gate alpha_i) grad[t] with unit, see the forward)
  *   local i: c = dlogit_i inv_i, target_i[t] = gate alpha_i grad[t] + c q - dlogit_i z_i inv_i^2 / d v_i[t]
  *            (its whole gradient: the weighted sum's share plus the projection's), and the query's
  *            gradient dq = sum_t sum_local c v_i[t] -> dq_out [d] (when given).
  * recover >= 0: v[recover] is NOT that source but the forward's output u = base + gate (sum_i alpha_i v_i
  *   + alpha_null null_value), and base = sum_i v_i (the sources sum to the residual stream: delta_block's
- *   x = h0 + sum Delta + P). The source is rebuilt per token, v_r = (u - sum_{i!=r} (1 + w_i) v_i
+ *   x = h0 + sum Delta + P; with unit the base is that sum by construction). The source is rebuilt per token, v_r = (u - sum_{i!=r} (1 + w_i) v_i
  *   - w_null null_value) / (1 + w_r), w = gate alpha, from rows this loop reads anyway, so the forward
  *   need not keep it (one [T, d] tensor less saved per router). The caller guarantees 1 + w_r >= 1/2.
  * dq is summed over fixed blocks of TB tokens, then over the blocks in order: bitwise the same for any
@@ -106,9 +110,10 @@ void delta_route_backward(int64_t T, int64_t d, int n, const float *grad, const 
                           const float *restrict alpha, float gate, int has_null,
                           const float *restrict null_value, const float *restrict q,
                           const float *const *inv, const float *const *z, float *const *target,
-                          const int *fresh, float *restrict dw_out, float *restrict dlogit_out,
+                          const int *fresh, int unit, float *restrict dw_out, float *restrict dlogit_out,
                           int recover, float *restrict dq_part, float *restrict dq_out, int threads) {
   const int m = n + (has_null != 0);
+  const float one = unit ? 1.0f : 0.0f;
   const int64_t nblk = (T + TB - 1) / TB;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t blk = 0; blk < nblk; ++blk) {
@@ -151,7 +156,7 @@ void delta_route_backward(int64_t T, int64_t d, int n, const float *grad, const 
       }
       for (int i = 0; i < n; ++i) {
         const int64_t it = (int64_t)i * T + t;
-        const float wi = alpha[it] * gate;
+        const float wi = alpha[it] * gate + one;
         float *restrict o = target[i] ? target[i] + t * d : NULL;
         const float *restrict vi = rows[i];
         if (inv[i]) {
