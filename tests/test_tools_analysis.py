@@ -50,7 +50,7 @@ def test_benchmark_smoke(tmp_path):
         split = rep[mode]["routing_breakdown_ms"]
         assert split["total"] == rep[mode]["routing_alone_ms"] and split["rest"] > 0
         assert f"- {mode}: " in text and "touching each tensor once" in text
-    assert rep["delta"]["fused_router_passes"] == 180  # see test_fused_router_passes_by_hand
+    assert rep["delta"]["fused_router_passes"] == 172  # see test_fused_router_passes_by_hand
     for mode in ("delta_block", "delta", "full_attnres"):  # --model-breakdown: timed with each stand-in
         b = rep[mode]["model_breakdown"]
         assert {len(v) for v in rep[mode]["stand_in_cpu_s"].values()} == {1} and b["both_stand_ins_ratio"] > 0
@@ -74,21 +74,26 @@ def test_fused_router_passes_by_hand():
     """The pass count behind the benchmark's fused-router floor, counted by hand from DESIGN.md."""
     import benchmark
 
-    def passes(mode, layers, blocks=None):
+    def passes(mode, layers, blocks=None, gate=False):
         argv = [*TINY, "--num-layers", str(layers)] + (["--delta-num-blocks", str(blocks)] if blocks else [])
+        argv += ["--delta-gate", "scalar"] if gate else []
         opts = benchmark.build_parser().parse_args(argv)
         return benchmark.fused_router_passes(mode, benchmark._mode_args(opts, mode))
 
     # Per router with N sources: N (forward, beyond the stand-in's copy) + 3N + 1 (backward) in the
-    # additive modes, N - 1 + 3N + 1 in the replacement ones; 4 per source with several readers
+    # additive modes that hold x (with the gate), N - 1 + 3N + 1 in the replacement ones and where x is
+    # the sum of the sources (no gate: the router reads no x); 4 per source with several readers
     # (a source with one reader is projected inside its router: no extra pass).
     # delta, 1 layer: sublayer 0 reads h0 (N=1), sublayer 1 reads h0, v0 (N=2); h0 has 2 readers, v0 one.
-    assert passes("delta", 1) == (1 + 4) + (2 + 7) + 4 * 1
+    assert passes("delta", 1, gate=True) == (1 + 4) + (2 + 7) + 4 * 1
+    assert passes("delta", 1) == (0 + 4) + (1 + 7) + 4 * 1
     # delta, 4 layers: N = 1..8; h0 and v0..v5 have several readers, v6 only sublayer 7.
-    assert passes("delta", 4) == sum(n + 3 * n + 1 for n in range(1, 9)) + 4 * 7 == 180
+    assert passes("delta", 4, gate=True) == sum(n + 3 * n + 1 for n in range(1, 9)) + 4 * 7 == 180
+    assert passes("delta", 4) == 180 - 8
     # delta_block, 2 layers in 2 blocks: reads [h0], [h0 P0], [h0 D0], [h0 D0 P1] -> N = 1, 2, 2, 3;
     # h0 and D0 have several readers, P0 and P1 one each.
-    assert passes("delta_block", 2, 2) == sum(4 * n + 1 for n in (1, 2, 2, 3)) + 4 * 2
+    assert passes("delta_block", 2, 2, gate=True) == sum(4 * n + 1 for n in (1, 2, 2, 3)) + 4 * 2
+    assert passes("delta_block", 2, 2) == sum(4 * n for n in (1, 2, 2, 3)) + 4 * 2
     # full_attnres, 1 layer: reads [h0] (p = h0), [h0, v0]; final router [h0, v0, v1]; v1 has one reader.
     assert passes("full_attnres", 1) == sum(4 * n for n in (1, 2, 3)) + 4 * 2
 

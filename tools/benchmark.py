@@ -90,6 +90,9 @@ def build_parser():
     p.add_argument("--vocab-size", type=int, default=1024, help="mock tokens' vocabulary")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--delta-num-blocks", type=int, default=None, help="K for delta_block / attnres (default 4)")
+    p.add_argument("--delta-gate", choices=["none", "scalar"], default="none",
+                   help="as pretrain_gpt.py's flag, for delta and delta_block (scalar: they also hold the residual "
+                        "stream x, see README)")
     p.add_argument("--delta-router-kernels", choices=["auto", "c", "torch"], default="auto",
                    help="the routers' kernels, as pretrain_gpt.py's flag (torch: PyTorch ops, for A/B runs)")
     p.add_argument("--delta-cpu-allocator", choices=["cache", "system"], default="cache",
@@ -126,6 +129,8 @@ def _mode_args(opts, mode):
         argv += ["--ffn-hidden-size", str(opts.ffn_hidden_size)]
     if opts.delta_num_blocks and mode in ("delta_block", "attnres"):
         argv += ["--delta-num-blocks", str(opts.delta_num_blocks)]
+    if mode in ("delta", "delta_block"):  # the replacement modes take no gate (pretrain_gpt.py refuses it)
+        argv += ["--delta-gate", opts.delta_gate]
     if mode != "baseline":
         argv += ["--delta-router-kernels", opts.delta_router_kernels]
     return parse_args(argv, world_size=1)
@@ -358,7 +363,8 @@ def fused_router_passes(mode, args):
     """Passes over a [tokens, hidden] tensor per step that a router touching each tensor once would
     make BEYOND what the stand-in loop (the "rest" of --routing-breakdown) already does. Per router
     with N sources: forward N + 2 (read the sources and the base x, write u) or N + 1 in the
-    replacement modes (no base), of which the stand-in's copy already does 2; backward 3N + 1 (read
+    replacement modes and where x is the sum of the sources (no base), of which the stand-in's copy
+    already does 2; backward 3N + 1 (read
     the output gradient and each source, read and write each source's gradient). Per source with
     several readers (projected once for all of them, make_source): 1 forward (its norm and logit
     columns in one read), 3 backward (read it, read and write its gradient); a source with one
@@ -368,7 +374,7 @@ def fused_router_passes(mode, args):
 
     plan = SourcePlan.from_config(args, mode)
     counts = [plan.num_sources_read(j) for j in range(plan.num_sublayers)] + [len(plan.final_reads())]
-    base = 1 if plan.additive else 0
+    base = 1 if plan.additive and not plan.x_from_sources else 0  # a router that reads x
     route = sum((nj + base - 1) + (3 * nj + 1) for nj in counts if nj)
     # The sources made, as SourceBuffer makes them (tiny tensors): which are projected for several readers.
     readers = {j: DepthRouter(1, null_source=False, gate=False, eps=1e-6) for j in [*range(plan.num_sublayers), "final"]}
@@ -671,7 +677,7 @@ def main(argv=None):
     report = run(opts)
     cfg = report["config"]
     print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "
-          f"{cfg['micro_batch_size']}, fp32, router kernels {cfg['delta_router_kernels']}, "
+          f"{cfg['micro_batch_size']}, fp32, router kernels {cfg['delta_router_kernels']}, gate {cfg['delta_gate']}, "
           f"{cfg['repeats']} interleaved rounds (median), {cfg['threads']} "
           f"threads, load average {cfg['loadavg']}, stream rate {cfg['stream_gbps']:.1f} GB/s (in cache), "
           f"memory rate {cfg['memory_gbps']:.1f} GB/s ({cfg['memory_rotation_bytes'] >> 20} MiB in rotation)\n"
