@@ -243,8 +243,9 @@ def _init_diff(mode, sources):
 
 # Measured (hidden 64, L=4, init std 0.02, eps 1e-6): max |logit diff| / max |logit| = 1.8e-4 (delta),
 # 2.4e-4 (exact delta_block). The deviation is the eps alone (mean-square of h0 is only ~4e-4, so
-# eps=1e-6 is a 2.5e-3 relative perturbation inside RMSNorm): with eps=1e-12 it drops to 1.3e-7, fp32
-# round-off (test below). authors-code delta_block: 6e-2.
+# eps=1e-6 is a 2.5e-3 relative perturbation inside RMSNorm): with eps=1e-12 it drops to 1.7e-7 / 1.1e-7,
+# fp32 round-off (test below; x summed from the sources, as the model does without a gate).
+# authors-code delta_block: 6e-2.
 PRESERVE_TOL = 1e-3
 
 
