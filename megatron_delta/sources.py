@@ -9,7 +9,7 @@ Source names (they are also the names of the pipeline payload tensors):
 ==================  ==========================================================================
 mode                names
 ==================  ==========================================================================
-delta               x (the residual stream), h0, v0, v1, ... (sublayer outputs)
+delta               x (the residual stream, where held), h0, v0, v1, ... (sublayer outputs)
 delta_block exact   x, h0, D0, D1, ... (completed block sums), P<b> (partial sum of block b)
 delta_block authors x, A0, A1, ... (the public code's list: A0 = H0, A<c> = H_c - A<c-1>)
 attnres             B0 (= h0), B1, ... (completed block representations), p (partial)
