@@ -1,5 +1,7 @@
 # Quick start: `make test` (set-up + the whole suite), `make demo` (set-up + the embedded default run).
-PYTHON ?= python3.11
+# Python 3.12 (megatron-core >= 0.17 needs it): `python3.12` on PATH, else pyenv's 3.12, else set PYTHON=...
+PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+            $$p -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1 && { echo $$p; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -8,8 +10,12 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Re-installs only when the lock file or setup.py changed (the stamp is newer otherwise).
+# Re-installs only when the lock file or setup.py changed (the stamp is newer otherwise). A .venv of
+# another Python version (an older checkout's) is replaced.
 $(STAMP): requirements-lock.txt requirements-nodeps.txt setup.py
+	@test -n "$(PYTHON)" || { echo "ERROR: Python 3.12 not found; install it or run make PYTHON=/path/to/python3.12"; exit 1; }
+	@if test -x $(PY) && ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
+	    echo "$(VENV) is not Python 3.12: recreating it"; rm -rf $(VENV); fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-lock.txt

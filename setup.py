@@ -8,10 +8,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     packages=find_packages(include=["megatron_delta", "megatron_delta.*"]),
     package_data={"megatron_delta": ["csrc/*.c"]},  # the router's CPU kernels, compiled on first use
-    install_requires=["torch>=2.4", "megatron-core>=0.16.1", "sentencepiece", "numpy", "psutil"],
+    install_requires=["torch>=2.4", "megatron-core>=0.19.2,<0.20", "sentencepiece", "numpy", "psutil"],
     extras_require={
         "test": ["pytest", "matplotlib", "tensorboard", "transformers>=5.0", "safetensors"],
         # GPU clusters only: never install on a CPU machine (it breaks Megatron's CPU path).

@@ -102,7 +102,7 @@ def carried_provenance(ckpt_dir: str, saved: dict, args) -> dict:
     if not saved.get("hf_vocab_size"):
         return {}
     same_ids = (getattr(args, "tokenizer_type", None) == "NullTokenizer"
-                and getattr(args, "vocab_size", None) is not None and args.vocab_size + 1 == saved["hf_vocab_size"])
+                and getattr(args, "vocab_size", None) is not None and args.vocab_size == saved["hf_vocab_size"])
     if not same_ids:
         return {}
     carried = {k: saved[k] for k in PROVENANCE_KEYS if k in saved}

@@ -234,7 +234,7 @@ def true_vocab_size(rc: dict) -> int:
         return int(rc["hf_vocab_size"])
     ttype = rc.get("tokenizer_type")
     if ttype == "NullTokenizer":
-        return int(rc["vocab_size"]) + 1  # Megatron's NullTokenizer: eod = N, vocab_size = N + 1
+        return int(rc["vocab_size"])  # Megatron's NullTokenizer (0.17+): N tokens, eod = N - 1
     spm = rc.get("tokenizer_model")
     if not spm or not os.path.isfile(spm):
         raise ConversionError(f"the checkpoint's tokenizer model {spm!r} (run_config.json tokenizer_model) does "
@@ -544,7 +544,7 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = "baseline", de
     model.load_state_dict(new)
     # record the requested layout's vocabulary padding and the HF vocabulary / tokenizer
     args.tensor_model_parallel_size_for_padding = tensor_model_parallel_size
-    args.vocab_size = vocab - 1  # NullTokenizer semantics: --vocab-size N gives N + 1 tokens
+    args.vocab_size = vocab  # NullTokenizer semantics (Megatron-Core 0.17+): --vocab-size N gives N tokens
     args.tokenizer_type, args.tokenizer_model = "NullTokenizer", None
     args.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     # the HF tokenizer files are copied into the checkpoint (CKPT/iter_*/hf_tokenizer): fine-tuning runs that

@@ -276,8 +276,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
 
     SentencePieceTokenizer (alias GPTSentencePieceTokenizer): needs tokenizer_model (a
       sentencepiece .model); eod = the model's </s> id; vocab_size = number of pieces.
-    NullTokenizer: needs vocab_size N; tokens are "1 2 3" strings; Megatron's semantics:
-      eod = N and .vocab_size = N + 1.
+    NullTokenizer: needs vocab_size N; tokens are "1 2 3" strings; Megatron-Core's semantics (0.17+):
+      .vocab_size = N and eod = N - 1.
     """
     if tokenizer_type in SENTENCEPIECE_TYPES:
         _check_sentencepiece_model(tokenizer_model)
@@ -295,7 +295,7 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
                              f"(got {vocab_size!r})")
         from megatron.core.tokenizers import MegatronTokenizer
         return MegatronTokenizer.from_pretrained(
-            metadata_path={"library": "null", "model_type": "gpt"}, vocab_size=n)
+            metadata_path={"library": "null-text", "model_type": "gpt"}, vocab_size=n)
     raise ValueError(f"--tokenizer-type: unknown tokenizer type {tokenizer_type!r}; "
                      f"use one of {', '.join(TOKENIZER_TYPES)}")
 

@@ -19,11 +19,11 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The tiny model every parity test uses: 4 layers, hidden 64, 4 heads in 2 query groups, seq 32.
-# NullTokenizer adds EOD: 255 + 1 = 256 tokens pad to 256 under TP1 and TP2 alike (a checkpoint only
+# NullTokenizer --vocab-size 256 (EOD = 255): 256 tokens pad to 256 under TP1 and TP2 alike (a checkpoint only
 # loads into the same padded vocabulary).
 COMMON = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
           "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
-          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "255",
+          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "256",
           "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "20",
           "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1000"]
 

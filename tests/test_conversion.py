@@ -77,7 +77,7 @@ def trained(tmp_path_factory):
     for name, flags in MODES.items():
         runs[name] = str(tmp / name)
         tok = (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", spm] if name == "baseline"
-               else ["--vocab-size", "255"])  # NullTokenizer: 255 + EOD = 256 tokens
+               else ["--vocab-size", "256"])  # NullTokenizer: 256 tokens, EOD = 255
         argvs.append(COMMON + flags + tok + ["--save", runs[name]])
     results = run_distributed(conversion_driver.train_all, 4, argvs, timeout=900)
     assert [r["iteration"] for r in results[-1]] == [3] * len(argvs)

@@ -261,11 +261,11 @@ def test_weighted_blend_with_and_without_distributed(datasets, tokenizer, tmp_pa
 
 def test_mock_data():
     tok = D.build_tokenizer("NullTokenizer", None, 100)
-    assert tok.vocab_size == 101 and tok.eod == 100
+    assert tok.vocab_size == 100 and tok.eod == 99
     assert tok.tokenize("3 4 5") == [3, 4, 5] and tok.detokenize([3, 4]) == "3 4"
     train, valid, test = D.build_gpt_datasets(None, "99,1,0", 16, 1, (10, 2, 0), tok, mock=True)
     assert test is None and train[0]["tokens"].shape == (16,)
-    assert int(train[0]["tokens"].max()) <= 100
+    assert int(train[0]["tokens"].max()) <= 99
 
 
 # ----------------------------------------------------------------------------- errors

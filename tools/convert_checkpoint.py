@@ -10,7 +10,7 @@
               [--delta-gate scalar] [--delta-null-source] [--delta-num-blocks K] [--delta-sources exact]
               [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
       Qwen3 / Llama -> iteration-0 model-only checkpoint; train from it with
-      `pretrain_gpt.py --finetune --load CKPT_DIR --tokenizer-type NullTokenizer --vocab-size <V-1> ...`
+      `pretrain_gpt.py --finetune --load CKPT_DIR --tokenizer-type NullTokenizer --vocab-size <V> ...`
       and the model flags in CKPT_DIR/iter_0000000/run_config.json. torch_dist checkpoints are layout
       independent, so the checkpoint is written under TP1/PP1 and loads under any TP/PP; T only sets the
       vocabulary padding (a multiple of 128 x T, as pretrain_gpt computes it).
