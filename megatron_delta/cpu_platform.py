@@ -98,6 +98,22 @@ PATCHED_MODULES: List[str] = [
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 ]
 
+# megatron.training (Megatron-LM's trainer, shipped in the megatron-core 0.19.2 wheel): ~90 uses of
+# torch.cuda / device='cuda' (first: training.py:1131, the start-time all_reduce). Patch 8.
+TRAINING_MODULES: List[str] = [
+    "megatron.training.arguments",
+    "megatron.training.checkpointing",
+    "megatron.training.dist_signal_handler",
+    "megatron.training.ft_integration",
+    "megatron.training.initialize",
+    "megatron.training.inprocess_restart",
+    "megatron.training.training",
+    "megatron.training.utils.common_utils",
+    "megatron.training.utils.utils",
+    "megatron.training.models.dist_utils",
+    "megatron.training.datasets.data_samplers",
+]
+
 
 def is_cpu_platform() -> bool:
     """True once :func:`activate_cpu_platform` has adapted Megatron-Core to CPU."""
@@ -469,6 +485,163 @@ def _patch_tensor_type_checks() -> None:
         )
 
 
+# --------------------------------------------------------------------------------------------
+# megatron.training 0.19.2 (Megatron-LM's trainer inside the megatron-core 0.19.2 wheel)
+# --------------------------------------------------------------------------------------------
+def _patch_proxy_into(modules: List[str], proxy) -> None:
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # another version, or an optional dependency missing
+            continue
+        if getattr(module, "torch", None) is torch:
+            _set(module, "torch", proxy)
+
+
+# megatron.training failure 8 (0.19.2; training.py:1131 first of ~90): torch.cuda.* and device='cuda'
+# throughout the trainer -> its modules see the torch proxy of patch 4 as well.
+def _patch_training_module_torch() -> None:
+    _patch_proxy_into(TRAINING_MODULES, _torch_proxy())
+
+
+# megatron.training failure 9 (0.19.2; initialize.py:66): initialize_megatron asserts CUDA unless
+# allow_no_cuda=True, which pretrain() does not pass -> on CPU it is passed.
+def _patch_initialize_allow_no_cuda() -> None:
+    from megatron.training import initialize, training
+
+    original = initialize.initialize_megatron
+
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    for module in (initialize, training):
+        if getattr(module, "initialize_megatron", None) is original:
+            _set(module, "initialize_megatron", initialize_megatron)
+
+
+class _OneDeviceCuda(_CudaProxy):
+    """torch.cuda for megatron.training.initialize: the CPU counts as one device; set_device is a no-op."""
+
+    def __init__(self):
+        super().__init__()
+        self.__dict__.update(device_count=lambda: 1, set_device=lambda *a, **k: None)
+
+
+class _OneDeviceTorch(_TorchProxy):
+    def __init__(self):
+        super().__init__()
+        self.__dict__["cuda"] = _OneDeviceCuda()
+
+
+def _check_model_parallel_initialized(skip_mpu_initialization=False, skip_model_parallel_init=False,
+                                      lazy=False, skip_random_seed=False):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    if skip_mpu_initialization or lazy:
+        return
+    if not skip_model_parallel_init and not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("initialize_megatron left the model-parallel state uninitialised "
+                           "(megatron/training/initialize.py:306 skips it when torch.cuda.device_count() == 0)")
+    tracker = mp_random.get_cuda_rng_tracker()
+    if not skip_random_seed and mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME not in tracker.get_states():
+        raise RuntimeError("initialize_megatron did not seed the model-parallel RNG tracker "
+                           "(megatron/training/initialize.py:447 skips it when torch.cuda.device_count() == 0)")
+
+
+# megatron.training failure 10 (0.19.2; initialize.py:270/306 and :447): with
+# torch.cuda.device_count() == 0, _initialize_distributed SILENTLY skips initialize_model_parallel and
+# _set_random_seed skips seeding the tensor-parallel RNG tracker -> in initialize.py the CPU counts as
+# one device (set_device a no-op), and initialize_megatron checks that both exist afterwards.
+def _patch_initialize_model_parallel() -> None:
+    from megatron.training import initialize, training
+
+    _set(initialize, "torch", _OneDeviceTorch())
+    inner = getattr(training, "initialize_megatron")  # patch 9's wrapper (or the original)
+    original = initialize.initialize_megatron
+
+    def checked(fn):
+        @functools.wraps(fn)
+        def initialize_megatron(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            from megatron.training import get_args
+
+            _check_model_parallel_initialized(
+                kwargs.get("skip_mpu_initialization", False), kwargs.get("skip_model_parallel_init", False),
+                lazy=getattr(get_args(), "lazy_mpu_init", False), skip_random_seed=kwargs.get("skip_random_seed", False))
+            return out
+
+        return initialize_megatron
+
+    _set(initialize, "initialize_megatron", checked(original))
+    _set(training, "initialize_megatron", checked(inner))
+
+
+def _prebuilt_helpers_available() -> bool:
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    return True
+
+
+# megatron.training failure 11 (0.19.2; initialize.py:177 -> core/datasets/utils.py:25):
+# _compile_dependencies runs `make` in site-packages for the dataset helpers; the wheel ships them
+# prebuilt (helpers_cpp.*.so) -> compile only when the prebuilt module does not import.
+def _patch_compile_helpers() -> None:
+    from megatron.core.datasets import utils as dataset_utils
+
+    original = dataset_utils.compile_helpers
+
+    @functools.wraps(original)
+    def compile_helpers():
+        if not _prebuilt_helpers_available():
+            original()
+
+    _set(dataset_utils, "compile_helpers", compile_helpers)
+
+
+# megatron.training failure 12 (0.19.2; arguments.py:1414 -> utils/common_utils.py:504): with TP > 1
+# validate_args asks the GPU for its architecture (torch.cuda.get_device_properties('cuda:0')), to
+# require CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell -> the CPU has no CUDA connection limit:
+# reported as 10 (Blackwell and later, where upstream no longer requires it).
+def _patch_device_arch_version() -> None:
+    from megatron.training import arguments
+    from megatron.training.utils import common_utils
+
+    cpu_arch = lambda: 10  # noqa: E731
+    for module in (arguments, common_utils):
+        if hasattr(module, "get_device_arch_version"):
+            _set(module, "get_device_arch_version", cpu_arch)
+    utils_pkg = importlib.import_module("megatron.training.utils")
+    if hasattr(utils_pkg, "get_device_arch_version"):
+        _set(utils_pkg, "get_device_arch_version", cpu_arch)
+
+
+# megatron.training failure 13 (0.19.2; datasets/data_samplers.py:19 via training.py:4569): on CPU the
+# "CUDA" RNG (dropout) is the default CPU generator, from which torch's DataLoader also draws a seed
+# whenever an iterator starts. A resumed run starts its loaders after loading the RNG state, so from
+# there on its dropout masks differ from the uninterrupted run's -> each loader gets its own generator.
+def _patch_loader_generator() -> None:
+    from megatron.training import training
+    from megatron.training.datasets import data_samplers
+
+    original = data_samplers.build_pretraining_data_loader
+
+    @functools.wraps(original)
+    def build_pretraining_data_loader(dataset, consumed_samples):
+        loader = original(dataset, consumed_samples)
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(consumed_samples)
+        return loader
+
+    for module in (data_samplers, training):
+        if getattr(module, "build_pretraining_data_loader", None) is original:
+            _set(module, "build_pretraining_data_loader", build_pretraining_data_loader)
+
+
 # Every patch, in order (the tests suspend them one at a time with patches_suspended()).
 PATCHES: Dict[str, Callable[[], None]] = {
     "current_device": _patch_current_device,
@@ -478,6 +651,12 @@ PATCHES: Dict[str, Callable[[], None]] = {
     "rng": _patch_rng,
     "clip_grads": _patch_clip_grads,
     "tensor_type_checks": _patch_tensor_type_checks,
+    "training_module_torch": _patch_training_module_torch,
+    "initialize_allow_no_cuda": _patch_initialize_allow_no_cuda,
+    "initialize_model_parallel": _patch_initialize_model_parallel,
+    "compile_helpers": _patch_compile_helpers,
+    "device_arch_version": _patch_device_arch_version,
+    "loader_generator": _patch_loader_generator,
 }
 
 

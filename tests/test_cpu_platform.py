@@ -480,7 +480,8 @@ def pp2_checks():
 
 
 def _cuda_error(text):
-    return text is not None and ("CUDA" in text or "cuda" in text)
+    # torch's CUDA build on a machine without a GPU says "Found no NVIDIA driver on your system"
+    return text is not None and ("CUDA" in text or "cuda" in text or "NVIDIA driver" in text)
 
 
 def test_patch1_current_device(single_checks):
@@ -555,11 +556,14 @@ def test_patch_registry_names_the_seven_failures():
 
     assert list(cpu_platform.PATCHES) == [
         "current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads",
-        "tensor_type_checks",
+        "tensor_type_checks", "training_module_torch", "initialize_allow_no_cuda",
+        "initialize_model_parallel", "compile_helpers", "device_arch_version", "loader_generator",
     ]
     src = open(cpu_platform.__file__).read()
     for n in range(1, 8):  # each patch function is introduced by the NOTES failure it fixes
         assert f"# NOTES failure {n}:" in src
+    for n in range(8, 14):  # ... or by the megatron.training failure (file:line, version)
+        assert f"# megatron.training failure {n} (0.19.2;" in src
 
 
 def test_activate_is_a_no_op_with_cuda(monkeypatch):
@@ -687,3 +691,115 @@ def test_cpu_allocator_respects_the_users_malloc_and_checks_the_choice():
     assert faults > 3 * 15000, faults  # glibc's defaults were left alone
     with pytest.raises(ValueError, match="--delta-cpu-allocator 'jemalloc' is not one of cache, system"):
         set_cpu_allocator("jemalloc")
+
+
+# ------------------------------------------------------------------------------------------------
+# megatron.training 0.19.2 (Megatron-LM's trainer): patches 8-13
+# ------------------------------------------------------------------------------------------------
+def rank_training_patch_checks():
+    """One rank: each megatron.training patch's upstream failure (suspended) and its fix (active)."""
+    import types
+
+    import torch
+    from megatron_delta import cpu_platform
+    from megatron_delta.cpu_platform import patches_suspended
+
+    cpu_platform.initialize_distributed(seed=1234)
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import arguments, initialize, training
+    from megatron.training.global_vars import set_args
+
+    out = {}
+
+    def cuda_tensor():  # training.py:1131, the first of its device='cuda' tensors
+        return str(training.torch.tensor([1.0], device="cuda").device)
+
+    with patches_suspended("training_module_torch"):
+        off = _expect_failure(cuda_tensor)
+    out["training_module_torch"] = {"off": off, "on": _expect_failure(cuda_tensor), "device": cuda_tensor()}
+
+    def init():  # no global args: past the CUDA assert it fails on get_args() being None
+        initialize.initialize_megatron()
+
+    with patches_suspended("initialize_allow_no_cuda"):
+        off = _expect_failure(init)
+    out["initialize_allow_no_cuda"] = {"off": off, "on": _expect_failure(init)}
+
+    with patches_suspended("initialize_model_parallel"):
+        off_count = initialize.torch.cuda.device_count()
+    out["initialize_model_parallel"] = {"off": off_count, "on": initialize.torch.cuda.device_count()}
+
+    calls = []
+    import subprocess
+
+    real_run = subprocess.run
+    subprocess.run = lambda cmd, *a, **k: calls.append(cmd) or types.SimpleNamespace(returncode=0)
+    try:
+        with patches_suspended("compile_helpers"):
+            dataset_utils.compile_helpers()
+        off_calls = len(calls)
+        dataset_utils.compile_helpers()
+    finally:
+        subprocess.run = real_run
+    out["compile_helpers"] = {"off_make_calls": off_calls, "on_make_calls": len(calls) - off_calls}
+
+    with patches_suspended("device_arch_version"):
+        off = _expect_failure(arguments.get_device_arch_version)
+    out["device_arch_version"] = {"off": off, "on": arguments.get_device_arch_version()}
+
+    # A loader's iterator start must not draw from the default generator (dropout's on CPU).
+    set_args(types.SimpleNamespace(dataloader_type="single", micro_batch_size=2, global_batch_size=2,
+                                   num_workers=0, full_validation=False, hybrid_context_parallel=False,
+                                   exit_signal_handler=False))
+    from megatron.training.datasets import data_samplers
+
+    def draws():
+        loader = data_samplers.build_pretraining_data_loader(list(range(16)), 0)
+        before = torch.get_rng_state()
+        next(iter(loader))
+        return not torch.equal(before, torch.get_rng_state())
+
+    with patches_suspended("loader_generator"):
+        off = draws()
+    out["loader_generator"] = {"off_draws": off, "on_draws": draws()}
+    set_args(None)
+    cpu_platform.destroy_distributed()
+    return out
+
+
+@pytest.fixture(scope="module")
+def training_checks():
+    return run_distributed(rank_training_patch_checks, 1, timeout=240, torchrun_env=False)[0]
+
+
+def test_patch8_training_module_torch(training_checks):
+    r = training_checks["training_module_torch"]
+    assert _cuda_error(r["off"]), r
+    assert r["on"] is None and r["device"] == "cpu"
+
+
+def test_patch9_initialize_allow_no_cuda(training_checks):
+    r = training_checks["initialize_allow_no_cuda"]
+    assert r["off"] is not None and "Megatron requires CUDA" in r["off"], r
+    assert r["on"] is not None and "requires CUDA" not in r["on"], r
+
+
+def test_patch10_initialize_model_parallel(training_checks):
+    # without it initialize.py sees no device and silently skips model-parallel init and TP seeding;
+    # the full path (with the check afterwards) runs in tests/test_trainer_*.py
+    r = training_checks["initialize_model_parallel"]
+    assert r == {"off": 0, "on": 1}
+
+
+def test_patch11_compile_helpers(training_checks):
+    assert training_checks["compile_helpers"] == {"off_make_calls": 1, "on_make_calls": 0}
+
+
+def test_patch12_device_arch_version(training_checks):
+    r = training_checks["device_arch_version"]
+    assert _cuda_error(r["off"]), r
+    assert r["on"] == 10
+
+
+def test_patch13_loader_generator(training_checks):
+    assert training_checks["loader_generator"] == {"off_draws": True, "on_draws": False}

@@ -1,0 +1,10 @@
+"""pretrain_gpt.py on Megatron-LM's own trainer (`megatron.training.pretrain`, megatron-core 0.19.2).
+
+What Megatron-LM's pretrain_gpt.py holds, for the project's models:
+
+- :mod:`.arguments`  the project's flags (``extra_args_provider``) and their validation
+- :mod:`.provider`   the model provider, the dataset provider, the forward step and the loss
+- :mod:`.main`       ``main(argv=None) -> int``: parse, adapt to CPU, ``pretrain``, reset the globals
+
+Megatron's trainer runs as it is; the CPU + gloo adaptation lives in megatron_delta/cpu_platform.py.
+"""

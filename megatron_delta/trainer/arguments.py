@@ -1,0 +1,79 @@
+"""The project's flags, added to Megatron-LM's parser through ``extra_args_provider``.
+
+Every Megatron-LM flag keeps its name and meaning; these add the residual routing (README, "The
+residual modes") and a few run conveniences. :func:`validate_delta_args` runs after Megatron's parser
+and before Megatron's ``validate_args``, so a bad combination is one line naming the flag.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_delta.config import RESIDUAL_MODES
+from megatron_delta.cpu_kernels import KERNEL_CHOICES
+
+PROG = "pretrain_gpt.py"
+
+
+class TrainerArgumentError(ValueError):
+    """A bad flag or flag combination; main() prints `pretrain_gpt.py: error: <message>`."""
+
+
+def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider``: the megatron-delta flags."""
+    g = parser.add_argument_group("residual routing (megatron-delta)")
+    g.add_argument("--residual", choices=RESIDUAL_MODES, default="baseline",
+                   help="depth routing of the residual stream (default: baseline, Megatron's own layer)")
+    g.add_argument("--delta-num-blocks", type=int, default=None,
+                   help="K blocks of L/K layers (delta_block, attnres); default 4 (or L if L < 4)")
+    g.add_argument("--delta-null-source", action="store_true",
+                   help="each router also reads a learnable zero-initialised null source")
+    g.add_argument("--delta-gate", choices=["none", "scalar"], default="none",
+                   help="scalar gate u = x + a*r, a=0 at init (additive modes only)")
+    g.add_argument("--delta-sources", choices=["exact", "authors-code"], default="exact")
+    g.add_argument("--delta-router-eps", type=float, default=None, help="default: --norm-epsilon")
+    g.add_argument("--delta-router-kernels", choices=list(KERNEL_CHOICES), default="auto",
+                   help="auto: fused C kernels for fp32 CPU tensors, built on first use (PyTorch ops if "
+                        "that fails); c: the same, a failed build is an error; torch: PyTorch ops")
+    g.add_argument("--delta-cpu-allocator", choices=["cache", "system"], default="cache",
+                   help="CPU runs: cache = glibc keeps freed tensor memory for reuse; system = as configured")
+    g.add_argument("--router-lr-mult", type=float, default=1.0,
+                   help="router parameters get their own optimizer group: lr x M, no weight decay")
+    g.add_argument("--metrics-file", type=str, default=None,
+                   help="append JSON lines of metrics (iteration, lm_loss, lr, grad_norm; validation) here")
+    g.add_argument("--heldout-data-path", nargs="*", default=None,
+                   help="another distribution, evaluated beside validation at every evaluation")
+    _escape_percent_in_help(parser)
+    return parser
+
+
+def _escape_percent_in_help(parser: argparse.ArgumentParser) -> None:
+    """argparse %-formats help strings; megatron.training 0.19.2 has one with a bare '%' followed by
+    ')' (so `--help` raises "ValueError: unsupported format character ')'"). Escape every '%' that
+    does not start an argparse placeholder such as %(default)s."""
+    import re
+
+    bare = re.compile(r"%(?!\(\w+\)[a-z]|%)")
+    for action in parser._actions:
+        if isinstance(action.help, str) and "%" in action.help:
+            action.help = bare.sub("%%", action.help)
+
+
+def validate_delta_args(args: argparse.Namespace) -> None:
+    """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
+    from megatron_delta.config import check_delta_options
+
+    try:
+        args.delta_num_blocks = check_delta_options(
+            args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
+            args.delta_gate, args.delta_sources, args.router_lr_mult, args.delta_router_kernels)
+    except ValueError as e:
+        raise TrainerArgumentError(str(e)) from None
+    if args.delta_router_eps is None:
+        args.delta_router_eps = args.layernorm_epsilon  # --norm-epsilon
+    if args.transformer_impl == "transformer_engine" and args.residual != "baseline":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise TrainerArgumentError(
+                f"--residual {args.residual} with --transformer-impl transformer_engine needs Transformer "
+                "Engine; use --transformer-impl local")

@@ -1,0 +1,124 @@
+"""Model provider, dataset provider, forward step and loss: the parts of Megatron-LM's pretrain_gpt.py
+(and gpt_builders.py) that know the model, written for the project's models.
+
+- baseline: Megatron-Core's GPTModel with the project's sequence-parallel-capable local spec
+  (layer_specs.get_gpt_layer_local_spec_sp; LocalNorm instead of WrappedTorchNorm), or the TE spec.
+- routed modes: DeltaGPTModel with the Delta layer spec; same backbone weights for one --seed.
+The TransformerConfig comes from Megatron-LM's own flag mapping (core_transformer_config_from_args)
+with DeltaTransformerConfig as the class, so every Megatron-LM flag means what it means upstream and
+the `--delta-*` fields map by name.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+
+def transformer_config(args):
+    """Megatron-LM's args -> DeltaTransformerConfig (upstream mapping) + what routing needs."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from megatron_delta.config import DeltaTransformerConfig
+
+    config = core_transformer_config_from_args(args, config_class=DeltaTransformerConfig)
+    if needs_variable_payload(args):
+        # Routed payloads differ in length from boundary to boundary: p2p sends shapes first.
+        config.variable_seq_lengths = True
+    return config
+
+
+def needs_variable_payload(args) -> bool:
+    return args.residual != "baseline" and args.pipeline_model_parallel_size > 1
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """Megatron's model_provider signature (get_model calls it once per virtual pipeline chunk)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training import get_args, print_rank_0
+
+    from megatron_delta.layer_specs import decoder_block_spec
+    from megatron_delta.model import final_norm_for, layer_spec_for
+
+    args = get_args()
+    if config is None:
+        config = transformer_config(args)
+    print_rank_0(f"building GPT model (--residual {args.residual}) ...")
+    layer_spec = layer_spec_for(config, args.transformer_impl)
+    block_spec = decoder_block_spec(config, layer_spec, vp_stage, final_norm_for(args.transformer_impl))
+    if config.routed:
+        from megatron_delta.block import DeltaGPTModel as model_cls
+    else:
+        model_cls = GPTModel
+    return model_cls(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+# ------------------------------------------------------------------------------------------ data
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's BlendedMegatronDatasetBuilder + GPTDataset (MockGPTDataset with --mock-data), through
+    megatron_delta.data.build_gpt_datasets (its checks name the flag), with Megatron's global tokenizer.
+    Every rank builds (cheap index files; rank 0 first, then the others, as upstream): each rank
+    then reads its own micro-batches, so no TP broadcast is needed."""
+    from megatron.training import get_args, get_tokenizer, print_rank_0
+
+    from megatron_delta.data import build_gpt_datasets
+
+    args = get_args()
+    blend_valid = args.valid_data_path
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    train, valid, test = build_gpt_datasets(
+        args.data_path, args.split, args.seq_length, args.seed, tuple(int(n) for n in train_val_test_num_samples),
+        get_tokenizer(), mock=args.mock_data, cache_dir=args.data_cache_path, valid_data_path=blend_valid,
+        test_data_path=args.test_data_path, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader)
+    return train, valid, test
+
+
+# Megatron builds the datasets on every rank itself when the provider says so (pretrain_gpt.py does).
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def get_batch(data_iterator):
+    batch = next(data_iterator)
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Upstream's 3-tuple: summed loss, token count, and the [loss sum, tokens] report (token-weighted)."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward_step_func: (output, loss function)."""
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    batch = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])

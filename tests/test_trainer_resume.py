@@ -1,0 +1,31 @@
+"""megatron_delta.trainer (Megatron-LM's own trainer): exact resume with dropout on. 20 iterations
+straight (saving at 10) == 10 + save + a resumed run of 10 (losses and learning rates), for baseline
+and delta_block, with and without the distributed optimizer (DP2)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.trainer_driver import rank_resume
+
+MODES = ["baseline", "delta_block"]
+
+
+def _check(r):
+    for mode in MODES:
+        straight, resumed = r[mode]["straight"], r[mode]["resumed"]
+        assert straight["iterations"] == list(range(1, 21))
+        assert resumed["iterations"] == list(range(11, 21)), mode
+        assert resumed["losses"] == pytest.approx(straight["losses"][10:], abs=1e-6), mode
+        assert resumed["lr"] == pytest.approx(straight["lr"][10:], rel=1e-12), mode
+
+
+@pytest.mark.slow
+def test_exact_resume_with_dropout(tmp_path):
+    _check(run_distributed(rank_resume, 1, str(tmp_path), MODES, [], "tp1", timeout=600)[-1])
+
+
+@pytest.mark.slow
+def test_exact_resume_with_dropout_distributed_optimizer(tmp_path):
+    _check(run_distributed(rank_resume, 2, str(tmp_path), MODES, ["--use-distributed-optimizer"], "dp2",
+                           timeout=900)[-1])

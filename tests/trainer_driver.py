@@ -1,0 +1,181 @@
+"""Rank functions for tests/test_trainer_*.py: runs of megatron_delta.trainer.main (Megatron-LM's
+trainer) in one launch, one after another in the same process.
+
+TINY is tests/parity_driver.py's COMMON model in Megatron-LM's flags (4 layers, hidden 64, 4 heads in 2
+query groups, seq 32, MBS 2, GBS 8, NullTokenizer 255 -> padded 256, mock data) with the project's
+Qwen3-style defaults spelled out and the CPU switches (local transformer, gloo, no fusions).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+TINY = ("--num-layers 4 --hidden-size 64 --ffn-hidden-size 192 --num-attention-heads 4 --group-query-attention "
+        "--num-query-groups 2 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
+        "--global-batch-size 8 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 --lr 1e-2 "
+        "--min-lr 1e-3 --lr-warmup-iters 1 --lr-decay-iters 20 --lr-decay-style cosine --eval-iters 1 "
+        "--eval-interval 1000 --log-interval 1 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
+        "--qk-layernorm --disable-bias-linear --position-embedding-type rope --rotary-base 1000000 "
+        "--weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --init-method-std 0.02 --hidden-dropout 0 "
+        "--attention-dropout 0 --seed 1234").split()
+CPU = ("--transformer-impl local --no-gradient-accumulation-fusion --distributed-backend gloo "
+       "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+       "--use-cpu-initialization --no-persist-layer-norm").split()
+COMMON = TINY + CPU
+MODES = ("baseline", "delta", "delta_block", "attnres", "full_attnres")
+LAYOUTS = {
+    "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "pp2_vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "dp2_distopt": ["--use-distributed-optimizer"],
+}
+
+
+def mode_flags(mode: str) -> list[str]:
+    flags = ["--residual", mode]
+    if mode in ("delta_block", "attnres"):
+        flags += ["--delta-num-blocks", "2"]
+    return flags
+
+
+def is_last_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+
+
+def read(path: str, key: str = "lm_loss", split=None) -> list:
+    if not os.path.exists(path):
+        return []
+    out = []
+    for line in open(path):
+        r = json.loads(line)
+        if r.get("split") == split and key in r:
+            out.append(r[key])
+    return out
+
+
+def train(argv: list[str], metrics: str) -> dict:
+    from megatron_delta.trainer.main import main
+
+    if is_last_rank() and os.path.exists(metrics):
+        os.remove(metrics)
+    code = main(argv + ["--metrics-file", metrics])
+    assert code == 0, (code, argv)
+    return {"losses": read(metrics), "lr": read(metrics, "lr"), "iterations": read(metrics, "iteration"),
+            "valid": read(metrics, split="valid")}
+
+
+def save_initial(root: str, modes: list[str]) -> None:
+    """`--train-iters 0 --save ROOT/init-MODE`: one initial model per mode (one process)."""
+    from megatron_delta.trainer.main import main
+
+    for mode in modes:
+        assert main(COMMON + mode_flags(mode) + ["--train-iters", "0", "--save", os.path.join(root, f"init-{mode}"),
+                                                 "--save-interval", "1000"]) == 0
+
+
+def run_from_initial(root: str, tag: str, layout: list[str], modes: list[str], iters: int = 4) -> dict:
+    out = {}
+    for mode in modes:
+        out[mode] = train(COMMON + mode_flags(mode) + layout +
+                          ["--train-iters", str(iters), "--load", os.path.join(root, f"init-{mode}"), "--finetune"],
+                          os.path.join(root, f"{tag}-{mode}.jsonl"))
+    return out
+
+
+def rank_reference(root: str, modes: list[str], iters: int = 4) -> dict:
+    """One process: save every mode's initial model, then train it (TP1 PP1 DP1)."""
+    save_initial(root, modes)
+    return run_from_initial(root, "ref", [], modes, iters)
+
+
+def rank_layouts(root: str, layouts: list[str], modes: list[str], iters: int = 4) -> dict:
+    return {name: run_from_initial(root, name, LAYOUTS[name], modes, iters) for name in layouts}
+
+
+def rank_resume(root: str, modes: list[str], layout: list[str], tag: str, iters: int = 20, split_at: int = 10) -> dict:
+    """`iters` iterations straight (saving at `split_at`), then `split_at` + save + a resumed run
+    (plain --load: iteration, optimizer, scheduler, RNG) to `iters`; dropout on."""
+    out = {}
+    for mode in modes:
+        flags = COMMON + mode_flags(mode) + layout + ["--hidden-dropout", "0.1", "--train-iters", str(iters)]
+        ckpt = os.path.join(root, f"resume-{tag}-{mode}")
+        straight = train(flags + ["--save", ckpt, "--save-interval", str(split_at)],
+                         os.path.join(root, f"straight-{tag}-{mode}.jsonl"))
+        resumed = train(flags + ["--load", ckpt, "--ckpt-step", str(split_at)], os.path.join(root, f"resumed-{tag}-{mode}.jsonl"))
+        out[mode] = {"straight": straight, "resumed": resumed}
+    return out
+
+
+# Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (core_v0.19.0), array by array, scaled to the
+# tiny model; data: mock data and NullTokenizer instead of the GPT-2 BPE files; TP8 x PP16 -> TP1 x PP1;
+# --fp16 dropped (a GPU loss-scaling path); --step-batch-size-schedule dropped (its billions of tokens
+# do not scale to 3 iterations); the CPU switches added. Nothing else changed.
+def gpt3_example_flags(ckpt: str, tb: str) -> list[str]:
+    gpt_model_args = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "32", "--max-position-embeddings", "32", "--attention-backend", "auto"]
+    training_args = ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "3",
+                     "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+                     "--init-method-std", "0.006", "--clip-grad", "1.0", "--lr", "6.0e-5",
+                     "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+                     "--lr-decay-iters", "430000"]
+    model_parallel_args = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+    data_args = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--split", "949,50,1"]
+    eval_and_logging_args = ["--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000",
+                             "--save", ckpt, "--load", ckpt, "--eval-iters", "1", "--tensorboard-dir", tb]
+    return gpt_model_args + training_args + model_parallel_args + data_args + eval_and_logging_args + CPU
+
+
+def rank_cli(root: str) -> dict:
+    """--help, argument errors, and the GPT-3 example script's flags with --residual delta_block."""
+    import contextlib
+    import io
+
+    from megatron_delta.trainer.main import main
+
+    out = {}
+    buf, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+        out["help_code"] = main(["--help"])
+    out["help"] = buf.getvalue()
+    out["help_err"] = err.getvalue()[-2000:]
+    errors = {}
+    for name, argv in {
+        "blocks_on_baseline": COMMON + ["--residual", "baseline", "--delta-num-blocks", "2", "--train-iters", "1"],
+        "blocks_not_dividing": COMMON + ["--residual", "delta_block", "--delta-num-blocks", "3", "--train-iters", "1"],
+        "gate_on_replacement": COMMON + ["--residual", "attnres", "--delta-gate", "scalar", "--train-iters", "1"],
+        "bad_mode": COMMON + ["--residual", "nope", "--train-iters", "1"],
+        "save_without_interval": COMMON + ["--train-iters", "1", "--save", os.path.join(root, "x")],
+    }.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+        errors[name] = {"code": code, "stderr": err.getvalue()}
+    out["errors"] = errors
+    out["gpt3"] = train(gpt3_example_flags(os.path.join(root, "gpt3-ckpt"), os.path.join(root, "tb")) +
+                        ["--residual", "delta_block"], os.path.join(root, "gpt3.jsonl"))
+    out["gpt3_saved"] = sorted(os.listdir(os.path.join(root, "gpt3-ckpt")))
+    return out
+
+
+def rank_all_modes(root: str, iters: int = 6) -> dict:
+    """One process trains every mode (with --router-lr-mult on the routed ones) from scratch."""
+    out = {}
+    for mode in MODES:
+        extra = [] if mode == "baseline" else ["--router-lr-mult", "2"]
+        out[mode] = train(COMMON + mode_flags(mode) + extra + ["--train-iters", str(iters)],
+                          os.path.join(root, f"mode-{mode}.jsonl"))
+        out[mode]["groups"] = _param_groups()
+    return out
+
+
+def _param_groups() -> list:
+    """(max_lr, wd_mult, number of router params, number of params) of each optimizer param group."""
+    from megatron_delta.trainer import main as trainer_main
+
+    groups = []
+    for g in trainer_main.LAST_RUN.optimizer.param_groups:
+        routers = sum(1 for p in g["params"] if getattr(p, "is_delta_router", False))
+        groups.append([g.get("max_lr"), g.get("wd_mult"), routers, len(g["params"])])
+    return groups
