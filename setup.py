@@ -16,5 +16,7 @@ setup(
         "test": ["pytest", "matplotlib", "tensorboard", "transformers>=5.0", "safetensors"],
         # GPU clusters only: never install on a CPU machine (it breaks Megatron's CPU path).
         "te": ["transformer-engine[pytorch]"],
+        # GPU clusters: the router's fused kernel (fla-core's fused_attnres; --delta-router-kernels fla / auto).
+        "gpu": ["fla-core==0.6.0"],
     },
 )

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scalar gate u = x + a*r, a=0 at init (additive modes only)")
     g.add_argument("--delta-sources", choices=["exact", "authors-code"], default="exact")
     g.add_argument("--delta-router-eps", type=float, default=None, help="default: --norm-epsilon")
-    g.add_argument("--delta-router-kernels", choices=["auto", "c", "torch"], default="auto",
+    g.add_argument("--delta-router-kernels", choices=["auto", "c", "torch", "fla"], default="auto",
                    help="auto: fused C kernels for fp32 CPU tensors, built on first use (a warning and "
                         "PyTorch ops if that fails); c: the same, a failed build is an error; torch: PyTorch ops")
     g.add_argument("--router-lr-mult", type=float, default=1.0,

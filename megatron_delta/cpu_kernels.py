@@ -9,7 +9,8 @@ and does not depend on the PyTorch version.
 
 `--delta-router-kernels` (config `delta_router_kernels`) chooses: `auto` (default) uses them for
 fp32 CPU tensors and, if they cannot be built, warns once and uses PyTorch ops; `c` makes a failed
-build an error at start-up; `torch` never uses them.
+build an error at start-up; `torch` never uses them. `fla` (and `auto` for CUDA tensors) routes
+through fla-core's fused GPU kernel instead: fla_router.py, docs/gpu.md.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-KERNEL_CHOICES = ("auto", "c", "torch")
+KERNEL_CHOICES = ("auto", "c", "torch", "fla")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "router_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)  # after the source: linkers with --as-needed drop libraries named before their user
@@ -121,9 +122,14 @@ def load() -> ctypes.CDLL:
 
 
 def check(choice: str) -> None:
-    """Start-up check of `--delta-router-kernels`: `c` must build here (raises ValueError if not)."""
+    """Start-up check of `--delta-router-kernels`: `c` must build here, `fla` must import (fla_router.check)
+    (raises ValueError if not)."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"--delta-router-kernels {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "fla":
+        from megatron_delta import fla_router
+
+        fla_router.check(choice)
     if choice == "c":
         try:
             load()
@@ -134,9 +140,10 @@ def check(choice: str) -> None:
 
 def library(choice: str) -> Optional[ctypes.CDLL]:
     """The library for a router's `kernels` choice, or None for PyTorch ops (`torch`, or `auto` where
-    the kernels cannot be built: then one warning per process says so)."""
+    the kernels cannot be built: then one warning per process says so; `fla`: what its kernel cannot route
+    takes PyTorch ops)."""
     global _warned
-    if choice == "torch":
+    if choice in ("torch", "fla"):
         return None
     try:
         return load()

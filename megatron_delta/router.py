@@ -556,6 +556,17 @@ class DepthRouter(torch.nn.Module):
         ref = sources[0].value if len(sources) else like
         device_type = ref.device.type if ref is not None else "cpu"
         with torch.autocast(device_type=device_type, enabled=False), _outside_fp8(self.outside_fp8):
+            if sources and self._may_use_fla(ref):  # fla's fused kernel (fla_router.py), where it applies
+                from megatron_delta import fla_router
+
+                routed = fla_router.route_router(
+                    self, sources, base=base, gate=self.gate if apply_gate else None, base_sums=base_sums,
+                    out_dtype=None if like is None else like.dtype, return_weights=return_weights)
+                if routed is not None:
+                    out, alpha = routed
+                    if return_weights:
+                        alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])
+                    return (out, alpha) if return_weights else out
             # q = w * g only when needed here: the sources' projections already hold their logits
             need_q = not sources or self.null_source is not None or any(self not in s.logits for s in sources)
             q = self.query_vector() if need_q else None
@@ -582,6 +593,21 @@ class DepthRouter(torch.nn.Module):
                                    base_sums=base_sums)
                 alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])
         return (out, alpha) if return_weights else out
+
+    def _may_use_fla(self, value: Tensor) -> bool:
+        # cheap test first: fla_router (and fla) is imported only for `fla`, or `auto` on CUDA tensors
+        return self.kernels == "fla" or (self.kernels == "auto" and value.device.type == "cuda")
+
+    def routes_in_kernel(self, value: Tensor) -> bool:
+        """True when this router routes sources like ``value`` through fla's fused kernel, which computes
+        every logit in its own pass: a shared projection (make_source with readers) would be wasted, so
+        SourceBuffer makes such sources local."""
+        if not self._may_use_fla(value):
+            return False
+        from megatron_delta import fla_router
+
+        return (fla_router.kernel_for(self.kernels, value.device.type) is not None
+                and fla_router.fallback_reason([value], value.dtype) is None)
 
     def _no_sources(self, q, gate, null_logit, null_value, like):
         if like is None:

@@ -57,12 +57,15 @@ class SourcePlan:
     @classmethod
     def from_config(cls, cfg, mode: Optional[str] = None) -> "SourcePlan":
         """From a DeltaTransformerConfig or parsed flags (same field names); `mode` overrides residual.
-        The additive modes with exact sources and no gate keep x as their sources (module docstring)."""
+        The additive modes with exact sources and no gate keep x as their sources (module docstring),
+        except where the routers run on fla's fused kernel, which cannot fold x = sum of the sources into
+        its pass (fla_router.plan_keeps_x; objects without ``delta_router_kernels`` count as not)."""
         mode = mode or cfg.residual
         return cls(mode=mode, num_layers=cfg.num_layers, num_blocks=cfg.delta_num_blocks or cfg.num_layers,
                    sources=cfg.delta_sources,
                    x_from_sources=(mode in ADDITIVE_MODES and cfg.delta_sources == "exact"
-                                   and getattr(cfg, "delta_gate", "none") == "none"))
+                                   and getattr(cfg, "delta_gate", "none") == "none"
+                                   and not _kernel_keeps_x(getattr(cfg, "delta_router_kernels", "torch"))))
 
     def __post_init__(self) -> None:
         if self.mode == "baseline":
@@ -237,6 +240,14 @@ class SourcePlan:
         return [f"B{c}" for c in range(2 * f)] + ["p"]
 
 
+def _kernel_keeps_x(choice: str) -> bool:
+    if choice not in ("auto", "fla"):
+        return False
+    from megatron_delta import fla_router
+
+    return fla_router.plan_keeps_x(choice)
+
+
 class _Entry:
     """A held source: its value and (lazily, once) its Source: 1/rms and its readers' logits."""
 
@@ -371,9 +382,10 @@ class SourceBuffer:
         e = self._entries[name]
         if e.source is None:
             readers = [self.readers[k] for k in self.plan.value_readers(name, j) if k in self.readers]
-            if len(readers) <= 1:
+            if len(readers) <= 1 or any(r.routes_in_kernel(e.value) for r in readers):
                 # One reader here (P<b>, p, or a scope's last reader): its router projects the source in
                 # the pass that routes it (router._RouteFunction, "local" source), no separate pass.
+                # Likewise for routers on fla's kernel, which computes every logit in its own pass.
                 e.source = Source(e.value, None, {}, self.eps, None)
                 return e.source
             for r in readers:

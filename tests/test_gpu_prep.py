@@ -169,3 +169,93 @@ def test_router_without_fp8_imports_no_te(dist, monkeypatch):
     monkeypatch.setattr(model.decoder, "_outer_fp8_context", contextlib.nullcontext)
     monkeypatch.setattr(model.decoder, "_inner_fp8_context", lambda layer: contextlib.nullcontext())
     model(torch.randint(0, 64, (2, 16)), torch.arange(16).expand(2, -1), None).sum().backward()
+
+
+# ----------------------------------------------------------------------------- issue 19
+def test_gpu_check_dry_run():
+    """tools/gpu_check.py --dry-run: every part of the GPU acceptance run on CPU (tiny sizes, naive_attnres
+    for fla's Triton kernel, no TE): parity of the routers' backends, fused kernel vs PyTorch router
+    (outputs and every gradient), speed with predicted ratios, training that falls; JSON written."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "dry.json")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
+        p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--dry-run", "--out", out],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        for part in ("(a) parity", "(b) router", "(c) tokens/s", "PREDICTED", "(d) training", "--dry-run: PASS"):
+            assert part in p.stdout, part
+        r = json.load(open(out))
+    assert r["ok"] and r["dry_run"] and not r["skipped"]
+    assert {x["mode"] for x in r["parity"]} == {"baseline", "attnres", "full_attnres", "delta", "delta_block"}
+    assert len(r["router"]) == 12 and all(x["ok"] for x in r["router"])
+    assert {"query", "key_norm_weight", "null_source", "gate", "x", "s0", "out"} <= set().union(
+        *(x["errors"] for x in r["router"]))
+    speed = {(x["shape"], x["mode"], x["kernels"]) for x in r["speed"]}
+    assert {("8B", "delta_block", "fla"), ("8B", "delta", "torch"), ("1B", "delta", "fla"), ("1B", "baseline", "-")} <= speed
+    assert all(0 < x["predicted_ratio"] <= 1 for x in r["speed"])
+    assert all(x["ok"] and x["losses"][-1] < x["losses"][0] for x in r["train"]) and len(r["train"]) == 5
+
+
+@pytest.mark.parametrize("field,flag", [("fused_residual_rmsnorm", "--fused-residual-rmsnorm"),
+                                        ("fp32_residual_connection", "--fp32-residual-connection"),
+                                        ("inference_fuse_tp_communication", "--inference-fuse-tp-communication")])
+def test_residual_fusions_refused_for_routed_modes(field, flag):
+    """Megatron-Core fusions that fold the residual add into a norm or a linear are refused at start-up for
+    the routed modes (config and parser), naming the flag; the baseline keeps them."""
+    from types import SimpleNamespace
+
+    from megatron_delta.config import DeltaTransformerConfig, check_residual_fusions, validate_delta_flags
+
+    kw = dict(num_layers=4, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
+              use_cpu_initialization=True)
+    with pytest.raises(ValueError, match=f"{flag} folds the residual add.*--residual delta_block"):
+        if field == "inference_fuse_tp_communication":  # Megatron's own check refuses it earlier here
+            check_residual_fusions("delta_block", **{field: True})
+        else:
+            DeltaTransformerConfig(residual="delta_block", **{field: True}, **kw)
+    check_residual_fusions("baseline", **{field: True})
+    args = parse_args(TINY + ["--residual", "delta"], world_size=1)
+    setattr(args, field, True)
+    with pytest.raises(ArgumentError, match=flag):
+        validate_delta_flags(args)
+    if field != "inference_fuse_tp_communication":  # Megatron itself asks more of that one
+        DeltaTransformerConfig(residual="baseline", **{field: True}, **kw)
+
+
+def test_routed_norms_get_u_and_bias_dropout_fusion_is_exact(dist):
+    """A built routed layer hands its norms (with TE: the fused norm + linear) the routed input u: the inputs
+    of input_layernorm / pre_mlp_layernorm are exactly the router's outputs x + G(r) (gate != 0, so u != x);
+    and bias_dropout_fusion (which Megatron's own layer uses for x + dropout(out + bias)) changes nothing:
+    the routed layer forms v itself and the SourceBuffer adds it - logits bitwise equal with and without."""
+    from megatron.core import tensor_parallel
+
+    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+
+    logits = {}
+    for fusion in (False, True):
+        args = parse_args(TINY + ["--residual", "delta_block", "--delta-gate", "scalar", "--delta-num-blocks", "2"],
+                          world_size=1)
+        torch.manual_seed(args.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+        model = build_model_chunks(args, transformer_config_from_args(args, bias_dropout_fusion=fusion,
+                                                                      add_bias_linear=True), 64)[0]
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(".gate"):
+                    p.fill_(0.6)
+                elif n.endswith(".query"):
+                    p.copy_(torch.linspace(-1, 1, p.numel()))
+        routed, normed = [], []
+        for layer in model.decoder.layers:
+            for router, norm in ((layer.self_attention_router, layer.input_layernorm),
+                                 (layer.mlp_router, layer.pre_mlp_layernorm)):
+                router.register_forward_hook(lambda m, a, kw, out: routed.append(out), with_kwargs=True)
+                norm.register_forward_pre_hook(lambda m, a: normed.append(a[0]))
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        logits[fusion] = model(tokens, torch.arange(16).expand(2, -1), None).detach()
+        assert len(routed) == len(normed) == 8
+        assert all(u is n for u, n in zip(routed, normed))  # the very tensor the router returned
+    assert torch.equal(logits[False], logits[True])

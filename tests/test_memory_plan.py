@@ -89,3 +89,48 @@ def test_qwen3_8b_preset_prints_table(capsys):
     assert memory_plan.main(["--preset", "qwen3-8b"]) == 0
     out = capsys.readouterr().out
     assert "delta_block" in out and "| 0 |" in out and '"stages"' in out
+
+
+# ------------------------------------------------------------------ the router's share of a step (issue 19)
+def test_router_share_predictions():
+    """Every routed mode on both shapes: the fused kernel moves fewer bytes than the PyTorch path;
+    delta (O(L^2) source reads) costs more than delta_block (<= K+1 sources); faster HBM, smaller share."""
+    for shape in ("1B", "8B"):
+        base = memory_plan.router_share("H100", shape, "baseline")
+        assert base["router_ms"] == 0 and base["tokens_per_sec_ratio"] == 1
+        for mode in ("delta", "delta_block", "attnres", "full_attnres"):
+            t = memory_plan.router_share("H100", shape, mode, "torch")
+            f = memory_plan.router_share("H100", shape, mode, "fla")
+            assert 0 < f["router_ms"] < t["router_ms"], (shape, mode)
+            assert f["gemm_ms"] == t["gemm_ms"] == base["gemm_ms"]
+            b200 = memory_plan.router_share("B200", shape, mode, "fla")
+            h200 = memory_plan.router_share("H200", shape, mode, "fla")
+            assert h200["router_ms"] < f["router_ms"] and h200["gemm_ms"] == f["gemm_ms"]
+            assert b200["gemm_ms"] < f["gemm_ms"]
+        assert (memory_plan.router_share("H200", shape, "delta", "fla")["router_share"]
+                > memory_plan.router_share("H200", shape, "delta_block", "fla")["router_share"])
+
+
+def test_router_bytes_by_hand():
+    """One delta_block layer (K = 1): routers read [h0] and [h0, P0]; x kept (fla). Counted by hand from
+    router_bytes' docstring, in units of T x d x a (a = 2, c = 4)."""
+    from types import SimpleNamespace
+
+    from megatron_delta.sources import SourcePlan
+
+    cfg = SimpleNamespace(residual="delta_block", num_layers=1, delta_num_blocks=1, delta_sources="exact",
+                          delta_gate="none", delta_router_kernels="fla")
+    plan = SourcePlan.from_config(cfg)
+    assert not plan.x_from_sources and [plan.reads(j) for j in (0, 1)] == [["h0"], ["h0", "P0"]]
+    a, c = 2, 4
+    # router 0: M = 1 (h0, 2 readers); router 1: M = 2 (h0 with 2 readers, P0 local)
+    r0 = (1 * a + a + 3 * a) + (2 * a + a + a + 2 * c)  # first reader of h0: its gradient is assigned
+    r1 = (2 * a + a + 3 * a) + (4 * a + a + 2 * a + 2 * c) + 3 * a  # second reader of h0: one add
+    assert memory_plan.router_bytes(plan, 10, 8, a, "fla") == (r0 + r1) * 80
+    assert memory_plan.router_bytes(plan, 10, 8, a, "torch") > memory_plan.router_bytes(plan, 10, 8, a, "fla")
+
+
+def test_router_share_cli(capsys):
+    assert memory_plan.main(["--router-share", "B200"]) == 0
+    out = capsys.readouterr().out
+    assert "on B200" in out and "| 8B | delta_block | fla |" in out and "| 1B | full_attnres | torch |" in out
