@@ -177,9 +177,15 @@ def model_flags(c: dict) -> list:
             "--num-query-groups", c["num_query_groups"], "--kv-channels", c["kv_channels"],
             "--norm-epsilon", c["norm_epsilon"], "--rotary-base", c["rotary_base"],
             "--max-position-embeddings", c["max_position_embeddings"],
+            "--normalization", c.get("normalization") or "RMSNorm",
+            "--position-embedding-type", c.get("position_embedding_type") or "rope",
             "--residual", c["residual"], "--delta-gate", c.get("delta_gate") or "none",
             "--delta-sources", c.get("delta_sources") or "exact"]
-    argv += ["--qk-layernorm"] if c["qk_layernorm"] else ["--no-qk-layernorm"]
+    # Megatron-LM's flags state what differs from its defaults (LayerNorm, GeLU, biases, MHA, no qk norm)
+    argv += ["--swiglu"] if c.get("swiglu", True) else []
+    argv += ["--disable-bias-linear"] if c.get("disable_bias_linear", True) else []
+    argv += ["--group-query-attention"] if c["num_query_groups"] != c["num_attention_heads"] else []
+    argv += ["--qk-layernorm"] if c["qk_layernorm"] else []
     if c.get("untie_embeddings_and_output_weights"):
         argv.append("--untie-embeddings-and-output-weights")
     if c.get("delta_num_blocks") is not None and c["residual"] in ("delta_block", "attnres"):
@@ -193,7 +199,7 @@ def model_flags(c: dict) -> list:
 
 def _model_argv(c: dict) -> list:
     """pretrain_gpt flags that rebuild the model described by a run_config-like dict (no training)."""
-    return model_flags(c) + [str(a) for a in (
+    return model_flags(c) + ([] if c["qk_layernorm"] else ["--no-qk-layernorm"]) + [str(a) for a in (
         "--seq-length", c["max_position_embeddings"], "--micro-batch-size", 1, "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", 1, "--train-iters", 0)]
 

@@ -1,15 +1,16 @@
 """Test driver: one process group (one launch) runs one parallel layout for several residual modes.
 
-Used by tests/test_parallel_parity.py and tests/test_checkpoints.py through
-tests.dist_utils.run_distributed. Each `run_layout` call, on every rank:
+Used by tests/test_parallel_parity.py, tests/test_checkpoints.py and tests/conversion_driver.py
+through tests.dist_utils.run_distributed. Each `run_layout` call, on every rank:
 
   for each mode: (optionally) save the initial model under the current layout with
   `--train-iters 0 --save ROOT/init-MODE`, then train `iters` iterations from `--load ROOT/init-MODE
   --finetune` with the layout's flags, losses going to ROOT/TAG-MODE.jsonl (`--metrics-file`).
 
-The real training code runs (megatron_delta.training._pretrain); only the model list is kept aside
-so router parameters and gradients can be returned. One initialize_distributed per run replaces the
-model-parallel state (torch.distributed is kept), so many runs share one launch.
+Every run is pretrain_gpt.py's own code: megatron_delta.trainer.main.main (Megatron-LM's trainer,
+megatron.training.pretrain); the model list of the last run is kept by the trainer (LAST_RUN) so
+router parameters and gradients can be returned. Runs follow each other in one process
+(torch.distributed is kept, megatron.training's globals are reset after each run).
 """
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from tests.flags import CPU, QWEN3  # noqa: E402
+
 # The tiny model every parity test uses: 4 layers, hidden 64, 4 heads in 2 query groups, seq 32.
 # NullTokenizer --vocab-size 256 (EOD = 255): 256 tokens pad to 256 under TP1 and TP2 alike (a checkpoint only
 # loads into the same padded vocabulary).
-COMMON = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-          "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
-          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "256",
-          "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "20",
-          "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1000"]
+COMMON = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "192", "--num-attention-heads", "4",
+          "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings", "32",
+          "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--tokenizer-type", "NullTokenizer",
+          "--vocab-size", "256", "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "1",
+          "--lr-decay-iters", "20", "--lr-decay-style", "cosine", "--eval-iters", "1", "--eval-interval", "1000",
+          "--log-interval", "1000", "--save-interval", "1000"] + QWEN3 + CPU
 
 MODES = ("baseline", "delta", "delta_block", "attnres", "full_attnres")
 
@@ -60,35 +64,19 @@ def _record_payloads():
 
 
 def _run(argv: list[str]):
-    """parse_args + initialize_distributed + _pretrain; returns (result, model list, args)."""
+    """pretrain_gpt.py's main on these flags; returns (result, model list, args) of the run."""
     import torch
 
-    from megatron_delta import training
-    from megatron_delta.arguments import parse_args
-    from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
+    from megatron_delta.trainer import main as trainer
 
-    args = parse_args(argv, world_size=torch.distributed.get_world_size()
-                      if torch.distributed.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
-    activate_cpu_platform()
-    initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                           args.virtual_pipeline_model_parallel_size, args.context_parallel_size, seed=args.seed)
     _record_payloads()
-    kept = {}
-    original = training.setup_model_and_optimizer
-
-    def keep(*a, **k):
-        out = original(*a, **k)
-        kept["model"] = out[0]
-        return out
-
-    training.setup_model_and_optimizer = keep
-    try:
-        result = training._pretrain(args)
-    finally:
-        training.setup_model_and_optimizer = original
+    code = trainer.main(argv)
+    assert code == 0, f"pretrain_gpt.py {' '.join(argv)} exited with {code}"
+    run = trainer.LAST_RUN
     # The metrics file is written by the last rank only: no rank reads it before that rank is done.
     torch.distributed.barrier()
-    return result, kept["model"], args
+    iteration = run.args.consumed_train_samples // run.args.global_batch_size if run.args.train_iters else 0
+    return {"iteration": iteration}, run.model, run.args
 
 
 def read_losses(path: str, split: str | None = None) -> list[float]:
@@ -182,8 +170,8 @@ def resume_run(root: str, mode: str, iters: int = 20, split_at: int = 10) -> dic
     _run(COMMON + mode_flags(mode) + ["--train-iters", str(iters), "--save", ckpt, "--save-interval",
                                       str(split_at), "--metrics-file", straight])
     resumed = os.path.join(root, f"resumed-{mode}.jsonl")
-    _, _, args = _run(COMMON + mode_flags(mode) + ["--train-iters", str(iters), "--load",
-                                                   os.path.join(ckpt, f"iter_{split_at:07d}"), "--metrics-file", resumed])
+    _, _, args = _run(COMMON + mode_flags(mode) + ["--train-iters", str(iters), "--load", ckpt,
+                                                   "--ckpt-step", str(split_at), "--metrics-file", resumed])
     return {"straight": read_losses(straight), "resumed": read_losses(resumed),
             "resumed_iterations": [json.loads(l)["iteration"] for l in open(resumed)
                                    if "lm_loss" in json.loads(l) and "split" not in json.loads(l)],

@@ -16,6 +16,8 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+
+from tests.flags import CPU, tiny
 import torch
 
 import transformers  # noqa: E402  (required: pinned in requirements-lock.txt)
@@ -45,10 +47,9 @@ MODES = {
 }
 # TP2+PP2 (4 ranks, DP1): 2 micro-batches of 2 per iteration
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-COMMON = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-          "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-          "--train-iters", "3", "--lr", "3e-2", "--lr-warmup-iters", "0", "--eval-iters", "1",
-          "--eval-interval", "100", "--log-interval", "100"] + LAYOUT
+COMMON = tiny(num_layers=4, hidden=64, heads=4, groups=2, seq=32, mbs=2, gbs=4, lr=3e-2, mock=False) + [
+    "--mock-data", "--train-iters", "3", "--eval-iters", "1", "--eval-interval", "100", "--log-interval", "100",
+    "--save-interval", "1000"] + LAYOUT
 
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread", "distributed_teardown")
@@ -77,7 +78,7 @@ def trained(tmp_path_factory):
     for name, flags in MODES.items():
         runs[name] = str(tmp / name)
         tok = (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", spm] if name == "baseline"
-               else ["--vocab-size", "256"])  # NullTokenizer: 256 tokens, EOD = 255
+               else ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256"])  # 256 tokens, EOD = 255
         argvs.append(COMMON + flags + tok + ["--save", runs[name]])
     results = run_distributed(conversion_driver.train_all, 4, argvs, timeout=900)
     assert [r["iteration"] for r in results[-1]] == [3] * len(argvs)
@@ -341,7 +342,8 @@ def _finetune(ckpt, save, extra=("--mock-data",), iters=2, seq=16):
                                           "--seq-length", str(seq), "--micro-batch-size", "1",
                                           "--global-batch-size", "2", "--train-iters", str(iters),
                                           "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1",
-                                          "--save", save, "--no-save-optim"] + list(extra))
+                                          "--save", save, "--save-interval", "1000", "--no-save-optim"] +
+            CPU + list(extra))
     proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=REPO, capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

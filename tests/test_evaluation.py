@@ -16,12 +16,13 @@ import sys
 
 import pytest
 
+from tests.flags import tiny
+
 from tests.dist_utils import REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "4", "--global-batch-size", "4"]
+TINY = tiny(num_layers=2, hidden=64, heads=4, groups=2, seq=64, mbs=4, mock=False) + ["--save-interval", "1000"]
 SEQ = 64
 
 

@@ -1,8 +1,8 @@
 """Issue 3: every residual mode trains (30 iterations of a tiny model on the bundled corpus).
 
-One subprocess runs `megatron_delta.training.main` for every configuration in turn (one import of
-Megatron instead of seven; each run initialises and tears down its own one-rank world). The data are
-built once under runs/cache (the embedded default). Measured: ~15-25 s per configuration on a
+One subprocess runs pretrain_gpt.py's `megatron_delta.trainer.main.main` for every configuration in turn (one import of
+Megatron instead of seven; each run initialises and tears down its own one-rank world). The bundled corpus
+and its tokenizer are built once under runs/cache (the embedded default's data). Measured: ~15-25 s per configuration on a
 shared 2-core machine, so the whole module is marked slow.
 """
 
@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 
+from tests.flags import tiny
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = {
@@ -26,21 +28,26 @@ CONFIGS = {
     "delta_block-authors-code": ["--residual", "delta_block", "--delta-sources", "authors-code"],
     "delta-gate-null": ["--residual", "delta", "--delta-gate", "scalar", "--delta-null-source"],
 }
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--micro-batch-size", "4",
-        "--train-iters", "30", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "10"]
+TINY = tiny(num_layers=2, hidden=64, seq=64, mbs=4, mock=False, train_iters=30) + [
+    "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "10", "--save-interval", "1000"]
 MARGIN = 0.3  # nats; measured drop (first 3 vs last 5 iterations) ~1.3 for delta
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    from megatron_delta.data import ensure_default_data
+
     out = tmp_path_factory.mktemp("modes_training")
-    jobs = {name: TINY + flags + ["--metrics-file", str(out / f"{name}.jsonl"), "--save", str(out / name)]
+    paths = ensure_default_data(os.path.join(REPO, "runs", "cache"))
+    data = ["--data-path", paths["train_data_path"][0], "--valid-data-path", paths["sotu_valid_data_path"],
+            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", paths["tokenizer_model"]]
+    jobs = {name: TINY + data + flags + ["--metrics-file", str(out / f"{name}.jsonl"), "--save", str(out / name)]
             for name, flags in CONFIGS.items()}
     driver = textwrap.dedent("""
         import json, sys, traceback
         import torch
         torch.set_num_threads(1)
-        from megatron_delta.training import main
+        from megatron_delta.trainer.main import main
         jobs = json.loads(sys.argv[1])
         status = {}
         for name, argv in jobs.items():

@@ -10,13 +10,14 @@ import sys
 import pytest
 
 from tests.dist_utils import free_port
+from tests.flags import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO, "examples", "torchrun_multinode.sh")
-FLAGS = ["--residual", "delta_block", "--mock-data", "--vocab-size", "256", "--num-layers", "4",
-         "--hidden-size", "64", "--seq-length", "32", "--train-iters", "3", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1",
-         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+FLAGS = ["--residual", "delta_block"] + tiny(num_layers=4, hidden=64, heads=4, groups=2, seq=32, mbs=2, gbs=8,
+                                              train_iters=3) + [
+    "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1",
+    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
 def _launch(nnodes, node_rank, nproc, port, metrics):

@@ -147,15 +147,17 @@ def test_payload_holds_only_usable_sources(mode, L, K):
             assert not useless, f"{mode} L={L} K={K} {sources}: stage at layer {f} receives {useless}"
 
 
-def test_describe_stage_payloads_one_line_per_boundary():
-    from megatron_delta.arguments import parse_args
+def test_describe_stage_payloads_one_line_per_boundary(monkeypatch):
     from megatron_delta.block import describe_stage_payloads
+    from megatron_delta.trainer.main import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
 
     for mode in MODES[1:]:
         for layout, chunks in ((["--pipeline-model-parallel-size", "2"], 2),
                                (["--pipeline-model-parallel-size", "4"], 4),
                                ):
-            args = parse_args(driver.COMMON + driver.mode_flags(mode) + layout, world_size=4)
+            args = parse_args(driver.COMMON + driver.mode_flags(mode) + layout + ["--train-iters", "1"])
             lines = describe_stage_payloads(args)
             assert len(lines) == chunks - 1, lines
             plan = __import__("megatron_delta.block", fromlist=["source_plan"]).SourcePlan.from_config(args)

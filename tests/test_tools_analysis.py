@@ -11,12 +11,16 @@ import sys
 
 import pytest
 
+from tests.flags import tiny
+
 from tests.dist_utils import REPO_ROOT, run_distributed
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2"]
+# the same model in pretrain_gpt.py's (Megatron-LM's) flags
+TINY_TRAIN = tiny(num_layers=4, hidden=32, heads=4, groups=2, seq=16, mbs=2) + ["--save-interval", "1000"]
 
 
 def _run(script, *argv, timeout=600):
@@ -129,8 +133,8 @@ def test_stand_ins_are_restored():
 def pp2_run(tmp_path_factory):
     """A 5-iteration delta_block run on mock tokens, saved under PP2 (reloaded as PP1 by the report)."""
     d = tmp_path_factory.mktemp("pp2run")
-    run_distributed(os.path.join(REPO_ROOT, "pretrain_gpt.py"), 2, "--mock-data", "--residual", "delta_block",
-                    "--delta-num-blocks", "2", "--delta-null-source", *TINY, "--pipeline-model-parallel-size", "2",
+    run_distributed(os.path.join(REPO_ROOT, "pretrain_gpt.py"), 2, "--residual", "delta_block",
+                    "--delta-num-blocks", "2", "--delta-null-source", *TINY_TRAIN, "--pipeline-model-parallel-size", "2",
                     "--train-iters", "5", "--eval-iters", "1", "--eval-interval", "5",
                     "--save", str(d / "ckpt"), "--metrics-file", str(d / "metrics.jsonl"), timeout=600)
     return d
@@ -200,8 +204,8 @@ def test_compare_runs_table(tmp_path):
 
 def test_compare_runs_train_summary(tmp_path):
     run_dir = tmp_path / "delta"
-    _run("tools/compare_runs.py", "train", "--run-dir", str(run_dir), "--", "--mock-data", "--residual", "delta",
-         *TINY, "--train-iters", "2", "--eval-iters", "1")
+    _run("tools/compare_runs.py", "train", "--run-dir", str(run_dir), "--", "--residual", "delta",
+         *TINY_TRAIN, "--train-iters", "2", "--eval-iters", "1")
     s = json.load(open(run_dir / "summary.json"))
     assert s["residual"] == "delta" and s["max_sources"] == 8 and s["router_parameters"] > 0
     assert s["peak_rss_bytes"] > 0

@@ -6,7 +6,7 @@
     # the table
     python tools/compare_runs.py table runs/cmp/baseline runs/cmp/delta ... [--baseline baseline] [--output t.md]
 
-`train` runs megatron_delta.training.main with the given pretrain_gpt.py flags, adding
+`train` runs pretrain_gpt.py's main (megatron_delta.trainer.main) with the given pretrain_gpt.py flags, adding
 `--metrics-file RUN_DIR/metrics.jsonl` unless given, and writes RUN_DIR/summary.json: residual
 mode, blocks, parameters (counted on the built model), added router parameters, the most sources
 any router reads, the process's peak RSS (resource.getrusage; includes Python + torch, about the
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # ---------------------------------------------------------------------------------------- train
 def cmd_train(run_dir, flags):
-    import megatron_delta.training as training
+    from megatron_delta.trainer import main as trainer
 
     os.makedirs(run_dir, exist_ok=True)
     if "--metrics-file" not in flags:
@@ -39,27 +39,16 @@ def cmd_train(run_dir, flags):
     metrics = flags[flags.index("--metrics-file") + 1]
     if os.path.exists(metrics):
         os.remove(metrics)  # a fresh run, not appended to an old one
-    captured = {}
-    original = training.setup_model_and_optimizer
-
-    def setup(args, vocab_size):  # count the parameters of the model pretrain_gpt.py builds
-        out = original(args, vocab_size)
-        model = out[0]
-        captured["parameters"] = sum(p.numel() for m in model for p in m.parameters())
-        captured["router_parameters"] = sum(p.numel() for m in model for p in m.parameters()
-                                            if getattr(p, "is_delta_router", False))
-        captured["args"] = args
-        return out
-
-    training.setup_model_and_optimizer = setup
     t0 = time.time()
-    try:
-        rc = training.main(flags)
-    finally:
-        training.setup_model_and_optimizer = original
+    rc = trainer.main(flags)
     wall = time.time() - t0
     if rc:
         return rc
+    model = trainer.LAST_RUN.model  # the model pretrain_gpt.py built: count its parameters
+    captured = {"parameters": sum(p.numel() for m in model for p in m.parameters()),
+                "router_parameters": sum(p.numel() for m in model for p in m.parameters()
+                                         if getattr(p, "is_delta_router", False)),
+                "args": trainer.LAST_RUN.args}
     args = captured["args"]
     max_sources = 0
     if args.residual != "baseline":

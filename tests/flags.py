@@ -1,0 +1,34 @@
+"""Megatron-LM flag lists the tests share (pretrain_gpt.py takes Megatron-LM's flags with Megatron-LM's
+defaults, so every choice the project's tiny models make is spelled out here).
+
+QWEN3: the Qwen3-style architecture of the project's models (RMSNorm, SwiGLU, RoPE base 1e6,
+qk-layernorm, grouped-query attention, no biases) and the optimiser settings of its default run.
+CPU: what a Megatron-LM job needs on a machine without CUDA: the local (non-TE) layers, gloo, and
+none of the CUDA-only fusions.
+"""
+
+QWEN3 = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--qk-layernorm",
+         "--disable-bias-linear", "--position-embedding-type", "rope", "--rotary-base", "1000000",
+         "--group-query-attention", "--init-method-std", "0.02", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+         "--seed", "1234"]
+
+CPU = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--distributed-backend", "gloo",
+       "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+       "--use-cpu-initialization", "--no-persist-layer-norm"]
+
+
+def tiny(num_layers=2, hidden=64, heads=4, groups=2, seq=64, mbs=4, gbs=None, vocab=256, lr=3e-3,
+         train_iters=None, mock=True) -> list[str]:
+    """A tiny Qwen3-style model in Megatron-LM's flags, with the CPU switches (NullTokenizer mock data
+    unless mock=False: then pass --data-path and a tokenizer yourself)."""
+    flags = ["--num-layers", str(num_layers), "--hidden-size", str(hidden), "--ffn-hidden-size", str(3 * hidden),
+             "--num-attention-heads", str(heads), "--num-query-groups", str(groups), "--seq-length", str(seq),
+             "--max-position-embeddings", str(seq), "--micro-batch-size", str(mbs),
+             "--global-batch-size", str(gbs or mbs), "--lr", str(lr), "--min-lr", str(lr / 10),
+             "--lr-decay-style", "cosine", "--lr-warmup-iters", "0"]
+    if mock:
+        flags += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
+    if train_iters is not None:
+        flags += ["--train-iters", str(train_iters)]
+    return flags + QWEN3 + CPU
