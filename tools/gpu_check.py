@@ -312,7 +312,9 @@ def train(opts, env, mode, *, shape, fp8=None, kernels="fla", iters=None, warmup
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_delta.training import optimizer_overrides
+    from megatron.core.optimizer import get_standard_config_overrides
+
+    from megatron_delta.trainer.main import router_overrides
 
     free(env)
     env.reset_peak()
@@ -323,7 +325,7 @@ def train(opts, env, mode, *, shape, fp8=None, kernels="fla", iters=None, warmup
     opt_config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
                                  bf16=not env.dry, params_dtype=config.params_dtype)
-    optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides=optimizer_overrides(args, opt_config))
+    optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides=router_overrides(args, get_standard_config_overrides(opt_config)))
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync

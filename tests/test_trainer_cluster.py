@@ -1,0 +1,388 @@
+"""What a cluster job meets, through Megatron-LM's own mechanisms (megatron.training 0.19.2), one test each.
+
+Every run is the trainer as a program (`python -m megatron_delta.trainer`, or under `torchrun`), on the
+tiny COMMON model of tests/trainer_driver.py, as a job script would start it:
+
+1. SIGTERM with --exit-signal-handler: the job saves the iteration reached, exits 0, and a resume from
+   that checkpoint continues as the uninterrupted run.
+2. --exit-interval / --exit-duration-in-mins: training stops with a checkpoint of the iteration reached.
+3. A rank SIGKILLed under `torchrun --max-restarts 1` (DP2): the restarted ranks load the last complete
+   checkpoint and train on exactly as an uninterrupted run.
+4. A save killed midway (SIGKILL while iteration 4's checkpoint is written) is never loaded: the tracker
+   still names iteration 2, --load resumes from 2 exactly, and the next save of 4 overwrites the leftover.
+5. A truncated .distcp shard: one error line naming the file and what to do, exit code 1, no traceback.
+
+Every single-process run has --train-iters 50 (the mock data's sample order depends on it), so runs stopped
+and resumed at different iterations are compared with one uninterrupted run (the fixture `straight`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+
+import pytest
+
+from tests.dist_utils import REPO_ROOT
+from tests.trainer_driver import COMMON
+
+ITERS = ["--train-iters", "50"]
+TRACKER = "latest_checkpointed_iteration.txt"
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+             "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([REPO_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return env
+
+
+class Job:
+    """One launch (a process group of its own, so that torchrun's workers go with it), output in files."""
+
+    def __init__(self, cmd: list, log: str):
+        self.log = log
+        self.out, self.err = open(log + ".out", "w+"), open(log + ".err", "w+")
+        self.proc = subprocess.Popen(cmd, env=_env(), cwd=REPO_ROOT, stdout=self.out, stderr=self.err,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.log}: still running after {timeout:.0f}s\n{self.tail()}")
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stdout(self) -> str:
+        self.out.flush()
+        with open(self.log + ".out") as f:
+            return f.read()
+
+    def stderr(self) -> str:
+        self.err.flush()
+        with open(self.log + ".err") as f:
+            return f.read()
+
+    def tail(self) -> str:
+        return f"--- stdout tail ---\n{self.stdout()[-3000:]}\n--- stderr tail ---\n{self.stderr()[-5000:]}"
+
+
+def _trainer(*flags) -> list:
+    return [sys.executable, "-m", "megatron_delta.trainer"] + COMMON + list(flags)
+
+
+def _run(cmd: list, log: str, timeout: float = 600) -> Job:
+    job = Job(cmd, log)
+    job.wait(timeout)
+    return job
+
+
+def _metrics(path: str) -> list:
+    """The training records of --metrics-file, in the order written (a restart appends)."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.endswith("\n"):
+                r = json.loads(line)
+                if r.get("split") is None:
+                    out.append(r)
+    return out
+
+
+def _tracker(ckpt: str):
+    try:
+        with open(os.path.join(ckpt, TRACKER)) as f:
+            return int(f.read().strip())
+    except FileNotFoundError:
+        return None
+
+
+def _iter_dirs(ckpt: str) -> list:
+    return sorted(int(n[5:]) for n in os.listdir(ckpt) if re.fullmatch(r"iter_\d{7}", n))
+
+
+def _wait_until(cond, job: Job, timeout: float, poll: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if job.proc.poll() is not None:
+            raise AssertionError(f"{job.log}: exited ({job.proc.returncode}) before the condition\n{job.tail()}")
+        time.sleep(poll)
+    job.kill()
+    raise AssertionError(f"{job.log}: condition not met within {timeout:.0f}s\n{job.tail()}")
+
+
+def _last_iteration(path: str) -> int:
+    records = _metrics(path)
+    return records[-1]["iteration"] if records else 0
+
+
+def _losses(records, first: int, last: int) -> list:
+    by_iter = {r["iteration"]: r for r in records}
+    return [by_iter[i]["lm_loss"] for i in range(first, last + 1)]
+
+
+def _lrs(records, first: int, last: int) -> list:
+    by_iter = {r["iteration"]: r for r in records}
+    return [by_iter[i]["lr"] for i in range(first, last + 1)]
+
+
+# torchrun --max-restarts: the restarted workers meet the failed attempt's keys in the agent's store (torch
+# 2.13 shares one TCPStore across attempts and prefixes nothing by attempt, torch/distributed/rendezvous.py:189),
+# so gloo's init_process_group reads the dead peer's address and fails ("Gloo connectFullMesh failed ...
+# Connection refused"). Until megatron_delta/trainer/main.py gives each attempt a store of its own, test 3
+# starts the trainer through this wrapper, which does that: torch.distributed on a PrefixStore named by
+# TORCHELASTIC_RESTART_COUNT (Megatron's initialize then finds it initialised and keeps it).
+def main_with_attempt_store(argv: list) -> int:
+    import datetime
+
+    import torch
+
+    from megatron_delta.cpu_platform import activate_cpu_platform
+    from megatron_delta.trainer.main import main
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        activate_cpu_platform()
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        timeout = datetime.timedelta(minutes=10)
+        agent_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                                 is_master=False, timeout=timeout)
+        torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore(f"attempt_{attempt}", agent_store),
+                                             rank=rank, world_size=world, timeout=timeout)
+    return main(argv)
+
+
+# ------------------------------------------------------------------------- the uninterrupted run
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """10 iterations uninterrupted: saves 3, 6, 9 (--save-interval 3); --exit-interval 10 saves 10 and exits."""
+    root = str(tmp_path_factory.mktemp("cluster_straight"))
+    ckpt, metrics = os.path.join(root, "ckpt"), os.path.join(root, "m.jsonl")
+    job = _run(_trainer(*ITERS, "--save", ckpt, "--save-interval", "3", "--exit-interval", "10",
+                        "--metrics-file", metrics), os.path.join(root, "run"))
+    return {"job": job, "code": job.proc.returncode, "ckpt": ckpt, "records": _metrics(metrics)}
+
+
+# ------------------------------------------------------------------------------------------- 1
+@pytest.mark.slow
+def test_sigterm_with_exit_signal_handler_saves_exits_0_and_resumes(straight, tmp_path):
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    job = Job(_trainer(*ITERS, "--exit-signal-handler", "--save", ckpt, "--save-interval", "1000",
+                       "--metrics-file", metrics), str(tmp_path / "run"))
+    _wait_until(lambda: _last_iteration(metrics) >= 2, job, timeout=400)
+    job.proc.send_signal(signal.SIGTERM)  # what a scheduler sends before its kill
+    code = job.wait(300)
+    assert code == 0, job.tail()
+    reached = _last_iteration(metrics)
+    assert "exiting program after receiving SIGTERM" in job.stdout(), job.tail()
+    assert 2 <= reached < 10, reached
+    assert _tracker(ckpt) == reached and _iter_dirs(ckpt) == [reached]  # saved at the iteration reached
+
+    resumed_metrics = str(tmp_path / "resumed.jsonl")
+    job = _run(_trainer(*ITERS, "--load", ckpt, "--exit-interval", "10", "--metrics-file", resumed_metrics),
+               str(tmp_path / "resumed"))
+    assert job.proc.returncode == 0, job.tail()
+    assert f"loading distributed checkpoint from {ckpt} at iteration {reached}" in job.stdout()
+    resumed = _metrics(resumed_metrics)
+    assert [r["iteration"] for r in resumed] == list(range(reached + 1, 11))
+    assert straight["code"] == 0, straight["job"].tail()
+    assert _losses(resumed, reached + 1, 10) == pytest.approx(_losses(straight["records"], reached + 1, 10), abs=1e-6)
+    assert _lrs(resumed, reached + 1, 10) == pytest.approx(_lrs(straight["records"], reached + 1, 10), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------- 2
+@pytest.mark.slow
+def test_exit_interval_stops_with_a_checkpoint(straight):
+    job = straight["job"]
+    assert straight["code"] == 0, job.tail()
+    assert [r["iteration"] for r in straight["records"]] == list(range(1, 11))
+    assert "exiting program at iteration 10" in job.stdout()
+    # 3, 6, 9 by --save-interval 3; 10 by --exit-interval 10 (not a multiple of 3), and the tracker names it
+    assert _iter_dirs(straight["ckpt"]) == [3, 6, 9, 10] and _tracker(straight["ckpt"]) == 10
+
+
+def _log_time(stdout: str, iteration: int) -> datetime:
+    m = re.search(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration +%d/" % iteration, stdout)
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f")
+
+
+@pytest.mark.slow
+def test_exit_duration_in_mins_stops_with_a_checkpoint(tmp_path):
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    # --exit-duration-in-mins is an int: 1 minute, counted from the start of the program (training.py
+    # _TRAIN_START_TIME); --train-iters 5000 would take far longer than that.
+    job = _run(_trainer("--train-iters", "5000", "--exit-duration-in-mins", "1", "--save", ckpt,
+                        "--save-interval", "5000", "--metrics-file", metrics), str(tmp_path / "run"))
+    assert job.proc.returncode == 0, job.tail()
+    out = job.stdout()
+    m = re.search(r"\[exiting program after ([0-9.]+) minutes\]", out)
+    assert m, job.tail()
+    minutes = float(m.group(1))
+    reached = _last_iteration(metrics)
+    assert minutes > 1.0 and 1 <= reached < 5000
+    assert _tracker(ckpt) == reached and _iter_dirs(ckpt) == [reached]
+    # The right iteration: the first whose end is past the minute. The clock started at
+    # log(reached) - minutes (the check follows the iteration's log line within milliseconds).
+    if reached > 1:
+        start = _log_time(out, reached).timestamp() - 60 * minutes
+        assert _log_time(out, reached - 1).timestamp() - start < 60 + 1.0
+
+
+# ------------------------------------------------------------------------------------------- 3
+def _children(pid: int) -> list:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(entry))
+    return out
+
+
+def _worker_with_rank(agent_pid: int, rank: int):
+    for pid in _children(agent_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode():
+            return pid
+    return None
+
+
+def _torchrun(*args) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + list(args)
+
+
+@pytest.mark.slow
+def test_rank_killed_under_torchrun_restarts_from_last_checkpoint(tmp_path):
+    flags = COMMON + ["--train-iters", "10", "--save-interval", "3", "--hidden-dropout", "0.1"]
+    ref_metrics = str(tmp_path / "ref.jsonl")
+    ref = _run(_torchrun("-m", "megatron_delta.trainer", *flags, "--save", str(tmp_path / "ref-ckpt"),
+                         "--metrics-file", ref_metrics), str(tmp_path / "ref"), timeout=600)
+    assert ref.proc.returncode == 0, ref.tail()
+    reference = _metrics(ref_metrics)
+    assert [r["iteration"] for r in reference] == list(range(1, 11))
+
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    # Under --max-restarts the trainer runs through main_with_attempt_store (see there).
+    job = Job(_torchrun("--max-restarts", "1", "-m", "tests.test_trainer_cluster", *flags, "--save", ckpt,
+                        "--load", ckpt, "--metrics-file", metrics), str(tmp_path / "run"))
+    # Rank 1 writes the metrics; iteration 4 logged means iteration 3's checkpoint is complete.
+    _wait_until(lambda: _last_iteration(metrics) >= 4, job, timeout=500, poll=0.01)
+    victim = _worker_with_rank(job.proc.pid, 0)
+    assert victim is not None, job.tail()
+    os.kill(victim, signal.SIGKILL)
+    killed_after = _last_iteration(metrics)
+    complete = _tracker(ckpt)  # the last complete checkpoint when the rank died
+    assert complete is not None and complete % 3 == 0 and complete <= killed_after, (complete, killed_after)
+    code = job.wait(600)
+    assert code == 0, job.tail()
+    records = _metrics(metrics)
+    iterations = [r["iteration"] for r in records]
+    restart = next(i for i in range(1, len(iterations)) if iterations[i] <= iterations[i - 1])
+    before, after = records[:restart], records[restart:]
+    assert [r["iteration"] for r in before] == list(range(1, len(before) + 1)) and len(before) >= killed_after
+    assert [r["iteration"] for r in after] == list(range(complete + 1, 11)), iterations
+    assert _losses(before, 1, len(before)) == pytest.approx(_losses(reference, 1, len(before)), abs=1e-6)
+    assert _losses(after, complete + 1, 10) == pytest.approx(_losses(reference, complete + 1, 10), abs=1e-6)
+    assert _lrs(after, complete + 1, 10) == pytest.approx(_lrs(reference, complete + 1, 10), rel=1e-12)
+    assert _tracker(ckpt) == 10  # and the end of training saved iteration 10
+
+
+# ------------------------------------------------------------------------------------------- 4
+@pytest.mark.slow
+def test_a_save_killed_midway_is_never_loaded(straight, tmp_path):
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    job = Job(_trainer(*ITERS, "--save", ckpt, "--save-interval", "2", "--metrics-file", metrics),
+              str(tmp_path / "run"))
+    # Stop the job as soon as a save has written its first file, then look: while the tracker still names
+    # the previous iteration, that save is incomplete -> SIGKILL there. (A save that finished before the stop
+    # was seen too late: let the job go on to the next save.)
+    caught = None
+    for target in (4, 6, 8):
+        partial = os.path.join(ckpt, f"iter_{target:07d}")
+        _wait_until(lambda: os.path.isdir(partial) and os.listdir(partial), job, timeout=500, poll=0.001)
+        os.killpg(job.proc.pid, signal.SIGSTOP)
+        if _tracker(ckpt) == target - 2:
+            caught = target
+            break
+        os.killpg(job.proc.pid, signal.SIGCONT)
+    job.kill()  # SIGKILL, mid-save
+    assert caught is not None, "every save finished before the job could be stopped"
+    previous = caught - 2
+    assert _tracker(ckpt) == previous and _iter_dirs(ckpt) == list(range(2, caught + 1, 2))
+    leftover = sorted(os.listdir(os.path.join(ckpt, f"iter_{caught:07d}")))
+
+    resumed_metrics = str(tmp_path / "resumed.jsonl")
+    job = _run(_trainer(*ITERS, "--load", ckpt, "--save", ckpt, "--save-interval", "2", "--exit-interval", "10",
+                        "--metrics-file", resumed_metrics), str(tmp_path / "resumed"))
+    assert job.proc.returncode == 0, job.tail()
+    assert f"loading distributed checkpoint from {ckpt} at iteration {previous}" in job.stdout(), (leftover, job.tail())
+    resumed = _metrics(resumed_metrics)
+    assert [r["iteration"] for r in resumed] == list(range(previous + 1, 11))
+    assert straight["code"] == 0, straight["job"].tail()
+    assert _losses(resumed, previous + 1, 10) == pytest.approx(_losses(straight["records"], previous + 1, 10), abs=1e-6)
+    # the leftover is overwritten by the next save of that iteration (dist_checkpointing.save warns)
+    assert "Overwriting old incomplete / corrupted checkpoint" in job.stdout() + job.stderr(), leftover
+    assert _tracker(ckpt) == 10 and _iter_dirs(ckpt) == [2, 4, 6, 8, 10]
+
+
+# ------------------------------------------------------------------------------------------- 5
+@pytest.mark.slow
+def test_truncated_shard_is_one_error_line(straight, tmp_path):
+    assert straight["code"] == 0, straight["job"].tail()
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(straight["ckpt"], ckpt)
+    shards = sorted(n for n in os.listdir(os.path.join(ckpt, "iter_0000010")) if n.endswith(".distcp"))
+    shard = os.path.join(ckpt, "iter_0000010", shards[0])
+    os.truncate(shard, os.path.getsize(shard) // 2)  # a copy or a write cut short
+
+    # main() translates the failure with megatron_delta/trainer/checkpoint_errors.describe_load_failure
+    job = _run(_trainer(*ITERS, "--load", ckpt, "--exit-interval", "11"), str(tmp_path / "run"))
+    err, out = job.stderr(), job.stdout()
+    assert job.proc.returncode == 1, job.tail()
+    assert "Traceback" not in err and "Traceback" not in out, job.tail()
+    ours = [line for line in err.splitlines() if line.startswith("pretrain_gpt.py:")]
+    assert len(ours) == 1 and err.strip().splitlines()[-1] == ours[0], job.tail()
+    line = ours[0]
+    assert line.startswith("pretrain_gpt.py: error: cannot load the checkpoint of iteration 10: "), line
+    assert shard in line and "truncated" in line, line
+    assert "--ckpt-step 9" in line and os.path.join(ckpt, TRACKER) in line, line
+
+    # The advice works: --ckpt-step 9 resumes from iteration 9 as the uninterrupted run.
+    metrics = str(tmp_path / "m.jsonl")
+    job = _run(_trainer(*ITERS, "--load", ckpt, "--ckpt-step", "9", "--exit-interval", "10", "--metrics-file", metrics),
+               str(tmp_path / "advice"))
+    assert job.proc.returncode == 0, job.tail()
+    resumed = _metrics(metrics)
+    assert [r["iteration"] for r in resumed] == [10]
+    assert _losses(resumed, 10, 10) == pytest.approx(_losses(straight["records"], 10, 10), abs=1e-6)
+
+
+if __name__ == "__main__":  # torchrun -m tests.test_trainer_cluster ... (test 3)
+    sys.exit(main_with_attempt_store(sys.argv[1:]))
