@@ -1,13 +1,19 @@
-"""The adaptation of Megatron-Core (0.16.1) to CPU + gloo.
+"""The adaptation of Megatron-Core (0.16.1; megatron.training and FIXES: 0.19.2) to CPU + gloo.
 
 Everything that makes Megatron-Core's training path run without CUDA lives in this one module and
 is applied by :func:`activate_cpu_platform`, which does nothing when CUDA is available.  Each patch
 is one function below, with a comment naming the failure of /work/shared/NOTES-platform.md
 ("Megatron-Core on CPU with gloo: what breaks and the fix") that it fixes.
 
+Besides the CPU patches (PATCHES), the registry holds FIXES: upstream bugs that are not CPU issues
+(the distributed optimizer with torch's own Adam, i.e. without Apex / Transformer Engine, on any
+device). :func:`apply_megatron_fixes` applies them on every device, for the Megatron-Core versions in
+FIX_VERSIONS; :func:`activate_cpu_platform` calls it first, also when CUDA is available.
+
 Public API
 ----------
-activate_cpu_platform() -> bool   idempotent; False (and no patching) when CUDA is available
+activate_cpu_platform() -> bool   idempotent; applies FIXES; False (and no CPU patching) with CUDA
+apply_megatron_fixes() -> list    idempotent; the FIXES applied (any device)
 is_cpu_platform() -> bool          True once the CPU adaptation is active
 initialize_distributed(...)        torch.distributed (gloo on CPU / nccl on GPU) + Megatron model
                                    parallel groups + model-parallel RNG seeding
@@ -46,6 +52,9 @@ __all__ = [
     "PATCHED_MODULES",
     "CPU_ALLOCATOR_CHOICES",
     "set_cpu_allocator",
+    "FIXES",
+    "FIX_VERSIONS",
+    "apply_megatron_fixes",
 ]
 
 _ACTIVE = False
@@ -142,9 +151,10 @@ def _restore(owner, attr: str, original) -> None:
 @contextlib.contextmanager
 def patches_suspended(*names: str):
     """Temporarily undo the named patches (testing aid: shows the upstream failure)."""
-    unknown = set(names) - set(PATCHES)
+    known = set(PATCHES) | set(FIXES)
+    unknown = set(names) - known
     if unknown:
-        raise ValueError(f"unknown patches {sorted(unknown)}; known: {sorted(PATCHES)}")
+        raise ValueError(f"unknown patches {sorted(unknown)}; known: {sorted(known)}")
     for name in names:
         for owner, attr, original in reversed(_APPLIED.get(name, [])):
             _restore(owner, attr, original)
@@ -642,6 +652,162 @@ def _patch_loader_generator() -> None:
             _set(module, "build_pretraining_data_loader", build_pretraining_data_loader)
 
 
+# --------------------------------------------------------------------------------------------
+# Upstream bugs that are not CPU issues: the distributed optimizer with torch's own Adam
+# --------------------------------------------------------------------------------------------
+# Without Apex and Transformer Engine (megatron.core.optimizer.distrib_optimizer.HAVE_APEX_OR_TE is
+# False: any CPU, and GPUs without them), the DistributedOptimizer wraps torch.optim.Adam, whose
+# per-parameter state holds its own 0-dim ``step`` tensor. distrib_optimizer.py (0.19.2) mishandles
+# that tensor in four places, fixed by the four patches below. They are applied on every device
+# (:func:`apply_megatron_fixes`), to the Megatron-Core versions in FIX_VERSIONS (the code verified:
+# 0.19.2); each does nothing when the optimizer is Apex's / TE's fused Adam (HAVE_APEX_OR_TE).
+FIX_VERSIONS = ((0, 19),)  # (major, minor) of megatron-core the fixes below are written against
+
+
+def _torch_adam_without_fused(opt) -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    inner = getattr(opt, "optimizer", None)
+    return not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Adam)
+
+
+def _init_adam_state(adam: torch.optim.Adam) -> None:
+    """The state torch.optim.Adam's first step gives a parameter (Adam._init_group): step 0, zero moments."""
+    for group in adam.param_groups:
+        for p in group["params"]:
+            state = adam.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+# Megatron-Core fix 1 (0.19.2; core/optimizer/distrib_optimizer.py:839): DistributedOptimizer.state_dict
+# asserts that the torch Adam states hold exactly one step value; a fresh optimizer (a resume's
+# sharded_state_dict(is_loading=True), or `--train-iters 0 --save` with --use-distributed-optimizer)
+# holds none -> AssertionError. -> state_dict first gives the parameters without state the state
+# torch's first Adam step would (step 0, zero moments: the same optimizer).
+def _fix_distopt_fresh_state_dict() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__dict__["state_dict"]
+
+    @functools.wraps(original)
+    def state_dict(self):
+        if _torch_adam_without_fused(self):
+            _init_adam_state(self.optimizer)
+        return original(self)
+
+    _set(DistributedOptimizer, "state_dict", state_dict)
+
+
+# Megatron-Core fix 2 (0.19.2; core/optimizer/distrib_optimizer.py:1026-1032 and :1225):
+# DistributedOptimizer.load_state_dict gives every parameter ONE shared step tensor (torch Adam then
+# adds 1 per parameter per iteration to it: wrong bias correction), and load_parameter_state_from_*
+# then copies into it the dummy step captured when the load's sharded state dict was built (0): a
+# resumed run restarts Adam at step 0 instead of the saved step, its loss drifts from the second
+# resumed iteration on. -> after load_state_dict, each parameter gets its own step tensor holding the
+# checkpoint's step (its param_groups' "step", which state_dict wrote).
+def _fix_distopt_step_per_param() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__dict__["load_state_dict"]
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        out = original(self, state_dict)
+        if _torch_adam_without_fused(self) and isinstance(state_dict.get("optimizer"), dict):
+            steps = {g["step"] for g in state_dict["optimizer"].get("param_groups", []) if g.get("step") is not None}
+            if len(steps) > 1:
+                raise RuntimeError(f"the optimizer checkpoint holds several Adam steps {sorted(steps)}")
+            if steps:
+                step = float(steps.pop())
+                for state in self.optimizer.state.values():
+                    if isinstance(state.get("step"), torch.Tensor):
+                        state["step"] = torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
+        return out
+
+    _set(DistributedOptimizer, "load_state_dict", load_state_dict)
+
+
+# Megatron-Core fix 3 (0.19.2; core/optimizer/distrib_optimizer.py:1225 via :2061/:2140/:2254):
+# _set_main_param_and_optimizer_states copy_()s the loaded values into the main params, which without
+# fp16/bf16 main copies are views of the model's parameters (leaves that require grad), and the dp_reshardable
+# (default) and dp_zero loaders call it with autograd on -> "a view of a leaf Variable that requires grad
+# is being used in an in-place operation". -> those loaders run under torch.no_grad(), as upstream's
+# fully_reshardable and fs_model_space loaders already do.
+def _fix_distopt_load_no_grad() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for name in ("load_parameter_state_from_dp_reshardable", "load_parameter_state_from_dp_zero",
+                 "load_parameter_state_from_dp_zero_legacy"):
+        fn = DistributedOptimizer.__dict__.get(name)
+        if fn is not None:
+            _set(DistributedOptimizer, name, torch.no_grad()(fn))
+
+
+# Megatron-Core fix 4 (0.19.2; core/optimizer/distrib_optimizer.py:1223 via :2390): with
+# --dist-ckpt-optim-fully-reshardable the loader leaves torch Adam's "step" out of the tensors it hands
+# to _set_main_param_and_optimizer_states, which looks up every state key -> KeyError: 'step' on
+# resume (and training/checkpointing.py:2251's hint names a flag, --ckpt-fully-parallel-save, that
+# does not choose this format). -> a state the checkpoint's tensors lack is left as it is (fix 2
+# sets the step).
+def _fix_distopt_missing_state_key() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__dict__["_set_main_param_and_optimizer_states"]
+
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            missing = [k for k in self.optimizer.state[main_param] if k not in tensors]
+            if missing:
+                tensors = {**tensors, **{k: None for k in missing}}  # None: upstream skips the key
+        return original(self, model_param, tensors)
+
+    _set(DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
+
+
+# Upstream bugs fixed on every device (:func:`apply_megatron_fixes`), in order.
+FIXES: Dict[str, Callable[[], None]] = {
+    "distopt_fresh_state_dict": _fix_distopt_fresh_state_dict,
+    "distopt_step_per_param": _fix_distopt_step_per_param,
+    "distopt_load_no_grad": _fix_distopt_load_no_grad,
+    "distopt_missing_state_key": _fix_distopt_missing_state_key,
+}
+_FIXES_APPLIED: List[str] = []
+
+
+def megatron_core_version() -> tuple:
+    import megatron.core
+
+    parts = []
+    for piece in str(getattr(megatron.core, "__version__", "0")).split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def apply_megatron_fixes() -> List[str]:
+    """Apply FIXES (upstream bugs that are not CPU issues) on any device.  Idempotent; returns the
+    names applied (none on a Megatron-Core version outside FIX_VERSIONS: the fixes are written
+    against that code)."""
+    if _FIXES_APPLIED or megatron_core_version() not in FIX_VERSIONS:
+        return list(_FIXES_APPLIED)
+    for name, fix in FIXES.items():
+        _CURRENT_PATCH.append(name)
+        try:
+            fix()
+        finally:
+            _CURRENT_PATCH.pop()
+        _FIXES_APPLIED.append(name)
+    return list(_FIXES_APPLIED)
+
+
 # Every patch, in order (the tests suspend them one at a time with patches_suspended()).
 PATCHES: Dict[str, Callable[[], None]] = {
     "current_device": _patch_current_device,
@@ -663,10 +829,12 @@ PATCHES: Dict[str, Callable[[], None]] = {
 def activate_cpu_platform() -> bool:
     """Adapt Megatron-Core to CPU + gloo.  Idempotent.
 
-    Returns False and changes nothing when CUDA is available.  Otherwise applies every patch
-    (also when megatron.core was imported before) and returns True.
+    Applies FIXES (upstream bugs of every device) first.  Returns False and applies no CPU patch
+    when CUDA is available.  Otherwise applies every patch (also when megatron.core was imported
+    before) and returns True.
     """
     global _ACTIVE
+    apply_megatron_fixes()  # upstream bugs of every device
     if torch.cuda.is_available():
         return False
     if _ACTIVE:

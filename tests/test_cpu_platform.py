@@ -551,7 +551,7 @@ def test_check_p2p_config_refuses_vpp_with_batched_p2p(pp2_checks):
         assert unbatched is None
 
 
-def test_patch_registry_names_the_seven_failures():
+def test_patch_registry_names_the_cpu_failures():
     from megatron_delta import cpu_platform
 
     assert list(cpu_platform.PATCHES) == [
@@ -803,3 +803,161 @@ def test_patch12_device_arch_version(training_checks):
 
 def test_patch13_loader_generator(training_checks):
     assert training_checks["loader_generator"] == {"off_draws": True, "on_draws": False}
+
+
+# ------------------------------------------------------------------------------------------------
+# Upstream fixes applied on every device (cpu_platform.FIXES): the distributed optimizer with
+# torch's own Adam (no Apex / Transformer Engine) saves and resumes exactly
+# ------------------------------------------------------------------------------------------------
+_DISTOPT_STEPS, _DISTOPT_SPLIT = 5, 3
+
+
+def _distopt_model(config, weights):
+    """A 2-layer GPT in DDP with Megatron's DistributedOptimizer over torch Adam, from `weights`."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    chunks = _build_gpt(config)
+    with torch.no_grad():
+        for name, p in chunks[0].named_parameters():
+            p.copy_(weights[name])
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=True)
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunks[0])]
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=1.0,
+                                                       use_distributed_optimizer=True), model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer
+
+
+def _distopt_steps(model, optimizer, first, last):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    losses = []
+    for step in range(first, last):
+        model[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        out = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iter(_batches(step, 2)), model=model[0],
+            num_microbatches=2, seq_length=SEQ, micro_batch_size=MBS, decoder_seq_length=SEQ, forward_only=False)
+        assert optimizer.step()[0]
+        losses.append(float(sum(o["lm loss"] for o in out) / len(out)))
+    return losses
+
+
+def _adam_steps(optimizer):
+    """(distinct step tensors, their values) of the torch Adam inside the DistributedOptimizer."""
+    steps = [s["step"] for s in optimizer.optimizer.state.values() if "step" in s]
+    return len({id(t) for t in steps}), sorted({float(t) for t in steps})
+
+
+def rank_distopt_fix_checks(root):
+    """One rank: save the DistributedOptimizer after 3 steps (dp_reshardable, Megatron-LM's default, and
+    fully_reshardable), resume, 2 more steps == 5 straight; each fix suspended shows its failure."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron_delta import cpu_platform
+    from megatron_delta.cpu_platform import patches_suspended
+
+    cpu_platform.initialize_distributed(seed=1234)
+    config = _gpt_config(num_layers=2)
+    weights = {k: v.detach().clone() for k, v in _build_gpt(config)[0].named_parameters()}
+    out = {"applied": cpu_platform.apply_megatron_fixes()}
+    model, optimizer = _distopt_model(config, weights)
+    out["straight"] = _distopt_steps(model, optimizer, 0, _DISTOPT_STEPS)
+
+    formats = {"dp_reshardable": {"distrib_optim_sharding_type": "dp_reshardable"},
+               "fully_reshardable": {"distrib_optim_sharding_type": "fully_reshardable",
+                                     "distrib_optim_fully_reshardable_mem_efficient": False}}
+    model, optimizer = _distopt_model(config, weights)
+    _distopt_steps(model, optimizer, 0, _DISTOPT_SPLIT)
+    out["saved_steps"] = _adam_steps(optimizer)
+    for name, md in formats.items():
+        msd = model[0].module.sharded_state_dict()
+        path = os.path.join(root, name)
+        os.makedirs(path, exist_ok=True)
+        dist_checkpointing.save({"model": msd, "optimizer": optimizer.sharded_state_dict(msd, metadata=md)}, path)
+
+    def resume(name, off=()):
+        m, opt = _distopt_model(config, weights)
+        with patches_suspended(*off):
+            msd = m[0].module.sharded_state_dict()
+            osd = opt.sharded_state_dict(msd, is_loading=True, metadata=formats[name])
+            loaded = dist_checkpointing.load({"model": msd, "optimizer": osd}, os.path.join(root, name))
+            m[0].module.load_state_dict(loaded["model"])
+            opt.load_state_dict(loaded["optimizer"])
+        steps = _adam_steps(opt)
+        return {"steps": steps, "losses": _distopt_steps(m, opt, _DISTOPT_SPLIT, _DISTOPT_STEPS)}
+
+    out["resumed"] = {name: resume(name) for name in formats}
+    out["off"] = {
+        "distopt_fresh_state_dict": _expect_failure(lambda: resume("dp_reshardable", ["distopt_fresh_state_dict"])),
+        "distopt_load_no_grad": _expect_failure(lambda: resume("dp_reshardable", ["distopt_load_no_grad"])),
+        "distopt_missing_state_key": _expect_failure(
+            lambda: resume("fully_reshardable", ["distopt_missing_state_key"])),
+    }
+    out["step_per_param_off"] = resume("dp_reshardable", ["distopt_step_per_param"])
+    # the iteration-0 save of a fresh optimizer (--train-iters 0 --save with --use-distributed-optimizer)
+    m, opt = _distopt_model(config, weights)
+    with patches_suspended("distopt_fresh_state_dict"):
+        out["fresh_save_off"] = _expect_failure(opt.state_dict)
+    out["fresh_save_on"] = _expect_failure(opt.state_dict)
+    out["n_params"] = len(opt.optimizer.state)
+    cpu_platform.destroy_distributed()
+    return out
+
+
+@pytest.fixture(scope="module")
+def distopt_checks(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("distopt"))
+    return run_distributed(rank_distopt_fix_checks, 1, root, timeout=300)[0]
+
+
+def test_fixes_registry_and_versions():
+    from megatron_delta import cpu_platform
+
+    assert list(cpu_platform.FIXES) == ["distopt_fresh_state_dict", "distopt_step_per_param",
+                                        "distopt_load_no_grad", "distopt_missing_state_key"]
+    src = open(cpu_platform.__file__).read()
+    for n in range(1, 5):  # each fix names its upstream file:line and version
+        assert f"# Megatron-Core fix {n} (0.19.2; core/optimizer/distrib_optimizer.py:" in src
+    assert not set(cpu_platform.FIXES) & set(cpu_platform.PATCHES)
+
+
+def test_fixes_apply_regardless_of_device(distopt_checks):
+    assert distopt_checks["applied"] == ["distopt_fresh_state_dict", "distopt_step_per_param",
+                                         "distopt_load_no_grad", "distopt_missing_state_key"]
+
+
+def test_distopt_resume_matches_straight_run(distopt_checks):
+    r = distopt_checks
+    assert r["saved_steps"] == [r["n_params"], [float(_DISTOPT_SPLIT)]]
+    for name, resumed in r["resumed"].items():
+        # each parameter its own step tensor, holding the saved step
+        assert resumed["steps"] == [r["n_params"], [float(_DISTOPT_SPLIT)]], name
+        assert resumed["losses"] == pytest.approx(r["straight"][_DISTOPT_SPLIT:], abs=1e-6), name
+
+
+def test_fix1_distopt_fresh_state_dict(distopt_checks):
+    assert distopt_checks["off"]["distopt_fresh_state_dict"].startswith("AssertionError"), distopt_checks["off"]
+    assert distopt_checks["fresh_save_off"].startswith("AssertionError")
+    assert distopt_checks["fresh_save_on"] is None
+
+
+def test_fix2_distopt_step_per_param(distopt_checks):
+    r = distopt_checks["step_per_param_off"]
+    assert r["steps"][0] == 1 and r["steps"][1] != [float(_DISTOPT_SPLIT)], r  # one shared dummy step
+    assert r["losses"][1] != pytest.approx(distopt_checks["straight"][_DISTOPT_SPLIT + 1], abs=1e-6)
+
+
+def test_fix3_distopt_load_no_grad(distopt_checks):
+    off = distopt_checks["off"]["distopt_load_no_grad"]
+    assert off is not None and "requires grad" in off and "in-place" in off, off
+
+
+def test_fix4_distopt_missing_state_key(distopt_checks):
+    off = distopt_checks["off"]["distopt_missing_state_key"]
+    assert off == "KeyError: 'step'", off

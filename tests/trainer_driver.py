@@ -2,7 +2,7 @@
 trainer) in one launch, one after another in the same process.
 
 TINY is tests/parity_driver.py's COMMON model in Megatron-LM's flags (4 layers, hidden 64, 4 heads in 2
-query groups, seq 32, MBS 2, GBS 8, NullTokenizer 255 -> padded 256, mock data) with the project's
+query groups, seq 32, MBS 2, GBS 8, NullTokenizer 256 tokens (eod 255; Megatron-Core 0.17+), mock data) with the project's
 Qwen3-style defaults spelled out and the CPU switches (local transformer, gloo, no fusions).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TINY = ("--num-layers 4 --hidden-size 64 --ffn-hidden-size 192 --num-attention-heads 4 --group-query-attention "
         "--num-query-groups 2 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
-        "--global-batch-size 8 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 --lr 1e-2 "
+        "--global-batch-size 8 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 --lr 1e-2 "
         "--min-lr 1e-3 --lr-warmup-iters 1 --lr-decay-iters 20 --lr-decay-style cosine --eval-iters 1 "
         "--eval-interval 1000 --log-interval 1 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
         "--qk-layernorm --disable-bias-linear --position-embedding-type rope --rotary-base 1000000 "
@@ -50,7 +50,7 @@ def read(path: str, key: str = "lm_loss", split=None) -> list:
     out = []
     for line in open(path):
         r = json.loads(line)
-        if r.get("split") == split and key in r:
+        if r.get("split") == split and "lm_loss" in r and key in r:  # not the routing records
             out.append(r[key])
     return out
 
@@ -121,7 +121,7 @@ def gpt3_example_flags(ckpt: str, tb: str) -> list[str]:
                      "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
                      "--lr-decay-iters", "430000"]
     model_parallel_args = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
-    data_args = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--split", "949,50,1"]
+    data_args = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "949,50,1"]
     eval_and_logging_args = ["--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000",
                              "--save", ckpt, "--load", ckpt, "--eval-iters", "1", "--tensorboard-dir", tb]
     return gpt_model_args + training_args + model_parallel_args + data_args + eval_and_logging_args + CPU
@@ -179,3 +179,152 @@ def _param_groups() -> list:
         routers = sum(1 for p in g["params"] if getattr(p, "is_delta_router", False))
         groups.append([g.get("max_lr"), g.get("wd_mult"), routers, len(g["params"])])
     return groups
+
+
+# ------------------------------------------------------------------------------ the old loop's features
+# The bundled corpus (SentencePiece BPE 4096): real text for --valid-data-path / --heldout-data-path.
+def bundled_data() -> dict:
+    from megatron_delta.data import ensure_default_data
+
+    return ensure_default_data(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "cache"))
+
+
+def bundled_flags(heldout: bool = True) -> list[str]:
+    p = bundled_data()
+    flags = ["--train-data-path", *p["train_data_path"], "--valid-data-path", p["sotu_valid_data_path"],
+             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", p["tokenizer_model"]]
+    return flags + (["--heldout-data-path", p["heldout_data_path"]] if heldout else [])
+
+
+def _no_data(argv: list[str]) -> list[str]:
+    """COMMON without its data/tokenizer flags."""
+    out, skip = [], 0
+    for i, a in enumerate(argv):
+        if skip:
+            skip -= 1
+            continue
+        if a == "--mock-data":
+            continue
+        if a in ("--tokenizer-type", "--vocab-size"):
+            skip = 1
+            continue
+        out.append(a)
+    return out
+
+
+MODEL = _no_data(COMMON)
+
+
+def read_records(path: str) -> list[dict]:
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def captured_main(argv: list[str]) -> dict:
+    """main(argv) with stdout/stderr captured: {"code", "out", "err"}."""
+    import contextlib
+    import io
+
+    from megatron_delta.trainer.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+
+
+def rank_features(root: str) -> dict:
+    """2 ranks, one launch: TP2 + SP delta_block on the bundled corpus (metrics, held-out set, routing at every
+    evaluation, run_config.json), PP2 delta_block (payload lines), DP2 --use-distributed-optimizer
+    `--train-iters 0 --save` (the fresh optimizer's save, run_config.json at iteration 0)."""
+    out = {}
+    tp2 = os.path.join(root, "tp2")
+    r = captured_main(MODEL + mode_flags("delta_block") + bundled_flags() + LAYOUTS["tp2"] + [
+        "--train-iters", "4", "--eval-interval", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--metrics-file", os.path.join(tp2, "metrics.jsonl"), "--save", os.path.join(tp2, "ckpt"),
+        "--save-interval", "2"])
+    out["tp2"] = {"code": r["code"], "out": r["out"][-20000:], "records": read_records(os.path.join(tp2, "metrics.jsonl"))}
+    pp2 = os.path.join(root, "pp2")
+    r = captured_main(COMMON + mode_flags("delta_block") + LAYOUTS["pp2"] + [
+        "--train-iters", "1", "--metrics-file", os.path.join(pp2, "metrics.jsonl")])
+    out["pp2"] = {"code": r["code"], "payload": [l for l in r["out"].splitlines() if "pipeline payload" in l]}
+    init = os.path.join(root, "init-distopt")
+    r = captured_main(COMMON + mode_flags("full_attnres") + ["--use-distributed-optimizer", "--train-iters", "0",
+                                                             "--save", init, "--save-interval", "1000"])
+    out["init_distopt"] = {"code": r["code"], "err": r["err"][-3000:]}
+    return out
+
+
+def rank_load_one_process(ckpt_root: str, eval_samples: int) -> dict:
+    """The tools' path (megatron_delta.conversion.load_megatron -> checkpointing.load_checkpoint, model only)
+    on a checkpoint written by the new trainer: its held-out loss over the first `eval_samples` samples."""
+    import torch
+
+    from megatron_delta.checkpointing import read_run_config, resolve_checkpoint_dir
+    from megatron_delta.conversion import load_megatron, megatron_logits
+    from megatron_delta.data import build_gpt_datasets, build_tokenizer
+
+    ckpt, iteration = resolve_checkpoint_dir(ckpt_root)
+    rc = read_run_config(ckpt)
+    model, args, _ = load_megatron(ckpt_root)
+    tokenizer = build_tokenizer(rc["tokenizer_type"], rc["tokenizer_model"], rc["vocab_size"])
+    ds, _, _ = build_gpt_datasets([bundled_data()["heldout_data_path"]], "100,0,0", rc["seq_length"], rc["seed"],
+                                  (eval_samples, 0, 0), tokenizer)
+    total, count = 0.0, 0.0
+    for i in range(eval_samples):
+        s = ds[i]
+        logits = megatron_logits(model, torch.as_tensor(s["tokens"]).unsqueeze(0))[0]
+        nll = torch.nn.functional.cross_entropy(logits, torch.as_tensor(s["labels"]), reduction="none")
+        mask = torch.as_tensor(s["loss_mask"]).float()
+        total += float((nll * mask).sum())
+        count += float(mask.sum())
+    from megatron_delta.cpu_platform import destroy_distributed
+
+    destroy_distributed()
+    return {"iteration": iteration, "heldout_loss": total / count, "run_config": rc}
+
+
+def rank_errors(root: str) -> dict:
+    """Data / tokenizer / checkpoint errors after start-up: one line, exit code 1 (one process)."""
+    import shutil
+
+    p = bundled_data()
+    out = {}
+    tiny = MODEL + ["--train-iters", "1"]
+    null_tok = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "4096"]
+    missing = os.path.join(root, "missing", "corpus_text_document")
+    out["missing_data"] = captured_main(tiny + null_tok + ["--data-path", missing])
+    trunc = os.path.join(root, "trunc_text_document")
+    src = p["sotu_valid_data_path"]
+    shutil.copyfile(src + ".bin", trunc + ".bin")
+    with open(src + ".idx", "rb") as f:
+        data = f.read()
+    with open(trunc + ".idx", "wb") as f:
+        f.write(data[: len(data) // 2])
+    out["truncated_idx"] = captured_main(tiny + null_tok + ["--data-path", trunc])
+    out["missing_heldout"] = captured_main(tiny + bundled_flags(heldout=False) + ["--heldout-data-path", missing])
+    flags = bundled_flags()
+    i = flags.index("--tokenizer-model")
+    flags[i + 1] = os.path.join(root, "nope.model")
+    out["missing_tokenizer"] = captured_main(tiny + flags)
+    ckpt = os.path.join(root, "ckpt")
+    out["save"] = captured_main(COMMON + mode_flags("delta_block") + ["--train-iters", "0", "--save", ckpt,
+                                                                      "--save-interval", "1000"])
+    out["other_model"] = captured_main(COMMON + mode_flags("delta_block") + [
+        "--train-iters", "1", "--load", ckpt, "--ffn-hidden-size", "128"])
+    out["other_mode"] = captured_main(COMMON + mode_flags("attnres") + ["--train-iters", "1", "--load", ckpt])
+    for v in out.values():
+        v["out"] = v["out"][-3000:]
+        v["err"] = v["err"][-3000:]
+    return out
+
+
+def rank_embedded(root: str) -> dict:
+    """main(["--residual", "delta_block", ...]) without data flags: the embedded default run, shortened."""
+    from megatron_delta.trainer.embedded import embedded_argv
+
+    argv = ["--residual", "delta_block", "--train-iters", "2", "--eval-iters", "1", "--save", os.path.join(root, "emb"),
+            "--metrics-file", os.path.join(root, "emb.jsonl")]
+    full = embedded_argv(argv)
+    r = captured_main(argv)
+    return {"argv": full, "code": r["code"], "out": r["out"][-20000:], "err": r["err"][-3000:],
+            "records": read_records(os.path.join(root, "emb.jsonl")), "saved": sorted(os.listdir(os.path.join(root, "emb")))}

@@ -42,6 +42,9 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="append JSON lines of metrics (iteration, lm_loss, lr, grad_norm; validation) here")
     g.add_argument("--heldout-data-path", nargs="*", default=None,
                    help="another distribution, evaluated beside validation at every evaluation")
+    g.add_argument("--time-limit-minutes", type=float, default=None,
+                   help="stop training after this many minutes of training, then save and evaluate as at the "
+                        "end of --train-iters (the embedded default run: 3.5)")
     _escape_percent_in_help(parser)
     return parser
 
@@ -49,13 +52,15 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _escape_percent_in_help(parser: argparse.ArgumentParser) -> None:
     """argparse %-formats help strings; megatron.training 0.19.2 has one with a bare '%' followed by
     ')' (so `--help` raises "ValueError: unsupported format character ')'"). Escape every '%' that
-    does not start an argparse placeholder such as %(default)s."""
+    is neither an argparse placeholder such as %(default)s nor an escaped '%%' (--rotary-percent,
+    --split)."""
     import re
 
-    bare = re.compile(r"%(?!\(\w+\)[a-z]|%)")
+    # "%%" and "%(name)s" stay as they are; any other "%" becomes "%%"
+    token = re.compile(r"%%|%\(\w+\)[a-z]|%")
     for action in parser._actions:
         if isinstance(action.help, str) and "%" in action.help:
-            action.help = bare.sub("%%", action.help)
+            action.help = token.sub(lambda m: m.group(0) if len(m.group(0)) > 1 else "%%", action.help)
 
 
 def validate_delta_args(args: argparse.Namespace) -> None:

@@ -9,12 +9,27 @@ between runs, everything else megatron.training keeps globally is torn down at t
 (training.destroy_global_state, the RNG tracker).
 
 What this adds around ``megatron.training.pretrain`` (each a thin hook, installed for one run and then
-removed; the trainer itself is upstream's):
+removed; the trainer itself is upstream's; the list is _Run's docstring):
 - the router param group (``--router-lr-mult``): get_megatron_optimizer_config returns Megatron's
   standard ``config_overrides``; a routed run adds ParamKey(attr="is_delta_router");
-- ``--metrics-file``: JSON lines of what training_log / evaluate already computed;
+- ``--metrics-file``: JSON lines in the old loop's format - per iteration {"iteration", "lm_loss",
+  "lr", "grad_norm", "tokens_per_sec"}, per evaluation {"iteration", "split", "lm_loss", "ppl"} with
+  split "valid" / "heldout" ("test" for upstream's test split), per evaluation of a routed mode
+  {"iteration", "routing": {...}}; the lines ` validation[ (final)] [split] at iteration N | lm loss
+  | ppl` and the routing table are printed as the old loop did;
+- ``--heldout-data-path`` and the routing statistics beside every validation (trainer/evaluation.py);
+- routed modes with PP > 1: the start-up payload lines and the PayloadP2PCommunicator (shape
+  exchange safe for PP=2 + VPP);
+- ``run_config.json`` in every iter_NNNNNNN/ saved, before the tracker names it, and the model-flag
+  check of ``--load`` (trainer/run_config.py);
 - ``--train-iters 0 --save DIR`` writes the initial model (upstream saves only at iteration != 0);
-- routed modes with PP > 1: the PayloadP2PCommunicator (shape exchange safe for PP=2 + VPP).
+- ``--time-limit-minutes``: the last iteration once the time is up (then the usual save and evaluation);
+- no data flags: the embedded default run (trainer/embedded.py);
+- data / tokenizer / checkpoint errors after start-up: ``pretrain_gpt.py: error: ...``, exit code 1
+  (a damaged checkpoint file: trainer/checkpoint_errors.describe_load_failure names it).
+
+The upstream bugs of the distributed optimizer with torch's Adam (no Apex / TE) are fixed on every
+device by megatron_delta.cpu_platform.apply_megatron_fixes (FIXES), the CPU adaptation is applied on CPU.
 """
 from __future__ import annotations
 
@@ -22,6 +37,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from typing import Optional, Sequence
 
 from megatron_delta.trainer.arguments import PROG, TrainerArgumentError, add_delta_args, validate_delta_args
@@ -94,12 +110,34 @@ def _ensure_env():
 
 # ------------------------------------------------------------------------------------------ hooks
 class _Run:
-    """The hooks of one run into megatron.training.training (module attributes it looks up by name)."""
+    """The hooks of one run into megatron.training (module attributes it looks up by name at call time).
+
+    Each replaces or wraps one upstream function for the duration of the run (``with _Run(args)``):
+    training.get_megatron_optimizer_config   + the routers' param group (--router-lr-mult)
+    training.setup_model_and_optimizer       keeps model/optimizer; payload lines (routed, PP > 1)
+    training.load_checkpoint                 first: run_config.json's model flags == the run's
+    training.train                           the clock of tokens_per_sec
+    training.training_log                    metrics: iteration, lm_loss, lr, grad_norm, tokens_per_sec
+    training.evaluate                        captures the loss dict of each evaluation
+    training.evaluate_and_print_results      metrics per split (valid / test), then --heldout-data-path
+                                             and the routing statistics beside every validation
+    checkpointing.save_checkpoint (+ training's name for it), checkpointing.get_checkpoint_tracker_filename
+                                             run_config.json into iter_NNNNNNN/ before the tracker names it
+    """
 
     def __init__(self, args):
         self.args = args
         self.model = self.optimizer = self.scheduler = None
         self.metrics = None
+        self.last_rank = args.rank == args.world_size - 1  # holds the loss (last pipeline stage)
+        self.datasets = {}  # "valid", "heldout": for the extra evaluations
+        self.carried = {}  # HF provenance of a loaded checkpoint, carried into this run's checkpoints
+        self.saving = None  # (iteration, optimizer) while upstream's save_checkpoint runs
+        self.saved = []  # iteration directories written
+        self.results = {}  # split -> last lm loss
+        self.routing = None  # last routing statistics
+        self._captured = []
+        self._clock = None
         self._saved = []
 
     def _replace(self, module, name, value):
@@ -107,13 +145,13 @@ class _Run:
         setattr(module, name, value)
 
     def __enter__(self):
+        from megatron.training import checkpointing as ckpt
         from megatron.training import training as mt
 
         args = self.args
-        if args.metrics_file:
-            if args.rank == args.world_size - 1:  # the last rank holds the loss (last pipeline stage)
-                os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-                self.metrics = args.metrics_file
+        if args.metrics_file and self.last_rank:
+            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+            self.metrics = args.metrics_file
         # Replaces training.get_megatron_optimizer_config: Megatron's config and standard overrides,
         # plus the routers' own group (lr x --router-lr-mult, no weight decay).
         original_opt_config = mt.get_megatron_optimizer_config
@@ -127,29 +165,111 @@ class _Run:
         original_setup = mt.setup_model_and_optimizer
 
         def setup_model_and_optimizer(*a, **k):
+            self.print_payload()
             self.model, self.optimizer, self.scheduler = original_setup(*a, **k)
             return self.model, self.optimizer, self.scheduler
 
         self._replace(mt, "setup_model_and_optimizer", setup_model_and_optimizer)
-        if self.metrics:
-            original_log = mt.training_log
+        # Wraps training.load_checkpoint: the model-flag check of run_config.json first (one line naming
+        # the flags instead of a shape error deep in dist_checkpointing), the HF provenance to carry on.
+        original_load = mt.load_checkpoint
 
-            def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                             report_memory_flag, skipped_iter, grad_norm, *a, **k):
-                self.record_train(loss_dict, learning_rate, iteration, grad_norm, skipped_iter)
-                return original_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                                    report_memory_flag, skipped_iter, grad_norm, *a, **k)
+        def load_checkpoint(*a, **k):
+            from megatron_delta.trainer.run_config import check_load
 
-            self._replace(mt, "training_log", training_log)
-            original_eval = mt.evaluate
+            self.carried = check_load(self.args)
+            return original_load(*a, **k)
 
-            def evaluate(*a, **k):
-                out = original_eval(*a, **k)
-                if out[0] is not None:
-                    self.record_eval(out[0])
-                return out
+        self._replace(mt, "load_checkpoint", load_checkpoint)
+        # Wraps checkpointing.save_checkpoint (and training's import of it) / get_checkpoint_tracker_filename.
+        original_save = ckpt.save_checkpoint
 
-            self._replace(mt, "evaluate", evaluate)
+        def save_checkpoint(iteration, model, optimizer, *a, **k):
+            self.saving = (iteration, optimizer)
+            try:
+                return original_save(iteration, model, optimizer, *a, **k)
+            finally:
+                self.saving = None
+
+        self._replace(ckpt, "save_checkpoint", save_checkpoint)
+        self._replace(mt, "save_checkpoint", save_checkpoint)
+        original_tracker = ckpt.get_checkpoint_tracker_filename
+
+        def get_checkpoint_tracker_filename(checkpoints_path):
+            # upstream save_checkpoint asks for it on rank 0 after the data is written and before it
+            # writes the tracker: run_config.json goes in now
+            if self.saving is not None and torch_rank() == 0:
+                iteration, optimizer = self.saving
+                from megatron_delta.trainer.run_config import write_run_config
+
+                self.saved.append(write_run_config(
+                    checkpoints_path, iteration, self.args,
+                    has_optimizer=optimizer is not None and not self.args.no_save_optim, carried=self.carried))
+            return original_tracker(checkpoints_path)
+
+        self._replace(ckpt, "get_checkpoint_tracker_filename", get_checkpoint_tracker_filename)
+        original_train = mt.train
+
+        def train(*a, **k):
+            self._clock = (time.time(), self.args.iteration)
+            return original_train(*a, **k)
+
+        self._replace(mt, "train", train)
+        original_log = mt.training_log
+
+        def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                         report_memory_flag, skipped_iter, grad_norm, *a, **k):
+            if not skipped_iter:
+                self.record_train(loss_dict, learning_rate, iteration, grad_norm)
+            self.check_time_limit(iteration)
+            return original_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                                report_memory_flag, skipped_iter, grad_norm, *a, **k)
+
+        self._replace(mt, "training_log", training_log)
+        original_eval = mt.evaluate
+
+        def evaluate(*a, **k):
+            out = original_eval(*a, **k)
+            self._captured.append(out[0])
+            return out
+
+        self._replace(mt, "evaluate", evaluate)
+        original_eapr = mt.evaluate_and_print_results
+
+        def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
+                                       process_non_loss_data_func, config, verbose=False,
+                                       write_to_tensorboard=True, non_loss_data_func=None, pg_collection=None,
+                                       p2p_communicator=None):
+            split = "test" if "on test set" in prefix else "valid"
+            final = "on validation set" in prefix or "on test set" in prefix
+            comm = dict(pg_collection=pg_collection, p2p_communicator=p2p_communicator)
+            self._captured = []
+            original_eapr(prefix, forward_step_func, data_iterator, model, iteration, process_non_loss_data_func,
+                          config, verbose, write_to_tensorboard, non_loss_data_func, **comm)
+            self.record_eval(split, iteration, final)
+            if split != "valid":
+                return
+            consumed_valid = self.args.consumed_valid_samples  # upstream's evaluate counts every sample
+            try:
+                heldout = self.datasets.get("heldout")
+                if heldout is not None:
+                    from megatron_delta.trainer.evaluation import fresh_iterator
+
+                    self._captured = []
+                    where = prefix.replace(" on validation set", "")
+                    original_eapr(f"{where} on heldout set", forward_step_func, fresh_iterator(heldout, len(model)),
+                                  model, iteration, process_non_loss_data_func, config, verbose, False,
+                                  non_loss_data_func, **comm)
+                    self.record_eval("heldout", iteration, final)
+                if self.args.residual != "baseline" and self.datasets.get("valid") is not None:
+                    from megatron_delta.trainer.evaluation import routing_statistics
+
+                    self.record_routing(iteration, routing_statistics(
+                        original_eval, forward_step_func, self.datasets["valid"], model, config, **comm))
+            finally:
+                self.args.consumed_valid_samples = consumed_valid
+
+        self._replace(mt, "evaluate_and_print_results", evaluate_and_print_results)
         return self
 
     def __exit__(self, *exc):
@@ -157,22 +277,76 @@ class _Run:
             setattr(module, name, value)
         self._saved.clear()
 
+    # ---------------------------------------------------------------- records (last rank writes)
     def _write(self, record):
-        with open(self.metrics, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.metrics:
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
-    def record_train(self, loss_dict, lr, iteration, grad_norm, skipped):
+    def _print(self, line):
+        if self.last_rank:
+            print(line, flush=True)
+
+    def print_payload(self):
+        """Start-up lines of routed modes with PP > 1: what crosses each pipeline boundary (the old loop's)."""
+        args = self.args
+        if args.residual == "baseline" or args.pipeline_model_parallel_size == 1:
+            return
+        from megatron_delta.block import describe_stage_payloads
+
+        for line in describe_stage_payloads(args):
+            self._print(line)
+
+    def record_train(self, loss_dict, lr, iteration, grad_norm):
         loss = loss_dict.get("lm loss")
+        start, first = self._clock or (time.time(), iteration - 1)
+        tokens = self.args.global_batch_size * self.args.seq_length * (iteration - first)
         self._write({"iteration": int(iteration), "lm_loss": None if loss is None else float(loss),
                      "lr": None if lr is None else float(lr),
-                     "grad_norm": None if grad_norm is None else float(grad_norm), "skipped": int(skipped)})
+                     "grad_norm": None if grad_norm is None else float(grad_norm),
+                     "tokens_per_sec": tokens / max(time.time() - start, 1e-9)})
 
-    def record_eval(self, loss_dict):
-        from megatron.training import get_args
+    def check_time_limit(self, iteration):
+        """--time-limit-minutes: past it (on any rank), this iteration is the last (upstream's loop runs
+        while iteration < args.train_iters; the final save and evaluation follow as usual)."""
+        limit = getattr(self.args, "time_limit_minutes", None)
+        if not limit or self._clock is None or iteration >= self.args.train_iters:
+            return
+        import torch
 
-        loss = loss_dict.get("lm loss")
-        if loss is not None:
-            self._write({"iteration": int(get_args().curr_iteration), "split": "valid", "lm_loss": float(loss)})
+        over = torch.tensor([1.0 if time.time() - self._clock[0] > 60 * limit else 0.0])
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
+        if over.item() > 0:
+            self._print(f" stopping at iteration {iteration}: --time-limit-minutes {limit} reached")
+            self.args.train_iters = int(iteration)
+
+    def record_eval(self, split, iteration, final):
+        import math
+
+        captured = [c for c in self._captured if c]
+        self._captured = []
+        if not captured or "lm loss" not in captured[-1]:
+            return
+        loss = float(captured[-1]["lm loss"])
+        ppl = math.exp(min(loss, 50.0))
+        self.results[split] = loss
+        tag = " (final)" if final else ""
+        self._print(f" validation{tag} [{split}] at iteration {iteration} | lm loss {loss:.4f} | ppl {ppl:.3f}")
+        self._write({"iteration": int(iteration), "split": split, "lm_loss": loss, "ppl": ppl})
+
+    def record_routing(self, iteration, routing):
+        if routing is None:
+            return
+        self.routing = routing["stats"]
+        self._print(routing["text"])
+        self._write({"iteration": int(iteration), "routing": routing["stats"]})
+
+
+def torch_rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def router_overrides(args, overrides):
@@ -274,34 +448,100 @@ def run(args) -> None:
         if args.rank == 0:
             print(" " + line, flush=True)
     _ensure_env()
-    set_global_variables(args)
     try:
+        if args.tokenizer_type == "SentencePieceTokenizer":
+            from megatron_delta.data import _check_sentencepiece_model
+
+            _check_sentencepiece_model(args.tokenizer_model)  # ValueError naming --tokenizer-model
+        set_global_variables(args)  # builds the tokenizer
         cfg = pretrain_cfg_container_from_args(args)
         with _Run(args) as hooks:
             global LAST_RUN
             LAST_RUN = hooks  # the model and optimizer of the last run (tests look at them)
             kwargs = _p2p_kwargs(args)
-            pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-                     model_provider=model_provider, **kwargs)
+            pretrain(cfg, _datasets_provider(hooks, train_valid_test_datasets_provider),
+                     ModelType.encoder_or_decoder, forward_step, model_provider=model_provider, **kwargs)
             _save_initial_model(hooks)
     finally:
         _destroy_at_exit()
         reset_global_state()
 
 
+def _datasets_provider(hooks: _Run, provider):
+    """Upstream's datasets provider, keeping the validation dataset and building --heldout-data-path's
+    beside it (every rank, once) for the extra evaluations of _Run."""
+
+    def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+        train, valid, test = provider(train_val_test_num_samples, vp_stage=vp_stage)
+        hooks.datasets["valid"] = valid
+        args = hooks.args
+        if args.heldout_data_path and "heldout" not in hooks.datasets:
+            from megatron.training import get_tokenizer
+
+            from megatron_delta.trainer.evaluation import build_heldout_dataset
+
+            hooks.datasets["heldout"] = build_heldout_dataset(args, get_tokenizer())
+        return train, valid, test
+
+    train_valid_test_datasets_provider.is_distributed = getattr(provider, "is_distributed", False)
+    return train_valid_test_datasets_provider
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_delta.cpu_platform import activate_cpu_platform
 
     _quiet_known_warnings()
-    activate_cpu_platform()  # before Megatron's validate_args, which asks the GPU (TP > 1)
+    activate_cpu_platform()  # FIXES on every device; on CPU before Megatron's validate_args asks the GPU (TP > 1)
+    from megatron_delta.trainer.embedded import EmbeddedRunError, embedded_argv, is_embedded
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if is_embedded(argv):
+            argv = embedded_argv(argv)
         args = parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else 0
-    except TrainerArgumentError as e:
+    except (TrainerArgumentError, EmbeddedRunError) as e:
         return _error(str(e), 2)
-    run(args)
+    try:
+        run(args)
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+            raise
+        from megatron_delta.trainer.checkpoint_errors import describe_load_failure
+
+        message = describe_load_failure(e, args.load, args.ckpt_step)  # a damaged checkpoint file
+        if message is not None:
+            return _error(message, 1)
+        if isinstance(e, _run_errors()) or _WRONG_HINT in str(e):  # data / tokenizer / checkpoint flags
+            return _error(run_error_message(e), 1)
+        raise  # anything else keeps its traceback
+    if LAST_RUN is not None and LAST_RUN.saved and args.rank == 0:
+        print(f" saved checkpoint {LAST_RUN.saved[-1]}", flush=True)
     return 0
+
+
+def _run_errors():
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    from megatron_delta.checkpointing import CheckpointError
+
+    return (CheckpointError, CheckpointingException, ValueError, FileNotFoundError, OSError)
+
+
+# training/checkpointing.py:2251 (0.19.2): a distributed-optimizer checkpoint loaded into another TP/PP
+# layout; its RuntimeError names --ckpt-fully-parallel-save, which does not choose the loadable format
+_WRONG_HINT = "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving"
+
+
+def run_error_message(e: BaseException) -> str:
+    """One line for the data / tokenizer / checkpoint errors after start-up (the old loop's)."""
+    msg = " ".join(str(e).split()) or type(e).__name__
+    msg = msg.replace(_WRONG_HINT, "Save the checkpoint with --dist-ckpt-optim-fully-reshardable, or load it "
+                                   "with --no-load-optim")
+    if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
+        msg = f"{msg}: {e.filename}"
+    return msg
 
 
 if __name__ == "__main__":  # dist_checkpointing starts a multiprocessing manager: keep the guard.

@@ -82,8 +82,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     args = get_args()
     blend_valid = args.valid_data_path
     print_rank_0("> building train, validation, and test datasets for GPT ...")
+    # --data-path, or Megatron-LM's per-split --train-data-path (with --valid-data-path / --test-data-path)
+    data_path = args.data_path or args.train_data_path
     train, valid, test = build_gpt_datasets(
-        args.data_path, args.split, args.seq_length, args.seed, tuple(int(n) for n in train_val_test_num_samples),
+        data_path, args.split, args.seq_length, args.seed, tuple(int(n) for n in train_val_test_num_samples),
         get_tokenizer(), mock=args.mock_data, cache_dir=args.data_cache_path, valid_data_path=blend_valid,
         test_data_path=args.test_data_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
