@@ -179,51 +179,7 @@ class DeltaGPTModel(GPTModel):
         self.decoder.init_delta()
 
 
-# ----------------------------------------------------------------------------- diagnostics helpers
-def _delta_blocks(model):
-    for m in model:
-        inner = m.module if hasattr(m, "module") else m
-        if isinstance(getattr(inner, "decoder", None), DeltaTransformerBlock):
-            yield inner.decoder
-
-
-@torch.no_grad()
-def collect_routing_stats(args, model, dataset, num_batches=1):
-    """Routing statistics over `num_batches` validation batches, gathered from every stage."""
-    from megatron_delta.routing_stats import RoutingStatsAccumulator
-    from megatron_delta.training import PretrainingBatches, run_schedule
-
-    blocks = list(_delta_blocks(model))
-    for b in blocks:
-        b.record_routing, b.routing_records = True, []
-    acc = RoutingStatsAccumulator()
-    for m in model:
-        m.eval()
-    try:
-        for i in range(num_batches):
-            its = [PretrainingBatches(dataset, i * args.global_batch_size, args.micro_batch_size,
-                                      parallel_state.get_data_parallel_rank(),
-                                      parallel_state.get_data_parallel_world_size()) for _ in model]
-            run_schedule(args, model, its if len(model) > 1 else its[0], forward_only=True)
-            for b in blocks:
-                for buffer in b.routing_records:
-                    acc.add_buffer(buffer)
-                b.routing_records = []
-    finally:
-        for b in blocks:
-            b.record_routing = False
-        for m in model:
-            m.train()
-    # Every stage holds its own receivers; TP replicas hold identical copies (they weigh equally, so
-    # the averages are unchanged) and DP ranks saw different tokens (averaged, token-weighted).
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, acc)
-    merged = RoutingStatsAccumulator()
-    for other in gathered:
-        merged.merge(other)
-    return {"stats": merged.to_dict(), "text": merged.format_text()}
-
-
+# ----------------------------------------------------------------------------- start-up report
 def describe_stage_payloads(args):
     """Start-up lines: what crosses each (virtual) pipeline boundary, and its size per micro-batch."""
     plan = SourcePlan.from_config(args)

@@ -17,10 +17,10 @@ def train_all(argvs: list[list[str]]) -> list[dict]:
     import torch
 
     torch.set_num_threads(1)
-    from megatron_delta.training import _quiet_known_warnings
+    from megatron_delta.trainer.main import quiet_known_warnings
     from tests.parity_driver import _run
 
-    _quiet_known_warnings()
+    quiet_known_warnings()
     out = []
     for argv in argvs:
         result, _, _ = _run(argv)

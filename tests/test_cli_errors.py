@@ -1,7 +1,8 @@
 """Bad input to pretrain_gpt.py: a non-zero exit and one line naming the flag or file, no traceback.
 
-Argument errors go through megatron_delta.training.main in-process (cheap); errors found after the
-distributed start-up (data, tokenizer) run pretrain_gpt.py as a subprocess.
+Argument errors go through pretrain_gpt.py's main (megatron_delta.trainer.main) in-process (cheap: they
+fail before the distributed start-up); errors found after it (data, tokenizer, kernels) run
+pretrain_gpt.py as a subprocess. Flags are Megatron-LM's (tests/flags.py).
 """
 import os
 import subprocess
@@ -9,12 +10,13 @@ import sys
 
 import pytest
 
-from megatron_delta.training import main
+from megatron_delta.trainer.main import main
+from tests.flags import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-        "--micro-batch-size", "2", "--train-iters", "1", "--eval-iters", "1"]
-MOCK = ["--mock-data", "--vocab-size", "256"]
+TINY = tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, mock=False, train_iters=1) + [
+    "--eval-iters", "1", "--eval-interval", "1000", "--save-interval", "1000"]
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
 
 
 def _no_traceback(err: str):
@@ -23,20 +25,15 @@ def _no_traceback(err: str):
 
 
 @pytest.mark.parametrize("argv, world, needle", [
-    (["--num-attention-heads", "4", "--hidden-size", "64", "--tensor-model-parallel-size", "3"], 3,
-     "--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"),
-    (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "--max-position-embeddings"),
-    (["--num-layers", "6", "--residual", "delta_block", "--delta-num-blocks", "4"], 1, "--delta-num-blocks"),
-    (["--residual", "attnres", "--delta-gate", "scalar"], 1, "--delta-gate"),
-    (["--residual", "full_attnres", "--delta-gate", "scalar"], 1, "--delta-gate"),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], 1,
+     "max_position_embeddings (32) must be greater than or equal to seq_length (64)"),
+    (["--num-layers", "6", "--residual", "delta_block", "--delta-num-blocks", "4"], 1,
+     "--delta-num-blocks 4 must be a positive divisor of --num-layers 6"),
+    (["--residual", "attnres", "--delta-gate", "scalar"], 1, "--delta-gate scalar only applies to the additive"),
+    (["--residual", "full_attnres", "--delta-gate", "scalar"], 1, "--delta-gate scalar only applies to the additive"),
     (["--delta-router-kernels", "torch"], 1, "--delta-router-kernels needs a routed residual mode"),
-    (["--context-parallel-size", "2"], 2, "--context-parallel-size"),
-    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
-    (["--train-iters", "2", "--lr-warmup-iters", "2"], 1, "--lr-warmup-iters 2 must be below --lr-decay-iters 2"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--pipeline-model-parallel-size 2"),
-    (["--residual", "delta", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
-      "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "3"], 2,
-     "a multiple of --pipeline-model-parallel-size 2"),
+    (["--residual", "delta", "--delta-num-blocks", "2"], 1, "--delta-num-blocks applies to --residual delta_block"),
+    (["--router-lr-mult", "2"], 1, "--router-lr-mult needs a routed residual mode"),
 ])
 def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -45,6 +42,19 @@ def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     assert rc == 2, err
     _no_traceback(err)
     assert needle in err, err
+    assert err.strip().splitlines()[-1].startswith("pretrain_gpt.py: error: "), err
+
+
+def test_train_iters_without_eval_interval(capsys):
+    """megatron.training sizes the validation set from --eval-interval and fails with a TypeError without it."""
+    argv = [a for a in TINY]
+    i = argv.index("--eval-interval")
+    del argv[i:i + 2]
+    rc = main(argv + MOCK)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    _no_traceback(err)
+    assert "--eval-interval is needed with --train-iters" in err, err
 
 
 def _run(argv, tmp_path, **extra_env):
@@ -82,7 +92,8 @@ def test_corrupted_idx(tmp_path):
 
 
 def test_unknown_tokenizer_file(tmp_path):
-    rc, err = _run(["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "tok.model")],
+    rc, err = _run(["--data-path", str(tmp_path / "x"), "--tokenizer-type", "SentencePieceTokenizer",
+                    "--tokenizer-model", str(tmp_path / "tok.model")],
                    tmp_path)
     assert rc != 0
     _no_traceback(err)
@@ -90,13 +101,13 @@ def test_unknown_tokenizer_file(tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "49151"], "--tokenizer-type NullTokenizer needs --data-path"),
-    (["--tokenizer-model", "my.model"], "--tokenizer-model my.model needs --data-path"),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "49151"], "--tokenizer-type --vocab-size needs --data-path"),
+    (["--tokenizer-model", "my.model"], "--tokenizer-model needs --data-path"),
 ])
 def test_own_tokenizer_without_data(argv, needle, capsys):
-    """No data flags = the bundled corpus, tokenized with its own tokenizer: another tokenizer (e.g.
-    an imported model's, when fine-tuning) must bring its own data."""
-    rc = main(TINY + argv)
+    """No data flags = the embedded run on the bundled corpus, tokenized with its own tokenizer: another
+    tokenizer (e.g. an imported model's, when fine-tuning) must bring its own data."""
+    rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2, err
     _no_traceback(err)

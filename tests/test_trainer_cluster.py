@@ -100,7 +100,7 @@ def _metrics(path: str) -> list:
         for line in f:
             if line.endswith("\n"):
                 r = json.loads(line)
-                if r.get("split") is None:
+                if "lm_loss" in r and r.get("split") is None:
                     out.append(r)
     return out
 
@@ -143,32 +143,6 @@ def _losses(records, first: int, last: int) -> list:
 def _lrs(records, first: int, last: int) -> list:
     by_iter = {r["iteration"]: r for r in records}
     return [by_iter[i]["lr"] for i in range(first, last + 1)]
-
-
-# torchrun --max-restarts: the restarted workers meet the failed attempt's keys in the agent's store (torch
-# 2.13 shares one TCPStore across attempts and prefixes nothing by attempt, torch/distributed/rendezvous.py:189),
-# so gloo's init_process_group reads the dead peer's address and fails ("Gloo connectFullMesh failed ...
-# Connection refused"). Until megatron_delta/trainer/main.py gives each attempt a store of its own, test 3
-# starts the trainer through this wrapper, which does that: torch.distributed on a PrefixStore named by
-# TORCHELASTIC_RESTART_COUNT (Megatron's initialize then finds it initialised and keeps it).
-def main_with_attempt_store(argv: list) -> int:
-    import datetime
-
-    import torch
-
-    from megatron_delta.cpu_platform import activate_cpu_platform
-    from megatron_delta.trainer.main import main
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        activate_cpu_platform()
-        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        timeout = datetime.timedelta(minutes=10)
-        agent_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                                 is_master=False, timeout=timeout)
-        torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore(f"attempt_{attempt}", agent_store),
-                                             rank=rank, world_size=world, timeout=timeout)
-    return main(argv)
 
 
 # ------------------------------------------------------------------------- the uninterrupted run
@@ -289,8 +263,8 @@ def test_rank_killed_under_torchrun_restarts_from_last_checkpoint(tmp_path):
     assert [r["iteration"] for r in reference] == list(range(1, 11))
 
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    # Under --max-restarts the trainer runs through main_with_attempt_store (see there).
-    job = Job(_torchrun("--max-restarts", "1", "-m", "tests.test_trainer_cluster", *flags, "--save", ckpt,
+    # Each restart attempt gets a rendezvous store of its own (megatron_delta.trainer.main._elastic_attempt_store).
+    job = Job(_torchrun("--max-restarts", "1", "-m", "megatron_delta.trainer", *flags, "--save", ckpt,
                         "--load", ckpt, "--metrics-file", metrics), str(tmp_path / "run"))
     # Rank 1 writes the metrics; iteration 4 logged means iteration 3's checkpoint is complete.
     _wait_until(lambda: _last_iteration(metrics) >= 4, job, timeout=500, poll=0.01)
@@ -382,7 +356,3 @@ def test_truncated_shard_is_one_error_line(straight, tmp_path):
     resumed = _metrics(metrics)
     assert [r["iteration"] for r in resumed] == [10]
     assert _losses(resumed, 10, 10) == pytest.approx(_losses(straight["records"], 10, 10), abs=1e-6)
-
-
-if __name__ == "__main__":  # torchrun -m tests.test_trainer_cluster ... (test 3)
-    sys.exit(main_with_attempt_store(sys.argv[1:]))

@@ -49,9 +49,9 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
-    from megatron_delta.training import _quiet_known_warnings
+    from megatron_delta.trainer.main import quiet_known_warnings
 
-    _quiet_known_warnings()
+    quiet_known_warnings()
     from megatron_delta.arguments import ArgumentError
     from megatron_delta.checkpointing import CheckpointError
     from megatron_delta.conversion import ConversionError, export_checkpoint, import_checkpoint

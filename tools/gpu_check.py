@@ -406,9 +406,9 @@ def main(argv=None):
 
     from megatron_delta import fla_router
     from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
-    from megatron_delta.training import _quiet_known_warnings
+    from megatron_delta.trainer.main import quiet_known_warnings
 
-    _quiet_known_warnings()
+    quiet_known_warnings()
     import logging
 
     logging.getLogger("megatron").setLevel(logging.WARNING)  # DDP / optimizer set-up lines per run

@@ -226,7 +226,7 @@ def main(argv=None):
         return 1
     args = args_from_run_config(cfg, opts)
 
-    from megatron_delta.block import collect_routing_stats
+    from megatron_delta.trainer.forward_pass import collect_routing_stats
     from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
     from megatron_delta.data import build_tokenizer
     from megatron_delta.model import build_model_chunks, transformer_config_from_args

@@ -75,6 +75,12 @@ def validate_delta_args(args: argparse.Namespace) -> None:
         raise TrainerArgumentError(str(e)) from None
     if args.delta_router_eps is None:
         args.delta_router_eps = args.layernorm_epsilon  # --norm-epsilon
+    if args.train_iters and args.eval_interval is None and not args.train_samples:
+        # megatron.training sizes the validation set as train_iters // eval_interval (training.py
+        # get_train_valid_test_num_samples): without the flag it fails there with a TypeError.
+        raise TrainerArgumentError("--eval-interval is needed with --train-iters (Megatron-LM's trainer sizes the "
+                                   "validation set from it); pass --eval-interval N (with --eval-iters 0 for no "
+                                   "validation)")
     if args.transformer_impl == "transformer_engine" and args.residual != "baseline":
         import importlib.util
 

@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 from megatron_delta.trainer.arguments import PROG, TrainerArgumentError, add_delta_args, validate_delta_args
 
 
-def _quiet_known_warnings():
+def quiet_known_warnings():
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
@@ -378,7 +378,25 @@ def _save_initial_model(run: _Run):
         save_checkpoint(0, run.model, run.optimizer, run.scheduler, 0)
 
 
-def _p2p_kwargs(args) -> dict:
+def _elastic_attempt_store(args):
+    """torchrun --max-restarts: a restarted worker group meets the agent's TCPStore with the failed attempt's
+    keys still in it (torch/distributed/rendezvous.py:186-195 adds no per-attempt prefix), and gloo then
+    dials the dead worker's address. Each attempt gets a store of its own (pretrain passes `store` to
+    init_process_group, megatron/training/initialize.py:337). None outside an elastic agent."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import datetime
+
+    import torch
+
+    agent = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), args.world_size,
+                                       is_master=False,
+                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    return torch.distributed.PrefixStore(f"attempt_{attempt}", agent)
+
+
+def _p2p_kwargs(args, store=None) -> dict:
     """Routed modes with PP > 1: PayloadP2PCommunicator with the process groups pretrain would use.
     The groups must exist first, so Megatron's own initialize_megatron runs before pretrain (which
     finds torch.distributed and the model-parallel state initialised and keeps them)."""
@@ -394,7 +412,7 @@ def _p2p_kwargs(args) -> dict:
 
     from megatron.core.rerun_state_machine import destroy_rerun_state_machine
 
-    initialize_megatron()
+    initialize_megatron(store=store)
     destroy_rerun_state_machine()  # pretrain's initialize_megatron builds it again (and asserts it is unset)
     config = transformer_config(args)
     comm = _payload_p2p_communicator_class()(pp_group=parallel_state.get_pipeline_model_parallel_group(),
@@ -408,6 +426,8 @@ def reset_global_state():
     from megatron.training import global_vars
     from megatron.training.training import destroy_global_state
 
+    if global_vars._GLOBAL_SIGNAL_HANDLER is not None:  # --exit-signal-handler: give SIGTERM back
+        global_vars._GLOBAL_SIGNAL_HANDLER.release()  # (upstream's teardown only drops the reference)
     destroy_global_state()
     global_vars.unset_global_variables()
     mp_random.initialize_rng_tracker(force_reset=True)
@@ -437,6 +457,7 @@ def run(args) -> None:
     """Everything after parsing: CPU adaptation, Megatron's globals, pretrain, the iteration-0 save."""
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
+    from megatron.training import training as mt
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.global_vars import set_global_variables
 
@@ -458,9 +479,13 @@ def run(args) -> None:
         with _Run(args) as hooks:
             global LAST_RUN
             LAST_RUN = hooks  # the model and optimizer of the last run (tests look at them)
-            kwargs = _p2p_kwargs(args)
+            store = _elastic_attempt_store(args)
+            kwargs = _p2p_kwargs(args, store)
+            # --exit-duration-in-mins counts from this run's start (upstream's clock starts at import)
+            mt.set_startup_timestamps(program_start=time.time())
             pretrain(cfg, _datasets_provider(hooks, train_valid_test_datasets_provider),
-                     ModelType.encoder_or_decoder, forward_step, model_provider=model_provider, **kwargs)
+                     ModelType.encoder_or_decoder, forward_step, model_provider=model_provider, store=store,
+                     **kwargs)
             _save_initial_model(hooks)
     finally:
         _destroy_at_exit()
@@ -490,7 +515,7 @@ def _datasets_provider(hooks: _Run, provider):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_delta.cpu_platform import activate_cpu_platform
 
-    _quiet_known_warnings()
+    quiet_known_warnings()
     activate_cpu_platform()  # FIXES on every device; on CPU before Megatron's validate_args asks the GPU (TP > 1)
     from megatron_delta.trainer.embedded import EmbeddedRunError, embedded_argv, is_embedded
 
@@ -506,6 +531,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(args)
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(e, SystemExit) and e.code == 0:  # --exit-interval / -duration / signal: saved, done
+            return 0
         if isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             raise
         from megatron_delta.trainer.checkpoint_errors import describe_load_failure
