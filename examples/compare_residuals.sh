@@ -27,7 +27,7 @@ MOCK=${MOCK:-0}
 EVAL_ITERS=${EVAL_ITERS:-4}
 
 if [[ "$MOCK" == 1 ]]; then
-  DATA=(--mock-data)
+  DATA=(--mock-data --tokenizer-type NullTokenizer --vocab-size 4096)
 else
   mapfile -t P < <("$PY" - <<'PYEOF'
 from megatron_delta.data import ensure_default_data
@@ -35,13 +35,23 @@ p = ensure_default_data("runs/cache")
 print(p["train_data_path"][0]); print(p["sotu_valid_data_path"]); print(p["heldout_data_path"]); print(p["tokenizer_model"])
 PYEOF
 )
-  DATA=(--data-path "${P[0]}" --valid-data-path "${P[1]}" --heldout-data-path "${P[2]}"
+  DATA=(--train-data-path "${P[0]}" --valid-data-path "${P[1]}" --heldout-data-path "${P[2]}"
         --tokenizer-type SentencePieceTokenizer --tokenizer-model "${P[3]}")
 fi
 
-COMMON=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --seq-length "$SEQ"
+# Megatron-LM's flags (pretrain_gpt.py is megatron.training.pretrain): a Qwen3-style model, the embedded
+# run's optimiser settings, and the CPU switches (no CUDA: local layers, gloo, no GPU fusions).
+COMMON=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size $(( 3 * HIDDEN ))
+        --num-attention-heads "$HEADS" --group-query-attention --num-query-groups $(( HEADS / 2 ))
+        --seq-length "$SEQ" --max-position-embeddings "$SEQ" --normalization RMSNorm --norm-epsilon 1e-6
+        --swiglu --qk-layernorm --disable-bias-linear --position-embedding-type rope --rotary-base 1000000
         --micro-batch-size "$MBS" --global-batch-size "$MBS" --train-iters "$ITERS" --seed "$SEED"
+        --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters $(( ITERS / 20 )) --weight-decay 0.1
+        --clip-grad 1.0 --adam-beta2 0.95 --hidden-dropout 0 --attention-dropout 0
         --eval-interval "$ITERS" --eval-iters "$EVAL_ITERS" --log-interval $(( ITERS < 10 ? 1 : ITERS / 10 ))
+        --transformer-impl local --no-gradient-accumulation-fusion --distributed-backend gloo
+        --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion
+        --use-cpu-initialization --no-persist-layer-norm
         "${DATA[@]}")
 
 RUNS=()

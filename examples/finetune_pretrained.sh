@@ -78,28 +78,27 @@ fi
 
 # ---------------------------------------------------------------------------------------------- 4. fine-tune
 MODEL_FLAGS=$($PY - "$WORK/imported" <<'PYEOF'
-import json, glob, sys
+import glob, json, sys
+from megatron_delta.conversion import model_flags
 rc = json.load(open(sorted(glob.glob(sys.argv[1] + "/iter_*/run_config.json"))[-1]))
-f = ["--num-layers", rc["num_layers"], "--hidden-size", rc["hidden_size"], "--ffn-hidden-size", rc["ffn_hidden_size"],
-     "--num-attention-heads", rc["num_attention_heads"], "--num-query-groups", rc["num_query_groups"],
-     "--kv-channels", rc["kv_channels"], "--norm-epsilon", rc["norm_epsilon"], "--rotary-base", rc["rotary_base"],
-     "--max-position-embeddings", rc["max_position_embeddings"], "--residual", rc["residual"],
-     "--delta-num-blocks", rc["delta_num_blocks"], "--delta-gate", rc["delta_gate"],
-     "--delta-router-eps", rc["delta_router_eps"], "--tokenizer-type", "NullTokenizer", "--vocab-size", rc["vocab_size"]]
-f += ["--qk-layernorm"] if rc["qk_layernorm"] else ["--no-qk-layernorm"]
-f += ["--untie-embeddings-and-output-weights"] if rc["untie_embeddings_and_output_weights"] else []
-f += ["--delta-null-source"] if rc["delta_null_source"] else []
-print(" ".join(map(str, f)))
+print(" ".join(model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(rc["vocab_size"])]))
 PYEOF
 )
+# Megatron-LM's GPU defaults off where there is no CUDA (local layers, gloo, no GPU fusions)
+CPU_FLAGS=""
+if ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  CPU_FLAGS="--transformer-impl local --no-gradient-accumulation-fusion --distributed-backend gloo
+    --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion
+    --use-cpu-initialization --no-persist-layer-norm"
+fi
 LAUNCH=($PY)
 [ "$NPROC" -gt 1 ] && LAUNCH=(.venv/bin/torchrun --nproc-per-node "$NPROC")
-"${LAUNCH[@]}" pretrain_gpt.py $MODEL_FLAGS --finetune --load "$WORK/imported" \
+"${LAUNCH[@]}" pretrain_gpt.py $MODEL_FLAGS $CPU_FLAGS --finetune --load "$WORK/imported" \
     --data-path "$WORK/data/sotu_text_document" --split 98,2,0 --seq-length "$SEQ" \
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" --lr 5e-5 --min-lr 5e-6 \
     --lr-warmup-iters 2 --weight-decay 0.0 --router-lr-mult 100 --eval-interval "$ITERS" --eval-iters 2 \
     --log-interval 5 --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-    --save "$WORK/finetuned" --no-save-optim --metrics-file "$WORK/metrics.jsonl"
+    --save "$WORK/finetuned" --save-interval "$ITERS" --no-save-optim --metrics-file "$WORK/metrics.jsonl"
 
 # ---------------------------------------------------------------------------------------------- 5. export
 $PY tools/convert_checkpoint.py export --load "$WORK/finetuned" --output "$WORK/finetuned_hf"

@@ -50,7 +50,7 @@ def tiny(tmp_path_factory):
     paths = ensure_default_data(os.path.join(REPO_ROOT, "runs", "cache"))
     d = tmp_path_factory.mktemp("evalrun")
     _run("pretrain_gpt.py", *TINY, "--residual", "delta_block", "--delta-num-blocks", "2",
-         "--data-path", paths["train_data_path"][0], "--valid-data-path", paths["sotu_valid_data_path"],
+         "--train-data-path", paths["train_data_path"][0], "--valid-data-path", paths["sotu_valid_data_path"],
          "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", paths["tokenizer_model"],
          "--train-iters", "100", "--eval-iters", "1", "--eval-interval", "100", "--lr", "3e-3",
          "--save", str(d / "ckpt"))

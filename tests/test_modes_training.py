@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("modes_training")
     paths = ensure_default_data(os.path.join(REPO, "runs", "cache"))
-    data = ["--data-path", paths["train_data_path"][0], "--valid-data-path", paths["sotu_valid_data_path"],
+    data = ["--train-data-path", paths["train_data_path"][0], "--valid-data-path", paths["sotu_valid_data_path"],
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", paths["tokenizer_model"]]
     jobs = {name: TINY + data + flags + ["--metrics-file", str(out / f"{name}.jsonl"), "--save", str(out / name)]
             for name, flags in CONFIGS.items()}

@@ -14,6 +14,7 @@ import json
 import lzma
 import math
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -130,8 +131,8 @@ def test_smollm2_import_finetune_export(tmp_path):
     build_sotu_data(tok, str(data / "sotu"))
     out = _finetune(str(tmp_path / "imported"), str(tmp_path / "ft"), iters=3, seq=64,
                     extra=["--data-path", str(data / "sotu"), "--split", "80,20,0"])
-    losses = [float(line.split("lm loss ")[1].split()[0]) for line in out.splitlines()
-              if line.lstrip().startswith("iteration ")]
+    # Megatron-LM's progress lines: "... iteration        1/       3 | ... | lm loss: 3.461090E+00 | ..."
+    losses = [float(m.group(1)) for m in re.finditer(r"iteration\s+\d+/\s*\d+ \|.*?\blm loss: ([-+0-9.eE]+)", out)]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), out[-2000:]
     # 3. export the fine-tuned checkpoint: remote-code model + the SmolLM2 tokenizer carried through fine-tuning
     conversion.export_checkpoint(str(tmp_path / "ft"), str(tmp_path / "hf_ft"), log=lambda *a: None)

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2"]
 # the same model in pretrain_gpt.py's (Megatron-LM's) flags
-TINY_TRAIN = tiny(num_layers=4, hidden=32, heads=4, groups=2, seq=16, mbs=2) + ["--save-interval", "1000"]
+TINY_TRAIN = tiny(num_layers=4, hidden=32, heads=4, groups=2, seq=16, mbs=2) + ["--save-interval", "1000",
+                                                                           "--eval-interval", "1000"]
 
 
 def _run(script, *argv, timeout=600):

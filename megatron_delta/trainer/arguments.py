@@ -42,9 +42,6 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="append JSON lines of metrics (iteration, lm_loss, lr, grad_norm; validation) here")
     g.add_argument("--heldout-data-path", nargs="*", default=None,
                    help="another distribution, evaluated beside validation at every evaluation")
-    g.add_argument("--time-limit-minutes", type=float, default=None,
-                   help="stop training after this many minutes of training, then save and evaluate as at the "
-                        "end of --train-iters (the embedded default run: 3.5)")
     _escape_percent_in_help(parser)
     return parser
 

@@ -23,7 +23,6 @@ removed; the trainer itself is upstream's; the list is _Run's docstring):
 - ``run_config.json`` in every iter_NNNNNNN/ saved, before the tracker names it, and the model-flag
   check of ``--load`` (trainer/run_config.py);
 - ``--train-iters 0 --save DIR`` writes the initial model (upstream saves only at iteration != 0);
-- ``--time-limit-minutes``: the last iteration once the time is up (then the usual save and evaluation);
 - no data flags: the embedded default run (trainer/embedded.py);
 - data / tokenizer / checkpoint errors after start-up: ``pretrain_gpt.py: error: ...``, exit code 1
   (a damaged checkpoint file: trainer/checkpoint_errors.describe_load_failure names it).
@@ -221,7 +220,6 @@ class _Run:
                          report_memory_flag, skipped_iter, grad_norm, *a, **k):
             if not skipped_iter:
                 self.record_train(loss_dict, learning_rate, iteration, grad_norm)
-            self.check_time_limit(iteration)
             return original_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                                 report_memory_flag, skipped_iter, grad_norm, *a, **k)
 
@@ -305,21 +303,6 @@ class _Run:
                      "lr": None if lr is None else float(lr),
                      "grad_norm": None if grad_norm is None else float(grad_norm),
                      "tokens_per_sec": tokens / max(time.time() - start, 1e-9)})
-
-    def check_time_limit(self, iteration):
-        """--time-limit-minutes: past it (on any rank), this iteration is the last (upstream's loop runs
-        while iteration < args.train_iters; the final save and evaluation follow as usual)."""
-        limit = getattr(self.args, "time_limit_minutes", None)
-        if not limit or self._clock is None or iteration >= self.args.train_iters:
-            return
-        import torch
-
-        over = torch.tensor([1.0 if time.time() - self._clock[0] > 60 * limit else 0.0])
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
-        if over.item() > 0:
-            self._print(f" stopping at iteration {iteration}: --time-limit-minutes {limit} reached")
-            self.args.train_iters = int(iteration)
 
     def record_eval(self, split, iteration, final):
         import math
