@@ -57,6 +57,19 @@ def test_train_iters_without_eval_interval(capsys):
     assert "--eval-interval is needed with --train-iters" in err, err
 
 
+def test_cpu_without_the_cpu_switches(capsys):
+    """A Megatron-LM job script as written for GPUs, run without CUDA: one line listing the switches."""
+    i = TINY.index("--transformer-impl")  # tests.flags.tiny: the CPU switches come last
+    rc = main(TINY[:i] + MOCK + ["--no-rope-fusion"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    _no_traceback(err)
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("pretrain_gpt.py: error: no CUDA device: Megatron-LM's GPU defaults need "
+                           "--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion"), line
+    assert "--no-rope-fusion on CPU" not in line and "--use-cpu-initialization" in line, line
+
+
 def _run(argv, tmp_path, **extra_env):
     rc, _, err = _run_full(argv, tmp_path, **extra_env)
     return rc, err

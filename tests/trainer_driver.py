@@ -328,3 +328,22 @@ def rank_embedded(root: str) -> dict:
     r = captured_main(argv)
     return {"argv": full, "code": r["code"], "out": r["out"][-20000:], "err": r["err"][-3000:],
             "records": read_records(os.path.join(root, "emb.jsonl")), "saved": sorted(os.listdir(os.path.join(root, "emb")))}
+
+
+# ------------------------------------------------------------------- resharding with optimizer state
+RESHARD_FLAGS = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable", "--hidden-dropout", "0"]
+
+
+def rank_train_and_save(root: str, mode: str, layout: list[str], tag: str, iters: int = 20, split_at: int = 10) -> dict:
+    """`iters` iterations under `layout` with the distributed optimizer, saving (fully reshardable) at `split_at`."""
+    flags = COMMON + mode_flags(mode) + layout + RESHARD_FLAGS + ["--train-iters", str(iters)]
+    return train(flags + ["--save", os.path.join(root, f"reshard-{tag}-{mode}"), "--save-interval", str(split_at)],
+                 os.path.join(root, f"reshard-straight-{tag}-{mode}.jsonl"))
+
+
+def rank_resume_in_layout(root: str, mode: str, src_tag: str, layout: list[str], tag: str, iters: int = 20,
+                          split_at: int = 10) -> dict:
+    """Resume SRC_TAG's iteration-`split_at` checkpoint (model, optimizer, scheduler) under `layout`."""
+    flags = COMMON + mode_flags(mode) + layout + RESHARD_FLAGS + ["--train-iters", str(iters)]
+    return train(flags + ["--load", os.path.join(root, f"reshard-{src_tag}-{mode}"), "--ckpt-step", str(split_at),
+                          "--no-load-rng"], os.path.join(root, f"reshard-resumed-{src_tag}-in-{tag}-{mode}.jsonl"))

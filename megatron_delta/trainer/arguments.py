@@ -60,9 +60,40 @@ def _escape_percent_in_help(parser: argparse.ArgumentParser) -> None:
             action.help = token.sub(lambda m: m.group(0) if len(m.group(0)) > 1 else "%%", action.help)
 
 
+# Megatron-LM's defaults that need a GPU, as (args attribute, value that needs one, the flag that turns it off).
+GPU_DEFAULTS = (
+    ("transformer_impl", "transformer_engine", "--transformer-impl local"),
+    ("distributed_backend", "nccl", "--distributed-backend gloo"),
+    ("gradient_accumulation_fusion", True, "--no-gradient-accumulation-fusion"),
+    ("masked_softmax_fusion", True, "--no-masked-softmax-fusion"),
+    ("bias_gelu_fusion", True, "--no-bias-gelu-fusion"),
+    ("bias_dropout_fusion", True, "--no-bias-dropout-fusion"),
+    ("apply_rope_fusion", True, "--no-rope-fusion"),
+    ("use_cpu_initialization", False, "--use-cpu-initialization"),
+    ("no_persist_layer_norm", False, "--no-persist-layer-norm"),
+)
+
+
+def check_cpu_switches(args: argparse.Namespace) -> None:
+    """Without CUDA, refuse at start-up (one line listing the switches) a run that keeps one of Megatron-LM's
+    GPU-only defaults, instead of a failure deep inside Megatron (e.g. "ProcessGroupNCCL is only supported
+    with GPUs")."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    missing = [flag for attr, gpu_value, flag in GPU_DEFAULTS if getattr(args, attr, None) == gpu_value]
+    if missing:
+        raise TrainerArgumentError(
+            f"no CUDA device: Megatron-LM's GPU defaults need {' '.join(missing)} on CPU (all CPU switches: "
+            f"{' '.join(flag for _, _, flag in GPU_DEFAULTS)})")
+
+
 def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
     from megatron_delta.config import check_delta_options
+
+    check_cpu_switches(args)
 
     try:
         args.delta_num_blocks = check_delta_options(
