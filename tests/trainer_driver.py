@@ -12,6 +12,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from tests.flags import CPU  # noqa: E402  (Megatron-LM's GPU defaults off)
+
 TINY = ("--num-layers 4 --hidden-size 64 --ffn-hidden-size 192 --num-attention-heads 4 --group-query-attention "
         "--num-query-groups 2 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
         "--global-batch-size 8 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 --lr 1e-2 "
@@ -20,9 +22,6 @@ TINY = ("--num-layers 4 --hidden-size 64 --ffn-hidden-size 192 --num-attention-h
         "--qk-layernorm --disable-bias-linear --position-embedding-type rope --rotary-base 1000000 "
         "--weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --init-method-std 0.02 --hidden-dropout 0 "
         "--attention-dropout 0 --seed 1234").split()
-CPU = ("--transformer-impl local --no-gradient-accumulation-fusion --distributed-backend gloo "
-       "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
-       "--use-cpu-initialization --no-persist-layer-norm").split()
 COMMON = TINY + CPU
 MODES = ("baseline", "delta", "delta_block", "attnres", "full_attnres")
 LAYOUTS = {

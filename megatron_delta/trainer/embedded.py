@@ -47,10 +47,13 @@ EMBEDDED_DEFAULTS = {
     "--eval-interval": "100", "--eval-iters": "10", "--log-interval": "10",
     "--exit-duration-in-mins": "5",  # at most 5 minutes on 2 CPU cores, counted from the run's start
 }
-CPU_SWITCHES = {"--transformer-impl": "local", "--no-gradient-accumulation-fusion": None,
-                "--distributed-backend": "gloo", "--no-masked-softmax-fusion": None, "--no-bias-gelu-fusion": None,
-                "--no-bias-dropout-fusion": None, "--no-rope-fusion": None, "--use-cpu-initialization": None,
-                "--no-persist-layer-norm": None}
+
+
+def _cpu_switches() -> dict:
+    """flag -> value (None: a switch) of the CPU switches: the one list is trainer.arguments.GPU_DEFAULTS."""
+    from megatron_delta.trainer.arguments import GPU_DEFAULTS
+
+    return dict((flag.split(" ") + [None])[:2] for _, _, flag in GPU_DEFAULTS)
 
 
 class EmbeddedRunError(ValueError):
@@ -96,7 +99,7 @@ def embedded_argv(argv: Sequence[str]) -> List[str]:
         extra += ["--heldout-data-path", paths["heldout_data_path"]]
     defaults = dict(EMBEDDED_DEFAULTS)
     if not torch.cuda.is_available():
-        defaults.update(CPU_SWITCHES)
+        defaults.update(_cpu_switches())
     for flag, value in defaults.items():
         if not _given(argv, flag):
             extra += [flag] if value is None else [flag, value]
