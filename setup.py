@@ -10,7 +10,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_delta", "megatron_delta.*"]),
-    package_data={"megatron_delta": ["csrc/*.c"]},  # the router's CPU kernels, compiled on first use
+    package_data={"megatron_delta.core": ["csrc/*.c"]},  # the router's CPU kernels, compiled on first use
     install_requires=["torch>=2.4", "megatron-core>=0.19.2,<0.20", "sentencepiece", "numpy", "psutil"],
     extras_require={
         "test": ["pytest", "matplotlib", "tensorboard", "transformers>=5.0", "safetensors"],

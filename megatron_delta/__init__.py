@@ -1,12 +1,11 @@
 """megatron-delta: Delta Attention Residuals for Megatron-Core.
 
-Modules (one concept each):
-  cpu_platform  - the adaptation of Megatron-Core to CPU + gloo (active only without CUDA)
-  config        - DeltaConfig: residual mode and delta_* options, validated on construction
-  router        - DepthRouter: the softmax-over-depth router math (fp32)
-  sources       - SourceBuffer: which sources each sublayer reads, per residual mode
-  payload       - pack_stage_payload / unpack_stage_payload across pipeline stages
-  layer / block / model / layer_specs - the Megatron-Core integration
-  data          - tokenizer and dataset building (Megatron indexed datasets)
+  core/         the model: residual modes, routers, sources, stage payload, Megatron-Core layer/block/model
+                subclasses and specs. Imports nothing from the rest of the package.
+  trainer/      pretrain_gpt.py on Megatron-LM's trainer (megatron.training): flags, providers, evaluation
+  hf/           the Hugging Face model and configuration (no Megatron import)
+  the rest      the training side shared by the trainer and tools: arguments (the tools' model flags),
+                data, checkpointing, conversion (Megatron <-> HF), cloze, routing_stats, cpu_platform
+                (the adaptation of Megatron to CPU + gloo, and the upstream-bug workarounds)
 """
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ one clear `ArgumentError` naming the flag, before any Megatron code runs.
 import argparse
 import os
 
-RESIDUAL_MODES = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
+from megatron_delta.core.modes import RESIDUAL_MODES, SOURCE_DEFINITIONS
 
 
 class ArgumentError(ValueError):
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--delta-null-source", action="store_true", help="a learnable zero-initialised null source")
     g.add_argument("--delta-gate", choices=["none", "scalar"], default="none",
                    help="scalar gate u = x + a*r, a=0 at init (additive modes only)")
-    g.add_argument("--delta-sources", choices=["exact", "authors-code"], default="exact")
+    g.add_argument("--delta-sources", choices=SOURCE_DEFINITIONS, default="exact")
     g.add_argument("--delta-router-eps", type=float, default=None, help="default: --norm-epsilon")
     g.add_argument("--delta-router-kernels", choices=["auto", "c", "torch", "fla"], default="auto",
                    help="auto: fused C kernels for fp32 CPU tensors, built on first use (a warning and "
@@ -308,6 +308,99 @@ def validate_args(args: argparse.Namespace) -> None:
         _fail("--save-interval must be positive")
 
     # Residual modes: the config dataclass owns the rules; check them now so the error is early.
-    from megatron_delta.config import validate_delta_flags
-
     validate_delta_flags(args)
+
+
+def validate_delta_flags(args) -> None:
+    """Argument-parser hook: resolve `--delta-num-blocks` and reject bad combinations early."""
+    from megatron_delta.core import cpu_kernels
+    from megatron_delta.core.config import RESIDUAL_FUSIONS, check_residual_fusions
+    from megatron_delta.core.modes import check_delta_options
+
+    try:
+        args.delta_num_blocks = check_delta_options(
+            args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
+            args.delta_gate, args.delta_sources, args.router_lr_mult, args.delta_router_kernels)
+        check_residual_fusions(args.residual, **{f: getattr(args, f, False) for f in RESIDUAL_FUSIONS})
+        if args.residual != "baseline":
+            cpu_kernels.check(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    if args.delta_router_eps is None:
+        args.delta_router_eps = args.norm_epsilon
+
+
+def transformer_config_from_args(args, **overrides):
+    """The flag -> DeltaTransformerConfig mapping of this parser, for a CPU-friendly local build."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_delta.core.config import DeltaTransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    kw = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=not args.disable_bias_linear,
+        qk_layernorm=args.qk_layernorm,
+        init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp8=getattr(args, "fp8_format", None),
+        fp8_recipe=getattr(args, "fp8_recipe", "delayed"),
+        fp8_amax_history_len=getattr(args, "fp8_amax_history_len", 1),
+        fp8_amax_compute_algo=getattr(args, "fp8_amax_compute_algo", "most_recent"),
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        # Fused kernels are CUDA-only; Megatron falls back to them only when asked.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        use_cpu_initialization=True,
+        # VPP with PP=2 and batched p2p mixes send-next/send-prev to the same peer (Megatron-LM #750).
+        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
+        residual=args.residual,
+        delta_num_blocks=args.delta_num_blocks,
+        delta_null_source=args.delta_null_source,
+        delta_gate=args.delta_gate,
+        delta_sources=args.delta_sources,
+        delta_router_eps=args.delta_router_eps,
+        delta_router_kernels=args.delta_router_kernels,
+    )
+    kw.update(overrides)
+    return DeltaTransformerConfig(**kw)
+
+
+def padded_vocab_size(vocab_size: int, args) -> int:
+    """Megatron-LM's padding: a multiple of --make-vocab-size-divisible-by x TP."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def model_options(args) -> dict:
+    """The GPTModel options of megatron_delta.core.model.gpt_model / build_model_chunks, from the flags."""
+    return dict(transformer_impl=args.transformer_impl, max_sequence_length=args.max_position_embeddings,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)

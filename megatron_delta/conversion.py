@@ -221,16 +221,16 @@ def _check_supported_run_config(rc: dict, where: str):
 
 def build_megatron_model(model_config: dict, padded_vocab_size: int):
     """One GPT model (TP1/PP1, fp32, this process) for the flags in `model_config`. Returns (model, args)."""
-    from megatron_delta.arguments import parse_args
+    from megatron_delta.arguments import model_options, parse_args, transformer_config_from_args
     from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
-    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
 
     args = parse_args(_model_argv(model_config), world_size=1)
     args.padded_vocab_size = padded_vocab_size
     activate_cpu_platform()
     initialize_distributed(1, 1, seed=args.seed)
     config = transformer_config_from_args(args)
-    (model,) = build_model_chunks(args, config, padded_vocab_size)
+    (model,) = build_model_chunks(config, padded_vocab_size, **model_options(args))
     return model, args
 
 
@@ -268,10 +268,10 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
     """Load a checkpoint (saved under any layout) split over TP x PP ranks of this torch.distributed world
     (torchrun's WORLD_SIZE; the remaining factor is data parallel), as training would hold it.
     Returns (model chunks of this rank, args, run_config)."""
-    from megatron_delta.arguments import parse_args
+    from megatron_delta.arguments import model_options, parse_args, transformer_config_from_args
     from megatron_delta.checkpointing import load_checkpoint, read_run_config, resolve_checkpoint_dir
     from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
-    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
 
     tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -294,7 +294,7 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
     config = transformer_config_from_args(args)
     # routed modes send a payload whose length differs by stage boundary (as in training)
     config.variable_seq_lengths = rc["residual"] != "baseline" and pp > 1
-    chunks = build_model_chunks(args, config, padded)
+    chunks = build_model_chunks(config, padded, **model_options(args))
     load_checkpoint(ckpt_dir, chunks, None, None, args, load_optim=False, load_rng=False)
     for c in chunks:
         c.eval()
@@ -308,7 +308,7 @@ def megatron_logits_parallel(chunks, ids) -> torch.Tensor | None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
-    from megatron_delta.payload import schedule_communication_kwargs
+    from megatron_delta.core.payload import schedule_communication_kwargs
 
     tokens = torch.tensor([list(ids)], dtype=torch.long)
     pos = torch.arange(tokens.shape[1]).unsqueeze(0)

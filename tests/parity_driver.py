@@ -48,7 +48,7 @@ PAYLOADS: dict = {}  # {first global layer of a receiving chunk: dim-0 size of t
 
 def _record_payloads():
     """Wrap DeltaTransformerBlock.forward (once) to note the size of every received payload."""
-    from megatron_delta.block import DeltaTransformerBlock
+    from megatron_delta.core.block import DeltaTransformerBlock
 
     if getattr(DeltaTransformerBlock.forward, "_records", False):
         return
@@ -91,7 +91,7 @@ def read_losses(path: str, split: str | None = None) -> list[float]:
 
 def router_state(model) -> dict:
     """{global name: [param values], ...} and grads (main_grad) of every router parameter on this rank."""
-    from megatron_delta.block import DeltaTransformerBlock
+    from megatron_delta.core.block import DeltaTransformerBlock
 
     params, grads = {}, {}
     for chunk in model:

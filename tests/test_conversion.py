@@ -229,7 +229,7 @@ def test_one_rename_table_inverts_itself(qk_layernorm, tied):
     L, nh, ng, hn, d, ffn, vocab = 2, 6, 2, 8, 32, 40, 100
     # every parameter a DepthRouter can have (router.py), with its shape
     ROUTER_FIELDS = {"query": (d,), "key_norm_weight": (d,), "null_source": (d,), "gate": (1,)}
-    from megatron_delta.router import DepthRouter
+    from megatron_delta.core.router import DepthRouter
 
     full = DepthRouter(d, null_source=True, gate=True, eps=1e-6, kernels="torch")
     assert {n: tuple(p.shape) for n, p in full.named_parameters()} == ROUTER_FIELDS

@@ -1,4 +1,4 @@
-"""Issue 19: the router on fla-core's fused AttnRes kernel (megatron_delta/fla_router.py), on CPU.
+"""Issue 19: the router on fla-core's fused AttnRes kernel (megatron_delta/core/fla_router.py), on CPU.
 
 fla's Triton kernel refuses CPU tensors, so every test here routes through fla's own pure-PyTorch
 ``fla.ops.attnres.naive_attnres`` (same signature), put in its place with ``fla_router.use_kernel`` -
@@ -12,9 +12,9 @@ import pytest
 import torch
 from fla.ops.attnres import naive_attnres
 
-from megatron_delta import cpu_kernels, fla_router
-from megatron_delta.router import DepthRouter, make_source
-from megatron_delta.sources import SourceBuffer, SourcePlan
+from megatron_delta.core import cpu_kernels, fla_router
+from megatron_delta.core.router import DepthRouter, make_source
+from megatron_delta.core.sources import SourceBuffer, SourcePlan
 from tests import reference_delta as R
 
 EPS = 1e-6
@@ -216,7 +216,7 @@ def test_sources_local_and_x_kept_with_the_kernel(kernel, monkeypatch):
     shared projections and x_from_sources stay as before."""
     from types import SimpleNamespace
 
-    from megatron_delta import router as router_mod
+    from megatron_delta.core import router as router_mod
 
     for kind, keeps in (("fla", True), ("torch", False), ("auto", False)):  # auto: no CUDA here
         cfg = SimpleNamespace(residual="delta", num_layers=2, delta_num_blocks=None, delta_sources="exact",
@@ -280,7 +280,8 @@ def _model(mode, null, gate, kernels):
     from megatron.core import tensor_parallel
 
     from megatron_delta.arguments import parse_args
-    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+    from megatron_delta.arguments import model_options, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
 
     flags = ["--num-layers", "4", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4",
              "--num-query-groups", "2", "--seq-length", str(S), "--mock-data", "--vocab-size", str(V),
@@ -294,7 +295,8 @@ def _model(mode, null, gate, kernels):
     args = parse_args(flags, world_size=1)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = build_model_chunks(args, transformer_config_from_args(args, delta_router_kernels=kernels), V)[0]
+    model = build_model_chunks(transformer_config_from_args(args, delta_router_kernels=kernels), V,
+                               **model_options(args))[0]
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():

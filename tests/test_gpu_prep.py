@@ -102,7 +102,8 @@ def dist():
 def _fp8_model(mode, recipe):
     from megatron.core import tensor_parallel
 
-    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+    from megatron_delta.arguments import model_options, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
 
     args = parse_args(TINY + ["--residual", mode], world_size=1)
     torch.manual_seed(args.seed)
@@ -112,7 +113,7 @@ def _fp8_model(mode, recipe):
                                           fp8_amax_compute_algo="max")
     assert (config.fp8, config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo) == \
         ("hybrid", recipe, 4, "max")
-    return build_model_chunks(args, config, 64)[0], args
+    return build_model_chunks(config, 64, **model_options(args))[0], args
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
@@ -135,7 +136,7 @@ def test_layers_in_fp8_context_routers_outside(dist, monkeypatch, mode, recipe):
     assert routers and all(r.outside_fp8 for r in routers)
 
     # Every router call must find FP8 switched off; every layer must run inside FP8.
-    from megatron_delta import router as router_mod
+    from megatron_delta.core import router as router_mod
 
     seen = {"router": [], "layer": []}
     orig_route = router_mod.route
@@ -207,7 +208,8 @@ def test_residual_fusions_refused_for_routed_modes(field, flag):
     the routed modes (config and parser), naming the flag; the baseline keeps them."""
     from types import SimpleNamespace
 
-    from megatron_delta.config import DeltaTransformerConfig, check_residual_fusions, validate_delta_flags
+    from megatron_delta.arguments import validate_delta_flags
+    from megatron_delta.core.config import DeltaTransformerConfig, check_residual_fusions
 
     kw = dict(num_layers=4, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
               use_cpu_initialization=True)
@@ -232,7 +234,8 @@ def test_routed_norms_get_u_and_bias_dropout_fusion_is_exact(dist):
     the routed layer forms v itself and the SourceBuffer adds it - logits bitwise equal with and without."""
     from megatron.core import tensor_parallel
 
-    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+    from megatron_delta.arguments import model_options, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
 
     logits = {}
     for fusion in (False, True):
@@ -240,8 +243,8 @@ def test_routed_norms_get_u_and_bias_dropout_fusion_is_exact(dist):
                           world_size=1)
         torch.manual_seed(args.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-        model = build_model_chunks(args, transformer_config_from_args(args, bias_dropout_fusion=fusion,
-                                                                      add_bias_linear=True), 64)[0]
+        model = build_model_chunks(transformer_config_from_args(args, bias_dropout_fusion=fusion, add_bias_linear=True),
+                                   64, **model_options(args))[0]
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if n.endswith(".gate"):

@@ -39,12 +39,13 @@ def _flags(mode, L, h, heads, groups, s, b, V):
 def measured_saved_bytes(flags):
     from megatron.core import tensor_parallel
 
-    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+    from megatron_delta.arguments import model_options, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
 
     args = parse_args(flags + ["--mock-data"], world_size=1)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = build_model_chunks(args, transformer_config_from_args(args), args.vocab_size)[0]
+    model = build_model_chunks(transformer_config_from_args(args), args.vocab_size, **model_options(args))[0]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 
@@ -116,7 +117,7 @@ def test_router_bytes_by_hand():
     router_bytes' docstring, in units of T x d x a (a = 2, c = 4)."""
     from types import SimpleNamespace
 
-    from megatron_delta.sources import SourcePlan
+    from megatron_delta.core.sources import SourcePlan
 
     cfg = SimpleNamespace(residual="delta_block", num_layers=1, delta_num_blocks=1, delta_sources="exact",
                           delta_gate="none", delta_router_kernels="fla")

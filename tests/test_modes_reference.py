@@ -58,12 +58,13 @@ def build(mode, sources="exact", null=False, gate=False, num_layers=4, num_block
     same --seed gives the same backbone in every mode."""
     from megatron.core import tensor_parallel
 
-    from megatron_delta.model import build_model_chunks, transformer_config_from_args
+    from megatron_delta.arguments import model_options, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
 
     args = parse_args(_flags(mode, sources, null, gate, num_layers, num_blocks, extra), world_size=1)
     torch.manual_seed(args.seed)  # what initialize_distributed(seed=...) does on one rank
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = build_model_chunks(args, transformer_config_from_args(args), V)[0]
+    model = build_model_chunks(transformer_config_from_args(args), V, **model_options(args))[0]
     return model.eval(), args
 
 
@@ -308,7 +309,7 @@ def test_source_counts_delta_block_L12(k):
 @pytest.mark.parametrize("mode,k", [("delta", None), ("delta_block", 2), ("delta_block", 4)])
 def test_exact_sources_sum_to_residual_stream(monkeypatch, mode, k):
     """With real activations: at every sublayer, the exact sources a router reads sum to x."""
-    from megatron_delta.sources import SourceBuffer
+    from megatron_delta.core.sources import SourceBuffer
 
     orig = SourceBuffer.routed_input
     checked = []
@@ -409,7 +410,7 @@ BAD = [
 def test_bad_combinations_fail_at_startup(flags, flag, cfg_kw):
     with pytest.raises(ArgumentError, match=flag):
         parse_args(["--num-layers", "4", "--mock-data"] + flags, world_size=1)
-    from megatron_delta.config import DeltaTransformerConfig
+    from megatron_delta.core.config import DeltaTransformerConfig
 
     with pytest.raises(ValueError, match=flag):
         DeltaTransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, **cfg_kw)

@@ -25,7 +25,7 @@ LAYOUTS = {
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "pp4": (4, ["--pipeline-model-parallel-size", "4"]),
     # Every chunk boundary carries a payload; with PP=2 both neighbours are one rank (the payload-shape
-    # exchange must pair messages correctly: megatron_delta.payload.PayloadP2PCommunicator).
+    # exchange must pair messages correctly: megatron_delta.core.payload.PayloadP2PCommunicator).
     "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "tp2_pp2_sp": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--sequence-parallel"]),
@@ -67,7 +67,7 @@ def test_layout_matches_tp1(reference, layout):
     assert not bad, f"{layout}: losses differ from TP1 by {bad}"
 
     # Payload sizes actually received equal len(payload_names) x per-rank sequence (issue 6).
-    from megatron_delta.sources import SourcePlan
+    from megatron_delta.core.sources import SourcePlan
 
     tp = 2 if "tp2" in layout else 1
     seq = 32 // tp if "sp" in layout else 32
@@ -132,7 +132,7 @@ def _usable(plan, first_layer):
 @pytest.mark.parametrize("L, K", [(4, 2), (6, 3), (8, 2), (8, 4), (12, 4)])
 def test_payload_holds_only_usable_sources(mode, L, K):
     """No stage receives a source it cannot use; what it reads from earlier stages is all there."""
-    from megatron_delta.sources import SourcePlan
+    from megatron_delta.core.sources import SourcePlan
 
     variants = [("exact", False)]
     if mode in ("delta", "delta_block"):
@@ -148,7 +148,7 @@ def test_payload_holds_only_usable_sources(mode, L, K):
 
 
 def test_describe_stage_payloads_one_line_per_boundary(monkeypatch):
-    from megatron_delta.block import describe_stage_payloads
+    from megatron_delta.core.payload import describe_stage_payloads
     from megatron_delta.trainer.main import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -160,7 +160,7 @@ def test_describe_stage_payloads_one_line_per_boundary(monkeypatch):
             args = parse_args(driver.COMMON + driver.mode_flags(mode) + layout + ["--train-iters", "1"])
             lines = describe_stage_payloads(args)
             assert len(lines) == chunks - 1, lines
-            plan = __import__("megatron_delta.block", fromlist=["source_plan"]).SourcePlan.from_config(args)
+            plan = __import__("megatron_delta.core.block", fromlist=["source_plan"]).SourcePlan.from_config(args)
             assert plan.x_from_sources == (mode in ("delta", "delta_block"))  # no gate in these flags
             for k, line in enumerate(lines, start=1):
                 first = k * 4 // chunks

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from megatron_delta.router import DepthRouter, Source, make_source
+from megatron_delta.core.router import DepthRouter, Source, make_source
 
 EPS = 1e-6
 
@@ -258,7 +258,7 @@ def test_shared_projection_grads_and_second_backward():
 
 def _kernel_calls(monkeypatch):
     """Count the C kernel calls (to prove a test ran the path it means to)."""
-    from megatron_delta import cpu_kernels
+    from megatron_delta.core import cpu_kernels
 
     calls = {"forward": 0, "backward": 0}
     fwd, bwd = cpu_kernels.route_forward, cpu_kernels.route_backward
@@ -335,7 +335,7 @@ def test_base_sums_rebuilds_the_local_source(fallback, monkeypatch):
     output u instead of the local source and rebuilds it in backward - with the kernel, or with PyTorch
     ops where the backward cannot use the kernel (``fallback``) - and gives the float64 naive router's
     gradients. Without base_sums the local source itself is saved."""
-    from megatron_delta import cpu_kernels
+    from megatron_delta.core import cpu_kernels
 
     torch.manual_seed(21)
     d = 40
@@ -421,7 +421,7 @@ def test_c_kernels_bitwise_across_thread_counts():
     in the last bit between thread counts), and they compute what they say (float64 math written
     here): two sources with logit columns, two local ones projected in the kernel, null source, gate;
     and the backward that rebuilds a local source from the output (base = sum of the sources)."""
-    from megatron_delta import cpu_kernels as K
+    from megatron_delta.core import cpu_kernels as K
 
     lib = K.load()
     g = torch.Generator().manual_seed(12)

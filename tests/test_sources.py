@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from megatron_delta.payload import pack_stage_payload, payload_seq_length, unpack_stage_payload
-from megatron_delta.router import DepthRouter, make_source
+from megatron_delta.core.payload import pack_stage_payload, payload_seq_length, unpack_stage_payload
+from megatron_delta.core.router import DepthRouter, make_source
 from megatron_delta.routing_stats import RoutingStatsAccumulator, routing_stats
-from megatron_delta.sources import SourceBuffer, SourcePlan
+from megatron_delta.core.sources import SourceBuffer, SourcePlan
 
 EPS = 1e-6
 
@@ -452,7 +452,7 @@ def test_one_projection_per_source(plan, monkeypatch):
     """With its chunk's readers known, a buffer projects each source value with several readers ONCE
     for all of them (make_source), and leaves a value with one reader to that router, which projects
     it inside its own pass (a local source); the result equals every router projecting for itself."""
-    from megatron_delta import router as router_mod
+    from megatron_delta.core import router as router_mod
 
     calls, local = [], []
     orig, orig_route = router_mod._ProjectSource.apply, router_mod._RouteFunction.apply

@@ -118,7 +118,7 @@ def test_last_level_cache_bytes(tmp_path):
 def test_stand_ins_are_restored():
     """--routing-breakdown swaps the router's kernels; they must come back, even after an error."""
     import benchmark
-    from megatron_delta import router
+    from megatron_delta.core import router
 
     originals = router._RouteFunction, router._ProjectSource
     with pytest.raises(RuntimeError, match="inside"):

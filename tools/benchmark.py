@@ -5,7 +5,7 @@
                                --modes baseline,delta_block,delta,attnres,full_attnres --repeats 3
                                --pp-layout 4 --output bench.json]
 
-Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.model, TP1/PP1):
+Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.core.model, TP1/PP1):
 
 - time: one forward + backward of a micro-batch (loss = mean token loss). Modes are run interleaved
   (round r runs every mode once, in order) after one warm-up step each, and the median over rounds
@@ -139,12 +139,14 @@ def _mode_args(opts, mode):
 def build_model(opts, mode):
     """(model, args): one TP1/PP1 chunk, fp32, seeded exactly like pretrain_gpt.py."""
     from megatron_delta.cpu_platform import initialize_distributed
-    from megatron_delta.model import build_model_chunks, padded_vocab_size, transformer_config_from_args
+    from megatron_delta.arguments import model_options, padded_vocab_size, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
 
     args = _mode_args(opts, mode)
     initialize_distributed(1, 1, seed=opts.seed)  # re-seeds: every mode gets the same backbone
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args)
-    model = build_model_chunks(args, transformer_config_from_args(args), args.padded_vocab_size)[0]
+    model = build_model_chunks(transformer_config_from_args(args), args.padded_vocab_size,
+                               **model_options(args))[0]
     model.train()
     return model, args
 
@@ -216,7 +218,7 @@ def parse_layout(text):
 
 def payloads(opts, mode, args):
     """[{boundary, first_layer, names, bytes}] per (virtual) pipeline boundary of --pp-layout."""
-    from megatron_delta.sources import SourcePlan
+    from megatron_delta.core.sources import SourcePlan
 
     p, v = parse_layout(opts.pp_layout)
     chunks = p * v
@@ -238,7 +240,7 @@ def payloads(opts, mode, args):
 def max_sources(mode, args):
     if mode == "baseline":
         return 0
-    from megatron_delta.sources import SourcePlan
+    from megatron_delta.core.sources import SourcePlan
 
     return SourcePlan.from_config(args, mode).max_sources()
 
@@ -249,7 +251,7 @@ def routing_alone_ms(model, opts, rounds=15, breakdown=False):
     With ``breakdown`` also the same loop with the router's two kernels replaced by stand-ins
     (fused passes; fused passes and shared projections), interleaved round by round: returns
     {"total", "route", "project", "rest"} in ms, the parts by difference (see _stand_ins)."""
-    from megatron_delta.sources import SourceBuffer
+    from megatron_delta.core.sources import SourceBuffer
 
     block = model.decoder
     g = torch.Generator().manual_seed(opts.seed)
@@ -346,7 +348,7 @@ def _stand_ins(route, project):
     both kernels minus routing alone without the fused passes is what the fused passes cost, and
     so on. Attribution is by difference and approximate (the parts share caches; with the weighted
     sums gone the projections' backward gets no sink to add to). Always restored on exit."""
-    from megatron_delta import router
+    from megatron_delta.core import router
 
     saved = router._RouteFunction, router._ProjectSource
     try:
@@ -369,8 +371,8 @@ def fused_router_passes(mode, args):
     several readers (projected once for all of them, make_source): 1 forward (its norm and logit
     columns in one read), 3 backward (read it, read and write its gradient); a source with one
     reader is projected inside that router's passes (a local source), at no extra pass."""
-    from megatron_delta.router import DepthRouter
-    from megatron_delta.sources import SourceBuffer, SourcePlan
+    from megatron_delta.core.router import DepthRouter
+    from megatron_delta.core.sources import SourceBuffer, SourcePlan
 
     plan = SourcePlan.from_config(args, mode)
     counts = [plan.num_sources_read(j) for j in range(plan.num_sublayers)] + [len(plan.final_reads())]

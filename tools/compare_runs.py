@@ -52,7 +52,7 @@ def cmd_train(run_dir, flags):
     args = captured["args"]
     max_sources = 0
     if args.residual != "baseline":
-        from megatron_delta.sources import SourcePlan
+        from megatron_delta.core.sources import SourcePlan
 
         max_sources = SourcePlan.from_config(args).max_sources() + int(bool(args.delta_null_source))
     summary = {

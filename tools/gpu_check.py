@@ -25,7 +25,7 @@ Prints a table per part and writes JSON (rewritten after every part: a timeout s
 
 --dry-run runs all four on CPU at tiny sizes: (a) without the TE spec, (b) in fp32 and bf16, (c) CPU
 tokens/s (no peak memory), (d) fp32 without FP8; fla's pure-PyTorch ``naive_attnres`` stands in for the
-Triton kernel (megatron_delta.fla_router.use_kernel). Without --dry-run and without CUDA, Transformer
+Triton kernel (megatron_delta.core.fla_router.use_kernel). Without --dry-run and without CUDA, Transformer
 Engine or fla it exits at once with status 2 and says why.
 """
 
@@ -108,7 +108,7 @@ def require_gpu():
         print("gpu_check: Transformer Engine is not installed (use an NGC PyTorch container or "
               "`pip install megatron-delta[te]` on the GPU machine). Nothing was run.", file=sys.stderr)
         sys.exit(NO_GPU_EXIT)
-    from megatron_delta import fla_router
+    from megatron_delta.core import fla_router
 
     if not fla_router.available():
         print("gpu_check: fla-core is not importable (pip install 'megatron-delta[gpu]'). Nothing was run.",
@@ -175,7 +175,8 @@ def build(env, argv, kernels="fla"):
     from megatron.core import tensor_parallel
 
     from megatron_delta.arguments import parse_args
-    from megatron_delta.model import build_model_chunks, padded_vocab_size, transformer_config_from_args
+    from megatron_delta.arguments import model_options, padded_vocab_size, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
 
     args = parse_args(argv, world_size=1)
     args.padded_vocab_size = padded_vocab_size(args.vocab_size, args)
@@ -183,7 +184,7 @@ def build(env, argv, kernels="fla"):
     config = transformer_config_from_args(args, use_cpu_initialization=env.dry, **over)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    (chunk,) = build_model_chunks(args, config, args.padded_vocab_size)
+    (chunk,) = build_model_chunks(config, args.padded_vocab_size, **model_options(args))
     return args, config, chunk.to(env.device)
 
 
@@ -266,7 +267,7 @@ def router_case(opts, env, dtype, null, gate, with_x, n=5):
     """fla's kernel vs the PyTorch router: output and every gradient, relative to each tensor's scale."""
     import torch
 
-    from megatron_delta.router import DepthRouter, make_source
+    from megatron_delta.core.router import DepthRouter, make_source
 
     d, t = (256, 1024) if not env.dry else (64, 24)
     g = torch.Generator(device="cpu").manual_seed(5)
@@ -404,7 +405,7 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # memory_plan
     import torch
 
-    from megatron_delta import fla_router
+    from megatron_delta.core import fla_router
     from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
     from megatron_delta.trainer.main import quiet_known_warnings
 

@@ -126,7 +126,7 @@ def parse(argv=None):
 def source_plan(a):
     if a.residual == "baseline":
         return None
-    from megatron_delta.sources import SourcePlan
+    from megatron_delta.core.sources import SourcePlan
 
     return SourcePlan.from_config(a)
 
@@ -358,7 +358,7 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=4, null_sour
     the shape's (gpu_check's layer slice)."""
     from types import SimpleNamespace
 
-    from megatron_delta.sources import SourcePlan
+    from megatron_delta.core.sources import SourcePlan
 
     bw, flops = GPUS[gpu]
     shape = dict(SHAPES[shape_name])

@@ -229,14 +229,15 @@ def main(argv=None):
     from megatron_delta.trainer.forward_pass import collect_routing_stats
     from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
     from megatron_delta.data import build_tokenizer
-    from megatron_delta.model import build_model_chunks, transformer_config_from_args
-    from megatron_delta.sources import SourcePlan
+    from megatron_delta.arguments import model_options, transformer_config_from_args
+    from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.core.sources import SourcePlan
 
     initialize_distributed(1, 1, seed=args.seed)
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
         config = transformer_config_from_args(args)
-        model = build_model_chunks(args, config, args.padded_vocab_size)
+        model = build_model_chunks(config, args.padded_vocab_size, **model_options(args))
         load_checkpoint(ckpt_dir, model, None, None, args, load_optim=False, load_rng=False)
         print(f" loaded {ckpt_dir} (iteration {iteration}, --residual {args.residual}, saved with TP"
               f"{cfg.get('tensor_model_parallel_size')} PP{cfg.get('pipeline_model_parallel_size')}"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_delta.config import RESIDUAL_MODES
-from megatron_delta.cpu_kernels import KERNEL_CHOICES
+from megatron_delta.core.modes import RESIDUAL_MODES, SOURCE_DEFINITIONS
+from megatron_delta.core.cpu_kernels import KERNEL_CHOICES
 
 PROG = "pretrain_gpt.py"
 
@@ -29,7 +29,7 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="each router also reads a learnable zero-initialised null source")
     g.add_argument("--delta-gate", choices=["none", "scalar"], default="none",
                    help="scalar gate u = x + a*r, a=0 at init (additive modes only)")
-    g.add_argument("--delta-sources", choices=["exact", "authors-code"], default="exact")
+    g.add_argument("--delta-sources", choices=SOURCE_DEFINITIONS, default="exact")
     g.add_argument("--delta-router-eps", type=float, default=None, help="default: --norm-epsilon")
     g.add_argument("--delta-router-kernels", choices=list(KERNEL_CHOICES), default="auto",
                    help="auto: fused C kernels for fp32 CPU tensors, built on first use (PyTorch ops if "
@@ -91,7 +91,8 @@ def check_cpu_switches(args: argparse.Namespace) -> None:
 
 def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
-    from megatron_delta.config import check_delta_options
+    from megatron_delta.core import cpu_kernels
+    from megatron_delta.core.modes import check_delta_options
 
     check_cpu_switches(args)
 
@@ -99,6 +100,8 @@ def validate_delta_args(args: argparse.Namespace) -> None:
         args.delta_num_blocks = check_delta_options(
             args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
             args.delta_gate, args.delta_sources, args.router_lr_mult, args.delta_router_kernels)
+        if args.residual != "baseline":
+            cpu_kernels.check(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1
     except ValueError as e:
         raise TrainerArgumentError(str(e)) from None
     if args.delta_router_eps is None:

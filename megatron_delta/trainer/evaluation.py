@@ -42,7 +42,7 @@ def fresh_iterator(dataset, n_chunks: int):
 
 
 def delta_blocks(model):
-    from megatron_delta.block import DeltaTransformerBlock
+    from megatron_delta.core.block import DeltaTransformerBlock
 
     for m in model:
         while hasattr(m, "module"):

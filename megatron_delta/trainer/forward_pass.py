@@ -45,7 +45,7 @@ def run_forward(args, model, data_iterator):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
-    from megatron_delta.payload import schedule_communication_kwargs
+    from megatron_delta.core.payload import schedule_communication_kwargs
 
     return get_forward_backward_func()(
         forward_step_func=_forward_step, data_iterator=data_iterator, model=model if len(model) > 1 else model[0],
@@ -59,7 +59,7 @@ def collect_routing_stats(args, model, dataset, num_batches=1):
     """Routing statistics over `num_batches` global batches of `dataset`, gathered from every rank."""
     from megatron.core import parallel_state
 
-    from megatron_delta.block import DeltaTransformerBlock
+    from megatron_delta.core.block import DeltaTransformerBlock
     from megatron_delta.routing_stats import RoutingStatsAccumulator
 
     blocks = [m.module.decoder if hasattr(m, "module") else m.decoder for m in model]

@@ -290,7 +290,7 @@ class _Run:
         args = self.args
         if args.residual == "baseline" or args.pipeline_model_parallel_size == 1:
             return
-        from megatron_delta.block import describe_stage_payloads
+        from megatron_delta.core.payload import describe_stage_payloads
 
         for line in describe_stage_payloads(args):
             self._print(line)
@@ -391,7 +391,7 @@ def _p2p_kwargs(args, store=None) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.initialize import initialize_megatron
 
-    from megatron_delta.payload import _payload_p2p_communicator_class
+    from megatron_delta.core.payload import _payload_p2p_communicator_class
 
     from megatron.core.rerun_state_machine import destroy_rerun_state_machine
 

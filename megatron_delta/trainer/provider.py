@@ -2,7 +2,7 @@
 (and gpt_builders.py) that know the model, written for the project's models.
 
 - baseline: Megatron-Core's GPTModel with the project's sequence-parallel-capable local spec
-  (layer_specs.get_gpt_layer_local_spec_sp; LocalNorm instead of WrappedTorchNorm), or the TE spec.
+  (core/specs.get_gpt_layer_local_spec_sp; LocalNorm instead of WrappedTorchNorm), or the TE spec.
 - routed modes: DeltaGPTModel with the Delta layer spec; same backbone weights for one --seed.
 The TransformerConfig comes from Megatron-LM's own flag mapping (core_transformer_config_from_args)
 with DeltaTransformerConfig as the class, so every Megatron-LM flag means what it means upstream and
@@ -19,7 +19,7 @@ def transformer_config(args):
     """Megatron-LM's args -> DeltaTransformerConfig (upstream mapping) + what routing needs."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    from megatron_delta.config import DeltaTransformerConfig
+    from megatron_delta.core.config import DeltaTransformerConfig
 
     config = core_transformer_config_from_args(args, config_class=DeltaTransformerConfig)
     if needs_variable_payload(args):
@@ -34,39 +34,21 @@ def needs_variable_payload(args) -> bool:
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     """Megatron's model_provider signature (get_model calls it once per virtual pipeline chunk)."""
-    from megatron.core.models.gpt import GPTModel
     from megatron.training import get_args, print_rank_0
 
-    from megatron_delta.layer_specs import decoder_block_spec
-    from megatron_delta.model import final_norm_for, layer_spec_for
+    from megatron_delta.core.model import gpt_model
 
     args = get_args()
     if config is None:
         config = transformer_config(args)
     print_rank_0(f"building GPT model (--residual {args.residual}) ...")
-    layer_spec = layer_spec_for(config, args.transformer_impl)
-    block_spec = decoder_block_spec(config, layer_spec, vp_stage, final_norm_for(args.transformer_impl))
-    if config.routed:
-        from megatron_delta.block import DeltaGPTModel as model_cls
-    else:
-        model_cls = GPTModel
-    return model_cls(
-        config=config,
-        transformer_layer_spec=block_spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
+    return gpt_model(
+        config, args.padded_vocab_size, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+        transformer_impl=args.transformer_impl, max_sequence_length=args.max_position_embeddings,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling,
-        vp_stage=vp_stage,
-        pg_collection=pg_collection,
-    )
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, pg_collection=pg_collection)
 
 
 # ------------------------------------------------------------------------------------------ data

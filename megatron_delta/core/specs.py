@@ -11,7 +11,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_delta.norms import LocalNorm
+from megatron_delta.core.norms import LocalNorm
 
 
 def _replace_norms(submodules, norm):
@@ -34,8 +34,8 @@ def get_gpt_layer_local_spec_sp(qk_layernorm: bool = True, normalization: str = 
 
 def get_gpt_layer_with_delta_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
     """Local backend: Megatron's attention/MLP/norm submodules inside a DeltaTransformerLayer."""
-    from megatron_delta.layer import DeltaTransformerLayer, DeltaTransformerLayerSubmodules
-    from megatron_delta.router import DepthRouter
+    from megatron_delta.core.layer import DeltaTransformerLayer, DeltaTransformerLayerSubmodules
+    from megatron_delta.core.router import DepthRouter
 
     base = get_gpt_layer_local_spec_sp(qk_layernorm=qk_layernorm, normalization=normalization).submodules
     return ModuleSpec(module=DeltaTransformerLayer, submodules=DeltaTransformerLayerSubmodules(
@@ -51,8 +51,8 @@ def get_gpt_layer_with_delta_te_spec(qk_layernorm: bool = True, normalization: s
     except (ImportError, AssertionError) as e:
         raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not importable "
                            f"({e}); install megatron-delta[te] on a GPU machine or use --transformer-impl local")
-    from megatron_delta.layer import DeltaTransformerLayer, DeltaTransformerLayerSubmodules
-    from megatron_delta.router import DepthRouter
+    from megatron_delta.core.layer import DeltaTransformerLayer, DeltaTransformerLayerSubmodules
+    from megatron_delta.core.router import DepthRouter
 
     return ModuleSpec(module=DeltaTransformerLayer, submodules=DeltaTransformerLayerSubmodules(
         **{k: getattr(base, k) for k in base.__dataclass_fields__}, self_attention_router=DepthRouter, mlp_router=DepthRouter))

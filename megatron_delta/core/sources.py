@@ -35,7 +35,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from megatron_delta.router import DepthRouter, Source, make_source
+from megatron_delta.core.router import DepthRouter, Source, make_source
 
 __all__ = ["MODES", "SOURCE_DEFINITIONS", "SourcePlan", "SourceBuffer"]
 
@@ -243,7 +243,7 @@ class SourcePlan:
 def _kernel_keeps_x(choice: str) -> bool:
     if choice not in ("auto", "fla"):
         return False
-    from megatron_delta import fla_router
+    from megatron_delta.core import fla_router
 
     return fla_router.plan_keeps_x(choice)
 

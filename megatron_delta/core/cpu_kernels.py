@@ -127,7 +127,7 @@ def check(choice: str) -> None:
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"--delta-router-kernels {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
     if choice == "fla":
-        from megatron_delta import fla_router
+        from megatron_delta.core import fla_router
 
         fla_router.check(choice)
     if choice == "c":

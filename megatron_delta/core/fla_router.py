@@ -181,7 +181,7 @@ def check(choice: str) -> None:
 def describe(choice: str, cuda: Optional[bool] = None) -> str:
     """The start-up line saying which kernels the routers use (``cuda``: whether the model runs on CUDA;
     default torch.cuda.is_available()). Tries the imports/builds it names, as the first route would."""
-    from megatron_delta import cpu_kernels
+    from megatron_delta.core import cpu_kernels
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
     flag = f"(--delta-router-kernels {choice})"

@@ -1,7 +1,7 @@
 """One tensor per micro-batch across a pipeline (or virtual-chunk) boundary.
 
 Megatron's schedules send ONE tensor per micro-batch between stages. The state of a
-:class:`~megatron_delta.sources.SourceBuffer` (x and the sources, or B and p) is packed by
+:class:`~megatron_delta.core.sources.SourceBuffer` (x and the sources, or B and p) is packed by
 concatenating its [s, b, d] tensors along the sequence dimension (dim 0); the receiving stage
 unpacks views of it. Gradients flow through both (``torch.cat`` / ``split`` autograd).
 """
@@ -12,7 +12,7 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from megatron_delta.sources import SourcePlan
+from megatron_delta.core.sources import SourcePlan
 
 __all__ = ["pack_stage_payload", "unpack_stage_payload", "payload_seq_length", "payload_num_tensors"]
 
@@ -119,3 +119,21 @@ def schedule_communication_kwargs(config) -> dict:
     pgs.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
     return {"p2p_communicator": _payload_p2p_communicator_class()(pp_group=pp_group, config=config),
             "pg_collection": pgs}
+
+
+def describe_stage_payloads(args):
+    """Start-up lines: what crosses each (virtual) pipeline boundary, and its size per micro-batch."""
+    plan = SourcePlan.from_config(args)
+    chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
+    per_chunk = args.num_layers // chunks
+    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    bytes_per = 2 if args.bf16 else 4
+    lines = []
+    for k in range(1, chunks):
+        first = k * per_chunk
+        names = plan.payload_names(first)
+        size = len(names) * seq * args.micro_batch_size * args.hidden_size * bytes_per
+        lines.append(f" pipeline payload into layer {first} (chunk {k}): {len(names)} tensors "
+                     f"[{', '.join(names)}] = {size / 2**20:.2f} MiB per micro-batch "
+                     f"(x{len(names)} the baseline's)")
+    return lines

@@ -30,7 +30,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from megatron_delta import cpu_kernels
+from megatron_delta.core import cpu_kernels
 
 __all__ = ["Source", "GradSink", "make_source", "DepthRouter", "route"]
 
@@ -557,7 +557,7 @@ class DepthRouter(torch.nn.Module):
         device_type = ref.device.type if ref is not None else "cpu"
         with torch.autocast(device_type=device_type, enabled=False), _outside_fp8(self.outside_fp8):
             if sources and self._may_use_fla(ref):  # fla's fused kernel (fla_router.py), where it applies
-                from megatron_delta import fla_router
+                from megatron_delta.core import fla_router
 
                 routed = fla_router.route_router(
                     self, sources, base=base, gate=self.gate if apply_gate else None, base_sums=base_sums,
@@ -604,7 +604,7 @@ class DepthRouter(torch.nn.Module):
         SourceBuffer makes such sources local."""
         if not self._may_use_fla(value):
             return False
-        from megatron_delta import fla_router
+        from megatron_delta.core import fla_router
 
         return (fla_router.kernel_for(self.kernels, value.device.type) is not None
                 and fla_router.fallback_reason([value], value.dtype) is None)

@@ -1,4 +1,4 @@
-"""DeltaTransformerBlock and DeltaGPTModel: one micro-batch's sources, from embedding to output.
+"""DeltaTransformerBlock: one micro-batch's sources, from embedding to output, in one pipeline chunk.
 
 The decoder of one (virtual) pipeline chunk holds the SourceBuffer of the micro-batch it is running:
 it starts it from the embedding output (first chunk) or unpacks it from the one tensor the previous
@@ -12,15 +12,14 @@ from contextlib import nullcontext
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_delta.config import REPLACEMENT_MODES
-from megatron_delta.layer import build_router
-from megatron_delta.payload import pack_stage_payload, unpack_stage_payload
-from megatron_delta.router import DepthRouter
-from megatron_delta.sources import SourceBuffer, SourcePlan
+from megatron_delta.core.modes import REPLACEMENT_MODES
+from megatron_delta.core.layer import build_router
+from megatron_delta.core.payload import pack_stage_payload, unpack_stage_payload
+from megatron_delta.core.router import DepthRouter
+from megatron_delta.core.sources import SourceBuffer, SourcePlan
 
 
 class DeltaTransformerBlock(TransformerBlock):
@@ -163,36 +162,3 @@ class DeltaTransformerBlock(TransformerBlock):
         else:
             raise ValueError(f"--recompute-method {self.config.recompute_method!r} is not uniform or block")
         return tensors
-
-
-class DeltaGPTModel(GPTModel):
-    """GPTModel whose decoder is a DeltaTransformerBlock.
-
-    GPTModel.__init__ hard-codes TransformerBlock; we let Megatron build it (so parameters, init order
-    and random numbers are exactly the baseline's) and then re-class the built block, which only adds
-    routing parameters that consume no random numbers.
-    """
-
-    def __init__(self, config, transformer_layer_spec, *args, **kwargs):
-        super().__init__(config, transformer_layer_spec, *args, **kwargs)
-        self.decoder.__class__ = DeltaTransformerBlock
-        self.decoder.init_delta()
-
-
-# ----------------------------------------------------------------------------- start-up report
-def describe_stage_payloads(args):
-    """Start-up lines: what crosses each (virtual) pipeline boundary, and its size per micro-batch."""
-    plan = SourcePlan.from_config(args)
-    chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
-    per_chunk = args.num_layers // chunks
-    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-    bytes_per = 2 if args.bf16 else 4
-    lines = []
-    for k in range(1, chunks):
-        first = k * per_chunk
-        names = plan.payload_names(first)
-        size = len(names) * seq * args.micro_batch_size * args.hidden_size * bytes_per
-        lines.append(f" pipeline payload into layer {first} (chunk {k}): {len(names)} tensors "
-                     f"[{', '.join(names)}] = {size / 2**20:.2f} MiB per micro-batch "
-                     f"(x{len(names)} the baseline's)")
-    return lines

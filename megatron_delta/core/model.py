@@ -1,0 +1,79 @@
+"""The model: DeltaGPTModel, the layer spec of each mode and one GPT model per pipeline chunk.
+
+`baseline` is Megatron-Core's own GPTModel with its own local (or TE) layer spec. The routed modes use
+`DeltaGPTModel` with `get_gpt_layer_with_delta_spec`, which build on the same Megatron submodules; the
+routers consume no random numbers, so one `--seed` gives the same backbone weights in every mode.
+"""
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megatron_delta.core.block import DeltaTransformerBlock
+from megatron_delta.core.config import DeltaTransformerConfig
+from megatron_delta.core.norms import LocalNorm
+from megatron_delta.core.specs import (decoder_block_spec, get_gpt_layer_local_spec_sp, get_gpt_layer_with_delta_spec,
+                                       get_gpt_layer_with_delta_te_spec)
+
+
+def layer_spec_for(config: DeltaTransformerConfig, transformer_impl: str = "local"):
+    """Megatron's GPT layer spec for `baseline`, the Delta layer spec otherwise (local or TE backend)."""
+    kw = dict(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    if transformer_impl == "transformer_engine":
+        if not config.routed:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        return get_gpt_layer_with_delta_te_spec(**kw)
+    if not config.routed:
+        return get_gpt_layer_local_spec_sp(**kw)
+    return get_gpt_layer_with_delta_spec(**kw)
+
+
+def final_norm_for(transformer_impl: str):
+    if transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return LocalNorm
+
+
+def gpt_model(config: DeltaTransformerConfig, vocab_size: int, *, pre_process: bool, post_process: bool,
+              vp_stage=None, transformer_impl: str = "local", **gpt_kwargs) -> GPTModel:
+    """One pipeline chunk: Megatron-Core's GPTModel (baseline) or DeltaGPTModel (routed modes).
+    ``gpt_kwargs`` are GPTModel's own (max_sequence_length, position_embedding_type, rotary_base, ...)."""
+    block_spec = decoder_block_spec(config, layer_spec_for(config, transformer_impl), vp_stage,
+                                    final_norm_for(transformer_impl))
+    model_cls = DeltaGPTModel if config.routed else GPTModel
+    return model_cls(config=config, transformer_layer_spec=block_spec, vocab_size=vocab_size,
+                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                     parallel_output=True, **gpt_kwargs)
+
+
+def build_model_chunks(config: DeltaTransformerConfig, vocab_size: int, **options) -> list[torch.nn.Module]:
+    """One GPT model per (virtual) pipeline chunk held by this rank (``options``: those of gpt_model)."""
+    vp_size = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vp_size or 1):
+        stage = vp_stage if vp_size else None
+        chunks.append(gpt_model(
+            config, vocab_size, vp_stage=stage,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            **options))
+    return chunks
+
+
+class DeltaGPTModel(GPTModel):
+    """GPTModel whose decoder is a DeltaTransformerBlock.
+
+    GPTModel.__init__ hard-codes TransformerBlock; we let Megatron build it (so parameters, init order
+    and random numbers are exactly the baseline's) and then re-class the built block, which only adds
+    routing parameters that consume no random numbers.
+    """
+
+    def __init__(self, config, transformer_layer_spec, *args, **kwargs):
+        super().__init__(config, transformer_layer_spec, *args, **kwargs)
+        self.decoder.__class__ = DeltaTransformerBlock
+        self.decoder.init_delta()
