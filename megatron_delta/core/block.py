@@ -11,9 +11,9 @@ from contextlib import nullcontext
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.utils import make_viewless_tensor
+from megatron.core.utils import WrappedTensor, deprecate_inference_params, make_viewless_tensor
 
 from megatron_delta.core.modes import REPLACEMENT_MODES
 from megatron_delta.core.layer import build_router
@@ -54,12 +54,17 @@ class DeltaTransformerBlock(TransformerBlock):
     def end_layer(self) -> int:
         return self.layers[-1].layer_number
 
-    # Replaces TransformerBlock.forward: a SourceBuffer, not one hidden-states tensor, runs through
-    # the layers, and the output is either the packed stage payload or the final-normed output.
+    # Replaces TransformerBlock.forward: a SourceBuffer, not one hidden-states tensor, runs through the layers
+    # (upstream's arguments, all handed on or refused by name); the output is the stage payload or final-normed.
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
                 rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
                 inference_context=None, packed_seq_params=None, sequence_len_offset=None, padding_mask=None,
-                **unused):
+                extract_layer_indices=None, *, inference_params=None, dynamic_inference_decode_only=None):
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        self._refuse_unsupported(context=context, context_mask=context_mask, inference_context=inference_context,
+                                 extract_layer_indices=extract_layer_indices)
+        if isinstance(hidden_states, WrappedTensor):
+            hidden_states = hidden_states.unwrap()
         if not self.pre_process:
             hidden_states = self.input_tensor  # the previous stage's payload (see set_input_tensor)
         eps = self.config.delta_router_eps
@@ -78,10 +83,13 @@ class DeltaTransformerBlock(TransformerBlock):
                 full = tensors[0].size(0) * (self.config.tensor_model_parallel_size
                                              if self.config.sequence_parallel else 1)
                 rotary_pos_emb = rotary_pos_emb[:full]
+        # TransformerLayer.forward's arguments, as upstream's layer loop passes them (context and
+        # context_mask are None: cross-attention is refused)
         layer_kwargs = dict(attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                             rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                            attention_bias=attention_bias, packed_seq_params=packed_seq_params,
-                            sequence_len_offset=sequence_len_offset, inference_context=inference_context)
+                            rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                            inference_context=inference_context, packed_seq_params=packed_seq_params,
+                            sequence_len_offset=sequence_len_offset, padding_mask=padding_mask)
 
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
         with rng, self._outer_fp8_context():
@@ -109,6 +117,20 @@ class DeltaTransformerBlock(TransformerBlock):
             out = pack_stage_payload(buffer.to_tensors())
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
 
+    def _refuse_unsupported(self, **arguments):
+        """TransformerBlock.forward's arguments that the routed block cannot honour: an error naming the
+        argument, not a silent skip (the config-level refusals are in config.UNSUPPORTED_FEATURES)."""
+        why = {"context": "cross-attention (the routed layer has no cross-attention sublayer)",
+               "context_mask": "cross-attention (the routed layer has no cross-attention sublayer)",
+               "inference_context": "Megatron-Core inference (KV cache); generate with the model exported to "
+                                    "Hugging Face (megatron_delta.hf)",
+               "extract_layer_indices": "intermediate hidden states: a routed layer's output is the SourceBuffer's "
+                                        "sources, not one hidden state"}
+        for name, value in arguments.items():
+            if value is not None and (not isinstance(value, (set, list, tuple)) or value):
+                raise ValueError(f"DeltaTransformerBlock.forward: {name} is not supported with --residual "
+                                 f"{self.config.residual}: {why[name]}")
+
     # FP8 contexts as in TransformerBlock.forward: the delayed recipe wraps the whole layer loop once
     # (one amax reduction per pass), the other recipes wrap each layer (get_fp8_context may leave
     # first/last layers in BF16). The routers inside switch FP8 off again (router._outside_fp8), and
@@ -127,8 +149,8 @@ class DeltaTransformerBlock(TransformerBlock):
 
         return get_fp8_context(self.config, layer.layer_number - 1)
 
-    # Replaces TransformerBlock._checkpointed_forward: the checkpointed function takes the sources
-    # as explicit tensor arguments (recompute re-runs it in backward, so nothing may be captured).
+    # Replaces megatron.core.recompute.checkpointed_forward (full recompute): the sources go in as explicit
+    # tensor arguments, since recompute re-runs the function in backward; upstream's rules otherwise kept.
     def _checkpointed_layers(self, tensors, layer_kwargs):
         eps = self.config.delta_router_eps
         n, step = len(self.layers), self.config.recompute_num_layers
@@ -145,20 +167,25 @@ class DeltaTransformerBlock(TransformerBlock):
             return fn
 
         def checkpointed(start, end, ts):
-            if self.config.fp8:  # as TransformerBlock: TE's checkpoint restores the FP8 state on recompute
+            if self.config.fp8:  # TE's checkpoint restores the FP8 state on recompute
                 from megatron.core.extensions.transformer_engine import te_checkpoint
 
                 return list(te_checkpoint(run(start, end), self.config.distribute_saved_activations,
-                                          tensor_parallel.random.get_cuda_rng_tracker,
-                                          parallel_state.get_tensor_model_parallel_group(), *ts))
+                                          tensor_parallel.random.get_cuda_rng_tracker, self.pg_collection.tp, *ts))
             return list(tensor_parallel.checkpoint(run(start, end), self.config.distribute_saved_activations, *ts))
 
         if self.config.recompute_method == "uniform":
             for start in range(0, n, step):
                 tensors = checkpointed(start, min(start + step, n), tensors)
         elif self.config.recompute_method == "block":
+            skipped = 0  # under FP8, TE's re-entrant checkpoint needs an input that needs a gradient
             for i in range(n):
-                tensors = checkpointed(i, i + 1, tensors) if i < step else list(run(i, i + 1)(*tensors))
+                if self.config.fp8 and not any(t.requires_grad for t in tensors):
+                    skipped += 1
+                if skipped <= i < step + skipped:
+                    tensors = checkpointed(i, i + 1, tensors)
+                else:
+                    tensors = list(run(i, i + 1)(*tensors))
         else:
             raise ValueError(f"--recompute-method {self.config.recompute_method!r} is not uniform or block")
         return tensors

@@ -1,11 +1,12 @@
 """DeltaTransformerConfig: Megatron's TransformerConfig plus the residual-routing fields (`delta_*`).
 
-The rules about which residual options go together live in `modes.check_delta_options`, used both by the
-dataclass's `__post_init__` (library users) and by the argument parser (so pretrain_gpt.py fails before
-any Megatron code runs). Messages name the command-line flag, since that is what most users typed.
+The rules about which residual options go together live in `modes.check_delta_options`; what the routed
+modes refuse of Megatron-Core (RESIDUAL_FUSIONS, UNSUPPORTED_FEATURES) lives here. Each is used both by the
+dataclass's `__post_init__` (library users) and by the argument parsers (so pretrain_gpt.py fails before
+the distributed start-up). Messages name the command-line flag, since that is what most users typed.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -17,7 +18,7 @@ from megatron_delta.core.modes import check_delta_options
 # routed input u and its addend v = dropout(out + bias) goes to the SourceBuffer (x <- x + v), so a fusion
 # that hands the norm's input on as "the residual", or adds the residual in a linear, would compute
 # something else. These are refused for the routed modes. `bias_dropout_fusion` is allowed: the routed
-# layer never calls the bias-dropout-add module (it forms v itself, exactly; tests/test_fla_router.py).
+# layer's bias-dropout module (layer.get_bias_dropout) adds no residual, fused or not (v = dropout(out + bias)).
 RESIDUAL_FUSIONS = {
     "fused_residual_rmsnorm": ("--fused-residual-rmsnorm", "TE's fused RMSNorm returns its input as the "
                                "residual (x), but a routed sublayer's norm input is u = x + G(r)"),
@@ -41,6 +42,43 @@ def check_residual_fusions(residual: str, **fusions: bool) -> None:
                              f"u = x + G(r) and x <- x + v itself)")
 
 
+# Megatron-Core features the routed layer and block do not implement: config field -> (flag, why). The
+# baseline is Megatron's own TransformerLayer / TransformerBlock and keeps all of them. Cross-attention
+# has no config field: DeltaTransformerLayer refuses a layer spec that has it.
+UNSUPPORTED_FEATURES = {
+    "num_moe_experts": ("--num-experts", "the routed layer is built and tested with a dense MLP; MoE's token "
+                        "dispatch, aux losses and expert parallelism are not wired through it"),
+    "fp4": ("--fp4-format", "the routed block enters FP8 contexts only and the routers switch only FP8 "
+            "autocast off around their fp32 math"),
+    "cpu_offloading": ("cpu_offloading=True", "TransformerBlock offloads its one hidden-states tensor "
+                       "per layer (Megatron-LM has no flag for it); the routed block holds a SourceBuffer of "
+                       "many, which nothing offloads"),
+    "fine_grained_activation_offloading": ("--fine-grained-activation-offloading", "the offload manager's "
+                                           "bookkeeping is untested with routed layers, and the sources the "
+                                           "routers read stay resident"),
+    "mtp_num_layers": ("--mtp-num-layers", "multi-token prediction continues from the decoder's last hidden "
+                       "state through Megatron's residual layers; the routed model builds no MTP block"),
+    "context_parallel_size": ("--context-parallel-size", "the routed block's stage payload and rotary "
+                              "trimming assume that each rank holds whole sequences"),
+}
+
+# TransformerConfig's defaults: a feature is switched on when its field is set to anything else
+# (None, False and 0 also count as off: Megatron-LM's --num-experts 0 means none).
+_UPSTREAM_DEFAULTS = {f.name: f.default for f in fields(TransformerConfig)}
+
+
+def check_unsupported_features(residual: str, **values) -> None:
+    """Refuse, for a routed mode, each feature in UNSUPPORTED_FEATURES that ``values`` switch on (ValueError
+    naming the flag, the mode and what to do). Unknown names are ignored, so callers may pass what they have."""
+    if residual == "baseline":
+        return
+    for field, (flag, why) in UNSUPPORTED_FEATURES.items():
+        value = values.get(field)
+        if value not in (None, False, 0) and value != _UPSTREAM_DEFAULTS[field]:
+            raise ValueError(f"{flag} is not supported with --residual {residual}: {why}. Drop {flag}, or "
+                             f"use --residual baseline (Megatron-Core's own layers support it)")
+
+
 @dataclass
 class DeltaTransformerConfig(TransformerConfig):
     """TransformerConfig + residual routing. `residual='baseline'` is plain Megatron."""
@@ -62,7 +100,8 @@ class DeltaTransformerConfig(TransformerConfig):
     'fla' (and 'auto' for CUDA tensors): fla-core's fused GPU kernel (fla_router.py)."""
 
     def __post_init__(self):
-        super().__post_init__()
+        # Ours first: they read only fields as given, and name the flag where Megatron's checks of the
+        # same fields (e.g. CPU offloading, MoE) would fail with their own message or an assert.
         if self.delta_router_kernels not in KERNEL_CHOICES:
             raise ValueError(f"--delta-router-kernels {self.delta_router_kernels!r} is not one of "
                              f"{', '.join(KERNEL_CHOICES)}")
@@ -70,6 +109,8 @@ class DeltaTransformerConfig(TransformerConfig):
             self.residual, self.num_layers, self.delta_num_blocks, self.delta_null_source,
             self.delta_gate, self.delta_sources, router_kernels=self.delta_router_kernels)
         check_residual_fusions(self.residual, **{f: getattr(self, f, False) for f in RESIDUAL_FUSIONS})
+        check_unsupported_features(self.residual, **{f: getattr(self, f) for f in UNSUPPORTED_FEATURES})
+        super().__post_init__()
 
     @property
     def routed(self) -> bool:

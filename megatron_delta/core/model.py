@@ -7,8 +7,10 @@ routers consume no random numbers, so one `--seed` gives the same backbone weigh
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage, is_vp_first_stage,
+                                                   is_vp_last_stage)
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_delta.core.block import DeltaTransformerBlock
 from megatron_delta.core.config import DeltaTransformerConfig
@@ -51,17 +53,22 @@ def gpt_model(config: DeltaTransformerConfig, vocab_size: int, *, pre_process: b
                      parallel_output=True, **gpt_kwargs)
 
 
-def build_model_chunks(config: DeltaTransformerConfig, vocab_size: int, **options) -> list[torch.nn.Module]:
-    """One GPT model per (virtual) pipeline chunk held by this rank (``options``: those of gpt_model)."""
+def build_model_chunks(config: DeltaTransformerConfig, vocab_size: int, pg_collection=None,
+                       **options) -> list[torch.nn.Module]:
+    """One GPT model per (virtual) pipeline chunk held by this rank, as megatron.training's get_model builds
+    them (``options``: those of gpt_model). ``pg_collection``: the process groups (default: Megatron-Core's
+    global ones, ProcessGroupCollection.use_mpu_process_groups)."""
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     vp_size = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vp_size or 1):
         stage = vp_stage if vp_size else None
         chunks.append(gpt_model(
             config, vocab_size, vp_stage=stage,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            **options))
+            pre_process=is_pp_first_stage(pg_collection.pp) and is_vp_first_stage(stage, vp_size),
+            post_process=is_pp_last_stage(pg_collection.pp) and is_vp_last_stage(stage, vp_size),
+            pg_collection=pg_collection, **options))
     return chunks
 
 

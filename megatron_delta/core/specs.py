@@ -1,7 +1,8 @@
 """Layer specs: Megatron-Core's own GPT submodules, with depth routers for the routed modes.
 
 - `get_gpt_layer_local_spec_sp`: Megatron's local spec with norms that support sequence parallelism.
-- `get_gpt_layer_with_delta_spec`: the same submodules in a DeltaTransformerLayer, plus two routers.
+- `get_gpt_layer_with_delta_spec`: the same submodules in a DeltaTransformerLayer, plus two routers, and
+  bias-dropout modules that return the addend v instead of adding it to a residual (layer.get_bias_dropout).
 - `get_gpt_layer_with_delta_te_spec`: the Transformer Engine variant (input norms fused into
   linear_qkv / linear_fc1, so the routed input `u` is what enters the fused linear). Imported lazily.
 - `decoder_block_spec`: the block-level spec (layers of this pipeline chunk + the final norm).
@@ -32,14 +33,22 @@ def get_gpt_layer_local_spec_sp(qk_layernorm: bool = True, normalization: str = 
     return spec
 
 
-def get_gpt_layer_with_delta_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
-    """Local backend: Megatron's attention/MLP/norm submodules inside a DeltaTransformerLayer."""
-    from megatron_delta.core.layer import DeltaTransformerLayer, DeltaTransformerLayerSubmodules
+def _delta_layer_spec(spec: ModuleSpec) -> ModuleSpec:
+    """Megatron's GPT layer spec as a DeltaTransformerLayer: its submodules, two routers, and bias-dropout
+    modules that return the addend (the SourceBuffer adds it; Megatron's would add the residual)."""
+    from megatron_delta.core.layer import DeltaTransformerLayer, DeltaTransformerLayerSubmodules, get_bias_dropout
     from megatron_delta.core.router import DepthRouter
 
-    base = get_gpt_layer_local_spec_sp(qk_layernorm=qk_layernorm, normalization=normalization).submodules
+    base = spec.submodules
+    submodules = {k: getattr(base, k) for k in base.__dataclass_fields__}
+    submodules.update(self_attn_bda=get_bias_dropout, mlp_bda=get_bias_dropout)
     return ModuleSpec(module=DeltaTransformerLayer, submodules=DeltaTransformerLayerSubmodules(
-        **{k: getattr(base, k) for k in base.__dataclass_fields__}, self_attention_router=DepthRouter, mlp_router=DepthRouter))
+        **submodules, self_attention_router=DepthRouter, mlp_router=DepthRouter))
+
+
+def get_gpt_layer_with_delta_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
+    """Local backend: Megatron's attention/MLP/norm submodules inside a DeltaTransformerLayer."""
+    return _delta_layer_spec(get_gpt_layer_local_spec_sp(qk_layernorm=qk_layernorm, normalization=normalization))
 
 
 def get_gpt_layer_with_delta_te_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
@@ -47,15 +56,11 @@ def get_gpt_layer_with_delta_te_spec(qk_layernorm: bool = True, normalization: s
     try:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm).submodules
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     except (ImportError, AssertionError) as e:
         raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not importable "
                            f"({e}); install megatron-delta[te] on a GPU machine or use --transformer-impl local")
-    from megatron_delta.core.layer import DeltaTransformerLayer, DeltaTransformerLayerSubmodules
-    from megatron_delta.core.router import DepthRouter
-
-    return ModuleSpec(module=DeltaTransformerLayer, submodules=DeltaTransformerLayerSubmodules(
-        **{k: getattr(base, k) for k in base.__dataclass_fields__}, self_attention_router=DepthRouter, mlp_router=DepthRouter))
+    return _delta_layer_spec(spec)
 
 
 def decoder_block_spec(config, layer_spec: ModuleSpec, vp_stage=None, final_norm=LocalNorm):

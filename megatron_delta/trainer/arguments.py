@@ -89,6 +89,36 @@ def check_cpu_switches(args: argparse.Namespace) -> None:
             f"{' '.join(flag for _, _, flag in GPU_DEFAULTS)})")
 
 
+# Megatron-LM's args attribute of a TransformerConfig field, where the names differ
+# (megatron.training.argument_utils.core_transformer_config_from_args: num_moe_experts = args.num_experts).
+CONFIG_FIELD_ARGS = {"num_moe_experts": "num_experts"}
+
+
+def check_routed_features(args: argparse.Namespace) -> None:
+    """What DeltaTransformerConfig refuses for the routed modes (core.config RESIDUAL_FUSIONS and
+    UNSUPPORTED_FEATURES, the same rules and messages), checked on Megatron-LM's args before the distributed
+    start-up (the config is built after it). Fields Megatron-LM has no flag for are absent from args: skipped."""
+    from megatron_delta.core.config import (RESIDUAL_FUSIONS, UNSUPPORTED_FEATURES, check_residual_fusions,
+                                            check_unsupported_features)
+
+    def values(table):
+        return {field: getattr(args, CONFIG_FIELD_ARGS.get(field, field), None) for field in table}
+
+    check_residual_fusions(args.residual, **values(RESIDUAL_FUSIONS))
+    check_unsupported_features(args.residual, **values(UNSUPPORTED_FEATURES))
+    for attr, flag in OTHER_CONFIG_CLASSES:
+        if getattr(args, attr, None):
+            raise ValueError(f"{flag} is not supported by megatron-delta's model provider (in every --residual "
+                             f"mode): Megatron-LM builds its own TransformerConfig class for it, not "
+                             f"DeltaTransformerConfig. Drop {flag}")
+
+
+# Flags for which Megatron-LM's core_transformer_config_from_args builds another config class
+# (MLATransformerConfig, HeterogeneousTransformerConfig) than the config_class it is given.
+OTHER_CONFIG_CLASSES = (("multi_latent_attention", "--multi-latent-attention"),
+                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"))
+
+
 def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
     from megatron_delta.core import cpu_kernels
@@ -100,6 +130,7 @@ def validate_delta_args(args: argparse.Namespace) -> None:
         args.delta_num_blocks = check_delta_options(
             args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
             args.delta_gate, args.delta_sources, args.router_lr_mult, args.delta_router_kernels)
+        check_routed_features(args)
         if args.residual != "baseline":
             cpu_kernels.check(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1
     except ValueError as e:

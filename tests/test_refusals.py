@@ -1,0 +1,278 @@
+"""What the routed modes do not support fails at start-up with one message naming it (issue item 3), and
+what upstream's TransformerBlock.forward hands its layers reaches the routed layers too (padding_mask).
+
+- Config level: DeltaTransformerConfig refuses each feature of core/config.UNSUPPORTED_FEATURES for a routed
+  mode (the flag, the mode and what to do), and accepts the same config for the baseline.
+- Layer spec: a DeltaTransformerLayer refuses cross-attention submodules; Megatron's TransformerLayer takes them.
+- Trainer: pretrain_gpt.py (megatron_delta.trainer.main) stops with one line before the distributed start-up.
+- padding_mask: with an MLP whose output depends on it, a routed model (delta, gate a = 0: the baseline's
+  numbers) gives the baseline's logits with a padding mask, in eval and under full recompute.
+"""
+import functools
+import sys
+
+import pytest
+import torch
+
+from megatron_delta.core.config import UNSUPPORTED_FEATURES, DeltaTransformerConfig
+from tests.flags import tiny
+
+pytestmark = pytest.mark.usefixtures("distributed_teardown")
+
+SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4)
+
+# config field -> (value that switches it on, what else Megatron-Core needs for the baseline to accept it)
+SWITCHED_ON = {
+    "num_moe_experts": (4, {}),
+    "fp4": ("e2m1", {}),
+    "cpu_offloading": (True, dict(cpu_offloading_num_layers=1)),
+    "fine_grained_activation_offloading": (True, dict(offload_modules=["core_attn"])),
+    "mtp_num_layers": (1, {}),
+    "context_parallel_size": (2, {}),
+}
+
+REMEDY = "or use --residual baseline (Megatron-Core's own layers support it)"
+
+
+def test_every_refusal_is_tested():
+    assert set(SWITCHED_ON) == set(UNSUPPORTED_FEATURES)
+
+
+@pytest.mark.parametrize("field", list(SWITCHED_ON))
+def test_config_refuses_for_routed_modes(field):
+    """One refusal per feature: the message starts with the flag and the mode and ends with what to do;
+    the same fields make a valid baseline config (Megatron-Core's own layers)."""
+    value, needs = SWITCHED_ON[field]
+    flag, why = UNSUPPORTED_FEATURES[field]
+    with pytest.raises(ValueError) as e:
+        DeltaTransformerConfig(**SMALL, residual="delta_block", **{field: value}, **needs)
+    assert str(e.value) == f"{flag} is not supported with --residual delta_block: {why}. Drop {flag}, {REMEDY}"
+    config = DeltaTransformerConfig(**SMALL, residual="baseline", **{field: value}, **needs)
+    assert getattr(config, field) == value
+
+
+def test_config_names_each_flag():
+    assert {f: flag for f, (flag, _) in UNSUPPORTED_FEATURES.items()} == {
+        "num_moe_experts": "--num-experts", "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
+        "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
+        "mtp_num_layers": "--mtp-num-layers", "context_parallel_size": "--context-parallel-size"}
+
+
+def test_config_off_values_are_accepted():
+    DeltaTransformerConfig(**SMALL, residual="delta", context_parallel_size=1, mtp_num_layers=None,
+                           num_moe_experts=None, fp4=None, cpu_offloading=False)
+
+
+# ----------------------------------------------------------------------------- trainer: before start-up
+CLI_TINY = tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, train_iters=1) + [
+    "--eval-iters", "1", "--eval-interval", "1000"]
+
+CLI_REFUSED = [
+    (["--num-experts", "4"], "--num-experts is not supported with --residual delta: "),
+    (["--fp4-format", "e2m1"], "--fp4-format is not supported with --residual delta: "),
+    (["--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
+     "--fine-grained-activation-offloading is not supported with --residual delta: "),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers is not supported with --residual delta: "),
+    (["--context-parallel-size", "2"], "--context-parallel-size is not supported with --residual delta: "),
+    (["--fused-residual-rmsnorm"], "--fused-residual-rmsnorm folds the residual add into a fused kernel and cannot "
+                                   "be used with --residual delta: "),
+]
+
+
+@pytest.mark.parametrize("flags, start", CLI_REFUSED, ids=[f[0][0] for f in CLI_REFUSED])
+def test_trainer_refuses_before_startup(flags, start, monkeypatch, capsys):
+    """pretrain_gpt.py --residual delta with the flag: exit 2, one line naming it, and run() (the distributed
+    start-up) is never reached."""
+    from megatron_delta.trainer import main as trainer_main
+
+    def started(args):
+        raise AssertionError("the run started: the flag was not refused at start-up")
+
+    monkeypatch.setattr(trainer_main, "run", started)
+    rc = trainer_main.main(CLI_TINY + ["--residual", "delta"] + flags)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("pretrain_gpt.py: error: " + start), line
+    assert line.endswith(REMEDY) or line.endswith("x <- x + v itself)"), line
+
+
+@pytest.mark.parametrize("flags", [f for f, _ in CLI_REFUSED], ids=[f[0][0] for f in CLI_REFUSED])
+def test_trainer_baseline_keeps_the_flags(flags, monkeypatch):
+    """The same flags pass the project's validation for --residual baseline (Megatron-LM's own checks follow)."""
+    from megatron.training.arguments import parse_args
+
+    from megatron_delta.trainer.arguments import add_delta_args, validate_delta_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + CLI_TINY + flags)
+    args = parse_args(extra_args_provider=add_delta_args)
+    validate_delta_args(args)
+
+
+@pytest.mark.parametrize("residual", ["baseline", "delta_block"])
+@pytest.mark.parametrize("flags", [["--multi-latent-attention"],
+                                   ["--heterogeneous-layers-config-path", "layers.json"]], ids=lambda f: f[0])
+def test_trainer_refuses_other_config_classes(flags, residual, monkeypatch, capsys):
+    """Megatron-LM builds MLATransformerConfig / HeterogeneousTransformerConfig for these flags, not the
+    DeltaTransformerConfig the provider needs: refused in every mode, before start-up, naming the flag."""
+    from megatron_delta.trainer import main as trainer_main
+
+    def started(args):
+        raise AssertionError("the run started: the flag was not refused at start-up")
+
+    monkeypatch.setattr(trainer_main, "run", started)
+    rc = trainer_main.main(CLI_TINY + ["--residual", residual] + flags)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2
+    assert line == (f"pretrain_gpt.py: error: {flags[0]} is not supported by megatron-delta's model provider (in "
+                    f"every --residual mode): Megatron-LM builds its own TransformerConfig class for it, not "
+                    f"DeltaTransformerConfig. Drop {flags[0]}"), line
+
+
+# ----------------------------------------------------------------------------- built models
+@pytest.fixture(scope="module")
+def dist():
+    from megatron_delta.cpu_platform import initialize_distributed
+
+    initialize_distributed(1, 1, None, 1, seed=1234)
+    yield
+
+
+def _config(mode, **overrides):
+    from megatron_delta.arguments import parse_args, transformer_config_from_args
+
+    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "4",
+             "--seq-length", "16", "--mock-data", "--vocab-size", "64", "--micro-batch-size", "2",
+             "--residual", mode] + (["--delta-gate", "scalar"] if mode == "delta" else [])
+    args = parse_args(flags, world_size=1)
+    return transformer_config_from_args(args, **overrides), args
+
+
+def _t5_cross_attention():
+    """Megatron-Core's own cross-attention submodules (its T5 decoder layer)."""
+    from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec
+
+    t5 = decoder_model_with_local_spec().submodules
+    return dict(pre_cross_attn_layernorm=t5.pre_cross_attn_layernorm, cross_attention=t5.cross_attention,
+                cross_attn_bda=t5.cross_attn_bda)
+
+
+def test_cross_attention_spec_refused(dist):
+    """A layer spec with cross-attention: Megatron's TransformerLayer builds it; a routed layer refuses it,
+    naming the submodule."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_delta.core.model import layer_spec_for
+
+    config, _ = _config("delta_block")
+    spec = layer_spec_for(config)
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **_t5_cross_attention()))
+    with pytest.raises(ValueError) as e:
+        build_module(spec, config=config, layer_number=1)
+    assert str(e.value) == (
+        "cross-attention is not supported with --residual delta_block: the layer spec's cross_attention is "
+        "CrossAttention, but a routed layer routes two sublayers (self-attention, MLP). Use a GPT layer spec with "
+        "cross_attention=IdentityOp, or --residual baseline (Megatron's TransformerLayer) "
+        "when instantiating DeltaTransformerLayer")  # build_module's suffix
+
+    base_config, _ = _config("baseline")
+    base = layer_spec_for(base_config)
+    base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, **_t5_cross_attention()))
+    layer = build_module(base, config=base_config, layer_number=1)
+    assert type(layer.cross_attention).__name__ == "CrossAttention"
+
+
+def test_block_refuses_what_it_cannot_honour(dist):
+    """TransformerBlock.forward's arguments the routed block cannot honour are refused, each named: context
+    (cross-attention), inference_context (Megatron-Core's KV-cache inference), extract_layer_indices."""
+    from megatron.core import tensor_parallel
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from megatron_delta.arguments import model_options
+    from megatron_delta.core.model import build_model_chunks
+
+    config, args = _config("delta")
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    (model,) = build_model_chunks(config, 64, **model_options(args))
+    h = torch.zeros(16, 2, 32)
+    with pytest.raises(ValueError, match=r"^DeltaTransformerBlock.forward: context is not supported with "
+                                         r"--residual delta: cross-attention"):
+        model.decoder(h, None, context=h)
+    with pytest.raises(ValueError, match=r"^DeltaTransformerBlock.forward: inference_context is not supported with "
+                                         r"--residual delta: Megatron-Core inference \(KV cache\); generate with"):
+        model.decoder(h, None, inference_context=StaticInferenceContext(2, 16))
+    with pytest.raises(ValueError, match=r"^DeltaTransformerBlock.forward: extract_layer_indices is not supported"):
+        model.decoder(h, None, extract_layer_indices={0})
+    model.eval()
+    with torch.no_grad():
+        assert model.decoder(h, None, extract_layer_indices=set()).shape == h.shape  # empty: upstream's default
+
+
+# ----------------------------------------------------------------------------- padding_mask reaches the layers
+def _padding_aware_mlp():
+    from megatron.core.transformer.mlp import MLP
+
+    class PaddingAwareMLP(MLP):
+        """Megatron's MLP with its output zeroed at padded tokens ([b, s], True = padding), as an MoE router
+        drops them: makes the padding_mask that reaches the MLP visible in the logits."""
+
+        def forward(self, hidden_states, per_token_scale=None, padding_mask=None, **kwargs):
+            out, bias = super().forward(hidden_states, per_token_scale, **kwargs)
+            if padding_mask is not None:
+                out = out * (~padding_mask).t().unsqueeze(-1).to(out.dtype)
+            return out, bias
+
+    return PaddingAwareMLP
+
+
+def _model_with_padding_aware_mlp(mode, recompute_method):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_delta.arguments import model_options
+    from megatron_delta.core.model import DeltaGPTModel, final_norm_for, layer_spec_for
+    from megatron_delta.core.specs import decoder_block_spec
+
+    recompute = dict(recompute_granularity="full", recompute_method=recompute_method,
+                     recompute_num_layers=1) if recompute_method else {}
+    config, args = _config(mode, **recompute)
+    spec = layer_spec_for(config)
+    spec.submodules.mlp = functools.partial(_padding_aware_mlp().as_mlp_submodule,
+                                            submodules=spec.submodules.mlp.keywords["submodules"])
+    options = model_options(args)
+    options.pop("transformer_impl")
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    model_cls = DeltaGPTModel if config.routed else GPTModel
+    block_spec = decoder_block_spec(config, spec, None, final_norm_for("local"))
+    return model_cls(config=config, transformer_layer_spec=block_spec, vocab_size=64, pre_process=True,
+                     post_process=True, parallel_output=True, **options)
+
+
+@pytest.mark.parametrize("recompute_method", [None, "uniform", "block"])
+def test_padding_mask_reaches_the_layers(dist, recompute_method):
+    """delta with the scalar gate at a = 0 computes the baseline's numbers; with an MLP that reads padding_mask,
+    the logits stay the baseline's only if the routed block hands padding_mask to every layer's MLP as
+    TransformerBlock does (eval: the layer loop; train: full recompute, uniform and block)."""
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand(2, -1)
+    padding = torch.zeros(2, 16, dtype=torch.bool)
+    padding[0, 10:] = True
+    padding[1, 3:7] = True
+    logits = {}
+    for mode in ("baseline", "delta"):
+        model = _model_with_padding_aware_mlp(mode, recompute_method)
+        model.train(recompute_method is not None)
+        with torch.set_grad_enabled(recompute_method is not None):
+            masked = model(tokens, positions, None, padding_mask=padding)
+            plain = model(tokens, positions, None)
+        logits[mode] = (masked.detach(), plain.detach())
+        if recompute_method is not None:
+            masked.float().sum().backward()  # recompute runs the layers again, with the mask
+    assert torch.equal(logits["delta"][0], logits["baseline"][0])
+    assert torch.equal(logits["delta"][1], logits["baseline"][1])
+    assert not torch.equal(logits["delta"][0], logits["delta"][1])  # the mask matters for these logits
