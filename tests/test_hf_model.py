@@ -17,8 +17,9 @@ import safetensors  # noqa: E402,F401
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,  # noqa: E402
                           Qwen3Config, Qwen3ForCausalLM)
 
-from megatron_delta.hf import (AUTO_MAP, DeltaQwen3Config, DeltaQwen3ForCausalLM, DeltaRouter,  # noqa: E402
-                               export_sentencepiece_tokenizer, write_remote_code_model)
+import megatron_delta  # noqa: E402
+from megatron_delta.hf import (AUTO_MAP, REMOTE_CODE_FILES, DeltaQwen3Config, DeltaQwen3ForCausalLM,  # noqa: E402
+                               DeltaRouter, export_sentencepiece_tokenizer, write_remote_code_model)
 from tests import reference_delta as ref  # noqa: E402
 
 L, D, NH, NG, HN, FFN, V = 4, 64, 4, 2, 16, 96, 64
@@ -64,26 +65,34 @@ def randomize_routers(model, seed=1):
 
 # ---------------------------------------------------------------------------------------------- config
 def test_config_validation():
-    with pytest.raises(ValueError, match="residual must be one of"):
-        DeltaQwen3Config(residual="hyper")
-    with pytest.raises(ValueError, match="baseline.*no routers"):
-        DeltaQwen3Config(residual="baseline", delta_null_source=True)
-    with pytest.raises(ValueError, match="baseline.*no routers"):
-        DeltaQwen3Config(residual="baseline", delta_gate="scalar")
-    with pytest.raises(ValueError, match="needs delta_num_blocks"):
-        DeltaQwen3Config(residual="delta_block", num_hidden_layers=4)
-    with pytest.raises(ValueError, match="must divide"):
-        DeltaQwen3Config(residual="attnres", delta_num_blocks=3, num_hidden_layers=4)
-    with pytest.raises(ValueError, match="only used by"):
-        DeltaQwen3Config(residual="delta", delta_num_blocks=2, num_hidden_layers=4)
-    with pytest.raises(ValueError, match="additive modes"):
-        DeltaQwen3Config(residual="full_attnres", delta_gate="scalar")
-    with pytest.raises(ValueError, match="authors-code"):
-        DeltaQwen3Config(residual="attnres", delta_num_blocks=2, num_hidden_layers=4, delta_sources="authors-code")
-    with pytest.raises(ValueError, match="delta_gate must be"):
-        DeltaQwen3Config(residual="delta", delta_gate="vector")
-    with pytest.raises(ValueError, match="delta_router_eps"):
-        DeltaQwen3Config(residual="delta", delta_router_eps=0.0)
+    """The residual rules are the command line's (modes.check_delta_options), naming the config fields."""
+    bad = [
+        (dict(residual="hyper"), "residual='hyper' is not one of baseline, attnres, full_attnres, delta, delta_block"),
+        (dict(residual="baseline", delta_null_source=True),
+         "delta_null_source needs a routed residual mode; residual=baseline has no routers"),
+        (dict(residual="baseline", delta_gate="scalar"), "delta_gate=scalar needs a routed residual mode"),
+        (dict(residual="attnres", delta_num_blocks=3, num_hidden_layers=4),
+         "delta_num_blocks=3 must be a positive divisor of num_hidden_layers=4"),
+        (dict(residual="attnres", delta_num_blocks=True, num_hidden_layers=4),
+         "delta_num_blocks=True must be a positive divisor of num_hidden_layers=4"),
+        (dict(residual="delta", delta_num_blocks=2, num_hidden_layers=4),
+         "delta_num_blocks applies to residual delta_block and attnres, not delta"),
+        (dict(residual="full_attnres", delta_gate="scalar"),
+         "delta_gate=scalar only applies to the additive modes (delta, delta_block): residual=full_attnres "
+         "replaces the residual stream"),
+        (dict(residual="attnres", delta_num_blocks=2, num_hidden_layers=4, delta_sources="authors-code"),
+         "delta_sources=authors-code is defined for residual delta and delta_block only"),
+        (dict(residual="delta", delta_gate="vector"), "delta_gate='vector' is not one of none, scalar"),
+        (dict(residual="delta", delta_null_source=1), "delta_null_source must be a bool, got 1"),
+        (dict(residual="delta", delta_router_eps=0.0), "delta_router_eps must be a positive float, got 0.0"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError) as err:
+            DeltaQwen3Config(**kwargs)
+        assert message in str(err.value), (kwargs, str(err.value))
+    # a block mode without delta_num_blocks gets the command line's default K (4, or L below 4 layers)
+    assert DeltaQwen3Config(residual="delta_block", num_hidden_layers=8).delta_num_blocks == 4
+    assert DeltaQwen3Config(residual="attnres", num_hidden_layers=3).delta_num_blocks == 3
     cfg = DeltaQwen3Config(residual="delta_block", delta_num_blocks=2, delta_sources="authors-code",
                            delta_null_source=True, delta_gate="scalar", delta_router_eps=1e-5, use_qk_norm=False,
                            **backbone_kwargs())
@@ -317,13 +326,14 @@ def test_remote_code_roundtrip(tmp_path, mode, k, sources, null, gate, qk_norm, 
     out = tmp_path / f"hf_{mode}"
     write_remote_code_model(model, model.config, str(out))
     assert sorted(os.listdir(out)) == ["config.json", "configuration_delta.py", "model.safetensors",
-                                       "modeling_delta.py"]
+                                       "modeling_delta.py", "modes.py"]
     import json
     cfg_json = json.loads((out / "config.json").read_text())
     assert cfg_json["auto_map"] == AUTO_MAP and cfg_json["residual"] == mode
-    # the remote code must not depend on this package
-    for f in ("configuration_delta.py", "modeling_delta.py"):
-        assert "megatron_delta" not in (out / f).read_text().replace("``megatron_delta``", "")
+    # the copies are this package's files (test_export_loads_without_this_package: they need nothing else)
+    package = os.path.dirname(os.path.abspath(megatron_delta.__file__))
+    for fname, source in REMOTE_CODE_FILES.items():
+        assert (out / fname).read_bytes() == open(os.path.join(package, source), "rb").read(), fname
     loaded = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
     assert type(loaded).__name__ == "DeltaQwen3ForCausalLM"
     assert type(loaded) is not DeltaQwen3ForCausalLM  # really the copied remote code
@@ -350,6 +360,50 @@ def test_remote_code_roundtrip(tmp_path, mode, k, sources, null, gate, qk_norm, 
         assert p.dtype == (torch.float32 if "_router." in n else torch.bfloat16), n
     with torch.no_grad():
         assert half(ids).logits.dtype == torch.bfloat16
+
+
+LOAD_WITHOUT_PACKAGE = r"""
+import sys
+sys.modules["megatron_delta"] = None  # any import of this package fails (it is installed, editable, here)
+import torch
+from transformers import AutoModelForCausalLM
+torch.set_num_threads(1)
+ids = torch.load(sys.argv[1])
+for path in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    for p in model.parameters():
+        p.data = p.data.clone()  # ordinary memory, not safetensors' mmap (the BLAS path of the writer's model)
+    with torch.no_grad():
+        torch.save(model(ids).logits, path + "/logits.pt")
+print(sorted(m for m in sys.modules if m.startswith("megatron_delta") and sys.modules[m] is not None))
+"""
+
+
+def test_export_loads_without_this_package(tmp_path):
+    """An export is self-contained: in a process where megatron_delta cannot be imported, transformers' remote
+    code loader accepts the files (its import check and relative imports: modes.py) and the model computes
+    the logits of the model that was exported."""
+    import subprocess
+    import sys
+
+    ids = torch.randint(0, V, (2, 9))
+    torch.save(ids, tmp_path / "ids.pt")
+    models = {}
+    for mode, k, sources, null, gate in [("delta_block", 2, "authors-code", True, True),
+                                         ("attnres", 2, "exact", False, False)]:
+        model, _, _ = build_pair(mode, k, sources, null, gate, qk_norm=True)
+        write_remote_code_model(model, model.config, str(tmp_path / mode))
+        models[mode] = model
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_PACKAGE, str(tmp_path / "ids.pt")]
+                          + [str(tmp_path / m) for m in models], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout  # nothing of megatron_delta was imported
+    for mode, model in models.items():
+        with torch.no_grad():
+            want = model(ids).logits
+        assert torch.equal(torch.load(tmp_path / mode / "logits.pt"), want), mode
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer

@@ -1,6 +1,7 @@
 """The core never imports the training side: every import in megatron_delta/core/ (module level or inside a
 function) names the standard library, torch, megatron.core, einops/fla (the GPU kernel) or megatron_delta.core
-itself. megatron_delta/hf/ imports no Megatron at all (an exported model runs with transformers alone)."""
+itself. megatron_delta/hf/ imports no Megatron (an exported model runs with transformers alone), only the mode
+rules of megatron_delta/core/modes.py, which import nothing."""
 import ast
 import pathlib
 import sys
@@ -47,8 +48,9 @@ def core_may_import(mod: str) -> bool:
 
 
 def hf_may_import(mod: str) -> bool:
+    """The HF side may read the mode rules (core/modes.py, which imports nothing) and nothing else of Megatron."""
     if mod.startswith("megatron"):
-        return mod == "megatron_delta.hf" or mod.startswith("megatron_delta.hf.")
+        return mod in ("megatron_delta.core.modes",) or mod == "megatron_delta.hf" or mod.startswith("megatron_delta.hf.")
     return True
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_delta.core.payload import pack_stage_payload, payload_seq_length, unpack_stage_payload
-from megatron_delta.core.router import DepthRouter, make_source
+from megatron_delta.core.router import DepthRouter
 from megatron_delta.routing_stats import RoutingStatsAccumulator, routing_stats
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
 
@@ -108,28 +108,7 @@ class Toy:
 
 
 # --------------------------------------------------------------------------- SourcePlan
-def test_plan_validation_messages():
-    with pytest.raises(ValueError, match="--delta-num-blocks"):
-        SourcePlan("delta_block", 12, 5)
-    with pytest.raises(ValueError, match="--delta-num-blocks"):
-        SourcePlan("attnres", 6, 4)
-    with pytest.raises(ValueError, match="--delta-num-blocks"):
-        SourcePlan("delta_block", 12, 0)
-    with pytest.raises(ValueError, match="--residual"):
-        SourcePlan("deltaa", 12, 4)
-    with pytest.raises(ValueError, match="--residual"):
-        SourcePlan("baseline", 12, 4)
-    with pytest.raises(ValueError, match="--delta-sources"):
-        SourcePlan("delta", 12, 4, "paper")
-    with pytest.raises(ValueError, match="--delta-sources"):
-        SourcePlan("attnres", 12, 4, "authors-code")
-    SourcePlan("delta", 12, 5)  # num_blocks is not used by the fine-grained mode
-    for bad in (dict(mode="attnres"), dict(mode="full_attnres"), dict(mode="delta_block", sources="authors-code"),
-                dict(mode="delta", sources="authors-code")):
-        with pytest.raises(ValueError, match="x_from_sources: only the additive modes' exact sources"):
-            SourcePlan(num_layers=4, num_blocks=2, x_from_sources=True, **bad)
-
-
+# (each mode's reads and payloads, and the checks of a plan: tests/test_modes.py)
 @pytest.mark.parametrize("mode,sources,gate,expected", [
     ("delta", "exact", "none", True), ("delta_block", "exact", "none", True),
     ("delta", "exact", "scalar", False), ("delta_block", "exact", "scalar", False),  # u = x + 0 r at init
@@ -169,22 +148,6 @@ def test_source_counts():
     pf = SourcePlan("full_attnres", L, 1)
     assert [pf.num_sources_read(j) for j in range(2 * L)] == [j + 1 for j in range(2 * L)]
     assert len(pf.final_reads()) == 2 * L + 1 == pf.max_sources()
-
-
-def test_payload_names_examples():
-    assert SourcePlan("delta", 4, 1).payload_names(0) == ["h0"]
-    assert SourcePlan("delta", 4, 1).payload_names(2) == ["x", "h0", "v0", "v1", "v2", "v3"]
-    assert SourcePlan("delta", 4, 1).payload_names(4) == ["x"]
-    assert SourcePlan("delta_block", 6, 3).payload_names(3) == ["x", "h0", "D0", "P1"]
-    assert SourcePlan("delta_block", 6, 3).payload_names(4) == ["x", "h0", "D0", "D1"]
-    assert SourcePlan("delta_block", 6, 3, "authors-code").payload_names(3) == ["x", "A0", "A1"]
-    assert SourcePlan("attnres", 6, 3).payload_names(3) == ["B0", "B1", "p"]
-    assert SourcePlan("attnres", 6, 3).payload_names(6) == ["B0", "B1", "B2", "p"]
-    assert SourcePlan("full_attnres", 2, 1).payload_names(1) == ["B0", "B1", "p"]
-    # x as the sum of its sources: it does not travel (after the last layer it is handed out, summed)
-    assert SourcePlan("delta", 4, 1, x_from_sources=True).payload_names(2) == ["h0", "v0", "v1", "v2", "v3"]
-    assert SourcePlan("delta_block", 6, 3, x_from_sources=True).payload_names(3) == ["h0", "D0", "P1"]
-    assert SourcePlan("delta_block", 6, 3, x_from_sources=True).payload_names(6) == ["x"]
 
 
 @pytest.mark.parametrize("plan", PLANS + [SourcePlan("delta_block", 12, 4),

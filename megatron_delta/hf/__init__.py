@@ -5,7 +5,8 @@
   tokenizer           - export_sentencepiece_tokenizer (spm model -> tokenizer.json)
 
 ``configuration_delta.py`` and ``modeling_delta.py`` are self-contained remote code:
-``write_remote_code_model`` copies them next to the weights and writes ``auto_map``, so
+``write_remote_code_model`` copies them next to the weights, with ``modes.py`` (a copy of
+megatron_delta/core/modes.py, which they import relatively there), and writes ``auto_map``, so
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads the model
 without this package installed.
 """
@@ -16,7 +17,12 @@ from .configuration_delta import DeltaQwen3Config
 from .modeling_delta import DeltaQwen3ForCausalLM, DeltaRouter
 from .tokenizer import build_fast_tokenizer, export_sentencepiece_tokenizer
 
-REMOTE_CODE_FILES = ("configuration_delta.py", "modeling_delta.py")
+# remote-code file in an export -> its source, relative to the megatron_delta package
+REMOTE_CODE_FILES = {
+    "configuration_delta.py": os.path.join("hf", "configuration_delta.py"),
+    "modeling_delta.py": os.path.join("hf", "modeling_delta.py"),
+    "modes.py": os.path.join("core", "modes.py"),
+}
 AUTO_MAP = {
     "AutoConfig": "configuration_delta.DeltaQwen3Config",
     "AutoModelForCausalLM": "modeling_delta.DeltaQwen3ForCausalLM",
@@ -24,7 +30,7 @@ AUTO_MAP = {
 
 
 def write_remote_code_model(model_or_state_dict, config: DeltaQwen3Config, out_dir, dtype=None):
-    """Save weights (model.safetensors) + config.json with ``auto_map`` + the two remote-code files.
+    """Save weights (model.safetensors) + config.json with ``auto_map`` + the remote-code files.
 
     ``model_or_state_dict``: a ``DeltaQwen3ForCausalLM`` (or any module whose state dict uses its
     parameter names) or a state dict with those names. With tied embeddings ``lm_head.weight`` is
@@ -56,14 +62,15 @@ def write_remote_code_model(model_or_state_dict, config: DeltaQwen3Config, out_d
     if dtype is not None:
         cfg.dtype = dtype
     cfg.save_pretrained(out_dir)
-    here = os.path.dirname(os.path.abspath(__file__))
-    for fname in REMOTE_CODE_FILES:
-        shutil.copyfile(os.path.join(here, fname), os.path.join(out_dir, fname))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for fname, source in REMOTE_CODE_FILES.items():
+        shutil.copyfile(os.path.join(package, source), os.path.join(out_dir, fname))
     return out_dir
 
 
 __all__ = [
     "AUTO_MAP",
+    "REMOTE_CODE_FILES",
     "DeltaQwen3Config",
     "DeltaQwen3ForCausalLM",
     "DeltaRouter",

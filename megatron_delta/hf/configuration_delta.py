@@ -1,7 +1,8 @@
 """Hugging Face configuration for Delta Attention Residual models (remote code).
 
-This file is copied verbatim next to converted checkpoints and loaded with
-``trust_remote_code=True``: it must import nothing from ``megatron_delta``.
+This file is copied next to converted checkpoints and loaded with ``trust_remote_code=True``, together
+with ``modes.py`` (a copy of megatron_delta/core/modes.py: the mode names and the one check of the residual
+options, shared with the command line); it imports nothing else from ``megatron_delta``.
 
 One config class covers both backbones the project converts:
   * Qwen3 (``use_qk_norm=True``, the default): q_norm / k_norm on each head.
@@ -13,12 +14,12 @@ The extra fields follow DESIGN.md section 1 (the Megatron flags ``--residual``, 
 """
 from transformers import Qwen3Config
 
-RESIDUAL_MODES = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
-ADDITIVE_MODES = ("delta", "delta_block")
-REPLACEMENT_MODES = ("attnres", "full_attnres")
-BLOCK_MODES = ("attnres", "delta_block")
-DELTA_SOURCES = ("exact", "authors-code")
-DELTA_GATES = ("none", "scalar")
+try:  # an exported model: the copy of core/modes.py next to this file (hf.write_remote_code_model)
+    from .modes import (ATTNRES, AUTHORS_CODE, BASELINE, DELTA, DELTA_BLOCK, EXACT, FULL_ATTNRES, HF_FIELDS,
+                        REPLACEMENT_MODES, check_delta_options)
+except ModuleNotFoundError:  # inside the megatron_delta package
+    from megatron_delta.core.modes import (ATTNRES, AUTHORS_CODE, BASELINE, DELTA, DELTA_BLOCK, EXACT,
+                                           FULL_ATTNRES, HF_FIELDS, REPLACEMENT_MODES, check_delta_options)
 
 
 class DeltaQwen3Config(Qwen3Config):
@@ -40,9 +41,9 @@ class DeltaQwen3Config(Qwen3Config):
 
     def __init__(
         self,
-        residual: str = "baseline",
+        residual: str = BASELINE,
         delta_num_blocks: int | None = None,
-        delta_sources: str = "exact",
+        delta_sources: str = EXACT,
         delta_null_source: bool = False,
         delta_gate: str = "none",
         delta_router_eps: float = 1e-6,
@@ -61,13 +62,9 @@ class DeltaQwen3Config(Qwen3Config):
 
     # ------------------------------------------------------------------ validation
     def validate_delta(self):
-        """Raise ValueError with a clear message for an inconsistent residual configuration."""
-        if self.residual not in RESIDUAL_MODES:
-            raise ValueError(f"residual must be one of {RESIDUAL_MODES}, got {self.residual!r}")
-        if self.delta_sources not in DELTA_SOURCES:
-            raise ValueError(f"delta_sources must be one of {DELTA_SOURCES}, got {self.delta_sources!r}")
-        if self.delta_gate not in DELTA_GATES:
-            raise ValueError(f"delta_gate must be one of {DELTA_GATES}, got {self.delta_gate!r}")
+        """Raise ValueError with a clear message for an inconsistent residual configuration: the field types
+        here, the residual rules in modes.check_delta_options (those of the command line, naming the fields).
+        A block mode without ``delta_num_blocks`` gets the command line's default K."""
         if not isinstance(self.delta_null_source, bool):
             raise ValueError(f"delta_null_source must be a bool, got {self.delta_null_source!r}")
         if not isinstance(self.use_qk_norm, bool):
@@ -75,30 +72,13 @@ class DeltaQwen3Config(Qwen3Config):
         if not isinstance(self.delta_router_eps, (int, float)) or isinstance(self.delta_router_eps, bool) \
                 or not self.delta_router_eps > 0:
             raise ValueError(f"delta_router_eps must be a positive float, got {self.delta_router_eps!r}")
-        mode = self.residual
-        if mode == "baseline":
-            if self.delta_null_source or self.delta_gate != "none":
-                raise ValueError(
-                    "residual='baseline' has no routers: delta_null_source must be False and delta_gate 'none' "
-                    f"(got delta_null_source={self.delta_null_source}, delta_gate={self.delta_gate!r})")
-        if self.delta_gate == "scalar" and mode not in ADDITIVE_MODES:
-            raise ValueError(f"delta_gate='scalar' applies to the additive modes {ADDITIVE_MODES} only "
-                             f"(u = x + a*r); residual={mode!r}")
-        if self.delta_sources == "authors-code" and mode not in ADDITIVE_MODES:
-            raise ValueError(f"delta_sources='authors-code' applies to {ADDITIVE_MODES} only; residual={mode!r}")
-        if mode in BLOCK_MODES:
-            k = self.delta_num_blocks
-            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-                raise ValueError(f"residual={mode!r} needs delta_num_blocks, a positive int; got {k!r}")
-            if self.num_hidden_layers % k != 0:
-                raise ValueError(f"delta_num_blocks={k} must divide num_hidden_layers={self.num_hidden_layers}")
-        elif self.delta_num_blocks is not None:
-            raise ValueError(f"delta_num_blocks is only used by {BLOCK_MODES}; residual={mode!r} "
-                             f"(got delta_num_blocks={self.delta_num_blocks})")
+        self.delta_num_blocks = check_delta_options(
+            self.residual, self.num_hidden_layers, self.delta_num_blocks, self.delta_null_source, self.delta_gate,
+            self.delta_sources, spell=HF_FIELDS)
 
     @property
     def has_routers(self) -> bool:
-        return self.residual != "baseline"
+        return self.residual != BASELINE
 
     @property
     def has_final_router(self) -> bool:
@@ -125,4 +105,4 @@ class DeltaQwen3Config(Qwen3Config):
         return cls(**keep)
 
 
-__all__ = ["DeltaQwen3Config"]
+__all__ = ["ATTNRES", "AUTHORS_CODE", "BASELINE", "DELTA", "DELTA_BLOCK", "DeltaQwen3Config", "FULL_ATTNRES"]

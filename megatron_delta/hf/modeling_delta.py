@@ -1,7 +1,7 @@
 """Hugging Face model for Delta Attention Residuals (remote code; eval and serving).
 
 Copied verbatim next to converted checkpoints and loaded with ``trust_remote_code=True``:
-it imports nothing from ``megatron_delta`` and its config through a relative import.
+it imports nothing from ``megatron_delta``, its config and the mode names through a relative import.
 
 The backbone is transformers' Qwen3 (attention, SwiGLU MLP, RMSNorm, RoPE); with
 ``config.use_qk_norm=False`` the attention has no q/k norms, i.e. it is Llama's.
@@ -31,10 +31,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
-from .configuration_delta import DeltaQwen3Config
-
-_ADDITIVE = ("delta", "delta_block")
-_REPLACEMENT = ("attnres", "full_attnres")
+from .configuration_delta import (ATTNRES, AUTHORS_CODE, BASELINE, DELTA, DELTA_BLOCK, FULL_ATTNRES,
+                                  DeltaQwen3Config)
 
 
 class DeltaRouter(nn.Module):
@@ -264,15 +262,15 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
         mode = self.config.residual
         L = self.config.num_hidden_layers
         per_block = L // self.config.delta_num_blocks if self.config.delta_num_blocks else L
-        authors = self.config.delta_sources == "authors-code"
+        authors = self.config.delta_sources == AUTHORS_CODE
 
-        if mode == "baseline":
+        if mode == BASELINE:
             x = h0
             for _, is_attn, layer in self._sublayers():
                 x = x + f(layer, is_attn, x)
             out = x
 
-        elif mode == "delta":
+        elif mode == DELTA:
             # S = [h0]; u = x + G(r(S)); v = f(u); x <- x + v; S.append(v).
             # authors-code: sublayer 0 reads nothing (u = x), h0 is appended after it routed.
             x = h0
@@ -286,7 +284,7 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
                 sources.append(v)
             out = x
 
-        elif mode == "delta_block" and not authors:
+        elif mode == DELTA_BLOCK and not authors:
             # sources: h0, completed block sums Delta_c (c < b), partial sum P_b when non-empty.
             x = h0
             done, partial = [], None
@@ -301,7 +299,7 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
                 partial = v if partial is None else partial + v
             out = x
 
-        elif mode == "delta_block":
+        elif mode == DELTA_BLOCK:
             # authors-code: at the first layer of each block, after its attention sublayer routed and
             # before its output is added, append x (first time) or x - blocks[-1]; no partial source.
             x = h0
@@ -314,7 +312,7 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
                 x = x + v
             out = x
 
-        elif mode == "attnres":
+        elif mode == ATTNRES:
             # B = [], p = h0; a block-starting attention: u = r(B+[p]); B.append(p); p = f(u).
             done, p = [], h0
             for i, is_attn, layer in self._sublayers():
@@ -326,7 +324,7 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
                     p = p + f(layer, is_attn, u)
             out = self.final_router.replace(done + [p], h0.dtype, record)
 
-        elif mode == "full_attnres":
+        elif mode == FULL_ATTNRES:
             done, p = [], h0
             for i, is_attn, layer in self._sublayers():
                 u = router(layer, is_attn).replace(done + [p], h0.dtype, record)
