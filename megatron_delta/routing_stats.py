@@ -1,4 +1,4 @@
-"""Routing diagnostics (DESIGN.md section 1, "Routing diagnostics").
+"""Routing diagnostics (docs/design.md section 1, "Routing diagnostics").
 
 Per receiving sublayer, from its weights alpha [s, b, N] (N sources it sees, null source included
 when present): mean max weight, mean normalised entropy H(alpha)/log(N) (None for N = 1), and the

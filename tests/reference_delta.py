@@ -1,6 +1,6 @@
-"""Independent float64 reference for Delta Attention Residuals (DESIGN.md section 1).
+"""Independent float64 reference for Delta Attention Residuals (docs/design.md section 1).
 
-Written from /work/shared/DESIGN.md section 1 alone. It imports nothing from ``megatron_delta``
+Written from docs/design.md section 1 alone. It imports nothing from ``megatron_delta``
 (and nothing from Megatron either): it is the yardstick the Megatron implementation is tested
 against. Plain PyTorch, float64 everywhere, written the obvious way (sources are ``torch.stack``-ed).
 
@@ -46,7 +46,7 @@ Router parameters (names chosen here; map them with ``reference_router_key``)::
     which: query [d] (w), key_norm_weight [d] (g), null_source [d] (z, optional),
            gate [1] (a, optional, additive modes only; any shape broadcastable to a scalar).
 
-Conventions (decided here where DESIGN.md is silent)
+Conventions (decided here where docs/design.md is silent)
 ----------------------------------------------------
 * Router rms eps: ``eps`` argument of ``reference_forward``; default ``cfg.norm_eps``.
 * Zero sources (authors-code: layer 0's attention in ``delta`` and ``delta_block``): routing over
@@ -184,7 +184,7 @@ def init_reference_weights(cfg: RefConfig, mode: str = "baseline", null_source: 
     Backbone: embeddings N(0,1), linears N(0, 1/fan_in), norm weights 1 + 0.1 N(0,1).
     Routers (``router_init='random'``, so tests are meaningful): query N(0, 1/d) (logits O(1)),
     key-norm weight 1 + 0.1 N, null source N(0,1), gate N(0,1).
-    ``router_init='design'``: DESIGN.md's initialisation (query 0, key-norm 1, null 0, gate 0).
+    ``router_init='design'``: docs/design.md's initialisation (query 0, key-norm 1, null 0, gate 0).
     """
     assert router_init in ("random", "design")
     gen = torch.Generator().manual_seed(seed)
@@ -299,7 +299,7 @@ def sublayer(j, u, w, cfg: RefConfig, rope_emb):
 # ----------------------------------------------------------------------------------------------
 def route(sources: List[torch.Tensor], query, key_norm_weight, null_source=None, eps=1e-5,
           like: Optional[torch.Tensor] = None):
-    """DESIGN.md router: logit_i = w . (g * s_i / rms(s_i)), alpha = softmax_i, r = sum alpha_i s_i.
+    """docs/design.md router: logit_i = w . (g * s_i / rms(s_i)), alpha = softmax_i, r = sum alpha_i s_i.
 
     sources: list of [b, s, d]. null_source: optional [d], an extra last source (broadcast).
     Returns (r [b, s, d], alpha [b, s, N(+1)]). Zero sources and no null source -> r = 0, alpha

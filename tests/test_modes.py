@@ -121,7 +121,7 @@ def test_a_plan_ignores_the_number_of_blocks_of_a_fine_grained_mode():
 
 
 # --------------------------------------------------------------------------------------------- what is read and sent
-# Written by hand from DESIGN.md section 1 (a 2-layer model, or 4 layers in K = 2 blocks): reads of j = 0..2L-1,
+# Written by hand from docs/design.md section 1 (a 2-layer model, or 4 layers in K = 2 blocks): reads of j = 0..2L-1,
 # the final router's reads, and the payload into first layer f = 0..L.
 EXPECTED = {
     SourcePlan("delta", 2, 2): (

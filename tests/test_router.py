@@ -11,7 +11,7 @@ EPS = 1e-6
 
 
 def naive_route(values, w, g, z, a, eps):
-    """Straight from DESIGN.md section 1: stack every source (null last), softmax over depth."""
+    """Straight from docs/design.md section 1: stack every source (null last), softmax over depth."""
     srcs = list(values)
     if z is not None:
         srcs.append(z.expand_as(values[0]))

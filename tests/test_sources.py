@@ -347,7 +347,7 @@ def test_init_gate_gives_baseline_and_no_gate_preserves_function(mode):
 @pytest.mark.parametrize("mode,blocks", [("delta", 1), ("delta_block", 2), ("delta_block", 1)])
 def test_x_from_sources_is_the_update_rule(mode, blocks, null, gate_value, kernels):
     """A plan that keeps x as its sources (u = sum_i (1 + a alpha_i) s_i, x summed only at the end)
-    computes DESIGN.md's update rule (u = x + a r, x <- x + v_j): outputs and every gradient as the
+    computes docs/design.md's update rule (u = x + a r, x <- x + v_j): outputs and every gradient as the
     plan that holds x, against float64, to fp32 round-off; it holds no x and sends none."""
     d, L = 16, 4
     h0 = torch.randn(3, 2, d, generator=torch.Generator().manual_seed(7), dtype=torch.float64)

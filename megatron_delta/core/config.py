@@ -84,7 +84,7 @@ class DeltaTransformerConfig(TransformerConfig):
     """TransformerConfig + residual routing. `residual='baseline'` is plain Megatron."""
 
     residual: str = "baseline"
-    """One of baseline, attnres, full_attnres, delta, delta_block (see DESIGN.md section 1)."""
+    """One of baseline, attnres, full_attnres, delta, delta_block (see docs/design.md section 1)."""
     delta_num_blocks: int | None = None
     """K for delta_block / attnres; None picks the default (4)."""
     delta_null_source: bool = False
@@ -92,7 +92,7 @@ class DeltaTransformerConfig(TransformerConfig):
     delta_gate: str = "none"
     """'scalar': u = x + a*r with a = 0 at init (the model starts as the baseline)."""
     delta_sources: str = "exact"
-    """'exact' (DESIGN.md) or 'authors-code' (the public code's block sources)."""
+    """'exact' (docs/design.md) or 'authors-code' (the public code's block sources)."""
     delta_router_eps: float = 1e-6
     """eps of the routers' key RMS norm."""
     delta_router_kernels: str = "auto"

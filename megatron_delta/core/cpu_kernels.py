@@ -2,7 +2,7 @@
 use, cached, loaded with ctypes.
 
 Why C and not PyTorch ops: on CPU the router is memory-bound and every eager operator is a pass over
-memory; the kernels make each pass the method needs once (README, Performance). They take fp32,
+memory; the kernels make each pass the method needs once (docs/performance.md). They take fp32,
 contiguous CPU tensors; anything else (GPU, bf16, float64) runs router.py's PyTorch path, which
 computes the same function. No torch headers are involved, so the build takes well under a second
 and does not depend on the PyTorch version.

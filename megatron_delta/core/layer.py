@@ -30,7 +30,7 @@ def build_router(spec, config):
     router = build_module(spec, config.hidden_size, null_source=config.delta_null_source,
                           gate=config.delta_gate == "scalar", eps=config.delta_router_eps,
                           sequence_parallel=config.sequence_parallel, kernels=config.delta_router_kernels)
-    router.outside_fp8 = bool(config.fp8)  # DESIGN.md 2: router math fp32, outside FP8 autocast
+    router.outside_fp8 = bool(config.fp8)  # docs/design.md section 2: router math fp32, outside FP8 autocast
     return router
 
 

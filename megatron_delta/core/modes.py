@@ -1,5 +1,5 @@
 """The residual modes: their names, the one check of which residual options go together, and one class per
-routed mode that owns what differs between the modes (DESIGN.md section 1).
+routed mode that owns what differs between the modes (docs/design.md section 1).
 
 Standard library only: the argument parsers, DeltaTransformerConfig, SourcePlan / SourceBuffer, the HF
 configuration, conversion and tools take mode names and rules from here, and an exported HF model carries a
@@ -160,7 +160,7 @@ class RoutedMode:
 
 
 class AdditiveMode(RoutedMode):
-    """u = x + G(r) over the residual stream x; x <- x + v_j (DESIGN.md's update rule). With
+    """u = x + G(r) over the residual stream x; x <- x + v_j (docs/design.md's update rule). With
     ``x_from_sources`` x is not held: the router forms it from the sources, and it is summed from them only
     where it is handed out (SourceBuffer.x)."""
 

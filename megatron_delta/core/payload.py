@@ -70,11 +70,12 @@ def _payload_p2p_communicator_class():
 
         Routed payloads differ in length from boundary to boundary, so p2p sends their shapes first
         (`variable_seq_lengths`). Messages between two ranks are matched in posting order.
+        Entry ``p2p_shape_exchange`` of the registry of upstream changes (megatron_delta.patches).
         """
 
         # Replaces P2PCommunicator._communicate_shapes: upstream posts [send_prev, recv_prev,
         # send_next, recv_next]; with PP=2 (VPP) both peers are the same rank, so a rank's send_prev
-        # meets the peer's recv_prev and the shapes swap (Megatron-LM #750). Posting sends as
+        # meets the peer's recv_prev and the shapes swap (Megatron-LM #1450). Posting sends as
         # next-then-prev and receives as prev-then-next pairs every message with its counterpart.
         def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
             dev = _p2p_device()
@@ -101,24 +102,19 @@ def _payload_p2p_communicator_class():
     return PayloadP2PCommunicator
 
 
-def schedule_communication_kwargs(config) -> dict:
-    """Extra arguments for Megatron's forward_backward_func: our p2p communicator when payload shapes
-    travel (routed modes with PP > 1), with the process groups Megatron would otherwise build itself."""
+def schedule_communication_kwargs(config, pg_collection=None) -> dict:
+    """Extra arguments for Megatron's forward_backward_func (and pretrain): our p2p communicator when payload
+    shapes travel (routed modes with PP > 1), over the pipeline group of ``pg_collection`` (default:
+    Megatron-Core's collection of the model-parallel state, ProcessGroupCollection.use_mpu_process_groups).
+    {} otherwise: Megatron builds its own."""
     if not getattr(config, "variable_seq_lengths", False):
         return {}
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    if pg_collection is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
 
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    pgs = ProcessGroupCollection()
-    pgs.tp = parallel_state.get_tensor_model_parallel_group()
-    pgs.cp = parallel_state.get_context_parallel_group()
-    pgs.pp = pp_group
-    pgs.embd = parallel_state.get_embedding_group(check_initialized=False)
-    pgs.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-    pgs.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
-    return {"p2p_communicator": _payload_p2p_communicator_class()(pp_group=pp_group, config=config),
-            "pg_collection": pgs}
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    return {"p2p_communicator": _payload_p2p_communicator_class()(pp_group=pg_collection.pp, config=config),
+            "pg_collection": pg_collection}
 
 
 def describe_stage_payloads(args):

@@ -1,4 +1,4 @@
-"""DepthRouter: the softmax-over-depth router of Delta Attention Residuals (DESIGN.md section 1).
+"""DepthRouter: the softmax-over-depth router of Delta Attention Residuals (docs/design.md section 1).
 
 Plain PyTorch, no Megatron import. For sources s_1..s_N (each [s, b, d]) and router parameters
 w (query), g (key RMSNorm weight), optional z (null source) and a (scalar gate):

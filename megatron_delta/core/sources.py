@@ -1,5 +1,5 @@
 """Which sources each sublayer reads (:class:`SourcePlan`) and the per-micro-batch state that holds them
-(:class:`SourceBuffer`), for the routed residual modes (DESIGN.md section 1).
+(:class:`SourceBuffer`), for the routed residual modes (docs/design.md section 1).
 
 What differs between the modes - the source names, what a commit adds, what crosses a stage boundary, how
 the input u and the residual stream are formed - is the mode's class in megatron_delta/core/modes.py
@@ -12,7 +12,7 @@ The residual stream x of the additive modes: with exact sources it is their sum 
 delta_block: h0 + sum Delta + P). A plan with ``x_from_sources`` (the model's choice when there is no
 gate: ``SourcePlan.from_config``) holds no separate x: each router forms u = x + r = sum_i (1 + alpha_i)
 s_i in the pass that reads the sources anyway, x is summed from the sources only where it is handed
-out (the last layer's output), and it does not travel in the pipeline payload. Equal to DESIGN.md's
+out (the last layer's output), and it does not travel in the pipeline payload. Equal to docs/design.md's
 update rule in exact arithmetic; it saves the router's read of x, the separate x chain and its
 gradient additions (about one point of delta_block's step on CPU) and one [s, b, h] tensor per
 pipeline boundary. With the gate x is kept: u = x + a r must equal the baseline's x bitwise at a = 0.

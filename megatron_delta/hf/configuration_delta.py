@@ -10,7 +10,7 @@ One config class covers both backbones the project converts:
     decoder (RMSNorm pre-norms, SwiGLU MLP without bias, RoPE, GQA, optional attention bias,
     optional tied embeddings) is the same computation as Qwen3's; ``mlp_bias`` is not supported.
 
-The extra fields follow DESIGN.md section 1 (the Megatron flags ``--residual``, ``--delta-*``).
+The extra fields follow docs/design.md section 1 (the Megatron flags ``--residual``, ``--delta-*``).
 """
 from transformers import Qwen3Config
 

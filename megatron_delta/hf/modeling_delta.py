@@ -7,7 +7,7 @@ The backbone is transformers' Qwen3 (attention, SwiGLU MLP, RMSNorm, RoPE); with
 ``config.use_qk_norm=False`` the attention has no q/k norms, i.e. it is Llama's.
 Every decoder layer has an ``attn_router`` and an ``mlp_router`` (modes other than
 ``baseline``), and the replacement modes have a ``model.final_router`` before the final norm.
-The math is DESIGN.md section 1; sources are stacked per call (readability over speed).
+The math is docs/design.md section 1; sources are stacked per call (readability over speed).
 
 A receiver with no sources (``authors-code``: the first attention) uses u = x, or reads the null
 source alone (r = z) when there is one - the convention of tests/reference_delta.py.
@@ -36,7 +36,7 @@ from .configuration_delta import (ATTNRES, AUTHORS_CODE, BASELINE, DELTA, DELTA_
 
 
 class DeltaRouter(nn.Module):
-    """Softmax-over-depth router (DESIGN.md 1). Parameters are fp32; the math is fp32.
+    """Softmax-over-depth router (docs/design.md section 1). Parameters are fp32; the math is fp32.
 
     logit_i = w . (g * s_i / rms(s_i)),  rms(x) = sqrt(mean_d(x^2) + eps)
     alpha   = softmax_i(logit);  r = sum_i alpha_i s_i  (unnormalised sources)

@@ -1,4 +1,4 @@
-/* Fused CPU kernels of the depth router (megatron_delta/router.py, DESIGN.md section 1).
+/* Fused CPU kernels of the depth router (megatron_delta/core/router.py, docs/design.md section 1).
  *
  * Why: on CPU the router is memory-bound, and eager PyTorch makes one pass over memory per operator
  * (the weighted sum re-reads its accumulator once per source, a row-wise dot product writes and
