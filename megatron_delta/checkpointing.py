@@ -221,17 +221,6 @@ def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed_sampl
     return final_dir
 
 
-def _param_groups_by_position(current_groups, state_dict_groups):
-    """Megatron (0.16) re-matches saved optimizer param groups by (wd_mult, lr_mult, is_expert_parallel,
-    is_decoupled_lr); the routers' group shares that key with the no-weight-decay group, so its dict
-    keeps one of them and resume failed ("parameter group doesn't match the size") or swapped their
-    lr. The groups come from the same flags in the same order: match them by position."""
-    if len(current_groups) != len(state_dict_groups):
-        raise CheckpointError(f"--load: the checkpoint has {len(state_dict_groups)} optimizer parameter groups, "
-                              f"this run {len(current_groups)}; pass the checkpoint's flags or --no-load-optim")
-    return list(state_dict_groups)
-
-
 def load_checkpoint(path, model, optimizer, scheduler, args, load_optim=True, load_rng=True):
     """Load into the current layout. Returns (iteration, consumed_samples, ckpt_dir)."""
     ckpt_dir, iteration = resolve_checkpoint_dir(path)
@@ -257,8 +246,8 @@ def load_checkpoint(path, model, optimizer, scheduler, args, load_optim=True, lo
         for i, m in enumerate(model):
             _unwrap(m).load_state_dict(loaded[f"model{i}"])
     if load_optim:
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            opt._filter_and_reorder_param_groups = _param_groups_by_position
+        # upstream re-matches the saved param groups by every per-group setting (max_lr, min_lr, wd_mult, ...
+        # in megatron-core 0.19.2; 0.16 left max_lr out and needed a patch): tests/test_patches.py round trip
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_rng:

@@ -17,10 +17,11 @@ def train_all(argvs: list[list[str]]) -> list[dict]:
     import torch
 
     torch.set_num_threads(1)
-    from megatron_delta.trainer.main import quiet_known_warnings
+    from megatron_delta.patches import import_megatron
+
+    import_megatron(training=True)  # Megatron's import-time notices quieted (megatron_delta.patches.KNOWN_WARNINGS)
     from tests.parity_driver import _run
 
-    quiet_known_warnings()
     out = []
     for argv in argvs:
         result, _, _ = _run(argv)

@@ -1,4 +1,6 @@
-"""Tests of megatron_delta.cpu_platform: each patch is needed, and Megatron-Core trains on CPU.
+"""Tests of megatron_delta.cpu_platform and the CPU-only entries of megatron_delta.patches: each patch is
+needed (suspended, upstream fails as its registry entry says), and Megatron-Core trains on CPU. Also the
+every-device entries (the distributed optimizer over torch Adam saves and resumes exactly).
 
 The functions without a ``test_`` prefix run inside rank subprocesses (tests/dist_utils.py); the
 module imports nothing heavy at top level so that the ranks start quickly.
@@ -226,7 +228,7 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
     """Train the same model from the same weights in several parallel layouts (2 ranks)."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron_delta import cpu_platform
+    from megatron_delta import cpu_platform, patches
 
     results = {}
     for name in layouts:
@@ -240,9 +242,8 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
         cpu_platform.initialize_distributed(tensor_model_parallel_size=tp,
                                             pipeline_model_parallel_size=pp,
                                             virtual_pipeline_model_parallel_size=vpp, seed=1234)
-        extra = {"batch_p2p_comm": False} if vpp else {}
-        config = _gpt_config(num_layers=layers, tp=tp, pp=pp, vpp=vpp, **extra)
-        cpu_platform.check_p2p_config(config)
+        config = _gpt_config(num_layers=layers, tp=tp, pp=pp, vpp=vpp, batch_p2p_comm=patches.batch_p2p_comm(vpp))
+        patches.check_p2p_config(config)
         full = torch.load(os.path.join(weights_dir, f"gpt{layers}.pt"))
 
         def chunks_fn():
@@ -262,13 +263,16 @@ def rank_patch_checks_single():
     """One rank: each patch's upstream failure (suspended) and its fix (active)."""
     import torch
     from megatron_delta import cpu_platform
-    from megatron_delta.cpu_platform import patches_suspended
+    from megatron_delta.patches import patches_suspended
 
     assert cpu_platform.activate_cpu_platform() is True
     assert cpu_platform.activate_cpu_platform() is True  # idempotent
     assert cpu_platform.is_cpu_platform()
+    from megatron_delta import patches
+
+    applied = patches.applied()
     assert "RANK" not in os.environ  # the plain-python launch: a one-process world
-    out = {"world_errors": [_expect_failure(lambda: cpu_platform.initialize_distributed(
+    out = {"applied": applied, "world_errors": [_expect_failure(lambda: cpu_platform.initialize_distributed(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)) for tp, pp in
         ((2, 1), (1, 2), (3, 5))]}
     cpu_platform.initialize_distributed(seed=1234)
@@ -400,7 +404,7 @@ def rank_patch_checks_pp2():
     """Two ranks, PP2: synchronize after batched p2p (2), tied embeddings .cuda() (3), TP RNG."""
     import torch
     from megatron_delta import cpu_platform
-    from megatron_delta.cpu_platform import patches_suspended
+    from megatron_delta.patches import patches_suspended
 
     cpu_platform.initialize_distributed(pipeline_model_parallel_size=2, seed=1234)
     from megatron.core import parallel_state as ps
@@ -436,11 +440,13 @@ def rank_patch_checks_pp2():
     out["tensor_cuda"] = {"off": off, "on": on,
                           "tied_equal": bool(torch.equal(gathered[0], gathered[1]))}
 
-    # The VPP trap: PP2 + VPP2 with batched p2p is refused by check_p2p_config.
+    # The VPP trap (Megatron-LM #750): PP2 + VPP2 with batched p2p is refused by check_p2p_config.
+    from megatron_delta import patches
+
     cpu_platform.initialize_distributed(pipeline_model_parallel_size=2,
                                         virtual_pipeline_model_parallel_size=2)
     out["vpp_check"] = [
-        _expect_failure(lambda: cpu_platform.check_p2p_config(
+        _expect_failure(lambda: patches.check_p2p_config(
             _gpt_config(num_layers=4, pp=2, vpp=2, batch_p2p_comm=batched)))
         for batched in (True, False)
     ]
@@ -551,19 +557,20 @@ def test_check_p2p_config_refuses_vpp_with_batched_p2p(pp2_checks):
         assert unbatched is None
 
 
-def test_patch_registry_names_the_cpu_failures():
-    from megatron_delta import cpu_platform
+CPU_ENTRIES = ["current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads",
+               "tensor_type_checks", "training_module_torch", "initialize_allow_no_cuda",
+               "initialize_model_parallel", "compile_helpers", "device_arch_version", "loader_generator"]
 
-    assert list(cpu_platform.PATCHES) == [
-        "current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads",
-        "tensor_type_checks", "training_module_torch", "initialize_allow_no_cuda",
-        "initialize_model_parallel", "compile_helpers", "device_arch_version", "loader_generator",
-    ]
-    src = open(cpu_platform.__file__).read()
-    for n in range(1, 8):  # each patch function is introduced by the NOTES failure it fixes
-        assert f"# NOTES failure {n}:" in src
-    for n in range(8, 14):  # ... or by the megatron.training failure (file:line, version)
-        assert f"# megatron.training failure {n} (0.19.2;" in src
+
+def test_patch_registry_names_the_cpu_failures(single_checks):
+    """The CPU-only entries of the registry, each installed by activate_cpu_platform (a test below shows
+    each one's upstream failure); the megatron.training ones are written for the 0.19 wheel only."""
+    from megatron_delta import patches
+
+    cpu = [p for p in patches.REGISTRY if p.where == patches.CPU_ONLY]
+    assert [p.name for p in cpu] == CPU_ENTRIES and all(p.apply is not None for p in cpu)
+    assert all(p.versions == ">=0.19,<0.20" for p in cpu if "megatron.training" in " ".join(p.changes))
+    assert single_checks["applied"][-len(CPU_ENTRIES):] == CPU_ENTRIES
 
 
 def test_activate_is_a_no_op_with_cuda(monkeypatch):
@@ -618,7 +625,7 @@ def test_e2e_pp2_1f1b_and_vpp2_match_tp1(parallel_results):
     ref, results = parallel_results
     assert results[0]["pp2"]["losses"] == [None] * STEPS  # first stage: no loss
     _check_losses("pp2", results[1]["pp2"]["losses"], ref["gpt2"]["losses"])
-    # 4 layers for VPP (2 stages x 2 virtual stages); batch_p2p_comm=False (NOTES trap)
+    # 4 layers for VPP (2 stages x 2 virtual stages); batch_p2p_comm=False (Megatron-LM #750)
     _check_losses("pp2_vpp2", results[1]["pp2_vpp2"]["losses"], ref["gpt4"]["losses"])
 
 
@@ -702,7 +709,7 @@ def rank_training_patch_checks():
 
     import torch
     from megatron_delta import cpu_platform
-    from megatron_delta.cpu_platform import patches_suspended
+    from megatron_delta.patches import patches_suspended
 
     cpu_platform.initialize_distributed(seed=1234)
     from megatron.core.datasets import utils as dataset_utils
@@ -806,7 +813,7 @@ def test_patch13_loader_generator(training_checks):
 
 
 # ------------------------------------------------------------------------------------------------
-# Upstream fixes applied on every device (cpu_platform.FIXES): the distributed optimizer with
+# Upstream fixes applied on every device (megatron_delta.patches, distopt_*): the distributed optimizer with
 # torch's own Adam (no Apex / Transformer Engine) saves and resumes exactly
 # ------------------------------------------------------------------------------------------------
 _DISTOPT_STEPS, _DISTOPT_SPLIT = 5, 3
@@ -860,12 +867,14 @@ def rank_distopt_fix_checks(root):
     import torch
     from megatron.core import dist_checkpointing
     from megatron_delta import cpu_platform
-    from megatron_delta.cpu_platform import patches_suspended
+    from megatron_delta.patches import patches_suspended
 
     cpu_platform.initialize_distributed(seed=1234)
     config = _gpt_config(num_layers=2)
     weights = {k: v.detach().clone() for k, v in _build_gpt(config)[0].named_parameters()}
-    out = {"applied": cpu_platform.apply_megatron_fixes()}
+    from megatron_delta import patches
+
+    out = {"applied": [n for n in patches.applied() if patches.entry(n).where == patches.EVERY_DEVICE]}
     model, optimizer = _distopt_model(config, weights)
     out["straight"] = _distopt_steps(model, optimizer, 0, _DISTOPT_STEPS)
 
@@ -917,14 +926,14 @@ def distopt_checks(tmp_path_factory):
 
 
 def test_fixes_registry_and_versions():
-    from megatron_delta import cpu_platform
+    from megatron_delta import patches
 
-    assert list(cpu_platform.FIXES) == ["distopt_fresh_state_dict", "distopt_step_per_param",
-                                        "distopt_load_no_grad", "distopt_missing_state_key"]
-    src = open(cpu_platform.__file__).read()
-    for n in range(1, 5):  # each fix names its upstream file:line and version
-        assert f"# Megatron-Core fix {n} (0.19.2; core/optimizer/distrib_optimizer.py:" in src
-    assert not set(cpu_platform.FIXES) & set(cpu_platform.PATCHES)
+    fixes = [p for p in patches.REGISTRY if p.where == patches.EVERY_DEVICE and p.apply is not None]
+    assert [p.name for p in fixes] == ["distopt_fresh_state_dict", "distopt_step_per_param",
+                                       "distopt_load_no_grad", "distopt_missing_state_key"]
+    for p in fixes:  # each names the upstream line it answers, for the 0.19 code it was written against
+        assert "(distrib_optimizer.py:" in p.answers and p.versions == ">=0.19,<0.20", p
+        assert all(c.startswith("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.") for c in p.changes)
 
 
 def test_fixes_apply_regardless_of_device(distopt_checks):

@@ -27,8 +27,10 @@ removed; the trainer itself is upstream's; the list is _Run's docstring):
 - data / tokenizer / checkpoint errors after start-up: ``pretrain_gpt.py: error: ...``, exit code 1
   (a damaged checkpoint file: trainer/checkpoint_errors.describe_load_failure names it).
 
-The upstream bugs of the distributed optimizer with torch's Adam (no Apex / TE) are fixed on every
-device by megatron_delta.cpu_platform.apply_megatron_fixes (FIXES), the CPU adaptation is applied on CPU.
+These hooks, like every other change of upstream behaviour (the CPU adaptation, the fixes of the distributed
+optimizer over torch's Adam on every device), are entries of the registry megatron_delta.patches
+(``trainer_hooks``, ``checkpoint_hint``, ``p2p_shape_exchange``). Known upstream warnings are silenced only
+around the upstream calls that emit them (patches.known_warnings_quieted); no process-wide filter is added.
 """
 from __future__ import annotations
 
@@ -40,15 +42,6 @@ import time
 from typing import Optional, Sequence
 
 from megatron_delta.trainer.arguments import PROG, TrainerArgumentError, add_delta_args, validate_delta_args
-
-
-def quiet_known_warnings():
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
-    warnings.filterwarnings("ignore", message=".*It is recommended to use a ModelConfig.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def _error(msg: str, code: int) -> int:
@@ -109,7 +102,8 @@ def _ensure_env():
 
 # ------------------------------------------------------------------------------------------ hooks
 class _Run:
-    """The hooks of one run into megatron.training (module attributes it looks up by name at call time).
+    """The hooks of one run into megatron.training (module attributes it looks up by name at call time): the
+    registry entry ``trainer_hooks`` of megatron_delta.patches.
 
     Each replaces or wraps one upstream function for the duration of the run (``with _Run(args)``):
     training.get_megatron_optimizer_config   + the routers' param group (--router-lr-mult)
@@ -147,7 +141,12 @@ class _Run:
         from megatron.training import checkpointing as ckpt
         from megatron.training import training as mt
 
+        from megatron_delta import patches
+
         args = self.args
+        written_for, why = patches.applies(patches.entry("trainer_hooks"))
+        if not written_for and args.rank == 0:
+            print(f" warning: the trainer's hooks into megatron.training are untested here: {why}", flush=True)
         if args.metrics_file and self.last_rank:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
             self.metrics = args.metrics_file
@@ -387,20 +386,14 @@ def _p2p_kwargs(args, store=None) -> dict:
 
     if not needs_variable_payload(args):
         return {}
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
     from megatron.training.initialize import initialize_megatron
 
-    from megatron_delta.core.payload import _payload_p2p_communicator_class
-
-    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+    from megatron_delta.core.payload import schedule_communication_kwargs
 
     initialize_megatron(store=store)
     destroy_rerun_state_machine()  # pretrain's initialize_megatron builds it again (and asserts it is unset)
-    config = transformer_config(args)
-    comm = _payload_p2p_communicator_class()(pp_group=parallel_state.get_pipeline_model_parallel_group(),
-                                             config=config)
-    return {"p2p_communicator": comm, "pg_collection": ProcessGroupCollection.use_mpu_process_groups()}
+    return schedule_communication_kwargs(transformer_config(args))
 
 
 def reset_global_state():
@@ -445,6 +438,7 @@ def run(args) -> None:
     from megatron.training.global_vars import set_global_variables
 
     from megatron_delta.cpu_platform import is_cpu_platform, set_cpu_allocator
+    from megatron_delta.patches import known_warnings_quieted
     from megatron_delta.trainer.provider import forward_step, model_provider, train_valid_test_datasets_provider
 
     if is_cpu_platform():
@@ -458,7 +452,8 @@ def run(args) -> None:
 
             _check_sentencepiece_model(args.tokenizer_model)  # ValueError naming --tokenizer-model
         set_global_variables(args)  # builds the tokenizer
-        cfg = pretrain_cfg_container_from_args(args)
+        with known_warnings_quieted():  # model_config_recommended
+            cfg = pretrain_cfg_container_from_args(args)
         with _Run(args) as hooks:
             global LAST_RUN
             LAST_RUN = hooks  # the model and optimizer of the last run (tests look at them)
@@ -466,10 +461,11 @@ def run(args) -> None:
             kwargs = _p2p_kwargs(args, store)
             # --exit-duration-in-mins counts from this run's start (upstream's clock starts at import)
             mt.set_startup_timestamps(program_start=time.time())
-            pretrain(cfg, _datasets_provider(hooks, train_valid_test_datasets_provider),
-                     ModelType.encoder_or_decoder, forward_step, model_provider=model_provider, store=store,
-                     **kwargs)
-            _save_initial_model(hooks)
+            with known_warnings_quieted():  # all_gather_into_tensor, sharded_tensor, no_pin_memory: upstream's
+                pretrain(cfg, _datasets_provider(hooks, train_valid_test_datasets_provider),
+                         ModelType.encoder_or_decoder, forward_step, model_provider=model_provider, store=store,
+                         **kwargs)
+                _save_initial_model(hooks)
     finally:
         _destroy_at_exit()
         reset_global_state()
@@ -497,9 +493,10 @@ def _datasets_provider(hooks: _Run, provider):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_delta.cpu_platform import activate_cpu_platform
+    from megatron_delta.patches import import_megatron
 
-    quiet_known_warnings()
-    activate_cpu_platform()  # FIXES on every device; on CPU before Megatron's validate_args asks the GPU (TP > 1)
+    import_megatron(training=True)  # its import-time notices quieted (patches.KNOWN_WARNINGS)
+    activate_cpu_platform()  # every-device fixes; on CPU before Megatron's validate_args asks the GPU (TP > 1)
     from megatron_delta.trainer.embedded import EmbeddedRunError, embedded_argv, is_embedded
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -540,7 +537,8 @@ def _run_errors():
 
 
 # training/checkpointing.py:2251 (0.19.2): a distributed-optimizer checkpoint loaded into another TP/PP
-# layout; its RuntimeError names --ckpt-fully-parallel-save, which does not choose the loadable format
+# layout; its RuntimeError names --ckpt-fully-parallel-save, which does not choose the loadable format (registry
+# entry checkpoint_hint of megatron_delta.patches)
 _WRONG_HINT = "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving"
 
 
