@@ -6,6 +6,8 @@
   hf/           the Hugging Face model and configuration (no Megatron import)
   the rest      the training side shared by the trainer and tools: arguments (the tools' model flags),
                 data, checkpointing, conversion (Megatron <-> HF), cloze, routing_stats, cpu_platform
-                (the adaptation of Megatron to CPU + gloo, and the upstream-bug workarounds)
+                (CPU + gloo start-up), model_config (a model from a config dict, no argv)
+  patches/      the one registry of changes to upstream behaviour (CPU adaptation, bug workarounds, the
+                trainer's hooks), each with its upstream issue and megatron-core versions
 """
 __version__ = "0.1.0"

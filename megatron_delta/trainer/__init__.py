@@ -6,5 +6,6 @@ What Megatron-LM's pretrain_gpt.py holds, for the project's models:
 - :mod:`.provider`   the model provider, the dataset provider, the forward step and the loss
 - :mod:`.main`       ``main(argv=None) -> int``: parse, adapt to CPU, ``pretrain``, reset the globals
 
-Megatron's trainer runs as it is; the CPU + gloo adaptation lives in megatron_delta/cpu_platform.py.
+Megatron's trainer runs as it is; the CPU + gloo adaptation and the trainer's
+hooks are entries of the registry megatron_delta/patches/.
 """
