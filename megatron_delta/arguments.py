@@ -1,9 +1,7 @@
-"""Command-line flags of pretrain_gpt.py: Megatron-LM's names, megatron-delta's `--delta-*` additions.
-
-Every flag has a default, and the defaults together are the *embedded default run*: a tiny
-Qwen3-style model (RMSNorm, SwiGLU, RoPE, qk-layernorm, GQA, no biases) trained on the bundled
-State of the Union corpus on one CPU in a few minutes. `validate_args` turns bad combinations into
-one clear `ArgumentError` naming the flag, before any Megatron code runs.
+"""The former project-specific parser of pretrain_gpt.py's flags (pretrain_gpt.py now takes Megatron-LM's parser,
+megatron_delta/trainer/). Nothing of the project uses it: models are built from their fields
+(megatron_delta/model_config.py). Kept only while tests/test_patches.py and tests/test_refusals.py still build
+their models through it; delete it with them. Its flags map to a model through model_config (one mapping).
 """
 
 import argparse
@@ -330,77 +328,29 @@ def validate_delta_flags(args) -> None:
         args.delta_router_eps = args.norm_epsilon
 
 
+def model_fields_from_args(args) -> dict:
+    """The model fields (megatron_delta.model_config) of parsed flags."""
+    from megatron_delta.model_config import SMALL_CPU_MODEL
+
+    return {k: getattr(args, k) for k in SMALL_CPU_MODEL if hasattr(args, k)}
+
+
 def transformer_config_from_args(args, **overrides):
-    """The flag -> DeltaTransformerConfig mapping of this parser, for a CPU-friendly local build."""
-    import torch
-    import torch.nn.functional as F
+    """DeltaTransformerConfig of parsed flags: megatron_delta.model_config's mapping (the only one)."""
+    from megatron_delta.model_config import model_config
 
-    from megatron_delta.core.config import DeltaTransformerConfig
-
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    kw = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear,
-        add_qkv_bias=not args.disable_bias_linear,
-        qk_layernorm=args.qk_layernorm,
-        init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=args.bf16,
-        fp8=getattr(args, "fp8_format", None),
-        fp8_recipe=getattr(args, "fp8_recipe", "delayed"),
-        fp8_amax_history_len=getattr(args, "fp8_amax_history_len", 1),
-        fp8_amax_compute_algo=getattr(args, "fp8_amax_compute_algo", "most_recent"),
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        # Fused kernels are CUDA-only; Megatron falls back to them only when asked.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        use_cpu_initialization=True,
-        # VPP with PP=2 and batched p2p mixes send-next/send-prev to the same peer (Megatron-LM #750).
-        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
-        residual=args.residual,
-        delta_num_blocks=args.delta_num_blocks,
-        delta_null_source=args.delta_null_source,
-        delta_gate=args.delta_gate,
-        delta_sources=args.delta_sources,
-        delta_router_eps=args.delta_router_eps,
-        delta_router_kernels=args.delta_router_kernels,
-    )
-    kw.update(overrides)
-    return DeltaTransformerConfig(**kw)
+    return model_config(model_fields_from_args(args), **overrides)[0]
 
 
 def padded_vocab_size(vocab_size: int, args) -> int:
     """Megatron-LM's padding: a multiple of --make-vocab-size-divisible-by x TP."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+    from megatron_delta.model_config import padded_vocab_size as padded
+
+    return padded(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
 def model_options(args) -> dict:
     """The GPTModel options of megatron_delta.core.model.gpt_model / build_model_chunks, from the flags."""
-    return dict(transformer_impl=args.transformer_impl, max_sequence_length=args.max_position_embeddings,
-                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
+    from megatron_delta.model_config import model_config
+
+    return model_config(model_fields_from_args(args))[1]

@@ -30,6 +30,7 @@ import tempfile
 import torch
 
 from megatron_delta.checkpointing import HF_TOKENIZER_FILES
+from megatron_delta.core.modes import BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 
 ROUTER_FIELDS = ("query", "key_norm_weight", "null_source", "gate")
 SUPPORTED_HF_ARCHS = ("Qwen3ForCausalLM", "LlamaForCausalLM")
@@ -179,8 +180,8 @@ def model_flags(c: dict) -> list:
             "--max-position-embeddings", c["max_position_embeddings"],
             "--normalization", c.get("normalization") or "RMSNorm",
             "--position-embedding-type", c.get("position_embedding_type") or "rope",
-            "--residual", c["residual"], "--delta-gate", c.get("delta_gate") or "none",
-            "--delta-sources", c.get("delta_sources") or "exact"]
+            "--residual", c["residual"], "--delta-gate", c.get("delta_gate") or GATES[0],
+            "--delta-sources", c.get("delta_sources") or SOURCE_DEFINITIONS[0]]
     # Megatron-LM's flags state what differs from its defaults (LayerNorm, GeLU, biases, MHA, no qk norm)
     argv += ["--swiglu"] if c.get("swiglu", True) else []
     argv += ["--disable-bias-linear"] if c.get("disable_bias_linear", True) else []
@@ -188,7 +189,7 @@ def model_flags(c: dict) -> list:
     argv += ["--qk-layernorm"] if c["qk_layernorm"] else []
     if c.get("untie_embeddings_and_output_weights"):
         argv.append("--untie-embeddings-and-output-weights")
-    if c.get("delta_num_blocks") is not None and c["residual"] in ("delta_block", "attnres"):
+    if c.get("delta_num_blocks") is not None and c["residual"] in BLOCK_MODES:
         argv += ["--delta-num-blocks", c["delta_num_blocks"]]
     if c.get("delta_null_source"):
         argv.append("--delta-null-source")
@@ -197,11 +198,28 @@ def model_flags(c: dict) -> list:
     return [str(a) for a in argv]
 
 
-def _model_argv(c: dict) -> list:
-    """pretrain_gpt flags that rebuild the model described by a run_config-like dict (no training)."""
-    return model_flags(c) + ([] if c["qk_layernorm"] else ["--no-qk-layernorm"]) + [str(a) for a in (
-        "--seq-length", c["max_position_embeddings"], "--micro-batch-size", 1, "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", 1, "--train-iters", 0)]
+def model_fields(rc: dict, where: str = "run_config.json", **overrides) -> dict:
+    """The model fields (megatron_delta.model_config.run_config_fields) of a run_config-like dict; a missing or
+    bad key is a ConversionError that says where it was read."""
+    from megatron_delta.model_config import ModelConfigError, run_config_fields
+
+    try:
+        return run_config_fields(rc, **overrides)
+    except ModelConfigError as e:
+        raise ConversionError(f"{where}: {e}") from None
+
+
+def checkpoint_args(fields: dict, **run):
+    """What checkpointing.load_checkpoint / save_checkpoint read of a run (getattr on RECORDED_FLAGS):
+    the model fields, one data-parallel replica without a distributed optimizer, and ``run``
+    (tokenizer, vocabulary, seed)."""
+    import types
+
+    record = dict(data_parallel_size=1, use_distributed_optimizer=False, tokenizer_type=None, tokenizer_model=None,
+                  seed=1234)
+    record.update(fields)
+    record.update(run)
+    return types.SimpleNamespace(**record)
 
 
 def _check_supported_run_config(rc: dict, where: str):
@@ -219,18 +237,19 @@ def _check_supported_run_config(rc: dict, where: str):
                               f"the HF export supports RMSNorm + SwiGLU + RoPE without biases (Qwen3/Llama)")
 
 
-def build_megatron_model(model_config: dict, padded_vocab_size: int):
-    """One GPT model (TP1/PP1, fp32, this process) for the flags in `model_config`. Returns (model, args)."""
-    from megatron_delta.arguments import model_options, parse_args, transformer_config_from_args
+def build_megatron_model(run_config: dict, padded_vocab_size: int, where: str = "run_config.json"):
+    """One GPT model (TP1/PP1, fp32, this process) for the model keys of a run_config-like dict.
+    Returns (model, args): args as checkpointing's load / save read them (see checkpoint_args)."""
     from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
     from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.model_config import model_config
 
-    args = parse_args(_model_argv(model_config), world_size=1)
-    args.padded_vocab_size = padded_vocab_size
+    fields = model_fields(run_config, where, padded_vocab_size=padded_vocab_size)
+    args = checkpoint_args(fields)
     activate_cpu_platform()
     initialize_distributed(1, 1, seed=args.seed)
-    config = transformer_config_from_args(args)
-    (model,) = build_model_chunks(config, padded_vocab_size, **model_options(args))
+    config, options = model_config(fields)
+    (model,) = build_model_chunks(config, padded_vocab_size, **options)
     return model, args
 
 
@@ -258,7 +277,7 @@ def load_megatron(load: str):
     ckpt_dir, _ = resolve_checkpoint_dir(load)
     rc = read_run_config(ckpt_dir)
     _check_supported_run_config(rc, f"--load {ckpt_dir}")
-    model, args = build_megatron_model(rc, rc["padded_vocab_size"])
+    model, args = build_megatron_model(rc, rc["padded_vocab_size"], f"--load {ckpt_dir}")
     load_checkpoint(ckpt_dir, [model], None, None, args, load_optim=False, load_rng=False)
     model.eval()
     return model, args, rc
@@ -268,10 +287,10 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
     """Load a checkpoint (saved under any layout) split over TP x PP ranks of this torch.distributed world
     (torchrun's WORLD_SIZE; the remaining factor is data parallel), as training would hold it.
     Returns (model chunks of this rank, args, run_config)."""
-    from megatron_delta.arguments import model_options, parse_args, transformer_config_from_args
     from megatron_delta.checkpointing import load_checkpoint, read_run_config, resolve_checkpoint_dir
     from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
     from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.model_config import model_config
 
     tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -286,15 +305,14 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
     if padded % tp:
         raise ConversionError(f"--tensor-model-parallel-size {tp} does not divide the checkpoint's padded "
                               f"vocabulary ({padded})")
-    args = parse_args(_model_argv(rc) + ["--tensor-model-parallel-size", str(tp),
-                                         "--pipeline-model-parallel-size", str(pp)], world_size=world)
-    args.padded_vocab_size = padded
+    # routed modes send a payload whose length differs by stage boundary (model_config sets
+    # variable_seq_lengths for them under PP > 1, as training does)
+    fields = model_fields(rc, f"--load {ckpt_dir}", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    args = checkpoint_args(fields, data_parallel_size=world // (tp * pp))
     activate_cpu_platform()
     initialize_distributed(tp, pp, seed=args.seed)
-    config = transformer_config_from_args(args)
-    # routed modes send a payload whose length differs by stage boundary (as in training)
-    config.variable_seq_lengths = rc["residual"] != "baseline" and pp > 1
-    chunks = build_model_chunks(config, padded, **model_options(args))
+    config, options = model_config(fields)
+    chunks = build_model_chunks(config, padded, **options)
     load_checkpoint(ckpt_dir, chunks, None, None, args, load_optim=False, load_rng=False)
     for c in chunks:
         c.eval()
@@ -363,14 +381,14 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
 
     return DeltaQwen3Config(
         residual=rc["residual"],
-        delta_num_blocks=rc.get("delta_num_blocks") if rc["residual"] in ("delta_block", "attnres") else None,
-        delta_sources=rc.get("delta_sources") or "exact", delta_null_source=bool(rc.get("delta_null_source")),
-        delta_gate=rc.get("delta_gate") or "none", delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
+        delta_num_blocks=rc.get("delta_num_blocks") if rc["residual"] in BLOCK_MODES else None,
+        delta_sources=rc.get("delta_sources") or SOURCE_DEFINITIONS[0], delta_null_source=bool(rc.get("delta_null_source")),
+        delta_gate=rc.get("delta_gate") or GATES[0], delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
         use_qk_norm=bool(rc["qk_layernorm"]), **kw)
 
 
-def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source=False, delta_gate="none",
-                         delta_sources="exact", delta_router_eps=None) -> dict:
+def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source=False, delta_gate=GATES[0],
+                         delta_sources=SOURCE_DEFINITIONS[0], delta_router_eps=None) -> dict:
     """A run_config-like dict (Megatron model flags) for a stock Qwen3 / Llama config."""
     archs = list(getattr(cfg, "architectures", None) or [])
     mtype = getattr(cfg, "model_type", None)
@@ -499,12 +517,13 @@ def load_hf_model(hf_dir: str):
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
-def import_checkpoint(hf_dir_or_model, save: str, residual: str = "baseline", delta_num_blocks=None,
-                      delta_null_source=False, delta_gate="none", delta_sources="exact",
+def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES[0], delta_num_blocks=None,
+                      delta_null_source=False, delta_gate=GATES[0], delta_sources=SOURCE_DEFINITIONS[0],
                       tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                       make_vocab_size_divisible_by=128, log=print) -> str:
     """HF Qwen3/Llama -> Megatron checkpoint `save/iter_0000000` (model only; use `--finetune --load`)."""
     from megatron_delta.checkpointing import save_checkpoint
+    from megatron_delta.model_config import padded_vocab_size
 
     if isinstance(hf_dir_or_model, str):
         hf_dir, hf = hf_dir_or_model, load_hf_model(hf_dir_or_model)
@@ -522,9 +541,8 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = "baseline", de
     emb_rows = hf.get_input_embeddings().weight.shape[0]
     if emb_rows != vocab:
         raise ConversionError(f"config vocab_size {vocab} != embedding rows {emb_rows}")
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    padded = ((vocab + multiple - 1) // multiple) * multiple
-    model, args = build_megatron_model(mc, padded)
+    padded = padded_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size)
+    model, args = build_megatron_model(mc, padded, f"--hf {hf_dir or type(hf).__name__}")
     tied = not mc["untie_embeddings_and_output_weights"]
     meg_sd = hf_to_megatron_state_dict(
         {k: v.detach().float() for k, v in hf.state_dict().items()}, num_layers=mc["num_layers"],
@@ -549,7 +567,6 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = "baseline", de
         raise ConversionError(f"HF tensors left over: {sorted(meg_sd)[:8]}")
     model.load_state_dict(new)
     # record the requested layout's vocabulary padding and the HF vocabulary / tokenizer
-    args.tensor_model_parallel_size_for_padding = tensor_model_parallel_size
     args.vocab_size = vocab  # NullTokenizer semantics (Megatron-Core 0.17+): --vocab-size N gives N tokens
     args.tokenizer_type, args.tokenizer_model = "NullTokenizer", None
     args.make_vocab_size_divisible_by = make_vocab_size_divisible_by

@@ -34,6 +34,8 @@ def _no_traceback(err: str):
     (["--delta-router-kernels", "torch"], 1, "--delta-router-kernels needs a routed residual mode"),
     (["--residual", "delta", "--delta-num-blocks", "2"], 1, "--delta-num-blocks applies to --residual delta_block"),
     (["--router-lr-mult", "2"], 1, "--router-lr-mult needs a routed residual mode"),
+    (["--residual", "attnres", "--delta-sources", "authors-code"], 1, "--delta-sources authors-code is defined for"),
+    (["--delta-null-source"], 1, "--delta-null-source needs a routed residual mode"),
 ])
 def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world))

@@ -9,6 +9,8 @@
 (d) clear errors: unknown architecture, missing tokenizer, mode / vocabulary mismatch.
 CPU, offline, one thread.
 """
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -339,6 +341,91 @@ def test_mode_and_vocab_mismatch_are_refused(tmp_path):
         conversion.hf_to_megatron_state_dict(sd, num_layers=0, num_attention_heads=4, num_query_groups=2,
                                              kv_channels=16, hidden_size=64, qk_layernorm=True, tied=True,
                                              padded_vocab_size=256)
+
+
+def test_bad_run_config_is_refused_naming_the_key():
+    """A run_config.json whose model keys are missing, of the wrong type or inconsistent: one ConversionError naming
+    where it was read and the key (with its pretrain_gpt.py flag), before any model is built."""
+    from megatron_delta.model_config import ModelConfigError, resolve_model_fields
+
+    rc = dict(num_layers=4, hidden_size=64, ffn_hidden_size=192, num_attention_heads=4, num_query_groups=2,
+              kv_channels=16, norm_epsilon=1e-6, qk_layernorm=True, rotary_base=1000000, max_position_embeddings=32,
+              residual="delta_block", delta_num_blocks=2, padded_vocab_size=256, iteration=3, tokenizer_type="x")
+    fields = conversion.model_fields(rc)  # keys that are not the model's (iteration, tokenizer) are not read
+    assert (fields["delta_num_blocks"], fields["delta_router_eps"], fields["seq_length"]) == (2, 1e-6, 32)
+    for bad, message in [
+        ({"num_layers": None}, "model field num_layers (--num-layers) is missing"),
+        ({"num_layers": "4"}, "model field num_layers (--num-layers) must be an integer, got '4'"),
+        ({"qk_layernorm": 1}, "model field qk_layernorm (--qk-layernorm) must be true or false, got 1"),
+        ({"normalization": "rms"}, "model field normalization (--normalization) must be one of RMSNorm, LayerNorm, "
+                                   "got 'rms'"),
+        ({"num_query_groups": 3}, "model field num_attention_heads (--num-attention-heads) 4 is not divisible by "
+                                  "num_query_groups 3"),
+    ]:
+        with pytest.raises(conversion.ConversionError) as e:
+            conversion.model_fields(dict(rc, **bad), "--load CKPT")
+        assert str(e.value) == f"--load CKPT: {message}"
+    with pytest.raises(conversion.ConversionError, match=r"^--load CKPT: --delta-num-blocks 3 must be a positive "
+                                                         r"divisor of --num-layers 4"):
+        conversion.model_fields(dict(rc, delta_num_blocks=3), "--load CKPT")
+    with pytest.raises(conversion.ConversionError) as e:  # a longer sequence than the model's positions
+        conversion.model_fields(rc, "--load CKPT", seq_length=64)
+    assert str(e.value) == ("--load CKPT: model field seq_length (--seq-length) 64 exceeds max_position_embeddings 32")
+    with pytest.raises(ModelConfigError, match=r"^unknown model field\(s\) num_layer; known: num_layers, "):
+        resolve_model_fields({"num_layer": 4})
+
+
+# Where the config conversion builds from a checkpoint's run_config.json may differ from the one the trainer built
+# (trainer/provider.py: Megatron-LM's core_transformer_config_from_args), and why: none changes the function.
+NOT_THE_FUNCTION = {
+    "bias_activation_fusion": "a fused kernel for the same SwiGLU (Megatron-LM's --bias-swiglu-fusion default)",
+    "deallocate_pipeline_outputs": "frees pipeline outputs after sending them: memory only",
+    "tensor_parallel_num_weight_shards": "None means tensor_model_parallel_size (ModelParallelConfig)",
+    "expert_tensor_parallel_num_weight_shards": "None means expert_tensor_parallel_size; no experts",
+    "cp_comm_type": "context parallelism is not used (size 1)",
+    "inference_sampling_seed": "Megatron-Core's sampling in generation, not the model",
+}
+
+
+def _same(a, b):
+    """Config values equal; the init methods (functools.partial objects built anew) by what they call."""
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+        return (a.func, a.args, a.keywords) == (b.func, b.args, b.keywords)
+    return a == b
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
+    """The model conversion and the tools build from a checkpoint's run_config.json (megatron_delta.model_config)
+    has the config the trainer built from its flags, field by field (NOT_THE_FUNCTION aside), and the trainer's
+    GPTModel options; under the layout of the trained checkpoints (TP2 x PP2), as load_megatron_parallel builds."""
+    from megatron_delta.cpu_platform import activate_cpu_platform
+    from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+    from megatron_delta.model_config import model_config, padded_vocab_size, run_config_fields
+    from megatron_delta.trainer.main import parse_args
+    from megatron_delta.trainer.provider import transformer_config
+    from megatron_delta.trainer.run_config import recorded_config
+
+    activate_cpu_platform()  # Megatron-LM's validate_args asks the GPU its architecture under TP > 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    common = [a for a in COMMON if a != "--qk-layernorm"] if name == "baseline_llama" else COMMON
+    args = parse_args(common + MODES[name] + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256"])
+    trained = transformer_config(args)
+    # the vocabulary padding, as Megatron-LM's trainer computes it when it builds the tokenizer
+    args.padded_vocab_size = calculate_padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                                         args.tensor_model_parallel_size, logging_enabled=False)
+    assert padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, 2) == args.padded_vocab_size
+    rc = json.loads(json.dumps(recorded_config(args)))  # as run_config.json holds it
+    config, options = model_config(run_config_fields(rc, tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    differ = sorted(f.name for f in dataclasses.fields(trained)
+                    if not _same(getattr(trained, f.name), getattr(config, f.name)))
+    assert set(differ) <= set(NOT_THE_FUNCTION), [(f, getattr(trained, f), getattr(config, f)) for f in differ]
+    assert options == dict(transformer_impl=args.transformer_impl, max_sequence_length=args.max_position_embeddings,
+                           share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                           position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
+    # and what the trainer passes beyond them is GPTModel's default
+    assert (args.rotary_percent, args.use_rope_scaling, args.fp16_lm_cross_entropy) == (1.0, False, False)
 
 
 # ---------------------------------------------------------------------------------------------- (e) fine-tuning

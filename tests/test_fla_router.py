@@ -7,6 +7,7 @@ run unchanged. Yardsticks: the float64 reference router (tests/reference_delta.r
 DESIGN.md alone) and the routers' PyTorch path (kernels='torch').
 """
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -279,24 +280,17 @@ def dist():
 def _model(mode, null, gate, kernels):
     from megatron.core import tensor_parallel
 
-    from megatron_delta.arguments import parse_args
-    from megatron_delta.arguments import model_options, transformer_config_from_args
     from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.core.modes import BLOCK_MODES
+    from megatron_delta.model_config import model_config, resolve_model_fields
 
-    flags = ["--num-layers", "4", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4",
-             "--num-query-groups", "2", "--seq-length", str(S), "--mock-data", "--vocab-size", str(V),
-             "--norm-epsilon", "1e-6", "--seed", "1234", "--residual", mode]
-    if mode in ("delta_block", "attnres"):
-        flags += ["--delta-num-blocks", "2"]
-    if null:
-        flags.append("--delta-null-source")
-    if gate:
-        flags += ["--delta-gate", "scalar"]
-    args = parse_args(flags, world_size=1)
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = build_model_chunks(transformer_config_from_args(args, delta_router_kernels=kernels), V,
-                               **model_options(args))[0]
+    fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, seq_length=S,
+                  vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,
+                  delta_gate="scalar" if gate else "none", delta_num_blocks=2 if mode in BLOCK_MODES else None))
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config, options = model_config(fields, delta_router_kernels=kernels)
+    model = build_model_chunks(config, V, **options)[0]
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -309,7 +303,7 @@ def _model(mode, null, gate, kernels):
                 p.copy_(0.05 * r)
             elif name.endswith(".gate"):
                 p.copy_(0.5 + 0.1 * r)
-    return model.eval(), args
+    return model.eval(), SimpleNamespace(**fields)
 
 
 MODEL_CASES = [("delta", False, False), ("delta", True, True), ("delta_block", False, False),
@@ -328,13 +322,13 @@ def test_model_on_the_kernel_matches_reference_and_torch(dist, kernel, mode, nul
     W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
     results = {}
     for kind in ("fla", "torch"):
-        model, args = _model(mode, null, gate, kind)
+        model, fields = _model(mode, null, gate, kind)
         before = kernel.calls
         logits = model(tok, pos, None)
         assert (kernel.calls > before) == (kind == "fla")
         (logits * W).sum().backward()
-        results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, args)
-    (lf, gf, model, args), (lt, gt, _, _) = results["fla"], results["torch"]
+        results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields)
+    (lf, gf, model, fields), (lt, gt, _, _) = results["fla"], results["torch"]
     torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
     for n in gt:
         assert (gf[n] is None) == (gt[n] is None), n
@@ -345,11 +339,11 @@ def test_model_on_the_kernel_matches_reference_and_torch(dist, kernel, mode, nul
     for k in routers:
         w[k].requires_grad_(True)
     cfg = R.RefConfig(vocab_size=V, hidden_size=HIDDEN, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                      kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size, norm_eps=1e-6,
-                      rotary_base=float(args.rotary_base),
-                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
-    ref = R.reference_forward(w, cfg, tok, mode=mode, num_blocks=args.delta_num_blocks, null_source=null,
-                              gate=gate, eps=args.delta_router_eps)
+                      kv_channels=fields.kv_channels, ffn_hidden_size=fields.ffn_hidden_size, norm_eps=1e-6,
+                      rotary_base=float(fields.rotary_base),
+                      share_embeddings_and_output_weights=not fields.untie_embeddings_and_output_weights)
+    ref = R.reference_forward(w, cfg, tok, mode=mode, num_blocks=fields.delta_num_blocks, null_source=null,
+                              gate=gate, eps=fields.delta_router_eps)
     assert ((lf.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     (ref * W.double()).sum().backward()
     for kind in {k.rsplit(".", 1)[1] for k in routers}:

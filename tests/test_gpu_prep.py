@@ -10,11 +10,11 @@ import types
 import pytest
 import torch
 
-from megatron_delta.arguments import ArgumentError, parse_args
+from megatron_delta.model_config import ModelConfigError, model_config, resolve_model_fields
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-        "--seq-length", "16", "--mock-data", "--vocab-size", "64", "--micro-batch-size", "2"]
+TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16, vocab_size=64)
+SEED = 1234
 
 
 def test_gpu_check_exits_at_once_without_cuda():
@@ -39,8 +39,10 @@ def test_fused_norm_name_mapping():
 
 
 def test_fp8_needs_transformer_engine_impl():
-    with pytest.raises(ArgumentError, match="--fp8-format hybrid needs --transformer-impl transformer_engine"):
-        parse_args(TINY + ["--bf16", "--fp8-format", "hybrid"], world_size=1)
+    with pytest.raises(ModelConfigError, match=r"^model field fp8_format \(--fp8-format\) hybrid needs "
+                                               r"transformer_impl transformer_engine \(FP8 GEMMs are Transformer "
+                                               r"Engine kernels; the local backend has none\)$"):
+        resolve_model_fields(dict(TINY, bf16=True, fp8_format="hybrid"))
 
 
 def _pretend_te_available(monkeypatch):
@@ -54,21 +56,21 @@ def _pretend_te_available(monkeypatch):
 
 def test_fp8_needs_bf16(monkeypatch):
     _pretend_te_available(monkeypatch)
-    with pytest.raises(ArgumentError, match="needs --bf16"):
-        parse_args(TINY + ["--transformer-impl", "transformer_engine", "--fp8-format", "e4m3"], world_size=1)
-    with pytest.raises(ArgumentError, match="--fp8-amax-history-len"):
-        parse_args(TINY + ["--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "e4m3",
-                           "--fp8-amax-history-len", "0"], world_size=1)
-    args = parse_args(TINY + ["--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "hybrid",
-                              "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "16",
-                              "--fp8-amax-compute-algo", "max"], world_size=1)
-    assert (args.fp8_format, args.fp8_recipe, args.fp8_amax_history_len, args.fp8_amax_compute_algo) == \
-        ("hybrid", "tensorwise", 16, "max")
+    te = dict(TINY, transformer_impl="transformer_engine")
+    with pytest.raises(ModelConfigError, match=r"^model field fp8_format \(--fp8-format\) e4m3 needs bf16 "):
+        resolve_model_fields(dict(te, fp8_format="e4m3"))
+    with pytest.raises(ModelConfigError, match=r"^model field fp8_amax_history_len \(--fp8-amax-history-len\) "
+                                               r"must be >= 1, got 0$"):
+        resolve_model_fields(dict(te, bf16=True, fp8_format="e4m3", fp8_amax_history_len=0))
+    fields = resolve_model_fields(dict(te, bf16=True, fp8_format="hybrid", fp8_recipe="tensorwise",
+                                       fp8_amax_history_len=16, fp8_amax_compute_algo="max"))
+    assert (fields["fp8_format"], fields["fp8_recipe"], fields["fp8_amax_history_len"],
+            fields["fp8_amax_compute_algo"]) == ("hybrid", "tensorwise", 16, "max")
 
 
 def test_fp8_flags_default_off():
-    args = parse_args(TINY, world_size=1)
-    assert args.fp8_format is None and args.fp8_recipe == "delayed"
+    fields = resolve_model_fields(TINY)
+    assert fields["fp8_format"] is None and fields["fp8_recipe"] == "delayed"
 
 
 # ----------------------------------------------------------------------------- FP8 contexts (stand-in TE)
@@ -102,18 +104,16 @@ def dist():
 def _fp8_model(mode, recipe):
     from megatron.core import tensor_parallel
 
-    from megatron_delta.arguments import model_options, transformer_config_from_args
     from megatron_delta.core.model import build_model_chunks
 
-    args = parse_args(TINY + ["--residual", mode], world_size=1)
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    # FP8 flags need TE at parse time; set the config fields directly (the local backend ignores them).
-    config = transformer_config_from_args(args, fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=4,
-                                          fp8_amax_compute_algo="max")
+    torch.manual_seed(SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    # The FP8 fields need TE; set the config fields directly (the local backend ignores them).
+    config, options = model_config(dict(TINY, residual=mode), fp8="hybrid", fp8_recipe=recipe,
+                                   fp8_amax_history_len=4, fp8_amax_compute_algo="max")
     assert (config.fp8, config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo) == \
         ("hybrid", recipe, 4, "max")
-    return build_model_chunks(config, 64, **model_options(args))[0], args
+    return build_model_chunks(config, 64, **options)[0], config
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
@@ -131,7 +131,7 @@ def test_layers_in_fp8_context_routers_outside(dist, monkeypatch, mode, recipe):
     monkeypatch.setitem(sys.modules, "transformer_engine", fake_te)
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", fake_te_pytorch)
 
-    model, args = _fp8_model(mode, recipe)
+    model, _ = _fp8_model(mode, recipe)
     routers = [m for m in model.modules() if type(m).__name__ == "DepthRouter"]
     assert routers and all(r.outside_fp8 for r in routers)
 
@@ -205,10 +205,8 @@ def test_gpu_check_dry_run():
                                         ("inference_fuse_tp_communication", "--inference-fuse-tp-communication")])
 def test_residual_fusions_refused_for_routed_modes(field, flag):
     """Megatron-Core fusions that fold the residual add into a norm or a linear are refused at start-up for
-    the routed modes (config and parser), naming the flag; the baseline keeps them."""
-    from types import SimpleNamespace
-
-    from megatron_delta.arguments import validate_delta_flags
+    the routed modes (DeltaTransformerConfig, also when built from model fields), naming the flag; the baseline
+    keeps them."""
     from megatron_delta.core.config import DeltaTransformerConfig, check_residual_fusions
 
     kw = dict(num_layers=4, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
@@ -219,11 +217,9 @@ def test_residual_fusions_refused_for_routed_modes(field, flag):
         else:
             DeltaTransformerConfig(residual="delta_block", **{field: True}, **kw)
     check_residual_fusions("baseline", **{field: True})
-    args = parse_args(TINY + ["--residual", "delta"], world_size=1)
-    setattr(args, field, True)
-    with pytest.raises(ArgumentError, match=flag):
-        validate_delta_flags(args)
     if field != "inference_fuse_tp_communication":  # Megatron itself asks more of that one
+        with pytest.raises(ValueError, match=f"{flag} folds the residual add.*--residual delta"):
+            model_config(dict(TINY, residual="delta"), **{field: True})
         DeltaTransformerConfig(residual="baseline", **{field: True}, **kw)
 
 
@@ -234,17 +230,15 @@ def test_routed_norms_get_u_and_bias_dropout_fusion_is_exact(dist):
     the routed layer forms v itself and the SourceBuffer adds it - logits bitwise equal with and without."""
     from megatron.core import tensor_parallel
 
-    from megatron_delta.arguments import model_options, transformer_config_from_args
     from megatron_delta.core.model import build_model_chunks
 
     logits = {}
     for fusion in (False, True):
-        args = parse_args(TINY + ["--residual", "delta_block", "--delta-gate", "scalar", "--delta-num-blocks", "2"],
-                          world_size=1)
-        torch.manual_seed(args.seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-        model = build_model_chunks(transformer_config_from_args(args, bias_dropout_fusion=fusion, add_bias_linear=True),
-                                   64, **model_options(args))[0]
+        torch.manual_seed(SEED)
+        tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+        config, options = model_config(dict(TINY, residual="delta_block", delta_gate="scalar", delta_num_blocks=2),
+                                       bias_dropout_fusion=fusion, add_bias_linear=True)
+        model = build_model_chunks(config, 64, **options)[0]
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if n.endswith(".gate"):

@@ -1,6 +1,6 @@
 """tools/memory_plan.py: the activation estimate against the bytes autograd really saves (CPU, local spec).
 
-The model is built in-process (parse_args + initialize_distributed(1, 1) + build_model_chunks); one
+The model is built in-process (megatron_delta.model_config + initialize_distributed(1, 1) + build_model_chunks); one
 forward with labels runs under torch.autograd.graph.saved_tensors_hooks, and the unique storages of
 the saved tensors that are not parameters are summed."""
 import os
@@ -8,8 +8,6 @@ import sys
 
 import pytest
 import torch
-
-from megatron_delta.arguments import parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -36,16 +34,17 @@ def _flags(mode, L, h, heads, groups, s, b, V):
             "--vocab-size", str(V)]
 
 
-def measured_saved_bytes(flags):
+def measured_saved_bytes(mode, L, h, heads, groups, s, b, V):
     from megatron.core import tensor_parallel
 
-    from megatron_delta.arguments import model_options, transformer_config_from_args
     from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.model_config import model_config
 
-    args = parse_args(flags + ["--mock-data"], world_size=1)
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = build_model_chunks(transformer_config_from_args(args), args.vocab_size, **model_options(args))[0]
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config, options = model_config(dict(residual=mode, num_layers=L, hidden_size=h, num_attention_heads=heads,
+                                        num_query_groups=groups, seq_length=s))
+    model = build_model_chunks(config, V, **options)[0]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 
@@ -55,8 +54,7 @@ def measured_saved_bytes(flags):
             storages[st.data_ptr()] = st.nbytes()
         return t
 
-    s, b = args.seq_length, args.micro_batch_size
-    tokens = torch.randint(0, args.vocab_size, (b, s))
+    tokens = torch.randint(0, V, (b, s))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(tokens, torch.arange(s).expand(b, -1), None, labels=tokens)
     loss.sum().backward()
@@ -67,7 +65,7 @@ def measured_saved_bytes(flags):
 @pytest.mark.parametrize("mode", ["baseline", "delta", "delta_block"])
 def test_activation_estimate_within_10_percent(dist, mode, cfg):
     flags = _flags(mode, *cfg)
-    measured = measured_saved_bytes(flags)
+    measured = measured_saved_bytes(mode, *cfg)
     plan = memory_plan.memory_plan(memory_plan.parse(flags + ["--transformer-impl", "local", "--device", "cpu"]))
     (stage,) = plan["stages"]
     assert stage["in_flight"] == 1

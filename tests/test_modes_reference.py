@@ -10,10 +10,13 @@ Tolerances (measured, see the asserts):
     (measured <= ~1e-5).
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from megatron_delta.arguments import ArgumentError, parse_args
+from megatron_delta.core.modes import ADDITIVE_MODES, BLOCK_MODES, REPLACEMENT_MODES
+from megatron_delta.model_config import ModelConfigError, resolve_model_fields
 from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
 
 torch.set_num_threads(1)
@@ -38,42 +41,38 @@ def dist():
     yield
 
 
-def _flags(mode, sources="exact", null=False, gate=False, num_layers=4, num_blocks=None, extra=()):
-    f = ["--num-layers", str(num_layers), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
-         "--num-query-groups", str(GROUPS), "--seq-length", str(S), "--mock-data", "--vocab-size", str(V),
-         "--norm-epsilon", "1e-6", "--seed", str(SEED), "--residual", mode]
-    if mode in ("delta_block", "attnres"):
-        f += ["--delta-num-blocks", str(num_blocks or K)]
-    if sources != "exact":
-        f += ["--delta-sources", sources]
-    if null:
-        f.append("--delta-null-source")
-    if gate:
-        f += ["--delta-gate", "scalar"]
-    return f + list(extra)
+def _fields(mode, sources="exact", null=False, gate=False, num_layers=4, num_blocks=None, extra=None):
+    """The model fields (megatron_delta.model_config) of one variant."""
+    f = dict(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+             seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_sources=sources,
+             delta_null_source=null, delta_gate="scalar" if gate else "none")
+    if mode in BLOCK_MODES:
+        f["delta_num_blocks"] = num_blocks or K
+    return dict(f, **(extra or {}))
 
 
-def build(mode, sources="exact", null=False, gate=False, num_layers=4, num_blocks=None, extra=()):
-    """(model, args) built through parse_args / build_model_chunks with a freshly seeded RNG, so the
-    same --seed gives the same backbone in every mode."""
+def build(mode, sources="exact", null=False, gate=False, num_layers=4, num_blocks=None, extra=None):
+    """(model, resolved model fields as attributes) built through megatron_delta.model_config /
+    build_model_chunks with a freshly seeded RNG, so the same seed gives the same backbone in every mode."""
     from megatron.core import tensor_parallel
 
-    from megatron_delta.arguments import model_options, transformer_config_from_args
     from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.model_config import model_config, resolve_model_fields
 
-    args = parse_args(_flags(mode, sources, null, gate, num_layers, num_blocks, extra), world_size=1)
-    torch.manual_seed(args.seed)  # what initialize_distributed(seed=...) does on one rank
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = build_model_chunks(transformer_config_from_args(args), V, **model_options(args))[0]
-    return model.eval(), args
+    fields = resolve_model_fields(_fields(mode, sources, null, gate, num_layers, num_blocks, extra))
+    torch.manual_seed(SEED)  # what initialize_distributed(seed=...) does on one rank
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    config, options = model_config(fields)
+    model = build_model_chunks(config, V, **options)[0]
+    return model.eval(), SimpleNamespace(**fields)
 
 
-def ref_config(args):
-    return RefConfig(vocab_size=V, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                     num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                     kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size, qk_layernorm=True,
-                     norm_eps=args.norm_epsilon, rotary_base=float(args.rotary_base),
-                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+def ref_config(f):
+    return RefConfig(vocab_size=V, hidden_size=f.hidden_size, num_layers=f.num_layers,
+                     num_attention_heads=f.num_attention_heads, num_query_groups=f.num_query_groups,
+                     kv_channels=f.kv_channels, ffn_hidden_size=f.ffn_hidden_size, qk_layernorm=True,
+                     norm_eps=f.norm_epsilon, rotary_base=float(f.rotary_base),
+                     share_embeddings_and_output_weights=not f.untie_embeddings_and_output_weights)
 
 
 def tokens(seed=0):
@@ -105,19 +104,18 @@ def randomise(model, seed=7):
                 p.add_(0.1 * r)
 
 
-def ref_kw(args):
-    return dict(mode=args.residual, num_blocks=args.delta_num_blocks, sources=args.delta_sources,
-                null_source=args.delta_null_source, gate=args.delta_gate == "scalar",
-                eps=args.delta_router_eps)
+def ref_kw(f):
+    return dict(mode=f.residual, num_blocks=f.delta_num_blocks, sources=f.delta_sources,
+                null_source=f.delta_null_source, gate=f.delta_gate == "scalar", eps=f.delta_router_eps)
 
 
 VARIANTS = [("baseline", "exact", False, False)]
-for _m in ("delta", "delta_block"):
+for _m in ADDITIVE_MODES:
     for _s in ("exact", "authors-code"):
         for _n in (False, True):
             for _g in (False, True):
                 VARIANTS.append((_m, _s, _n, _g))
-for _m in ("attnres", "full_attnres"):
+for _m in REPLACEMENT_MODES:
     for _n in (False, True):
         VARIANTS.append((_m, "exact", _n, False))
 
@@ -133,7 +131,7 @@ def _id(v):
 @pytest.mark.parametrize("variant", VARIANTS, ids=[_id(v) for v in VARIANTS])
 def test_logits_and_router_grads_match_reference(variant):
     mode, sources, null, gate = variant
-    model, args = build(mode, sources, null, gate)
+    model, fields = build(mode, sources, null, gate)
     randomise(model)
     tok = tokens()
     W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -147,7 +145,7 @@ def test_logits_and_router_grads_match_reference(variant):
     assert (len(router_names) > 0) == (mode != "baseline")
     for k in router_names:
         w[k].requires_grad_(True)
-    ref = reference_forward(w, ref_config(args), tok, **ref_kw(args))
+    ref = reference_forward(w, ref_config(fields), tok, **ref_kw(fields))
     rel = _rel(logits.detach().double(), ref.detach())
     assert rel < LOGIT_TOL, (variant, rel)
     if not router_names:
@@ -258,7 +256,7 @@ def test_zero_query_without_gate_preserves_function_up_to_eps(mode):
 def test_zero_query_preservation_error_is_the_norm_eps():
     """With a negligible eps (1e-12, norms and routers) exact sources preserve the baseline to
     fp32 round-off: the 1e-6-eps deviation above is the norm's eps, not a bug."""
-    tiny = ("--norm-epsilon", "1e-12")
+    tiny = dict(norm_epsilon=1e-12)
 
     def diff(mode):
         base, _ = build("baseline", extra=tiny)
@@ -396,21 +394,21 @@ def test_routing_memory_is_linear_in_depth():
 # 6. Bad combinations fail at start-up, naming the flag
 # ---------------------------------------------------------------------------------------------
 BAD = [
-    (["--residual", "attnres", "--delta-gate", "scalar"], "--delta-gate", dict(residual="attnres", delta_gate="scalar")),
-    (["--residual", "delta_block", "--delta-num-blocks", "3"], "--delta-num-blocks",
-     dict(residual="delta_block", delta_num_blocks=3)),
-    (["--residual", "attnres", "--delta-sources", "authors-code"], "--delta-sources",
-     dict(residual="attnres", delta_sources="authors-code")),
-    (["--residual", "baseline", "--delta-null-source"], "--delta-null-source",
-     dict(residual="baseline", delta_null_source=True)),
+    ("--delta-gate", dict(residual="attnres", delta_gate="scalar")),
+    ("--delta-num-blocks", dict(residual="delta_block", delta_num_blocks=3)),
+    ("--delta-sources", dict(residual="attnres", delta_sources="authors-code")),
+    ("--delta-null-source", dict(residual="baseline", delta_null_source=True)),
 ]
 
 
-@pytest.mark.parametrize("flags,flag,cfg_kw", BAD, ids=[b[1] for b in BAD])
-def test_bad_combinations_fail_at_startup(flags, flag, cfg_kw):
-    with pytest.raises(ArgumentError, match=flag):
-        parse_args(["--num-layers", "4", "--mock-data"] + flags, world_size=1)
+@pytest.mark.parametrize("flag,fields", BAD, ids=[b[0] for b in BAD])
+def test_bad_combinations_fail_at_startup(flag, fields):
+    """Before any model is built, the model fields (tools, conversion) and DeltaTransformerConfig (library users)
+    refuse a bad combination with the same one message (core/modes.py's rule), naming the flag."""
     from megatron_delta.core.config import DeltaTransformerConfig
 
-    with pytest.raises(ValueError, match=flag):
-        DeltaTransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, **cfg_kw)
+    with pytest.raises(ModelConfigError, match=flag) as from_fields:
+        resolve_model_fields(dict(num_layers=4, **fields))
+    with pytest.raises(ValueError, match=flag) as from_config:
+        DeltaTransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, **fields)
+    assert str(from_fields.value) == str(from_config.value)

@@ -83,7 +83,7 @@ def test_fused_router_passes_by_hand():
         argv = [*TINY, "--num-layers", str(layers)] + (["--delta-num-blocks", str(blocks)] if blocks else [])
         argv += ["--delta-gate", "scalar"] if gate else []
         opts = benchmark.build_parser().parse_args(argv)
-        return benchmark.fused_router_passes(mode, benchmark._mode_args(opts, mode))
+        return benchmark.fused_router_passes(mode, benchmark.mode_config(opts, mode)[0])
 
     # Per router with N sources: N (forward, beyond the stand-in's copy) + 3N + 1 (backward) in the
     # additive modes that hold x (with the gate), N - 1 + 3N + 1 in the replacement ones and where x is

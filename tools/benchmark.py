@@ -69,7 +69,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-MODES = ("baseline", "delta_block", "delta", "attnres", "full_attnres")
+from megatron_delta.core.modes import (ADDITIVE_MODES, BLOCK_MODES, GATES, RESIDUAL_MODES,  # noqa: E402
+                                       ROUTED_MODES)
+
+MODES = RESIDUAL_MODES
 # The stand-in variants of the breakdowns (_stand_ins arguments): the routers' fused passes stood in,
 # and the shared source projections as well.
 STAND_INS = {"route": (True, False), "both": (True, True)}
@@ -90,7 +93,7 @@ def build_parser():
     p.add_argument("--vocab-size", type=int, default=1024, help="mock tokens' vocabulary")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--delta-num-blocks", type=int, default=None, help="K for delta_block / attnres (default 4)")
-    p.add_argument("--delta-gate", choices=["none", "scalar"], default="none",
+    p.add_argument("--delta-gate", choices=GATES, default=GATES[0],
                    help="as pretrain_gpt.py's flag, for delta and delta_block (scalar: they also hold the residual "
                         "stream x, see README)")
     p.add_argument("--delta-router-kernels", choices=["auto", "c", "torch"], default="auto",
@@ -116,39 +119,35 @@ def build_parser():
     return p
 
 
-def _mode_args(opts, mode):
-    from megatron_delta.arguments import parse_args
+def mode_config(opts, mode):
+    """(DeltaTransformerConfig, GPTModel options, padded vocabulary) of one mode, from megatron_delta.model_config:
+    --num-layers etc., the rest the small CPU model's (Qwen3-style: GQA 2, SwiGLU 3 x hidden, RoPE, qk-layernorm,
+    no biases)."""
+    from megatron_delta.model_config import model_config, resolve_model_fields
 
-    argv = ["--mock-data", "--vocab-size", str(opts.vocab_size), "--residual", mode,
-            "--num-layers", str(opts.num_layers), "--hidden-size", str(opts.hidden_size),
-            "--num-attention-heads", str(opts.num_attention_heads), "--seq-length", str(opts.seq_length),
-            "--micro-batch-size", str(opts.micro_batch_size), "--train-iters", "1", "--seed", str(opts.seed)]
-    if opts.num_query_groups:
-        argv += ["--num-query-groups", str(opts.num_query_groups)]
-    if opts.ffn_hidden_size:
-        argv += ["--ffn-hidden-size", str(opts.ffn_hidden_size)]
-    if opts.delta_num_blocks and mode in ("delta_block", "attnres"):
-        argv += ["--delta-num-blocks", str(opts.delta_num_blocks)]
-    if mode in ("delta", "delta_block"):  # the replacement modes take no gate (pretrain_gpt.py refuses it)
-        argv += ["--delta-gate", opts.delta_gate]
-    if mode != "baseline":
-        argv += ["--delta-router-kernels", opts.delta_router_kernels]
-    return parse_args(argv, world_size=1)
+    fields = dict(residual=mode, num_layers=opts.num_layers, hidden_size=opts.hidden_size,
+                  num_attention_heads=opts.num_attention_heads, num_query_groups=opts.num_query_groups,
+                  ffn_hidden_size=opts.ffn_hidden_size, seq_length=opts.seq_length, vocab_size=opts.vocab_size)
+    if mode in BLOCK_MODES:
+        fields["delta_num_blocks"] = opts.delta_num_blocks
+    if mode in ADDITIVE_MODES:  # the replacement modes take no gate (pretrain_gpt.py refuses it)
+        fields["delta_gate"] = opts.delta_gate
+    if mode in ROUTED_MODES:
+        fields["delta_router_kernels"] = opts.delta_router_kernels
+    fields = resolve_model_fields(fields)
+    return (*model_config(fields), fields["padded_vocab_size"])
 
 
 def build_model(opts, mode):
-    """(model, args): one TP1/PP1 chunk, fp32, seeded exactly like pretrain_gpt.py."""
-    from megatron_delta.cpu_platform import initialize_distributed
-    from megatron_delta.arguments import model_options, padded_vocab_size, transformer_config_from_args
+    """(model, config): one TP1/PP1 chunk, fp32, seeded exactly like pretrain_gpt.py."""
     from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.cpu_platform import initialize_distributed
 
-    args = _mode_args(opts, mode)
+    config, options, vocab = mode_config(opts, mode)
     initialize_distributed(1, 1, seed=opts.seed)  # re-seeds: every mode gets the same backbone
-    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args)
-    model = build_model_chunks(transformer_config_from_args(args), args.padded_vocab_size,
-                               **model_options(args))[0]
+    model = build_model_chunks(config, vocab, **options)[0]
     model.train()
-    return model, args
+    return model, config
 
 
 def mock_batch(opts, vocab):
@@ -216,7 +215,7 @@ def parse_layout(text):
     return int(text), 1
 
 
-def payloads(opts, mode, args):
+def payloads(opts, mode, config):
     """[{boundary, first_layer, names, bytes}] per (virtual) pipeline boundary of --pp-layout."""
     from megatron_delta.core.sources import SourcePlan
 
@@ -232,17 +231,17 @@ def payloads(opts, mode, args):
         if mode == "baseline":
             names = ["x"]
         else:
-            names = SourcePlan.from_config(args, mode).payload_names(first)
+            names = SourcePlan.from_config(config, mode).payload_names(first)
         out.append({"boundary": k, "first_layer": first, "names": names, "bytes": len(names) * one})
     return out
 
 
-def max_sources(mode, args):
+def max_sources(mode, config):
     if mode == "baseline":
         return 0
     from megatron_delta.core.sources import SourcePlan
 
-    return SourcePlan.from_config(args, mode).max_sources()
+    return SourcePlan.from_config(config, mode).max_sources()
 
 
 def routing_alone_ms(model, opts, rounds=15, breakdown=False):
@@ -361,7 +360,7 @@ def _stand_ins(route, project):
         router._RouteFunction, router._ProjectSource = saved
 
 
-def fused_router_passes(mode, args):
+def fused_router_passes(mode, config):
     """Passes over a [tokens, hidden] tensor per step that a router touching each tensor once would
     make BEYOND what the stand-in loop (the "rest" of --routing-breakdown) already does. Per router
     with N sources: forward N + 2 (read the sources and the base x, write u) or N + 1 in the
@@ -374,7 +373,7 @@ def fused_router_passes(mode, args):
     from megatron_delta.core.router import DepthRouter
     from megatron_delta.core.sources import SourceBuffer, SourcePlan
 
-    plan = SourcePlan.from_config(args, mode)
+    plan = SourcePlan.from_config(config, mode)
     counts = [plan.num_sources_read(j) for j in range(plan.num_sublayers)] + [len(plan.final_reads())]
     base = 1 if plan.additive and not plan.x_from_sources else 0  # a router that reads x
     route = sum((nj + base - 1) + (3 * nj + 1) for nj in counts if nj)
@@ -521,18 +520,18 @@ def run(opts):
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
     if "baseline" not in modes:
         modes.insert(0, "baseline")
-    models, results, args_of = {}, {}, {}
+    models, results, config_of = {}, {}, {}
     try:
         for mode in modes:
-            model, args = build_model(opts, mode)
-            batch = mock_batch(opts, args.vocab_size)
+            model, config = build_model(opts, mode)
+            batch = mock_batch(opts, opts.vocab_size)
             models[mode] = (model, batch)
-            args_of[mode] = args
+            config_of[mode] = config
             results[mode] = {
                 "parameters": sum(p.numel() for p in model.parameters()),
-                "max_sources": max_sources(mode, args),
-                "delta_num_blocks": args.delta_num_blocks if mode in ("delta_block", "attnres") else None,
-                "payloads": payloads(opts, mode, args),
+                "max_sources": max_sources(mode, config),
+                "delta_num_blocks": config.delta_num_blocks,  # resolved: None outside the block modes
+                "payloads": payloads(opts, mode, config),
                 "times_s": [],
                 "cpu_times_s": [],
             }
@@ -568,7 +567,7 @@ def run(opts):
                 alone = routing_alone_ms(models[mode][0], opts, breakdown=opts.routing_breakdown)
                 if opts.routing_breakdown:
                     results[mode]["routing_breakdown_ms"] = alone
-                    results[mode]["fused_router_passes"] = fused_router_passes(mode, args_of[mode])
+                    results[mode]["fused_router_passes"] = fused_router_passes(mode, config_of[mode])
                     alone = alone["total"]
                 results[mode]["routing_alone_ms"] = alone
                 _progress(f"{mode}: routing alone {results[mode]['routing_alone_ms']:.1f} ms")
@@ -676,6 +675,15 @@ def main(argv=None):
         if m.strip() and m.strip() not in MODES:
             print(f"benchmark.py: error: unknown mode {m!r} (choose from {', '.join(MODES)})", file=sys.stderr)
             return 2
+    from megatron_delta.model_config import ModelConfigError
+
+    try:
+        for m in opts.modes.split(","):  # every model's fields, before any model is built
+            if m.strip():
+                mode_config(opts, m.strip())
+    except ModelConfigError as e:
+        print(f"benchmark.py: error: {e}", file=sys.stderr)
+        return 2
     report = run(opts)
     cfg = report["config"]
     print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "

@@ -28,6 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_delta.core.modes import BLOCK_MODES  # noqa: E402
+
 
 # ---------------------------------------------------------------------------------------- train
 def cmd_train(run_dir, flags):
@@ -57,7 +59,7 @@ def cmd_train(run_dir, flags):
         max_sources = SourcePlan.from_config(args).max_sources() + int(bool(args.delta_null_source))
     summary = {
         "residual": args.residual,
-        "delta_num_blocks": args.delta_num_blocks if args.residual in ("delta_block", "attnres") else None,
+        "delta_num_blocks": args.delta_num_blocks if args.residual in BLOCK_MODES else None,
         "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
         "global_batch_size": args.global_batch_size, "train_iters": args.train_iters, "seed": args.seed,
         "parameters": captured["parameters"], "router_parameters": captured["router_parameters"],

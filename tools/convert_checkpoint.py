@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from megatron_delta.core.modes import GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS  # noqa: E402
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__,
@@ -35,12 +37,12 @@ def main(argv=None):
     i = sub.add_parser("import", help="HF Qwen3/Llama directory -> Megatron checkpoint")
     i.add_argument("--hf", required=True)
     i.add_argument("--save", required=True)
-    i.add_argument("--residual", choices=["baseline", "attnres", "full_attnres", "delta", "delta_block"],
-                   default="baseline")
-    i.add_argument("--delta-gate", choices=["none", "scalar"], default="none")
+    i.add_argument("--residual", choices=RESIDUAL_MODES, default="baseline")
+    i.add_argument("--delta-gate", choices=GATES, default=GATES[0])
     i.add_argument("--delta-null-source", action="store_true")
-    i.add_argument("--delta-num-blocks", type=int, default=None)
-    i.add_argument("--delta-sources", choices=["exact", "authors-code"], default="exact")
+    i.add_argument("--delta-num-blocks", type=int, default=None,
+                   help="K blocks of L/K layers (delta_block, attnres); default 4 (or L if L < 4)")
+    i.add_argument("--delta-sources", choices=SOURCE_DEFINITIONS, default=SOURCE_DEFINITIONS[0])
     i.add_argument("--tensor-model-parallel-size", type=int, default=1)
     i.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     i.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -49,10 +51,9 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
-    from megatron_delta.trainer.main import quiet_known_warnings
+    from megatron_delta.patches import import_megatron
 
-    quiet_known_warnings()
-    from megatron_delta.arguments import ArgumentError
+    import_megatron()  # Megatron's import-time notices quieted (patches.KNOWN_WARNINGS)
     from megatron_delta.checkpointing import CheckpointError
     from megatron_delta.conversion import ConversionError, export_checkpoint, import_checkpoint
     from megatron_delta.cpu_platform import destroy_distributed
@@ -61,12 +62,10 @@ def main(argv=None):
         if a.cmd == "export":
             export_checkpoint(a.load, a.output, a.dtype)
         else:
-            if a.residual in ("delta_block", "attnres") and a.delta_num_blocks is None:
-                pass  # pretrain_gpt's default (4, or L if L < 4) is applied by its argument parser
             import_checkpoint(a.hf, a.save, a.residual, a.delta_num_blocks, a.delta_null_source, a.delta_gate,
                               a.delta_sources, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                               a.make_vocab_size_divisible_by)
-    except (ConversionError, CheckpointError, ArgumentError) as err:
+    except (ConversionError, CheckpointError) as err:
         print(f"convert_checkpoint.py {a.cmd}: error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -93,10 +93,9 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
-    from megatron_delta.trainer.main import quiet_known_warnings
+    from megatron_delta.patches import import_megatron
 
-    quiet_known_warnings()
-    from megatron_delta.arguments import ArgumentError
+    import_megatron()  # Megatron's import-time notices quieted (patches.KNOWN_WARNINGS)
     from megatron_delta.checkpointing import CheckpointError
     from megatron_delta.conversion import ConversionError, load_megatron, load_megatron_parallel, true_vocab_size
     from megatron_delta.cpu_platform import destroy_distributed
@@ -129,7 +128,7 @@ def main(argv=None):
                                   f"the model's {rc['max_position_embeddings']} positions")
         result, logits = evaluate_tokens_parallel(chunks, vocab, seqs) if parallel else \
             evaluate_tokens(model, vocab, seqs)
-    except (ConversionError, CheckpointError, ArgumentError) as err:
+    except (ConversionError, CheckpointError) as err:
         print(f"evaluate.py: error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -37,10 +37,12 @@ import math
 import os
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = ("baseline", "attnres", "full_attnres", "delta", "delta_block")
+from megatron_delta.core.modes import ADDITIVE_MODES, RESIDUAL_MODES as MODES  # noqa: E402
+
 NO_GPU_EXIT = 2
 TARGETS = {("8B", "delta_block"): (0.95, 1.10), ("1B", "delta"): (0.85, None)}
 
@@ -153,39 +155,39 @@ class Env:
         return "H100"
 
 
-def flags(opts, env, mode, *, shape, impl=None, fp8=None, iters=None):
+SEED = 1234
+# Adam as in pretrain_gpt.py's default run (tests/flags.py QWEN3); the learning rate is --lr, its floor lr / 10.
+ADAM = dict(weight_decay=0.1, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95)
+
+
+def model_fields(opts, env, mode, *, shape, impl=None, fp8=None):
+    """The model fields (megatron_delta.model_config) of one run: ``shape``, the GPU's backend in BF16 (the dry
+    run: local, fp32), and FP8 with the recipe ``fp8`` (delayed / tensorwise) when given."""
     s = shape
-    argv = ["--residual", mode, "--transformer-impl", impl or env.impl, "--mock-data",
-            "--vocab-size", str(opts.vocab_size), "--num-layers", str(s["layers"]),
-            "--hidden-size", str(s["hidden"]), "--ffn-hidden-size", str(s["ffn"]),
-            "--num-attention-heads", str(s["heads"]), "--num-query-groups", str(s["groups"]),
-            "--seq-length", str(s["seq"]), "--micro-batch-size", "1", "--train-iters", str(iters or opts.iters),
-            "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10), "--lr-warmup-iters", "2"]
-    if not env.dry:
-        argv.append("--bf16")
+    fields = dict(residual=mode, transformer_impl=impl or env.impl, vocab_size=opts.vocab_size,
+                  num_layers=s["layers"], hidden_size=s["hidden"], ffn_hidden_size=s["ffn"],
+                  num_attention_heads=s["heads"], num_query_groups=s["groups"], seq_length=s["seq"],
+                  bf16=not env.dry)
     if fp8:
-        argv += ["--fp8-format", "hybrid", "--fp8-recipe", fp8,
-                 "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]
-    return argv
+        fields.update(fp8_format="hybrid", fp8_recipe=fp8, fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    return fields
 
 
-def build(env, argv, kernels="fla"):
-    """(args, config, model chunk on the device); ``kernels``: the routers' backend (fla / torch)."""
+def build(env, fields, kernels="fla"):
+    """(resolved fields, config, model chunk on the device); ``kernels``: the routers' backend (fla / torch)."""
     import torch
     from megatron.core import tensor_parallel
 
-    from megatron_delta.arguments import parse_args
-    from megatron_delta.arguments import model_options, padded_vocab_size, transformer_config_from_args
     from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.model_config import model_config, resolve_model_fields
 
-    args = parse_args(argv, world_size=1)
-    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args)
-    over = {} if args.residual == "baseline" else {"delta_router_kernels": kernels}
-    config = transformer_config_from_args(args, use_cpu_initialization=env.dry, **over)
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    (chunk,) = build_model_chunks(config, args.padded_vocab_size, **model_options(args))
-    return args, config, chunk.to(env.device)
+    fields = resolve_model_fields(fields)
+    over = {} if fields["residual"] == "baseline" else {"delta_router_kernels": kernels}
+    config, options = model_config(fields, use_cpu_initialization=env.dry, **over)
+    torch.manual_seed(SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    (chunk,) = build_model_chunks(config, fields["padded_vocab_size"], **options)
+    return fields, config, chunk.to(env.device)
 
 
 def free(env, *objs):
@@ -214,10 +216,11 @@ def parity(opts, env, mode):
 
     shape = dict(hidden=opts.parity_hidden_size, ffn=3 * opts.parity_hidden_size,
                  heads=max(4, opts.parity_hidden_size // 128), groups=2, seq=opts.parity_seq_length, layers=4)
-    models = {"local": build(env, flags(opts, env, mode, shape=shape, impl="local"))[2],
-              "local-torch-router": build(env, flags(opts, env, mode, shape=shape, impl="local"), kernels="torch")[2]}
+    models = {"local": build(env, model_fields(opts, env, mode, shape=shape, impl="local"))[2],
+              "local-torch-router": build(env, model_fields(opts, env, mode, shape=shape, impl="local"),
+                                          kernels="torch")[2]}
     if not env.dry:
-        models["te"] = build(env, flags(opts, env, mode, shape=shape, impl="transformer_engine"))[2]
+        models["te"] = build(env, model_fields(opts, env, mode, shape=shape, impl="transformer_engine"))[2]
     src = models["local"].state_dict()
     for name, m in models.items():
         if name == "local":
@@ -320,20 +323,22 @@ def train(opts, env, mode, *, shape, fp8=None, kernels="fla", iters=None, warmup
     free(env)
     env.reset_peak()
     iters = iters or opts.iters
-    args, config, chunk = build(env, flags(opts, env, mode, shape=shape, fp8=fp8, iters=iters), kernels=kernels)
+    fields, config, chunk = build(env, model_fields(opts, env, mode, shape=shape, fp8=fp8), kernels=kernels)
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=chunk)
-    opt_config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                                 adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-                                 bf16=not env.dry, params_dtype=config.params_dtype)
-    optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides=router_overrides(args, get_standard_config_overrides(opt_config)))
+    lr = dict(lr=opts.lr, min_lr=opts.lr / 10)
+    opt_config = OptimizerConfig(optimizer="adam", **lr, **ADAM, bf16=not env.dry, params_dtype=config.params_dtype)
+    # the routers' parameter group, as pretrain_gpt.py makes it (--router-lr-mult 1: no weight decay)
+    routers = types.SimpleNamespace(residual=mode, router_lr_mult=1.0, **lr)
+    optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides=router_overrides(
+        routers, get_standard_config_overrides(opt_config)))
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync
 
-    s, b = args.seq_length, args.micro_batch_size
+    s, b = fields["seq_length"], 1
     g = torch.Generator(device="cpu").manual_seed(1)
-    base = torch.randint(0, args.vocab_size, (16,), generator=g)  # period 16: the loss must fall fast
+    base = torch.randint(0, opts.vocab_size, (16,), generator=g)  # period 16: the loss must fall fast
     seqs = base.repeat((s + 1) // 16 + 2)[: s + 1].to(env.device)
     batch = {"tokens": seqs[:-1].expand(b, -1), "labels": seqs[1:].expand(b, -1),
              "position_ids": torch.arange(s, device=env.device).expand(b, -1)}
@@ -361,7 +366,7 @@ def train(opts, env, mode, *, shape, fp8=None, kernels="fla", iters=None, warmup
         losses.append(float(reports[0]["lm loss"]))
     timed = times[warmup:] or times
     out = {"mode": mode, "kernels": kernels if mode != "baseline" else "-", "precision": fp8 and f"fp8-hybrid-{fp8}"
-           or ("fp32" if env.dry else "bf16"), "num_layers": args.num_layers, "losses": losses,
+           or ("fp32" if env.dry else "bf16"), "num_layers": fields["num_layers"], "losses": losses,
            "tokens_per_sec": s * b * len(timed) / sum(timed), "peak_mem_gib": env.peak_gib(),
            "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]}
     free(env, ddp, optimizer, chunk)
@@ -405,11 +410,11 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # memory_plan
     import torch
 
+    from megatron_delta.patches import import_megatron
+
+    import_megatron()  # Megatron's import-time notices quieted (patches.KNOWN_WARNINGS)
     from megatron_delta.core import fla_router
     from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
-    from megatron_delta.trainer.main import quiet_known_warnings
-
-    quiet_known_warnings()
     import logging
 
     logging.getLogger("megatron").setLevel(logging.WARNING)  # DDP / optimizer set-up lines per run
@@ -486,7 +491,8 @@ def main(argv=None):
                 shape = dict(env.shapes[shape_name])
                 if shape["layers"] is None:
                     shape["layers"] = opts.num_layers_8b or layers_that_fit(env, shape)
-                runs = [("baseline", "-")] + [(m, k) for m in ("delta_block", "delta") for k in ("fla", "torch")]
+                # the additive modes (those with targets), each on both router backends
+                runs = [("baseline", "-")] + [(m, k) for m in ADDITIVE_MODES for k in ("fla", "torch")]
                 base = None
                 for mode, kern in runs:
                     r = attempt("speed", f"speed {shape_name} {mode} {kern}",

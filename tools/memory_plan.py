@@ -41,6 +41,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_delta.core.modes import (ADDITIVE_MODES, BLOCK_MODES, REPLACEMENT_MODES, RESIDUAL_MODES,  # noqa: E402
+                                       SOURCE_DEFINITIONS, default_num_blocks)
+
 GiB = 2**30
 
 PRESETS = {
@@ -67,10 +70,9 @@ def build_parser():
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    p.add_argument("--residual", choices=["baseline", "attnres", "full_attnres", "delta", "delta_block"],
-                   default="baseline")
+    p.add_argument("--residual", choices=RESIDUAL_MODES, default="baseline")
     p.add_argument("--delta-num-blocks", type=int, default=None)
-    p.add_argument("--delta-sources", choices=["exact", "authors-code"], default="exact")
+    p.add_argument("--delta-sources", choices=SOURCE_DEFINITIONS, default=SOURCE_DEFINITIONS[0])
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
@@ -118,8 +120,8 @@ def parse(argv=None):
         a.vpp = a.num_layers // pp // a.num_layers_per_virtual_pipeline_stage
     if a.tensor_model_parallel_size == 1:
         a.sequence_parallel = False
-    if a.residual in ("delta_block", "attnres") and a.delta_num_blocks is None:
-        a.delta_num_blocks = 4 if a.num_layers % 4 == 0 and a.num_layers >= 4 else a.num_layers
+    if a.delta_num_blocks is None:
+        a.delta_num_blocks = default_num_blocks(a.residual, a.num_layers)
     return a
 
 
@@ -151,7 +153,7 @@ def stage_params(a, stage):
         n += vocab * a.hidden_size
     if stage == pp - 1:
         n += a.hidden_size  # final norm
-        if a.residual in ("attnres", "full_attnres"):
+        if a.residual in REPLACEMENT_MODES:
             n += 2 * a.hidden_size  # final router
         if a.untie_embeddings_and_output_weights or pp > 1:
             n += vocab * a.hidden_size  # output layer (a tied copy lives on the last stage when PP > 1)
@@ -369,7 +371,7 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=4, null_sour
     gemm_s = L * layer_gemm_flops(shape, tokens, micro_batch) / (flops * GEMM_EFFICIENCY)
     router_s = 0.0
     if mode != "baseline":
-        kb = num_blocks if mode in ("delta_block", "attnres") and L % num_blocks == 0 else L
+        kb = num_blocks if mode in BLOCK_MODES and L % num_blocks == 0 else L
         cfg = SimpleNamespace(residual=mode, num_layers=L, delta_num_blocks=kb, delta_sources="exact",
                               delta_gate="scalar" if gate else "none",
                               delta_router_kernels="fla" if backend == "fla" else "torch")
@@ -381,7 +383,7 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=4, null_sour
             "tokens_per_sec_ratio": gemm_s / (gemm_s + router_s)}
 
 
-def router_share_table(gpu, shapes=("1B", "8B"), modes=("delta", "delta_block", "attnres", "full_attnres")):
+def router_share_table(gpu, shapes=("1B", "8B"), modes=ADDITIVE_MODES + REPLACEMENT_MODES):
     rows = [router_share(gpu, s, m, b) for s in shapes for m in modes for b in ("torch", "fla")]
     lines = [f"predicted router share of a training step on {gpu} (bf16, one micro-batch of 2048 tokens; "
              f"GEMMs at {GEMM_EFFICIENCY:.0%} of peak, HBM at {HBM_EFFICIENCY:.0%})",

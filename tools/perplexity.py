@@ -159,9 +159,9 @@ def _run(opts):
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from megatron_delta.trainer.main import quiet_known_warnings
+    from megatron_delta.patches import import_megatron
 
-    quiet_known_warnings()
+    import_megatron()  # Megatron's import-time notices quieted (patches.KNOWN_WARNINGS)
     from megatron_delta.checkpointing import CheckpointError, read_run_config, resolve_checkpoint_dir
     from megatron_delta.conversion import ConversionError, load_megatron, megatron_logits, true_vocab_size
     from megatron_delta.cpu_platform import destroy_distributed

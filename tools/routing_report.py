@@ -45,54 +45,29 @@ def build_parser():
     return p
 
 
-def _flag(name):
-    return "--" + name.replace("_", "-")
+def run_from_run_config(cfg, opts, where):
+    """(model fields, run): the checkpoint's model in a TP1/PP1 layout (megatron_delta.model_config) reading
+    sequences of --seq-length (default: the checkpoint's) tokens, and the run the forward passes and
+    checkpointing.load_checkpoint read (batch sizes, tokenizer, seed; the model fields as attributes)."""
+    from megatron_delta.conversion import checkpoint_args, model_fields
 
-
-# run_config.json key -> how it becomes a pretrain_gpt.py flag
-_VALUE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "kv_channels", "normalization", "norm_epsilon", "position_embedding_type", "rotary_base",
-                "max_position_embeddings", "residual", "delta_num_blocks", "delta_gate", "delta_sources",
-                "delta_router_eps", "seed")
-_BOOL_FLAGS = {"swiglu": ("--swiglu", "--no-swiglu"), "qk_layernorm": ("--qk-layernorm", "--no-qk-layernorm"),
-               "disable_bias_linear": ("--disable-bias-linear", "--add-bias-linear"),
-               "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", None),
-               "delta_null_source": ("--delta-null-source", None)}
-
-
-def args_from_run_config(cfg, opts):
-    """pretrain_gpt.py flags describing the checkpoint's model, in a TP1/PP1 layout."""
-    from megatron_delta.arguments import parse_args
-
-    argv = []
-    for k in _VALUE_FLAGS:
-        if cfg.get(k) is not None:
-            argv += [_flag(k), str(cfg[k])]
-    for k, (on, off) in _BOOL_FLAGS.items():
-        if cfg.get(k) is True:
-            argv.append(on)
-        elif cfg.get(k) is False and off:
-            argv.append(off)
-    seq = opts.seq_length or cfg.get("seq_length")
-    if seq:
-        argv += ["--seq-length", str(seq)]
-        if cfg.get("max_position_embeddings") is None or seq > cfg["max_position_embeddings"]:
-            pass  # parse_args will refuse a seq longer than the model's positions; say so there
-    argv += ["--micro-batch-size", str(opts.micro_batch_size), "--train-iters", "0"]
+    seq = opts.seq_length or cfg.get("seq_length") or cfg.get("max_position_embeddings")
+    fields = model_fields(cfg, where, seq_length=seq)
     tok_type, vocab = cfg.get("tokenizer_type"), cfg.get("vocab_size")
     if opts.mock_data:
-        argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab or 1024)]
+        tokenizer = dict(tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_size=vocab or 1024)
     else:
         if tok_type == "NullTokenizer":
             raise SystemExit("routing_report.py: error: the checkpoint was trained with NullTokenizer (mock tokens); "
                              "pass --mock-data")
         model = opts.tokenizer_model or cfg.get("tokenizer_model")
-        argv += ["--data-path", "unused", "--tokenizer-type", tok_type or "SentencePieceTokenizer"]
-        if model:
-            argv += ["--tokenizer-model", model]
-    args = parse_args(argv, world_size=1)
-    args.padded_vocab_size = cfg["padded_vocab_size"]
-    return args
+        if not model:
+            raise SystemExit(f"routing_report.py: error: {where} records no tokenizer model (run_config.json "
+                             f"tokenizer_model); pass --tokenizer-model")
+        tokenizer = dict(tokenizer_type=tok_type or "SentencePieceTokenizer", tokenizer_model=model, vocab_size=vocab)
+    run = checkpoint_args(fields, micro_batch_size=opts.micro_batch_size, global_batch_size=opts.micro_batch_size,
+                          seed=cfg.get("seed") or 1234, **tokenizer)
+    return fields, run
 
 
 def datasets_to_report(opts, args, tokenizer):
@@ -224,25 +199,31 @@ def main(argv=None):
     if cfg.get("residual", "baseline") == "baseline":
         print("routing_report.py: error: the checkpoint is --residual baseline: it has no routing", file=sys.stderr)
         return 1
-    args = args_from_run_config(cfg, opts)
+    from megatron_delta.conversion import ConversionError
 
-    from megatron_delta.trainer.forward_pass import collect_routing_stats
-    from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
-    from megatron_delta.data import build_tokenizer
-    from megatron_delta.arguments import model_options, transformer_config_from_args
+    try:
+        fields, args = run_from_run_config(cfg, opts, f"--load {ckpt_dir}")
+    except ConversionError as e:
+        print(f"routing_report.py: error: {e}", file=sys.stderr)
+        return 1
+
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.sources import SourcePlan
+    from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
+    from megatron_delta.data import build_tokenizer
+    from megatron_delta.model_config import model_config
+    from megatron_delta.trainer.forward_pass import collect_routing_stats
 
     initialize_distributed(1, 1, seed=args.seed)
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-        config = transformer_config_from_args(args)
-        model = build_model_chunks(config, args.padded_vocab_size, **model_options(args))
+        config, options = model_config(fields)
+        model = build_model_chunks(config, fields["padded_vocab_size"], **options)
         load_checkpoint(ckpt_dir, model, None, None, args, load_optim=False, load_rng=False)
         print(f" loaded {ckpt_dir} (iteration {iteration}, --residual {args.residual}, saved with TP"
               f"{cfg.get('tensor_model_parallel_size')} PP{cfg.get('pipeline_model_parallel_size')}"
               f" VPP{cfg.get('virtual_pipeline_model_parallel_size')}; read as TP1 PP1)")
-        plan = SourcePlan.from_config(args)
+        plan = SourcePlan.from_config(config)
         report = {"checkpoint": os.path.abspath(ckpt_dir), "iteration": iteration, "residual": args.residual,
                   "num_layers": args.num_layers, "delta_num_blocks": args.delta_num_blocks,
                   "delta_sources": args.delta_sources, "delta_null_source": bool(args.delta_null_source),
