@@ -63,7 +63,7 @@ def test_hf_model_imports_no_megatron():
 
 
 @pytest.mark.parametrize("source, bad", [
-    ("from megatron_delta.arguments import ArgumentError\n", "megatron_delta.arguments"),
+    ("from megatron_delta.model_config import model_config\n", "megatron_delta.model_config"),
     ("def f():\n    from megatron_delta import data\n", "megatron_delta.data"),
     ("from .. import checkpointing\n", "megatron_delta.checkpointing"),
     ("import megatron.training.arguments\n", "megatron.training.arguments"),

@@ -285,20 +285,23 @@ def rank_optimizer_round_trip(root: str, router_lr_mult: float) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_delta.arguments import model_options, parse_args, transformer_config_from_args
     from megatron_delta.checkpointing import load_checkpoint, save_checkpoint
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
+    from megatron_delta.conversion import checkpoint_args
+    from megatron_delta.model_config import model_config, resolve_model_fields
     from megatron_delta.trainer.main import router_overrides
 
-    args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-                       "--vocab-size", "64", "--mock-data", "--residual", "delta", "--router-lr-mult",
-                       str(router_lr_mult), "--lr", "1e-2", "--min-lr", "1e-3"], world_size=1)
-    initialize_distributed(seed=1234)
     vocab = 64
+    fields = resolve_model_fields(dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                       vocab_size=vocab, residual="delta"))
+    # what router_overrides, the scheduler and megatron_delta.checkpointing read of a run's args
+    args = checkpoint_args(fields, router_lr_mult=router_lr_mult, lr=1e-2, min_lr=1e-3)
+    initialize_distributed(seed=1234)
 
     def build():
-        (chunk,) = build_model_chunks(transformer_config_from_args(args), vocab, **model_options(args))
+        chunk_config, options = model_config(fields)
+        (chunk,) = build_model_chunks(chunk_config, vocab, **options)
         model = DistributedDataParallel(config=chunk.config, ddp_config=DistributedDataParallelConfig(), module=chunk)
         config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=0.1)
         optimizer = get_megatron_optimizer(config, [model],

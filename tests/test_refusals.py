@@ -140,13 +140,12 @@ def dist():
 
 
 def _config(mode, **overrides):
-    from megatron_delta.arguments import parse_args, transformer_config_from_args
+    """(DeltaTransformerConfig, GPTModel options) of a 4-layer model (delta: with the scalar gate)."""
+    from megatron_delta.model_config import model_config
 
-    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "4",
-             "--seq-length", "16", "--mock-data", "--vocab-size", "64", "--micro-batch-size", "2",
-             "--residual", mode] + (["--delta-gate", "scalar"] if mode == "delta" else [])
-    args = parse_args(flags, world_size=1)
-    return transformer_config_from_args(args, **overrides), args
+    return model_config(dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=4, seq_length=16,
+                             vocab_size=64, residual=mode, delta_gate="scalar" if mode == "delta" else "none"),
+                        **overrides)
 
 
 def _t5_cross_attention():
@@ -191,13 +190,12 @@ def test_block_refuses_what_it_cannot_honour(dist):
     from megatron.core import tensor_parallel
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    from megatron_delta.arguments import model_options
     from megatron_delta.core.model import build_model_chunks
 
-    config, args = _config("delta")
+    config, options = _config("delta")
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    (model,) = build_model_chunks(config, 64, **model_options(args))
+    (model,) = build_model_chunks(config, 64, **options)
     h = torch.zeros(16, 2, 32)
     with pytest.raises(ValueError, match=r"^DeltaTransformerBlock.forward: context is not supported with "
                                          r"--residual delta: cross-attention"):
@@ -233,17 +231,15 @@ def _model_with_padding_aware_mlp(mode, recompute_method):
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_delta.arguments import model_options
     from megatron_delta.core.model import DeltaGPTModel, final_norm_for, layer_spec_for
     from megatron_delta.core.specs import decoder_block_spec
 
     recompute = dict(recompute_granularity="full", recompute_method=recompute_method,
                      recompute_num_layers=1) if recompute_method else {}
-    config, args = _config(mode, **recompute)
+    config, options = _config(mode, **recompute)
     spec = layer_spec_for(config)
     spec.submodules.mlp = functools.partial(_padding_aware_mlp().as_mlp_submodule,
                                             submodules=spec.submodules.mlp.keywords["submodules"])
-    options = model_options(args)
     options.pop("transformer_impl")
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)

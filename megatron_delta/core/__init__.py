@@ -8,6 +8,6 @@ Modules (one concept each):
   payload  - the stage payload: one tensor per micro-batch across a pipeline boundary
   layer / block / model / specs / norms - the Megatron-Core integration (subclasses + layer specs)
 
-Nothing here imports the training side (megatron_delta.arguments, .trainer, .data, .checkpointing,
+Nothing here imports the training side (megatron_delta.model_config, .trainer, .data, .checkpointing,
 .conversion, ...) or megatron.training; tests/test_import_direction.py holds that.
 """

@@ -223,7 +223,7 @@ REGISTRY: Tuple[Patch, ...] = (
           "the one peer: training is silently wrong",
           CORE, EVERY_DEVICE,
           made_by="megatron_delta.patches.batch_p2p_comm, the one decision (for "
-                  "megatron_delta.arguments.transformer_config_from_args); "
+                  "megatron_delta.model_config.model_config); "
                   "the trainer keeps upstream's (batch_p2p_comm = not overlap_p2p_comm, and validate_args refuses "
                   "PP=2 + VPP without overlap); check_p2p_config() refuses a config with the trap"),
     Patch("trainer_hooks",

@@ -4,7 +4,7 @@ checkpoints.
 
 - :func:`recorded_config` - megatron_delta.checkpointing.RECORDED_FLAGS read from Megatron-LM's args
   (two flags have other names there: --norm-epsilon is ``layernorm_epsilon``, --disable-bias-linear is
-  ``add_bias_linear`` negated).
+  ``add_bias_linear`` negated; num_query_groups is the heads' number without --group-query-attention).
 - :func:`write_run_config` - iter_NNNNNNN/run_config.json (+ iteration, consumed_samples,
   has_optimizer and the HF provenance the run carries), written by rank 0 after the checkpoint's
   data and BEFORE the tracker file names the iteration (main.py hooks it into upstream's
@@ -27,6 +27,10 @@ _ALIASES = {
     "norm_epsilon": lambda a: getattr(a, "layernorm_epsilon", getattr(a, "norm_epsilon", None)),
     "disable_bias_linear": lambda a: (not a.add_bias_linear) if hasattr(a, "add_bias_linear")
     else getattr(a, "disable_bias_linear", None),
+    # Without --group-query-attention Megatron-LM keeps args.num_query_groups = 1 but builds one group per
+    # head (core_transformer_config_from_args passes no num_query_groups): record what the model has.
+    "num_query_groups": lambda a: a.num_query_groups if getattr(a, "group_query_attention", True)
+    else a.num_attention_heads,
 }
 
 
