@@ -10,12 +10,9 @@ import os
 import shutil
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
-
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
 
 from megatron_delta import data as D  # noqa: E402
 

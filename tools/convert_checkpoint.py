@@ -20,12 +20,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from megatron_delta.core.modes import GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS  # noqa: E402
 
 
+@known_warnings_quieted()
 def main(argv=None):
     p = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,9 +55,7 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
-    from megatron_delta.patches import import_megatron
 
-    import_megatron()  # Megatron's import-time notices quieted (patches.KNOWN_WARNINGS)
     from megatron_delta.checkpointing import CheckpointError
     from megatron_delta.conversion import ConversionError, export_checkpoint, import_checkpoint
     from megatron_delta.cpu_platform import destroy_distributed

@@ -27,6 +27,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -79,6 +82,7 @@ def evaluate_tokens_parallel(chunks, vocab, seqs):
     return result, [every[i][1] for i in range(len(seqs))]
 
 
+@known_warnings_quieted()
 def main(argv=None):
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,9 +97,7 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
-    from megatron_delta.patches import import_megatron
 
-    import_megatron()  # Megatron's import-time notices quieted (patches.KNOWN_WARNINGS)
     from megatron_delta.checkpointing import CheckpointError
     from megatron_delta.conversion import ConversionError, load_megatron, load_megatron_parallel, true_vocab_size
     from megatron_delta.cpu_platform import destroy_distributed

@@ -41,6 +41,8 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+
 from megatron_delta.core.modes import ADDITIVE_MODES, RESIDUAL_MODES as MODES  # noqa: E402
 
 NO_GPU_EXIT = 2
@@ -402,6 +404,7 @@ def predicted(env, shape_name, mode, kernels, num_layers):
 
 
 # ------------------------------------------------------------------------------------------- main
+@known_warnings_quieted()
 def main(argv=None):
     opts = parse(argv)
     if not opts.dry_run:
@@ -410,9 +413,7 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # memory_plan
     import torch
 
-    from megatron_delta.patches import import_megatron
 
-    import_megatron()  # Megatron's import-time notices quieted (patches.KNOWN_WARNINGS)
     from megatron_delta.core import fla_router
     from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
     import logging

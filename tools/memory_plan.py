@@ -189,7 +189,7 @@ def layer_activation_bytes(a, first_layer, num_layers):
     plan = source_plan(a)
     if plan is not None:
         total += num_layers * 2 * act * h * T / sp      # the routed input of each sublayer
-        rebuilds_p = a.device == "cpu" and not a.bf16 and plan.mode == "delta_block" and not plan.authors
+        rebuilds_p = a.device == "cpu" and not a.bf16 and plan.rules.router_rebuilds_from_x
         for j in range(2 * first_layer, 2 * (first_layer + num_layers)):
             if rebuilds_p and not plan.is_block_start(j):
                 total -= act * h * T / sp               # its P is rebuilt from u in backward (router.py)
@@ -274,14 +274,14 @@ SHAPES = {  # the router-share shapes: the paper's 1B width (Qwen3-1.7B) and the
 
 def _reads_per_router(plan):
     """Per receiving router of one micro-batch, per source it reads: (readers of that source value, whether
-    this router is its first reader). P<b> / p change value at every commit: each read is a new value."""
+    this router is its first reader). A source a commit rewrites (modes.RoutedMode.rewritten_by_commit) is a new value at each read."""
     out, seen = [], {}
     receivers = list(range(plan.num_sublayers)) + (["final"] if plan.final_reads() else [])
     for j in receivers:
         names = plan.final_reads() if j == "final" else plan.reads(j)
         row = []
         for n in names:
-            rewritten = n == "p" or (n.startswith("P") and plan.mode == "delta_block")
+            rewritten = n == plan.rules.rewritten_by_commit(plan.num_sublayers - 1 if j == "final" else j)
             if rewritten or n not in seen:
                 seen[n] = len(plan.value_readers(n, j))
                 row.append((seen[n], True))

@@ -28,6 +28,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 PROG = "perplexity.py"
@@ -155,13 +158,12 @@ def main(argv=None):
         return 2
 
 
+@known_warnings_quieted()
 def _run(opts):
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from megatron_delta.patches import import_megatron
 
-    import_megatron()  # Megatron's import-time notices quieted (patches.KNOWN_WARNINGS)
     from megatron_delta.checkpointing import CheckpointError, read_run_config, resolve_checkpoint_dir
     from megatron_delta.conversion import ConversionError, load_megatron, megatron_logits, true_vocab_size
     from megatron_delta.cpu_platform import destroy_distributed

@@ -16,15 +16,15 @@ interrupted run leaves no dataset that looks complete.
 import argparse
 import os
 import sys
-import warnings
-
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_delta.patches import known_warnings_quieted  # noqa: E402
 
 from megatron_delta.data import TOKENIZER_TYPES, preprocess_to_indexed  # noqa: E402
 
 
+@known_warnings_quieted()
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")

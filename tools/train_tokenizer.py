@@ -14,15 +14,15 @@ Use the model with --tokenizer-type SentencePieceTokenizer --tokenizer-model PRE
 import argparse
 import os
 import sys
-import warnings
-
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_delta.patches import known_warnings_quieted  # noqa: E402
 
 from megatron_delta.data import train_sentencepiece  # noqa: E402
 
 
+@known_warnings_quieted()
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="training text file(s)")
