@@ -35,7 +35,7 @@ p = ensure_default_data("runs/cache")
 print(p["train_data_path"][0]); print(p["sotu_valid_data_path"]); print(p["heldout_data_path"]); print(p["tokenizer_model"])
 PYEOF
 )
-  DATA=(--train-data-path "${P[0]}" --valid-data-path "${P[1]}" --heldout-data-path "${P[2]}"
+  DATA=(--train-data-path "${P[0]}" --valid-data-path "${P[1]}" --delta-heldout-data-path "${P[2]}"
         --tokenizer-type SentencePieceTokenizer --tokenizer-model "${P[3]}")
 fi
 

@@ -7,7 +7,7 @@
 #   2. tools/convert_checkpoint.py import --residual delta_block --delta-gate scalar --delta-null-source:
 #      with the zero gate the imported model computes exactly SmolLM2's function (checked below)
 #   3. the bundled State of the Union corpus tokenized with SmolLM2's tokenizer -> Megatron indexed data
-#   4. pretrain_gpt.py --finetune --load IMPORTED --router-lr-mult 100 --lr 5e-5 for $ITERS iterations
+#   4. pretrain_gpt.py --finetune --load IMPORTED --delta-router-lr-mult 100 --lr 5e-5 for $ITERS iterations
 #   5. tools/convert_checkpoint.py export -> DeltaQwen3ForCausalLM remote-code directory
 #   6. held-out (Wikipedia sample) perplexity in transformers: SmolLM2 before vs the fine-tuned export
 #
@@ -96,9 +96,9 @@ LAUNCH=($PY)
 "${LAUNCH[@]}" pretrain_gpt.py $MODEL_FLAGS $CPU_FLAGS --finetune --load "$WORK/imported" \
     --data-path "$WORK/data/sotu_text_document" --split 98,2,0 --seq-length "$SEQ" \
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" --lr 5e-5 --min-lr 5e-6 \
-    --lr-warmup-iters 2 --weight-decay 0.0 --router-lr-mult 100 --eval-interval "$ITERS" --eval-iters 2 \
+    --lr-warmup-iters 2 --weight-decay 0.0 --delta-router-lr-mult 100 --eval-interval "$ITERS" --eval-iters 2 \
     --log-interval 5 --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-    --save "$WORK/finetuned" --save-interval "$ITERS" --no-save-optim --metrics-file "$WORK/metrics.jsonl"
+    --save "$WORK/finetuned" --save-interval "$ITERS" --no-save-optim --delta-metrics-file "$WORK/metrics.jsonl"
 
 # ---------------------------------------------------------------------------------------------- 5. export
 $PY tools/convert_checkpoint.py export --load "$WORK/finetuned" --output "$WORK/finetuned_hf"

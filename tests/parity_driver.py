@@ -5,7 +5,7 @@ through tests.dist_utils.run_distributed. Each `run_layout` call, on every rank:
 
   for each mode: (optionally) save the initial model under the current layout with
   `--train-iters 0 --save ROOT/init-MODE`, then train `iters` iterations from `--load ROOT/init-MODE
-  --finetune` with the layout's flags, losses going to ROOT/TAG-MODE.jsonl (`--metrics-file`).
+  --finetune` with the layout's flags, losses going to ROOT/TAG-MODE.jsonl (`--delta-metrics-file`).
 
 Every run is pretrain_gpt.py's own code: megatron_delta.trainer.main.main (Megatron-LM's trainer,
 megatron.training.pretrain); the model list of the last run is kept by the trainer (LAST_RUN) so
@@ -130,7 +130,7 @@ def run_layout(root: str, tag: str, layout: list[str], modes: list[str], iters: 
             os.remove(metrics)
         PAYLOADS.clear()
         _, model, _ = _run(COMMON + mode_flags(mode) + layout + extra +
-                           ["--train-iters", str(iters), "--load", init, "--finetune", "--metrics-file", metrics])
+                           ["--train-iters", str(iters), "--load", init, "--finetune", "--delta-metrics-file", metrics])
         entry = {"losses": read_losses(metrics), "valid": read_losses(metrics, "valid"),
                  "payloads": {str(k): v for k, v in PAYLOADS.items()}}
         if collect_routers and mode != "baseline":
@@ -146,7 +146,7 @@ def train_and_save(root: str, tag: str, layout: list[str], modes: list[str], ite
     for mode in modes:
         metrics = os.path.join(root, f"save-{tag}-{mode}.jsonl")
         _run(COMMON + mode_flags(mode) + layout + ["--train-iters", str(iters), "--save",
-                                                   os.path.join(root, f"ckpt-{tag}-{mode}"), "--metrics-file", metrics])
+                                                   os.path.join(root, f"ckpt-{tag}-{mode}"), "--delta-metrics-file", metrics])
         out[mode] = read_losses(metrics, "valid")[-1]
     return out
 
@@ -157,7 +157,7 @@ def load_and_evaluate(root: str, src_tag: str, tag: str, layout: list[str], mode
     for mode in modes:
         metrics = os.path.join(root, f"eval-{src_tag}-in-{tag}-{mode}.jsonl")
         _run(COMMON + mode_flags(mode) + layout + ["--train-iters", "0", "--finetune", "--load",
-                                                   os.path.join(root, f"ckpt-{src_tag}-{mode}"), "--metrics-file", metrics])
+                                                   os.path.join(root, f"ckpt-{src_tag}-{mode}"), "--delta-metrics-file", metrics])
         out[mode] = read_losses(metrics, "valid")[-1]
     return out
 
@@ -168,10 +168,10 @@ def resume_run(root: str, mode: str, iters: int = 20, split_at: int = 10) -> dic
     straight = os.path.join(root, f"straight-{mode}.jsonl")
     ckpt = os.path.join(root, f"resume-{mode}")
     _run(COMMON + mode_flags(mode) + ["--train-iters", str(iters), "--save", ckpt, "--save-interval",
-                                      str(split_at), "--metrics-file", straight])
+                                      str(split_at), "--delta-metrics-file", straight])
     resumed = os.path.join(root, f"resumed-{mode}.jsonl")
     _, _, args = _run(COMMON + mode_flags(mode) + ["--train-iters", str(iters), "--load", ckpt,
-                                                   "--ckpt-step", str(split_at), "--metrics-file", resumed])
+                                                   "--ckpt-step", str(split_at), "--delta-metrics-file", resumed])
     return {"straight": read_losses(straight), "resumed": read_losses(resumed),
             "resumed_iterations": [json.loads(l)["iteration"] for l in open(resumed)
                                    if "lm_loss" in json.loads(l) and "split" not in json.loads(l)],
@@ -210,7 +210,7 @@ def recompute_compare(root: str, modes: list[str], variants: list[str], iters: i
             if os.path.exists(metrics):
                 os.remove(metrics)
             _, model, _ = _run(COMMON + mode_flags(mode) + RECOMPUTE_VARIANTS[v] +
-                               ["--train-iters", str(iters), "--metrics-file", metrics])
+                               ["--train-iters", str(iters), "--delta-metrics-file", metrics])
             grads = _grads(model)
             if ref_grads is None:
                 ref_grads = grads

@@ -33,7 +33,7 @@ def _no_traceback(err: str):
     (["--residual", "full_attnres", "--delta-gate", "scalar"], 1, "--delta-gate scalar only applies to the additive"),
     (["--delta-router-kernels", "torch"], 1, "--delta-router-kernels needs a routed residual mode"),
     (["--residual", "delta", "--delta-num-blocks", "2"], 1, "--delta-num-blocks applies to --residual delta_block"),
-    (["--router-lr-mult", "2"], 1, "--router-lr-mult needs a routed residual mode"),
+    (["--delta-router-lr-mult", "2"], 1, "--delta-router-lr-mult needs a routed residual mode"),
     (["--residual", "attnres", "--delta-sources", "authors-code"], 1, "--delta-sources authors-code is defined for"),
     (["--delta-null-source"], 1, "--delta-null-source needs a routed residual mode"),
 ])

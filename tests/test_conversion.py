@@ -437,7 +437,7 @@ def _finetune(ckpt, save, extra=("--mock-data",), iters=2, seq=16):
 
     rc = read_run_config(resolve_checkpoint_dir(ckpt)[0])
     argv = (conversion.model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(rc["vocab_size"]),
-                                          "--finetune", "--load", ckpt, "--router-lr-mult", "100", "--lr", "5e-5",
+                                          "--finetune", "--load", ckpt, "--delta-router-lr-mult", "100", "--lr", "5e-5",
                                           "--min-lr", "5e-6", "--lr-warmup-iters", "0", "--weight-decay", "0.0",
                                           "--seq-length", str(seq), "--micro-batch-size", "1",
                                           "--global-batch-size", "2", "--train-iters", str(iters),
@@ -453,7 +453,7 @@ def _finetune(ckpt, save, extra=("--mock-data",), iters=2, seq=16):
 @pytest.mark.slow
 def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
     """Qwen3 (built from a config) + its tokenizer -> import delta_block (scalar gate, null source) ->
-    pretrain_gpt --finetune --router-lr-mult 100 -> export: the fine-tuned checkpoint still carries the HF
+    pretrain_gpt --finetune --delta-router-lr-mult 100 -> export: the fine-tuned checkpoint still carries the HF
     tokenizer, AutoTokenizer loads from the export and encodes like the original, the routers moved."""
     from megatron_delta.hf import export_sentencepiece_tokenizer
 

@@ -4,7 +4,7 @@ fla's Triton kernel refuses CPU tensors, so every test here routes through fla's
 ``fla.ops.attnres.naive_attnres`` (same signature), put in its place with ``fla_router.use_kernel`` -
 the adapter's documented injection point; the adapter, DepthRouter, SourceBuffer and the Megatron model
 run unchanged. Yardsticks: the float64 reference router (tests/reference_delta.route, written from
-DESIGN.md alone) and the routers' PyTorch path (kernels='torch').
+docs/design.md alone) and the routers' PyTorch path (kernels='torch').
 """
 import itertools
 from types import SimpleNamespace

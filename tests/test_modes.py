@@ -34,8 +34,8 @@ def test_modes_imports_only_the_standard_library():
 
 # --------------------------------------------------------------------------------------------- the rules
 def options(residual="delta", num_layers=4, num_blocks=None, null_source=False, gate="none", sources="exact",
-            router_lr_mult=1.0, router_kernels="auto", spell=FLAGS):
-    return check_delta_options(residual, num_layers, num_blocks, null_source, gate, sources, router_lr_mult,
+            delta_router_lr_mult=1.0, router_kernels="auto", spell=FLAGS):
+    return check_delta_options(residual, num_layers, num_blocks, null_source, gate, sources, delta_router_lr_mult,
                                router_kernels, spell=spell)
 
 
@@ -48,8 +48,8 @@ RULES = [
     (dict(residual="baseline", null_source=True), "--delta-null-source needs " + BASELINE_TAIL),
     (dict(residual="baseline", num_blocks=2, gate="scalar"),
      "--delta-num-blocks, --delta-gate scalar need " + BASELINE_TAIL),
-    (dict(residual="baseline", sources="authors-code", router_lr_mult=2.0, router_kernels="torch"),
-     "--delta-sources authors-code, --router-lr-mult, --delta-router-kernels need " + BASELINE_TAIL),
+    (dict(residual="baseline", sources="authors-code", delta_router_lr_mult=2.0, router_kernels="torch"),
+     "--delta-sources authors-code, --delta-router-lr-mult, --delta-router-kernels need " + BASELINE_TAIL),
     (dict(residual="attnres", gate="scalar"),
      "--delta-gate scalar only applies to the additive modes (delta, delta_block): --residual attnres replaces "
      "the residual stream, so a zero gate would erase it"),
@@ -62,7 +62,7 @@ RULES = [
     (dict(residual="delta", num_blocks=2),
      "--delta-num-blocks applies to --residual delta_block and attnres, not delta (every sublayer is its own "
      "source there)"),
-    (dict(residual="delta", router_lr_mult=0.0), "--router-lr-mult must be positive (got 0.0)"),
+    (dict(residual="delta", delta_router_lr_mult=0.0), "--delta-router-lr-mult must be positive (got 0.0)"),
     # the HF configuration's spelling of the same rule
     (dict(residual="attnres", num_blocks=3, spell=HF_FIELDS),
      "delta_num_blocks=3 must be a positive divisor of num_hidden_layers=4 (each block holds L/K consecutive "
@@ -83,7 +83,7 @@ def test_accepted_options_resolve_the_number_of_blocks():
     assert options(residual="attnres", num_layers=6) == 6  # L when 4 does not divide it
     assert options(residual="attnres", num_layers=2) == 2
     assert options(residual="delta_block", num_layers=6, num_blocks=3, gate="scalar", null_source=True,
-                   sources="authors-code", router_lr_mult=10.0, router_kernels="torch") == 3
+                   sources="authors-code", delta_router_lr_mult=10.0, router_kernels="torch") == 3
 
 
 PLAN_RULES = [

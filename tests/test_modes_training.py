@@ -41,7 +41,7 @@ def runs(tmp_path_factory):
     paths = ensure_default_data(os.path.join(REPO, "runs", "cache"))
     data = ["--train-data-path", paths["train_data_path"][0], "--valid-data-path", paths["sotu_valid_data_path"],
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", paths["tokenizer_model"]]
-    jobs = {name: TINY + data + flags + ["--metrics-file", str(out / f"{name}.jsonl"), "--save", str(out / name)]
+    jobs = {name: TINY + data + flags + ["--delta-metrics-file", str(out / f"{name}.jsonl"), "--save", str(out / name)]
             for name, flags in CONFIGS.items()}
     driver = textwrap.dedent("""
         import json, sys, traceback

@@ -25,7 +25,7 @@ def _launch(nnodes, node_rank, nproc, port, metrics):
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHON=sys.executable, OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    return subprocess.Popen(["bash", LAUNCHER] + FLAGS + ["--metrics-file", metrics], env=env, cwd=REPO,
+    return subprocess.Popen(["bash", LAUNCHER] + FLAGS + ["--delta-metrics-file", metrics], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

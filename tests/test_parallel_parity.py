@@ -1,7 +1,7 @@
 """Parallel layouts reproduce TP1 training, for every residual mode (issue 4).
 
 One initial model per mode is saved under TP1 (`--train-iters 0 --save`); every layout then trains 5
-iterations from it (`--load --finetune`) and its per-iteration losses (`--metrics-file`) must equal
+iterations from it (`--load --finetune`) and its per-iteration losses (`--delta-metrics-file`) must equal
 TP1's within 1e-5. One launch per layout runs all five modes in-process (tests/parity_driver.py).
 Tiny model: 4 layers, hidden 64, 4 heads / 2 query groups, seq 32, mbs 2, gbs 8, mock data.
 delta_block and attnres use K=2 blocks of 2 layers: under PP4 and PP2+VPP2 (one layer per chunk)

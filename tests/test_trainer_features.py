@@ -1,5 +1,5 @@
 """megatron_delta.trainer (Megatron-LM's own trainer): what the old loop offered, kept around pretrain -
-the metrics file in the old format, --heldout-data-path, routing statistics at every evaluation, the
+the metrics file in the old format, --delta-heldout-data-path, routing statistics at every evaluation, the
 pipeline payload lines, run_config.json in every checkpoint (readable by the tools' one-process loader),
 the embedded default run and one-line errors after start-up."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_embedded_run_is_chosen_by_the_absence_of_data_flags():
     from megatron_delta.trainer.embedded import is_embedded
 
     assert is_embedded([]) and is_embedded(["--residual", "delta_block", "--num-layers", "8"])
-    assert is_embedded(["--heldout-data-path", "x"])
+    assert is_embedded(["--delta-heldout-data-path", "x"])
     for flags in (["--mock-data"], ["--data-path", "x"], ["--train-data-path", "x"], ["--data-path=x"],
                   ["--valid-data-path", "v"], ["--help"]):
         assert not is_embedded(flags), flags
@@ -39,7 +39,7 @@ def test_embedded_argv_fills_what_is_not_given():
     assert value("--num-layers") == ["8"] and value("--hidden-size") == ["128"] and value("--train-iters") == ["40"]
     assert value("--lr-warmup-iters") == ["2"] and value("--lr-decay-iters") == ["40"]
     assert value("--save") == [os.path.join("runs", "default-delta_block")] and value("--save-interval") == ["40"]
-    assert value("--tokenizer-type") == ["SentencePieceTokenizer"] and len(value("--heldout-data-path")) == 1
+    assert value("--tokenizer-type") == ["SentencePieceTokenizer"] and len(value("--delta-heldout-data-path")) == 1
     for switch in ("--swiglu", "--qk-layernorm", "--disable-bias-linear", "--group-query-attention"):
         assert switch in argv
     with pytest.raises(EmbeddedRunError, match="--vocab-size needs --data-path"):
@@ -153,7 +153,7 @@ def test_errors_after_start_up_are_one_line(tmp_path):
     r = run_distributed(rank_errors, 1, str(tmp_path), timeout=600, torchrun_env=False)[0]
     expected = {"missing_data": ("--data-path", "missing/corpus_text_document"),
                 "truncated_idx": ("--data-path", "trunc_text_document.idx"),
-                "missing_heldout": ("--heldout-data-path", "missing/corpus_text_document"),
+                "missing_heldout": ("--delta-heldout-data-path", "missing/corpus_text_document"),
                 "missing_tokenizer": ("--tokenizer-model", "nope.model"),
                 "other_model": ("--ffn-hidden-size", "checkpoint 192, flags 128"),
                 "other_mode": ("--residual", "checkpoint 'delta_block', flags 'attnres'")}

@@ -25,7 +25,7 @@ def test_one_process_trains_every_mode(tmp_path):
         routed = [g for g in groups if g[2] > 0]
         if mode == "baseline":
             assert not routed
-        else:  # the routers' own group: lr x 2 (--router-lr-mult 2), no weight decay, routers only
+        else:  # the routers' own group: lr x 2 (--delta-router-lr-mult 2), no weight decay, routers only
             assert len(routed) == 1 and routed[0][0] == pytest.approx(2e-2) and routed[0][1] == 0.0, groups
             assert routed[0][2] == routed[0][3]
 

@@ -59,7 +59,7 @@ def train(argv: list[str], metrics: str) -> dict:
 
     if is_last_rank() and os.path.exists(metrics):
         os.remove(metrics)
-    code = main(argv + ["--metrics-file", metrics])
+    code = main(argv + ["--delta-metrics-file", metrics])
     assert code == 0, (code, argv)
     return {"losses": read(metrics), "lr": read(metrics, "lr"), "iterations": read(metrics, "iteration"),
             "valid": read(metrics, split="valid")}
@@ -159,10 +159,10 @@ def rank_cli(root: str) -> dict:
 
 
 def rank_all_modes(root: str, iters: int = 6) -> dict:
-    """One process trains every mode (with --router-lr-mult on the routed ones) from scratch."""
+    """One process trains every mode (with --delta-router-lr-mult on the routed ones) from scratch."""
     out = {}
     for mode in MODES:
-        extra = [] if mode == "baseline" else ["--router-lr-mult", "2"]
+        extra = [] if mode == "baseline" else ["--delta-router-lr-mult", "2"]
         out[mode] = train(COMMON + mode_flags(mode) + extra + ["--train-iters", str(iters)],
                           os.path.join(root, f"mode-{mode}.jsonl"))
         out[mode]["groups"] = _param_groups()
@@ -181,7 +181,7 @@ def _param_groups() -> list:
 
 
 # ------------------------------------------------------------------------------ the old loop's features
-# The bundled corpus (SentencePiece BPE 4096): real text for --valid-data-path / --heldout-data-path.
+# The bundled corpus (SentencePiece BPE 4096): real text for --valid-data-path / --delta-heldout-data-path.
 def bundled_data() -> dict:
     from megatron_delta.data import ensure_default_data
 
@@ -192,7 +192,7 @@ def bundled_flags(heldout: bool = True) -> list[str]:
     p = bundled_data()
     flags = ["--train-data-path", *p["train_data_path"], "--valid-data-path", p["sotu_valid_data_path"],
              "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", p["tokenizer_model"]]
-    return flags + (["--heldout-data-path", p["heldout_data_path"]] if heldout else [])
+    return flags + (["--delta-heldout-data-path", p["heldout_data_path"]] if heldout else [])
 
 
 def _no_data(argv: list[str]) -> list[str]:
@@ -239,12 +239,12 @@ def rank_features(root: str) -> dict:
     tp2 = os.path.join(root, "tp2")
     r = captured_main(MODEL + mode_flags("delta_block") + bundled_flags() + LAYOUTS["tp2"] + [
         "--train-iters", "4", "--eval-interval", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--metrics-file", os.path.join(tp2, "metrics.jsonl"), "--save", os.path.join(tp2, "ckpt"),
+        "--delta-metrics-file", os.path.join(tp2, "metrics.jsonl"), "--save", os.path.join(tp2, "ckpt"),
         "--save-interval", "2"])
     out["tp2"] = {"code": r["code"], "out": r["out"][-20000:], "records": read_records(os.path.join(tp2, "metrics.jsonl"))}
     pp2 = os.path.join(root, "pp2")
     r = captured_main(COMMON + mode_flags("delta_block") + LAYOUTS["pp2"] + [
-        "--train-iters", "1", "--metrics-file", os.path.join(pp2, "metrics.jsonl")])
+        "--train-iters", "1", "--delta-metrics-file", os.path.join(pp2, "metrics.jsonl")])
     out["pp2"] = {"code": r["code"], "payload": [l for l in r["out"].splitlines() if "pipeline payload" in l]}
     init = os.path.join(root, "init-distopt")
     r = captured_main(COMMON + mode_flags("full_attnres") + ["--use-distributed-optimizer", "--train-iters", "0",
@@ -300,7 +300,7 @@ def rank_errors(root: str) -> dict:
     with open(trunc + ".idx", "wb") as f:
         f.write(data[: len(data) // 2])
     out["truncated_idx"] = captured_main(tiny + null_tok + ["--data-path", trunc])
-    out["missing_heldout"] = captured_main(tiny + bundled_flags(heldout=False) + ["--heldout-data-path", missing])
+    out["missing_heldout"] = captured_main(tiny + bundled_flags(heldout=False) + ["--delta-heldout-data-path", missing])
     flags = bundled_flags()
     i = flags.index("--tokenizer-model")
     flags[i + 1] = os.path.join(root, "nope.model")
@@ -322,7 +322,7 @@ def rank_embedded(root: str) -> dict:
     from megatron_delta.trainer.embedded import embedded_argv
 
     argv = ["--residual", "delta_block", "--train-iters", "2", "--eval-iters", "1", "--save", os.path.join(root, "emb"),
-            "--metrics-file", os.path.join(root, "emb.jsonl")]
+            "--delta-metrics-file", os.path.join(root, "emb.jsonl")]
     full = embedded_argv(argv)
     r = captured_main(argv)
     return {"argv": full, "code": r["code"], "out": r["out"][-20000:], "err": r["err"][-3000:],

@@ -7,7 +7,7 @@
     python tools/compare_runs.py table runs/cmp/baseline runs/cmp/delta ... [--baseline baseline] [--output t.md]
 
 `train` runs pretrain_gpt.py's main (megatron_delta.trainer.main) with the given pretrain_gpt.py flags, adding
-`--metrics-file RUN_DIR/metrics.jsonl` unless given, and writes RUN_DIR/summary.json: residual
+`--delta-metrics-file RUN_DIR/metrics.jsonl` unless given, and writes RUN_DIR/summary.json: residual
 mode, blocks, parameters (counted on the built model), added router parameters, the most sources
 any router reads, the process's peak RSS (resource.getrusage; includes Python + torch, about the
 same for every mode, so ratios understate activation differences at tiny sizes) and wall time.
@@ -36,9 +36,9 @@ def cmd_train(run_dir, flags):
     from megatron_delta.trainer import main as trainer
 
     os.makedirs(run_dir, exist_ok=True)
-    if "--metrics-file" not in flags:
-        flags = flags + ["--metrics-file", os.path.join(run_dir, "metrics.jsonl")]
-    metrics = flags[flags.index("--metrics-file") + 1]
+    if "--delta-metrics-file" not in flags:
+        flags = flags + ["--delta-metrics-file", os.path.join(run_dir, "metrics.jsonl")]
+    metrics = flags[flags.index("--delta-metrics-file") + 1]
     if os.path.exists(metrics):
         os.remove(metrics)  # a fresh run, not appended to an old one
     t0 = time.time()

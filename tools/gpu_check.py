@@ -330,8 +330,8 @@ def train(opts, env, mode, *, shape, fp8=None, kernels="fla", iters=None, warmup
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=chunk)
     lr = dict(lr=opts.lr, min_lr=opts.lr / 10)
     opt_config = OptimizerConfig(optimizer="adam", **lr, **ADAM, bf16=not env.dry, params_dtype=config.params_dtype)
-    # the routers' parameter group, as pretrain_gpt.py makes it (--router-lr-mult 1: no weight decay)
-    routers = types.SimpleNamespace(residual=mode, router_lr_mult=1.0, **lr)
+    # the routers' parameter group, as pretrain_gpt.py makes it (--delta-router-lr-mult 1: no weight decay)
+    routers = types.SimpleNamespace(residual=mode, delta_router_lr_mult=1.0, **lr)
     optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides=router_overrides(
         routers, get_standard_config_overrides(opt_config)))
     config.finalize_model_grads_func = finalize_model_grads

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Loss curves from pretrain_gpt.py --metrics-file JSON lines, one line (colour) per run.
+"""Loss curves from pretrain_gpt.py --delta-metrics-file JSON lines, one line (colour) per run.
 
     python tools/plot_metrics.py --metrics-file runs/a/metrics.jsonl runs/b/metrics.jsonl --output loss.png
         [--labels a b] [--smooth 10]

@@ -5,7 +5,7 @@
         [--data-path PREFIX ...] [--mock-data] [--num-batches 4] [--micro-batch-size 4]
 
 Loads a megatron-delta checkpoint saved under any TP/PP/VPP layout into ONE process (TP1/PP1:
-dist_checkpointing reshards), runs text through it with routing recording on (DESIGN.md section 1,
+dist_checkpointing reshards), runs text through it with routing recording on (docs/design.md section 1,
 "Routing diagnostics") and writes to --output:
 
   routing.json              per dataset: per receiving sublayer (j, or 'final') the number of

@@ -51,10 +51,10 @@ class Spelling:
 
 FLAGS = Spelling({"residual": "--residual", "num_layers": "--num-layers", "num_blocks": "--delta-num-blocks",
                   "null_source": "--delta-null-source", "gate": "--delta-gate", "sources": "--delta-sources",
-                  "router_lr_mult": "--router-lr-mult", "router_kernels": "--delta-router-kernels"}, " ")
+                  "delta_router_lr_mult": "--delta-router-lr-mult", "router_kernels": "--delta-router-kernels"}, " ")
 HF_FIELDS = Spelling({"residual": "residual", "num_layers": "num_hidden_layers", "num_blocks": "delta_num_blocks",
                       "null_source": "delta_null_source", "gate": "delta_gate", "sources": "delta_sources",
-                      "router_lr_mult": "router_lr_mult", "router_kernels": "delta_router_kernels"}, "=")
+                      "delta_router_lr_mult": "delta_router_lr_mult", "router_kernels": "delta_router_kernels"}, "=")
 
 
 def _names(prefix: str, n: int) -> List[str]:
@@ -416,7 +416,7 @@ def default_num_blocks(residual: str, num_layers: int) -> int | None:
 
 
 def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, null_source: bool,
-                        gate: str, sources: str, router_lr_mult: float = 1.0,
+                        gate: str, sources: str, delta_router_lr_mult: float = 1.0,
                         router_kernels: str = "auto", *, spell: Spelling = FLAGS) -> int | None:
     """Validate one combination of residual options; returns the resolved number of blocks. ``spell``
     names the options in the messages (FLAGS, or HF_FIELDS for the HF configuration)."""
@@ -428,7 +428,7 @@ def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, 
                                       (spell("null_source"), null_source),
                                       (spell("gate", gate), gate != "none"),
                                       (spell("sources", sources), sources != EXACT),
-                                      (spell("router_lr_mult"), router_lr_mult != 1.0),
+                                      (spell("delta_router_lr_mult"), delta_router_lr_mult != 1.0),
                                       (spell("router_kernels"), router_kernels != "auto")] if on]
         if used:
             verb = "needs" if len(used) == 1 else "need"
@@ -447,6 +447,6 @@ def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, 
     elif num_blocks is not None:
         raise ValueError(f"{spell('num_blocks')} applies to {spell('residual')} {_listing(BLOCK_MODES)}, "
                          f"not {residual} (every sublayer is its own source there)")
-    if router_lr_mult <= 0:
-        raise ValueError(f"{spell('router_lr_mult')} must be positive (got {router_lr_mult})")
+    if delta_router_lr_mult <= 0:
+        raise ValueError(f"{spell('delta_router_lr_mult')} must be positive (got {delta_router_lr_mult})")
     return num_blocks

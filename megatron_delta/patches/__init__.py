@@ -232,8 +232,8 @@ REGISTRY: Tuple[Patch, ...] = (
               "training_log", "evaluate", "evaluate_and_print_results", "save_checkpoint"))
           + ("megatron.training.checkpointing.save_checkpoint",
              "megatron.training.checkpointing.get_checkpoint_tracker_filename"),
-          "upstream's pretrain() has no hook for the routers' param group (--router-lr-mult), --metrics-file, "
-          "--heldout-data-path and routing statistics, run_config.json in each checkpoint, the iteration-0 save",
+          "upstream's pretrain() has no hook for the routers' param group (--delta-router-lr-mult), --delta-metrics-file, "
+          "--delta-heldout-data-path and routing statistics, run_config.json in each checkpoint, the iteration-0 save",
           V019, EVERY_DEVICE,
           made_by="megatron_delta/trainer/main.py _Run: each function wrapped for one run (with _Run(args)), the "
                   "originals back when it ends"),

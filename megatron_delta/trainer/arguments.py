@@ -36,11 +36,11 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "that fails); c: the same, a failed build is an error; torch: PyTorch ops")
     g.add_argument("--delta-cpu-allocator", choices=["cache", "system"], default="cache",
                    help="CPU runs: cache = glibc keeps freed tensor memory for reuse; system = as configured")
-    g.add_argument("--router-lr-mult", type=float, default=1.0,
+    g.add_argument("--delta-router-lr-mult", type=float, default=1.0,
                    help="router parameters get their own optimizer group: lr x M, no weight decay")
-    g.add_argument("--metrics-file", type=str, default=None,
+    g.add_argument("--delta-metrics-file", type=str, default=None,
                    help="append JSON lines of metrics (iteration, lm_loss, lr, grad_norm; validation) here")
-    g.add_argument("--heldout-data-path", nargs="*", default=None,
+    g.add_argument("--delta-heldout-data-path", nargs="*", default=None,
                    help="another distribution, evaluated beside validation at every evaluation")
     _escape_percent_in_help(parser)
     return parser
@@ -129,7 +129,7 @@ def validate_delta_args(args: argparse.Namespace) -> None:
     try:
         args.delta_num_blocks = check_delta_options(
             args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
-            args.delta_gate, args.delta_sources, args.router_lr_mult, args.delta_router_kernels)
+            args.delta_gate, args.delta_sources, args.delta_router_lr_mult, args.delta_router_kernels)
         check_routed_features(args)
         if args.residual != "baseline":
             cpu_kernels.check(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1

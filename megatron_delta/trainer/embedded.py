@@ -2,12 +2,12 @@
 
 When is a run the embedded default run? Exactly when its arguments name NO data: none of
 ``--data-path``, ``--mock-data``, ``--train-data-path``, ``--valid-data-path``, ``--test-data-path``,
-``--data-args-path``, ``--per-split-data-args-path`` (Megatron-LM's data flags; ``--heldout-data-path``
+``--data-args-path``, ``--per-split-data-args-path`` (Megatron-LM's data flags; ``--delta-heldout-data-path``
 does not count). Then:
 
 - data: the bundled corpus (megatron_delta.data.ensure_default_data, built once under runs/cache):
   ``--train-data-path`` the SOTU training speeches, ``--valid-data-path`` the SOTU validation speeches,
-  ``--heldout-data-path`` the Wikipedia sample, ``--tokenizer-type SentencePieceTokenizer
+  ``--delta-heldout-data-path`` the Wikipedia sample, ``--tokenizer-type SentencePieceTokenizer
   --tokenizer-model`` the bundled BPE tokenizer. Giving ``--tokenizer-type``/``--tokenizer-model``/
   ``--vocab-size`` without data is an error (the corpus is tokenized with its own tokenizer).
 - every flag of :data:`EMBEDDED_DEFAULTS` that the arguments do not give is added: the old loop's
@@ -95,8 +95,8 @@ def embedded_argv(argv: Sequence[str]) -> List[str]:
     paths = ensure_default_data(CACHE_DIR)
     extra = ["--train-data-path", *paths["train_data_path"], "--valid-data-path", paths["sotu_valid_data_path"],
              "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", paths["tokenizer_model"]]
-    if not _given(argv, "--heldout-data-path"):
-        extra += ["--heldout-data-path", paths["heldout_data_path"]]
+    if not _given(argv, "--delta-heldout-data-path"):
+        extra += ["--delta-heldout-data-path", paths["heldout_data_path"]]
     defaults = dict(EMBEDDED_DEFAULTS)
     if not torch.cuda.is_available():
         defaults.update(_cpu_switches())

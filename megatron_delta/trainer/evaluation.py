@@ -1,6 +1,6 @@
 """What the old loop evaluated beside validation, on Megatron-LM's trainer.
 
-- ``--heldout-data-path``: another distribution. Its dataset is built with the others (every rank),
+- ``--delta-heldout-data-path``: another distribution. Its dataset is built with the others (every rank),
   and at every evaluation its first ``--eval-iters`` global batches (the same ones every time, as the
   old loop) go through upstream's ``evaluate_and_print_results`` (its printout and loss reduction).
 - routing statistics (routed modes): the first validation global batch through upstream's
@@ -14,17 +14,17 @@ import torch
 
 
 def build_heldout_dataset(args, tokenizer):
-    """GPTDataset of --heldout-data-path: --eval-iters evaluation global batches (all of it train split)."""
+    """GPTDataset of --delta-heldout-data-path: --eval-iters evaluation global batches (all of it train split)."""
     from megatron_delta.data import build_gpt_datasets, validate_indexed_prefix
 
-    for entry in args.heldout_data_path:
+    for entry in args.delta_heldout_data_path:
         try:
             float(entry)  # a blend weight
         except ValueError:
-            validate_indexed_prefix(entry, "--heldout-data-path")
+            validate_indexed_prefix(entry, "--delta-heldout-data-path")
     samples = args.eval_iters * (getattr(args, "eval_global_batch_size", None) or args.global_batch_size)
     heldout, _, _ = build_gpt_datasets(
-        args.heldout_data_path, "100,0,0", args.seq_length, args.seed, (samples, 0, 0), tokenizer,
+        args.delta_heldout_data_path, "100,0,0", args.seq_length, args.seed, (samples, 0, 0), tokenizer,
         cache_dir=args.data_cache_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader)

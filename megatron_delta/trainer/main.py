@@ -10,14 +10,14 @@ between runs, everything else megatron.training keeps globally is torn down at t
 
 What this adds around ``megatron.training.pretrain`` (each a thin hook, installed for one run and then
 removed; the trainer itself is upstream's; the list is _Run's docstring):
-- the router param group (``--router-lr-mult``): get_megatron_optimizer_config returns Megatron's
+- the router param group (``--delta-router-lr-mult``): get_megatron_optimizer_config returns Megatron's
   standard ``config_overrides``; a routed run adds ParamKey(attr="is_delta_router");
-- ``--metrics-file``: JSON lines in the old loop's format - per iteration {"iteration", "lm_loss",
+- ``--delta-metrics-file``: JSON lines in the old loop's format - per iteration {"iteration", "lm_loss",
   "lr", "grad_norm", "tokens_per_sec"}, per evaluation {"iteration", "split", "lm_loss", "ppl"} with
   split "valid" / "heldout" ("test" for upstream's test split), per evaluation of a routed mode
   {"iteration", "routing": {...}}; the lines ` validation[ (final)] [split] at iteration N | lm loss
   | ppl` and the routing table are printed as the old loop did;
-- ``--heldout-data-path`` and the routing statistics beside every validation (trainer/evaluation.py);
+- ``--delta-heldout-data-path`` and the routing statistics beside every validation (trainer/evaluation.py);
 - routed modes with PP > 1: the start-up payload lines and the PayloadP2PCommunicator (shape
   exchange safe for PP=2 + VPP);
 - ``run_config.json`` in every iter_NNNNNNN/ saved, before the tracker names it, and the model-flag
@@ -106,13 +106,13 @@ class _Run:
     registry entry ``trainer_hooks`` of megatron_delta.patches.
 
     Each replaces or wraps one upstream function for the duration of the run (``with _Run(args)``):
-    training.get_megatron_optimizer_config   + the routers' param group (--router-lr-mult)
+    training.get_megatron_optimizer_config   + the routers' param group (--delta-router-lr-mult)
     training.setup_model_and_optimizer       keeps model/optimizer; payload lines (routed, PP > 1)
     training.load_checkpoint                 first: run_config.json's model flags == the run's
     training.train                           the clock of tokens_per_sec
     training.training_log                    metrics: iteration, lm_loss, lr, grad_norm, tokens_per_sec
     training.evaluate                        captures the loss dict of each evaluation
-    training.evaluate_and_print_results      metrics per split (valid / test), then --heldout-data-path
+    training.evaluate_and_print_results      metrics per split (valid / test), then --delta-heldout-data-path
                                              and the routing statistics beside every validation
     checkpointing.save_checkpoint (+ training's name for it), checkpointing.get_checkpoint_tracker_filename
                                              run_config.json into iter_NNNNNNN/ before the tracker names it
@@ -147,11 +147,11 @@ class _Run:
         written_for, why = patches.applies(patches.entry("trainer_hooks"))
         if not written_for and args.rank == 0:
             print(f" warning: the trainer's hooks into megatron.training are untested here: {why}", flush=True)
-        if args.metrics_file and self.last_rank:
-            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            self.metrics = args.metrics_file
+        if args.delta_metrics_file and self.last_rank:
+            os.makedirs(os.path.dirname(os.path.abspath(args.delta_metrics_file)), exist_ok=True)
+            self.metrics = args.delta_metrics_file
         # Replaces training.get_megatron_optimizer_config: Megatron's config and standard overrides,
-        # plus the routers' own group (lr x --router-lr-mult, no weight decay).
+        # plus the routers' own group (lr x --delta-router-lr-mult, no weight decay).
         original_opt_config = mt.get_megatron_optimizer_config
 
         def get_megatron_optimizer_config(a):
@@ -332,21 +332,21 @@ def torch_rank() -> int:
 
 
 def router_overrides(args, overrides):
-    """Megatron's overrides + the routers' param group: lr x --router-lr-mult, no weight decay."""
+    """Megatron's overrides + the routers' param group: lr x --delta-router-lr-mult, no weight decay."""
     if getattr(args, "residual", "baseline") == "baseline":
         return overrides
     from megatron.core.optimizer import ParamGroupOverride, ParamKey
 
     overrides = dict(overrides or {})
     min_lr = args.min_lr if args.min_lr is not None else 0.0
-    if args.router_lr_mult == 1.0:
+    if args.delta_router_lr_mult == 1.0:
         # The same override as Megatron's no-weight-decay group, so the routers join that group:
         # two groups with equal settings are confused when an optimizer checkpoint is loaded
         # (torch's load_state_dict: "parameter group that doesn't match the size").
         overrides[ParamKey(attr="is_delta_router")] = ParamGroupOverride(wd_mult=0.0)
     else:
         overrides[ParamKey(attr="is_delta_router")] = ParamGroupOverride(
-            max_lr=args.lr * args.router_lr_mult, min_lr=min_lr * args.router_lr_mult, wd_mult=0.0)
+            max_lr=args.lr * args.delta_router_lr_mult, min_lr=min_lr * args.delta_router_lr_mult, wd_mult=0.0)
     return overrides
 
 
@@ -472,14 +472,14 @@ def run(args) -> None:
 
 
 def _datasets_provider(hooks: _Run, provider):
-    """Upstream's datasets provider, keeping the validation dataset and building --heldout-data-path's
+    """Upstream's datasets provider, keeping the validation dataset and building --delta-heldout-data-path's
     beside it (every rank, once) for the extra evaluations of _Run."""
 
     def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
         train, valid, test = provider(train_val_test_num_samples, vp_stage=vp_stage)
         hooks.datasets["valid"] = valid
         args = hooks.args
-        if args.heldout_data_path and "heldout" not in hooks.datasets:
+        if args.delta_heldout_data_path and "heldout" not in hooks.datasets:
             from megatron.training import get_tokenizer
 
             from megatron_delta.trainer.evaluation import build_heldout_dataset

@@ -29,7 +29,7 @@ _ALIASES = {
     else getattr(a, "disable_bias_linear", None),
     # Without --group-query-attention Megatron-LM keeps args.num_query_groups = 1 but builds one group per
     # head (core_transformer_config_from_args passes no num_query_groups): record what the model has.
-    "num_query_groups": lambda a: a.num_query_groups if getattr(a, "group_query_attention", True)
+    "num_query_groups": lambda a: getattr(a, "num_query_groups", None) if getattr(a, "group_query_attention", True)
     else a.num_attention_heads,
 }
 
