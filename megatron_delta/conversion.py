@@ -30,7 +30,7 @@ import tempfile
 import torch
 
 from megatron_delta.checkpointing import HF_TOKENIZER_FILES
-from megatron_delta.core.modes import BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 
 ROUTER_FIELDS = ("query", "key_norm_weight", "null_source", "gate")
 SUPPORTED_HF_ARCHS = ("Qwen3ForCausalLM", "LlamaForCausalLM")
@@ -369,7 +369,7 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
         kw["bos_token_id"] = rc["bos_token_id"]
     if rc.get("eos_token_id") is not None:
         kw["eos_token_id"] = rc["eos_token_id"]
-    if rc["residual"] == "baseline":
+    if rc["residual"] == BASELINE:
         if rc["qk_layernorm"]:
             cfg = Qwen3Config(**kw)
             cfg.architectures = ["Qwen3ForCausalLM"]
@@ -463,7 +463,7 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     tmp = _tmp_sibling(output)
     try:
-        if rc["residual"] == "baseline":
+        if rc["residual"] == BASELINE:
             from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
             cls = Qwen3ForCausalLM if rc["qk_layernorm"] else LlamaForCausalLM
@@ -511,7 +511,7 @@ def load_hf_model(hf_dir: str):
     except (ValueError, KeyError) as e:
         raise ConversionError(f"--hf {hf_dir}: unsupported architecture ({e}); import supports "
                               f"{', '.join(SUPPORTED_HF_ARCHS)}") from None
-    model_config_from_hf(cfg, "baseline")  # raises on unsupported architectures
+    model_config_from_hf(cfg, BASELINE)  # raises on unsupported architectures
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from megatron_delta.core.modes import check_delta_options
+from megatron_delta.core.modes import BASELINE, check_delta_options
 
 
 class ModelConfigError(ValueError):
@@ -39,7 +39,7 @@ SMALL_CPU_MODEL = dict(
     rotary_base=1000000, max_position_embeddings=None, seq_length=128,
     vocab_size=None, padded_vocab_size=None, make_vocab_size_divisible_by=128,
     # residual routing
-    residual="baseline", delta_num_blocks=None, delta_null_source=False, delta_gate="none", delta_sources="exact",
+    residual=BASELINE, delta_num_blocks=None, delta_null_source=False, delta_gate="none", delta_sources="exact",
     delta_router_eps=None, delta_router_kernels="auto",
     # initialisation and regularisation (a CPU test model: no dropout)
     init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0,
@@ -188,10 +188,10 @@ def resolve_model_fields(fields: Mapping, require: Iterable[str] = ()) -> dict:
         f["delta_num_blocks"] = check_delta_options(
             f["residual"], L, f["delta_num_blocks"], f["delta_null_source"], f["delta_gate"], f["delta_sources"],
             router_kernels=f["delta_router_kernels"])
-        if f["residual"] != "baseline":
-            from megatron_delta.core import cpu_kernels
+        if f["residual"] != BASELINE:
+            from megatron_delta.core.router import check_kernels
 
-            cpu_kernels.check(f["delta_router_kernels"])  # `c` must build, `fla` import: fail now, not at step 1
+            check_kernels(f["delta_router_kernels"])  # `c` must build, `fla` import: fail now, not at step 1
     except ValueError as e:
         raise ModelConfigError(str(e)) from None
     if f["delta_router_eps"] is None:
@@ -263,7 +263,7 @@ def model_config(fields: Mapping, **config_overrides):
                    share_embeddings_and_output_weights=not f["untie_embeddings_and_output_weights"],
                    position_embedding_type=f["position_embedding_type"], rotary_base=f["rotary_base"])
     config = DeltaTransformerConfig(**kw)
-    if f["residual"] != "baseline" and f["pipeline_model_parallel_size"] > 1:
+    if f["residual"] != BASELINE and f["pipeline_model_parallel_size"] > 1:
         # As the trainer (trainer/provider.transformer_config), after __post_init__ (whose MoE check refuses it
         # with the default token dispatcher): routed payloads differ in length from stage boundary to boundary,
         # so p2p sends shapes first.

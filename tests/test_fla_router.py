@@ -13,8 +13,8 @@ import pytest
 import torch
 from fla.ops.attnres import naive_attnres
 
-from megatron_delta.core import cpu_kernels, fla_router
-from megatron_delta.core.router import DepthRouter, make_source
+from megatron_delta.core import fla_router
+from megatron_delta.core.router import KERNEL_CHOICES, DepthRouter, check_kernels, make_source
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
 from tests import reference_delta as R
 
@@ -246,19 +246,19 @@ def test_check_and_start_up_line():
     """`--delta-router-kernels fla` is checked at start-up (DepthRouter and config accept the choice);
     without CUDA and without an injected CPU kernel it is refused naming the flag; the start-up line
     says which kernels run."""
-    assert "fla" in cpu_kernels.KERNEL_CHOICES
+    assert "fla" in KERNEL_CHOICES
     assert fla_router.available()  # fla-core 0.6.0 is installed in this environment
     prev = fla_router.set_kernel(None)
     try:
         with pytest.raises(ValueError, match="--delta-router-kernels fla: no CUDA device"):
-            cpu_kernels.check("fla")
+            check_kernels("fla")
         assert "fused C kernels for fp32 CPU tensors" in fla_router.describe("auto", cuda=False)
         line = fla_router.describe("fla", cuda=True)
         assert "fla 0.6.0 fused_attnres for CUDA tensors" in line and "(--delta-router-kernels fla)" in line
         assert "C kernels for fp32 CPU tensors" in fla_router.describe("auto", cuda=True)
         assert fla_router.describe("torch") == "router kernels: PyTorch ops (--delta-router-kernels torch)"
         with fla_router.use_kernel(naive_attnres, devices=("cpu",)):
-            cpu_kernels.check("fla")
+            check_kernels("fla")
             assert "naive_attnres (injected) for CPU tensors" in fla_router.describe("fla", cuda=False)
     finally:
         fla_router.set_kernel(prev.fn if prev else None, *(prev[1:] if prev else ()))

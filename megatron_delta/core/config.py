@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_delta.core.cpu_kernels import KERNEL_CHOICES
-from megatron_delta.core.modes import check_delta_options
+from megatron_delta.core.router import KERNEL_CHOICES
+from megatron_delta.core.modes import BASELINE, check_delta_options
 
 # Megatron-Core fusions that fold the residual add into another kernel. A routed layer
 # (DeltaTransformerLayer.forward) adds nothing to a residual inside Megatron's modules: its norms get the
@@ -33,7 +33,7 @@ RESIDUAL_FUSIONS = {
 def check_residual_fusions(residual: str, **fusions: bool) -> None:
     """Refuse, for a routed mode, each fusion in RESIDUAL_FUSIONS that is switched on (ValueError naming the
     flag). Unknown names are ignored, so callers may pass whatever their config or args have."""
-    if residual == "baseline":
+    if residual == BASELINE:
         return
     for field, (flag, why) in RESIDUAL_FUSIONS.items():
         if fusions.get(field):
@@ -70,7 +70,7 @@ _UPSTREAM_DEFAULTS = {f.name: f.default for f in fields(TransformerConfig)}
 def check_unsupported_features(residual: str, **values) -> None:
     """Refuse, for a routed mode, each feature in UNSUPPORTED_FEATURES that ``values`` switch on (ValueError
     naming the flag, the mode and what to do). Unknown names are ignored, so callers may pass what they have."""
-    if residual == "baseline":
+    if residual == BASELINE:
         return
     for field, (flag, why) in UNSUPPORTED_FEATURES.items():
         value = values.get(field)
@@ -83,7 +83,7 @@ def check_unsupported_features(residual: str, **values) -> None:
 class DeltaTransformerConfig(TransformerConfig):
     """TransformerConfig + residual routing. `residual='baseline'` is plain Megatron."""
 
-    residual: str = "baseline"
+    residual: str = BASELINE
     """One of baseline, attnres, full_attnres, delta, delta_block (see docs/design.md section 1)."""
     delta_num_blocks: int | None = None
     """K for delta_block / attnres; None picks the default (4)."""
@@ -114,4 +114,4 @@ class DeltaTransformerConfig(TransformerConfig):
 
     @property
     def routed(self) -> bool:
-        return self.residual != "baseline"
+        return self.residual != BASELINE

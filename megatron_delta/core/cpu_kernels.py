@@ -29,7 +29,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-KERNEL_CHOICES = ("auto", "c", "torch", "fla")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "router_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)  # after the source: linkers with --as-needed drop libraries named before their user
@@ -120,22 +119,6 @@ def load() -> ctypes.CDLL:
             raise KernelBuildError(_error)
         return _lib
 
-
-def check(choice: str) -> None:
-    """Start-up check of `--delta-router-kernels`: `c` must build here, `fla` must import (fla_router.check)
-    (raises ValueError if not)."""
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"--delta-router-kernels {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
-    if choice == "fla":
-        from megatron_delta.core import fla_router
-
-        fla_router.check(choice)
-    if choice == "c":
-        try:
-            load()
-        except KernelBuildError as e:
-            raise ValueError(f"--delta-router-kernels c: the fused CPU kernels cannot be built: {e}. "
-                             f"Install a C compiler or use --delta-router-kernels torch") from None
 
 
 def library(choice: str) -> Optional[ctypes.CDLL]:

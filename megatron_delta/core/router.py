@@ -32,7 +32,27 @@ from torch import Tensor
 
 from megatron_delta.core import cpu_kernels
 
-__all__ = ["Source", "GradSink", "make_source", "DepthRouter", "route"]
+__all__ = ["KERNEL_CHOICES", "check_kernels", "Source", "GradSink", "make_source", "DepthRouter", "route"]
+
+# --delta-router-kernels: 'auto' (C kernels for fp32 CPU tensors, fla's for CUDA ones), 'c', 'torch', 'fla'
+KERNEL_CHOICES = ("auto", "c", "torch", "fla")
+
+
+def check_kernels(choice: str) -> None:
+    """Start-up check of `--delta-router-kernels`: `c` must build here, `fla` must import (fla_router.check)
+    (raises ValueError if not)."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"--delta-router-kernels {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "fla":
+        from megatron_delta.core import fla_router
+
+        fla_router.check(choice)
+    if choice == "c":
+        try:
+            cpu_kernels.load()
+        except cpu_kernels.KernelBuildError as e:
+            raise ValueError(f"--delta-router-kernels c: the fused CPU kernels cannot be built: {e}. "
+                             f"Install a C compiler or use --delta-router-kernels torch") from None
 
 
 class GradSink:
@@ -481,8 +501,8 @@ class DepthRouter(torch.nn.Module):
         kernels: str = "auto",
     ) -> None:
         super().__init__()
-        if kernels not in cpu_kernels.KERNEL_CHOICES:
-            raise ValueError(f"DepthRouter: kernels={kernels!r} is not one of {', '.join(cpu_kernels.KERNEL_CHOICES)}")
+        if kernels not in KERNEL_CHOICES:
+            raise ValueError(f"DepthRouter: kernels={kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
         self.kernels = kernels  # fused C kernels for fp32 CPU tensors (cpu_kernels.py) unless "torch"
         self.hidden_size = int(hidden_size)
         self.eps = float(eps)

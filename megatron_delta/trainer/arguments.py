@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_delta.core.modes import RESIDUAL_MODES, SOURCE_DEFINITIONS
-from megatron_delta.core.cpu_kernels import KERNEL_CHOICES
+from megatron_delta.core.modes import BASELINE, RESIDUAL_MODES, SOURCE_DEFINITIONS
+from megatron_delta.core.router import KERNEL_CHOICES
 
 PROG = "pretrain_gpt.py"
 
@@ -21,7 +21,7 @@ class TrainerArgumentError(ValueError):
 def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the megatron-delta flags."""
     g = parser.add_argument_group("residual routing (megatron-delta)")
-    g.add_argument("--residual", choices=RESIDUAL_MODES, default="baseline",
+    g.add_argument("--residual", choices=RESIDUAL_MODES, default=BASELINE,
                    help="depth routing of the residual stream (default: baseline, Megatron's own layer)")
     g.add_argument("--delta-num-blocks", type=int, default=None,
                    help="K blocks of L/K layers (delta_block, attnres); default 4 (or L if L < 4)")
@@ -121,7 +121,7 @@ OTHER_CONFIG_CLASSES = (("multi_latent_attention", "--multi-latent-attention"),
 
 def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
-    from megatron_delta.core import cpu_kernels
+    from megatron_delta.core.router import check_kernels
     from megatron_delta.core.modes import check_delta_options
 
     check_cpu_switches(args)
@@ -131,8 +131,8 @@ def validate_delta_args(args: argparse.Namespace) -> None:
             args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
             args.delta_gate, args.delta_sources, args.delta_router_lr_mult, args.delta_router_kernels)
         check_routed_features(args)
-        if args.residual != "baseline":
-            cpu_kernels.check(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1
+        if args.residual != BASELINE:
+            check_kernels(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1
     except ValueError as e:
         raise TrainerArgumentError(str(e)) from None
     if args.delta_router_eps is None:
@@ -143,7 +143,7 @@ def validate_delta_args(args: argparse.Namespace) -> None:
         raise TrainerArgumentError("--eval-interval is needed with --train-iters (Megatron-LM's trainer sizes the "
                                    "validation set from it); pass --eval-interval N (with --eval-iters 0 for no "
                                    "validation)")
-    if args.transformer_impl == "transformer_engine" and args.residual != "baseline":
+    if args.transformer_impl == "transformer_engine" and args.residual != BASELINE:
         import importlib.util
 
         if importlib.util.find_spec("transformer_engine") is None:

@@ -41,6 +41,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from megatron_delta.core.modes import BASELINE
 from megatron_delta.trainer.arguments import PROG, TrainerArgumentError, add_delta_args, validate_delta_args
 
 
@@ -258,7 +259,7 @@ class _Run:
                                   model, iteration, process_non_loss_data_func, config, verbose, False,
                                   non_loss_data_func, **comm)
                     self.record_eval("heldout", iteration, final)
-                if self.args.residual != "baseline" and self.datasets.get("valid") is not None:
+                if self.args.residual != BASELINE and self.datasets.get("valid") is not None:
                     from megatron_delta.trainer.evaluation import routing_statistics
 
                     self.record_routing(iteration, routing_statistics(
@@ -287,7 +288,7 @@ class _Run:
     def print_payload(self):
         """Start-up lines of routed modes with PP > 1: what crosses each pipeline boundary (the old loop's)."""
         args = self.args
-        if args.residual == "baseline" or args.pipeline_model_parallel_size == 1:
+        if args.residual == BASELINE or args.pipeline_model_parallel_size == 1:
             return
         from megatron_delta.core.payload import describe_stage_payloads
 
@@ -333,7 +334,7 @@ def torch_rank() -> int:
 
 def router_overrides(args, overrides):
     """Megatron's overrides + the routers' param group: lr x --delta-router-lr-mult, no weight decay."""
-    if getattr(args, "residual", "baseline") == "baseline":
+    if getattr(args, "residual", BASELINE) == BASELINE:
         return overrides
     from megatron.core.optimizer import ParamGroupOverride, ParamKey
 

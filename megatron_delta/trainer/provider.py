@@ -14,6 +14,8 @@ from functools import partial
 
 import torch
 
+from megatron_delta.core.modes import BASELINE
+
 
 def transformer_config(args):
     """Megatron-LM's args -> DeltaTransformerConfig (upstream mapping) + what routing needs."""
@@ -29,7 +31,7 @@ def transformer_config(args):
 
 
 def needs_variable_payload(args) -> bool:
-    return args.residual != "baseline" and args.pipeline_model_parallel_size > 1
+    return args.residual != BASELINE and args.pipeline_model_parallel_size > 1
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
