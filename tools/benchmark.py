@@ -69,15 +69,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_delta.core.modes import (ADDITIVE_MODES, BLOCK_MODES, GATES, RESIDUAL_MODES,  # noqa: E402
-                                       ROUTED_MODES)
+from megatron_delta.core.modes import (ADDITIVE_MODES, BASELINE, BLOCK_MODES, DELTA, DELTA_BLOCK, GATES,  # noqa: E402
+                                       RESIDUAL_MODES, ROUTED_MODES)
 
 MODES = RESIDUAL_MODES
 # The stand-in variants of the breakdowns (_stand_ins arguments): the routers' fused passes stood in,
 # and the shared source projections as well.
 STAND_INS = {"route": (True, False), "both": (True, True)}
 # Issue 6 targets, as ratios to the baseline: (time, saved bytes, peak memory).
-TARGETS = {"delta_block": (1.02, 1.08, 1.05), "delta": (1.15, 1.3, 1.25)}
+TARGETS = {DELTA_BLOCK: (1.02, 1.08, 1.05), DELTA: (1.15, 1.3, 1.25)}
 
 
 def build_parser():
@@ -228,7 +228,7 @@ def payloads(opts, mode, config):
     out = []
     for k in range(1, chunks):
         first = k * per
-        if mode == "baseline":
+        if mode == BASELINE:
             names = ["x"]
         else:
             names = SourcePlan.from_config(config, mode).payload_names(first)
@@ -237,7 +237,7 @@ def payloads(opts, mode, config):
 
 
 def max_sources(mode, config):
-    if mode == "baseline":
+    if mode == BASELINE:
         return 0
     from megatron_delta.core.sources import SourcePlan
 
@@ -475,7 +475,7 @@ def _progress(msg):
 def _model_stand_ins(opts, mode):
     """--model-breakdown: the stand-in variants (name, _stand_ins arguments) a routed model's step is
     also timed with (STAND_INS)."""
-    return list(STAND_INS.items()) if opts.model_breakdown and mode != "baseline" else []
+    return list(STAND_INS.items()) if opts.model_breakdown and mode != BASELINE else []
 
 
 def finalize(results):
@@ -484,7 +484,7 @@ def finalize(results):
         r["time_s"] = statistics.median(r["times_s"])
         r["time_min_s"] = min(r["times_s"])
         r["cpu_s"] = statistics.median(r["cpu_times_s"]) if r.get("cpu_times_s") else None
-    base = results["baseline"]
+    base = results[BASELINE]
     for mode, r in results.items():
         r["time_min_ratio"] = r["time_min_s"] / base["time_min_s"]
         r["time_ratio"] = r["time_s"] / base["time_s"]
@@ -518,8 +518,8 @@ def run(opts):
     if opts.threads:
         torch.set_num_threads(opts.threads)
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
-    if "baseline" not in modes:
-        modes.insert(0, "baseline")
+    if BASELINE not in modes:
+        modes.insert(0, BASELINE)
     models, results, config_of = {}, {}, {}
     try:
         for mode in modes:
@@ -535,7 +535,7 @@ def run(opts):
                 "times_s": [],
                 "cpu_times_s": [],
             }
-        base_params = results["baseline"]["parameters"]
+        base_params = results[BASELINE]["parameters"]
         for mode in modes:
             model, batch = models[mode]
             r = results[mode]
@@ -563,7 +563,7 @@ def run(opts):
                         results[mode].setdefault("stand_in_cpu_s", {}).setdefault(name, []).append(
                             time.process_time() - c0)
         for mode in modes:
-            if mode != "baseline":
+            if mode != BASELINE:
                 alone = routing_alone_ms(models[mode][0], opts, breakdown=opts.routing_breakdown)
                 if opts.routing_breakdown:
                     results[mode]["routing_breakdown_ms"] = alone
@@ -620,11 +620,11 @@ def format_table(report):
     cfg = report["config"]
     # Per-boundary payloads.
     blines = ["", f"Pipeline payload per micro-batch, layout {cfg['pp_layout']} (MiB per boundary):", "",
-              "| mode | " + " | ".join(f"into layer {p['first_layer']}" for p in res["baseline"]["payloads"]) + " |",
-              "|---|" + "---|" * len(res["baseline"]["payloads"])]
+              "| mode | " + " | ".join(f"into layer {p['first_layer']}" for p in res[BASELINE]["payloads"]) + " |",
+              "|---|" + "---|" * len(res[BASELINE]["payloads"])]
     for mode, r in res.items():
         blines.append(f"| {mode} | " + " | ".join(f"{_mib(p['bytes'])} ({len(p['names'])})" for p in r["payloads"]) + " |")
-    if res["baseline"]["payloads"]:
+    if res[BASELINE]["payloads"]:
         out.append("\n".join(blines))
     alone = [(m, r) for m, r in res.items() if r.get("routing_alone_ms") is not None]
     if alone:
@@ -636,7 +636,7 @@ def format_table(report):
         tensor_bytes = 4 * cfg["seq_length"] * cfg["micro_batch_size"] * cfg["hidden_size"]
         # From memory a pass costs at least what it costs in cache (the per-operator overhead included).
         mem_ms = max(pass_ms, tensor_bytes / (cfg["memory_gbps"] * 1e9) * 1e3) if cfg.get("memory_gbps") else None
-        base_ms = res["baseline"]["time_s"] * 1e3
+        base_ms = res[BASELINE]["time_s"] * 1e3
         out.append(f"\nRouting alone split by stand-in kernels (by difference), and the least a router touching each "
                    f"[tokens, hidden] tensor once would cost: the rest + its passes at {pass_ms:.3f} ms (a third of "
                    f"the in-place multiply-add, tensors in cache)"

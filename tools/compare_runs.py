@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.core.modes import BLOCK_MODES  # noqa: E402
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -53,7 +53,7 @@ def cmd_train(run_dir, flags):
                 "args": trainer.LAST_RUN.args}
     args = captured["args"]
     max_sources = 0
-    if args.residual != "baseline":
+    if args.residual != BASELINE:
         from megatron_delta.core.sources import SourcePlan
 
         max_sources = SourcePlan.from_config(args).max_sources() + int(bool(args.delta_null_source))
@@ -122,7 +122,7 @@ def make_table(runs, baseline=None):
         if base is None:
             raise SystemExit(f"compare_runs.py: error: --baseline {baseline!r} is not one of "
                              f"{[r['name'] for r in runs]}")
-    base = base or next((r for r in runs if r["summary"].get("residual") == "baseline"), runs[0])
+    base = base or next((r for r in runs if r["summary"].get("residual") == BASELINE), runs[0])
     bp = base["summary"].get("parameters")
     lines = [f"Baseline: {base['name']}. PPL = exp(final lm loss); tokens/s = training average; memory = "
              f"peak RSS of the training process.", "",

@@ -26,7 +26,7 @@ from megatron_delta.patches import known_warnings_quieted  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megatron_delta.core.modes import GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS  # noqa: E402
+from megatron_delta.core.modes import BASELINE, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS  # noqa: E402
 
 
 @known_warnings_quieted()
@@ -41,7 +41,7 @@ def main(argv=None):
     i = sub.add_parser("import", help="HF Qwen3/Llama directory -> Megatron checkpoint")
     i.add_argument("--hf", required=True)
     i.add_argument("--save", required=True)
-    i.add_argument("--residual", choices=RESIDUAL_MODES, default="baseline")
+    i.add_argument("--residual", choices=RESIDUAL_MODES, default=BASELINE)
     i.add_argument("--delta-gate", choices=GATES, default=GATES[0])
     i.add_argument("--delta-null-source", action="store_true")
     i.add_argument("--delta-num-blocks", type=int, default=None,

@@ -43,10 +43,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_delta.patches import known_warnings_quieted  # noqa: E402
 
-from megatron_delta.core.modes import ADDITIVE_MODES, RESIDUAL_MODES as MODES  # noqa: E402
+
+from megatron_delta.core.modes import (ADDITIVE_MODES, BASELINE, DELTA, DELTA_BLOCK,  # noqa: E402
+                                       RESIDUAL_MODES as MODES)
 
 NO_GPU_EXIT = 2
-TARGETS = {("8B", "delta_block"): (0.95, 1.10), ("1B", "delta"): (0.85, None)}
+TARGETS = {("8B", DELTA_BLOCK): (0.95, 1.10), ("1B", DELTA): (0.85, None)}
 
 # Local-spec parameter names -> TE-spec names (TE fuses the sublayer input norms into the linears).
 FUSED_NORM_NAMES = {
@@ -184,7 +186,7 @@ def build(env, fields, kernels="fla"):
     from megatron_delta.model_config import model_config, resolve_model_fields
 
     fields = resolve_model_fields(fields)
-    over = {} if fields["residual"] == "baseline" else {"delta_router_kernels": kernels}
+    over = {} if fields["residual"] == BASELINE else {"delta_router_kernels": kernels}
     config, options = model_config(fields, use_cpu_initialization=env.dry, **over)
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
@@ -367,7 +369,7 @@ def train(opts, env, mode, *, shape, fp8=None, kernels="fla", iters=None, warmup
         times.append(time.perf_counter() - t0)
         losses.append(float(reports[0]["lm loss"]))
     timed = times[warmup:] or times
-    out = {"mode": mode, "kernels": kernels if mode != "baseline" else "-", "precision": fp8 and f"fp8-hybrid-{fp8}"
+    out = {"mode": mode, "kernels": kernels if mode != BASELINE else "-", "precision": fp8 and f"fp8-hybrid-{fp8}"
            or ("fp32" if env.dry else "bf16"), "num_layers": fields["num_layers"], "losses": losses,
            "tokens_per_sec": s * b * len(timed) / sum(timed), "peak_mem_gib": env.peak_gib(),
            "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]}
@@ -387,7 +389,7 @@ def layers_that_fit(env, shape, frac=0.8):
     for L in range(1, 37):
         a = mp.parse(["--num-layers", str(L), "--hidden-size", str(shape["hidden"]), "--ffn-hidden-size",
                       str(shape["ffn"]), "--num-attention-heads", str(shape["heads"]), "--num-query-groups",
-                      str(shape["groups"]), "--seq-length", str(shape["seq"]), "--residual", "delta", "--bf16",
+                      str(shape["groups"]), "--seq-length", str(shape["seq"]), "--residual", DELTA, "--bf16",
                       "--transformer-impl", "transformer_engine", "--untie-embeddings-and-output-weights"])
         if mp.memory_plan(a)["stages"][0]["total"] * 1.15 <= frac * total:
             best = L
@@ -397,7 +399,7 @@ def layers_that_fit(env, shape, frac=0.8):
 def predicted(env, shape_name, mode, kernels, num_layers):
     import memory_plan as mp
 
-    if mode == "baseline":
+    if mode == BASELINE:
         return 1.0
     r = mp.router_share(env.gpu_kind(), shape_name, mode, kernels, num_layers=num_layers)
     return r["tokens_per_sec_ratio"]
@@ -493,7 +495,7 @@ def main(argv=None):
                 if shape["layers"] is None:
                     shape["layers"] = opts.num_layers_8b or layers_that_fit(env, shape)
                 # the additive modes (those with targets), each on both router backends
-                runs = [("baseline", "-")] + [(m, k) for m in ADDITIVE_MODES for k in ("fla", "torch")]
+                runs = [(BASELINE, "-")] + [(m, k) for m in ADDITIVE_MODES for k in ("fla", "torch")]
                 base = None
                 for mode, kern in runs:
                     r = attempt("speed", f"speed {shape_name} {mode} {kern}",
@@ -503,7 +505,7 @@ def main(argv=None):
                     if not r:
                         continue
                     r["shape"] = shape_name
-                    if mode == "baseline" and "tokens_per_sec" in r:
+                    if mode == BASELINE and "tokens_per_sec" in r:
                         base = r
                     if "tokens_per_sec" not in r or base is None:
                         print(f"  {shape_name:5s} {mode:12s} {kern:6s} {r.get('error', 'no baseline')}", flush=True)

@@ -41,8 +41,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.core.modes import (ADDITIVE_MODES, BLOCK_MODES, REPLACEMENT_MODES, RESIDUAL_MODES,  # noqa: E402
-                                       SOURCE_DEFINITIONS, default_num_blocks)
+from megatron_delta.core.modes import (ADDITIVE_MODES, BASELINE, BLOCK_MODES, DELTA_BLOCK,  # noqa: E402
+                                       REPLACEMENT_MODES, RESIDUAL_MODES, SOURCE_DEFINITIONS, default_num_blocks)
 
 GiB = 2**30
 
@@ -50,7 +50,7 @@ PRESETS = {
     # The paper's 8B run = examples/slurm/pretrain_qwen3_8b_delta_block.sbatch on 2 nodes x 8 GPUs.
     "qwen3-8b": dict(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
                      num_query_groups=8, kv_channels=128, seq_length=2048, vocab_size=151936,
-                     untie_embeddings_and_output_weights=True, residual="delta_block", delta_num_blocks=4,
+                     untie_embeddings_and_output_weights=True, residual=DELTA_BLOCK, delta_num_blocks=4,
                      tensor_model_parallel_size=2, pipeline_model_parallel_size=1, sequence_parallel=True,
                      use_distributed_optimizer=True, bf16=True, fp8_format="hybrid",
                      transformer_impl="transformer_engine", micro_batch_size=1, global_batch_size=64,
@@ -70,7 +70,7 @@ def build_parser():
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    p.add_argument("--residual", choices=RESIDUAL_MODES, default="baseline")
+    p.add_argument("--residual", choices=RESIDUAL_MODES, default=BASELINE)
     p.add_argument("--delta-num-blocks", type=int, default=None)
     p.add_argument("--delta-sources", choices=SOURCE_DEFINITIONS, default=SOURCE_DEFINITIONS[0])
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -126,7 +126,7 @@ def parse(argv=None):
 
 
 def source_plan(a):
-    if a.residual == "baseline":
+    if a.residual == BASELINE:
         return None
     from megatron_delta.core.sources import SourcePlan
 
@@ -138,7 +138,7 @@ def layer_params(a):
     h, q, kv, f = a.hidden_size, a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels, a.ffn_hidden_size
     tp_split = h * (q + 2 * kv) + q * h + h * 2 * f + f * h  # divided by TP
     replicated = 2 * h + 2 * a.kv_channels  # input norms, q/k norms
-    if a.residual != "baseline":
+    if a.residual != BASELINE:
         replicated += 2 * 2 * h  # two routers: query + key-norm weight
     return tp_split, replicated
 
@@ -370,7 +370,7 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=4, null_sour
     tokens = shape["seq_length"] * micro_batch
     gemm_s = L * layer_gemm_flops(shape, tokens, micro_batch) / (flops * GEMM_EFFICIENCY)
     router_s = 0.0
-    if mode != "baseline":
+    if mode != BASELINE:
         kb = num_blocks if mode in BLOCK_MODES and L % num_blocks == 0 else L
         cfg = SimpleNamespace(residual=mode, num_layers=L, delta_num_blocks=kb, delta_sources="exact",
                               delta_gate="scalar" if gate else "none",

@@ -29,6 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_delta.core.modes import BASELINE  # noqa: E402
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -196,7 +197,7 @@ def main(argv=None):
     except CheckpointError as e:
         print(f"routing_report.py: error: {e}", file=sys.stderr)
         return 1
-    if cfg.get("residual", "baseline") == "baseline":
+    if cfg.get("residual", BASELINE) == BASELINE:
         print("routing_report.py: error: the checkpoint is --residual baseline: it has no routing", file=sys.stderr)
         return 1
     from megatron_delta.conversion import ConversionError
