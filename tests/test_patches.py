@@ -130,7 +130,7 @@ def test_pointing_entries_point_at_the_code_that_makes_the_change():
     from megatron_delta import patches
     from megatron_delta.core import payload
 
-    cls = payload._payload_p2p_communicator_class()
+    cls = payload.PayloadP2PCommunicator
     assert "_communicate_shapes" in cls.__dict__  # the override of p2p_shape_exchange
     assert cls.__mro__[1].__qualname__ == "P2PCommunicator"
     for p in patches.REGISTRY:

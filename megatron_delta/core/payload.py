@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import List, Sequence
 
 import torch
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from torch import Tensor
 
 from megatron_delta.core.sources import SourcePlan
 
-__all__ = ["pack_stage_payload", "unpack_stage_payload", "payload_seq_length", "payload_num_tensors"]
+__all__ = ["pack_stage_payload", "unpack_stage_payload", "payload_seq_length", "payload_num_tensors",
+           "PayloadP2PCommunicator", "schedule_communication_kwargs", "describe_stage_payloads"]
 
 
 def pack_stage_payload(tensors: Sequence[Tensor]) -> Tensor:
@@ -62,44 +64,39 @@ def _p2p_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _payload_p2p_communicator_class():
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+class PayloadP2PCommunicator(P2PCommunicator):
+    """Megatron's P2PCommunicator, with a shape exchange that is correct when prev == next peer.
 
-    class PayloadP2PCommunicator(P2PCommunicator):
-        """Megatron's P2PCommunicator, with a shape exchange that is correct when prev == next peer.
+    Routed payloads differ in length from boundary to boundary, so p2p sends their shapes first
+    (`variable_seq_lengths`). Messages between two ranks are matched in posting order.
+    Entry ``p2p_shape_exchange`` of the registry of upstream changes (megatron_delta.patches).
+    """
 
-        Routed payloads differ in length from boundary to boundary, so p2p sends their shapes first
-        (`variable_seq_lengths`). Messages between two ranks are matched in posting order.
-        Entry ``p2p_shape_exchange`` of the registry of upstream changes (megatron_delta.patches).
-        """
-
-        # Replaces P2PCommunicator._communicate_shapes: upstream posts [send_prev, recv_prev,
-        # send_next, recv_next]; with PP=2 (VPP) both peers are the same rank, so a rank's send_prev
-        # meets the peer's recv_prev and the shapes swap (Megatron-LM #1450). Posting sends as
-        # next-then-prev and receives as prev-then-next pairs every message with its counterpart.
-        def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-            dev = _p2p_device()
-            recv_prev_shape = torch.empty(3, device=dev, dtype=torch.int64) if recv_prev else None
-            recv_next_shape = torch.empty(3, device=dev, dtype=torch.int64) if recv_next else None
-            isend, irecv, op = torch.distributed.isend, torch.distributed.irecv, torch.distributed.P2POp
-            ops = []
-            if tensor_send_next is not None:
-                shape = torch.tensor(tensor_send_next.size(), device=dev, dtype=torch.int64)
-                ops.append(op(isend, shape, self.next_rank, self.pp_group))
-            if tensor_send_prev is not None:
-                shape = torch.tensor(tensor_send_prev.size(), device=dev, dtype=torch.int64)
-                ops.append(op(isend, shape, self.prev_rank, self.pp_group))
-            if recv_prev_shape is not None:
-                ops.append(op(irecv, recv_prev_shape, self.prev_rank, self.pp_group))
-            if recv_next_shape is not None:
-                ops.append(op(irecv, recv_next_shape, self.next_rank, self.pp_group))
-            if ops:
-                for req in torch.distributed.batch_isend_irecv(ops):
-                    req.wait()
-            return ([0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
-                    [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist())
-
-    return PayloadP2PCommunicator
+    # Replaces P2PCommunicator._communicate_shapes: upstream posts [send_prev, recv_prev,
+    # send_next, recv_next]; with PP=2 (VPP) both peers are the same rank, so a rank's send_prev
+    # meets the peer's recv_prev and the shapes swap (Megatron-LM #1450). Posting sends as
+    # next-then-prev and receives as prev-then-next pairs every message with its counterpart.
+    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        dev = _p2p_device()
+        recv_prev_shape = torch.empty(3, device=dev, dtype=torch.int64) if recv_prev else None
+        recv_next_shape = torch.empty(3, device=dev, dtype=torch.int64) if recv_next else None
+        isend, irecv, op = torch.distributed.isend, torch.distributed.irecv, torch.distributed.P2POp
+        ops = []
+        if tensor_send_next is not None:
+            shape = torch.tensor(tensor_send_next.size(), device=dev, dtype=torch.int64)
+            ops.append(op(isend, shape, self.next_rank, self.pp_group))
+        if tensor_send_prev is not None:
+            shape = torch.tensor(tensor_send_prev.size(), device=dev, dtype=torch.int64)
+            ops.append(op(isend, shape, self.prev_rank, self.pp_group))
+        if recv_prev_shape is not None:
+            ops.append(op(irecv, recv_prev_shape, self.prev_rank, self.pp_group))
+        if recv_next_shape is not None:
+            ops.append(op(irecv, recv_next_shape, self.next_rank, self.pp_group))
+        if ops:
+            for req in torch.distributed.batch_isend_irecv(ops):
+                req.wait()
+        return ([0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
+                [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist())
 
 
 def schedule_communication_kwargs(config, pg_collection=None) -> dict:
@@ -113,7 +110,7 @@ def schedule_communication_kwargs(config, pg_collection=None) -> dict:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    return {"p2p_communicator": _payload_p2p_communicator_class()(pp_group=pg_collection.pp, config=config),
+    return {"p2p_communicator": PayloadP2PCommunicator(pp_group=pg_collection.pp, config=config),
             "pg_collection": pg_collection}
 
 
