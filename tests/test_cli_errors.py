@@ -36,6 +36,10 @@ def _no_traceback(err: str):
     (["--delta-router-lr-mult", "2"], 1, "--delta-router-lr-mult needs a routed residual mode"),
     (["--residual", "attnres", "--delta-sources", "authors-code"], 1, "--delta-sources authors-code is defined for"),
     (["--delta-null-source"], 1, "--delta-null-source needs a routed residual mode"),
+    (["--tensor-model-parallel-size", "2", "--num-query-groups", "1"], 2,
+     "--tensor-model-parallel-size 2 must divide --num-query-groups (1): tensor parallelism splits it"),
+    (["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "33"], 2,
+     "--tensor-model-parallel-size 2 must divide --ffn-hidden-size (33)"),
 ])
 def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world))

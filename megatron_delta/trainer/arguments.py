@@ -119,6 +119,19 @@ OTHER_CONFIG_CLASSES = (("multi_latent_attention", "--multi-latent-attention"),
                         ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"))
 
 
+def check_tensor_parallel_split(args: argparse.Namespace) -> None:
+    """What tensor parallelism splits over its ranks must divide by its size. Megatron-Core asserts it only
+    when the model is built, after the distributed start-up, as 'x is not divisible by y'."""
+    tp = args.tensor_model_parallel_size
+    sizes = [("--num-attention-heads", args.num_attention_heads), ("--ffn-hidden-size", args.ffn_hidden_size)]
+    if args.group_query_attention:
+        sizes.append(("--num-query-groups", args.num_query_groups))
+    for flag, n in sizes:
+        if n is not None and n % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} must divide {flag} ({n}): tensor parallelism "
+                             f"splits it over its ranks")
+
+
 def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
     from megatron_delta.core.router import check_kernels
@@ -131,6 +144,7 @@ def validate_delta_args(args: argparse.Namespace) -> None:
             args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
             args.delta_gate, args.delta_sources, args.delta_router_lr_mult, args.delta_router_kernels)
         check_routed_features(args)
+        check_tensor_parallel_split(args)
         if args.residual != BASELINE:
             check_kernels(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1
     except ValueError as e:
