@@ -21,11 +21,13 @@ from tests.dist_utils import run_distributed
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ENTRIES = [
     "current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads", "tensor_type_checks",
-    "training_module_torch", "initialize_allow_no_cuda", "initialize_model_parallel", "compile_helpers",
+    "checkpoint_without_output_fp8", "training_module_torch", "initialize_allow_no_cuda", "initialize_model_parallel", "compile_helpers",
     "device_arch_version", "loader_generator",
     "distopt_fresh_state_dict", "distopt_step_per_param", "distopt_load_no_grad", "distopt_missing_state_key",
     "p2p_shape_exchange", "vpp_pp2_batched_p2p", "trainer_hooks", "checkpoint_hint",
 ]
+CPU_ENTRIES = ENTRIES[:14]  # the CPU adaptation
+FIX_ENTRIES = ENTRIES[14:18]  # upstream fixes applied on every device
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -42,7 +44,7 @@ def test_registry_lists_every_entry_with_issue_versions_and_where():
         assert p.where in (patches.CPU_ONLY, patches.EVERY_DEVICE), p.name
         assert (p.apply is None) == bool(p.made_by), p.name
     cpu = [p.name for p in patches.REGISTRY if p.where == patches.CPU_ONLY]
-    assert cpu == ENTRIES[:13]  # the CPU adaptation; the rest applies on every device
+    assert cpu == CPU_ENTRIES  # the rest applies on every device
     # the entries with an upstream issue name it
     assert patches.entry("vpp_pp2_batched_p2p").answers.startswith("Megatron-LM #750:")
     assert patches.entry("p2p_shape_exchange").answers.startswith("Megatron-LM #1450:")
@@ -76,7 +78,7 @@ def test_a_version_outside_the_range_skips_the_entry_and_says_so():
 
     lines = dict(line.split(None, 1) for line in patches.describe(version="0.20.0", cuda=False))
     assert list(lines) == ENTRIES
-    for name in ENTRIES[:17]:
+    for name in CPU_ENTRIES + FIX_ENTRIES:
         assert lines[name].endswith(f"skipped: megatron-core 0.20.0 is outside {patches.entry(name).versions}")
     assert "made by megatron_delta/trainer/main.py _Run" in lines["trainer_hooks"]
     assert "[megatron-core 0.20.0 is outside >=0.19,<0.20]" in lines["trainer_hooks"]
@@ -110,11 +112,11 @@ def test_apply_patches_skips_entries_outside_the_version_given():
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.split("RESULT ", 1)[1])
     assert out["cpu_outside"] == [] and out["untouched"] and not out["megatron_imported"]
-    for name in ENTRIES[:13]:  # each skipped entry is reported
+    for name in CPU_ENTRIES:  # each skipped entry is reported
         assert f"LOG megatron_delta.patches: {name} not applied: megatron-core 0.20.0 is outside" in run.stdout
-    assert out["every_device_inside"] == ENTRIES[13:17] and out["again"] == []
-    assert out["cpu_inside"] == ENTRIES[:13] and out["patched"]
-    assert out["applied"] == ENTRIES[13:17] + ENTRIES[:13]
+    assert out["every_device_inside"] == FIX_ENTRIES and out["again"] == []
+    assert out["cpu_inside"] == CPU_ENTRIES and out["patched"]
+    assert out["applied"] == FIX_ENTRIES + CPU_ENTRIES
 
 
 def test_patches_suspended_knows_only_installable_entries():

@@ -272,3 +272,39 @@ def test_padding_mask_reaches_the_layers(dist, recompute_method):
     assert torch.equal(logits["delta"][0], logits["baseline"][0])
     assert torch.equal(logits["delta"][1], logits["baseline"][1])
     assert not torch.equal(logits["delta"][0], logits["delta"][1])  # the mask matters for these logits
+
+
+# ----------------------------------------------------------------------------- selective recompute of the norms
+@pytest.mark.parametrize("mode", ["baseline", "delta_block"])
+def test_selective_norm_recompute_matches_the_plain_step(mode, dist):
+    """--recompute-granularity selective --recompute-modules layernorm (upstream's input/pre-MLP norm
+    recompute, which the routed layer runs through TransformerLayer._forward_attention/_forward_mlp): the same
+    loss and gradients as without recompute. On CPU it needs the patch checkpoint_without_output_fp8 (upstream
+    asks TE's FP8 state: NameError without Transformer Engine)."""
+    from megatron.core import tensor_parallel
+
+    from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.patches import patches_suspended
+
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(16).unsqueeze(0).expand(2, 16)
+
+    def step(**recompute):
+        config, options = _config(mode, hidden_dropout=0.0, attention_dropout=0.0, **recompute)
+        torch.manual_seed(1234)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        (model,) = build_model_chunks(config, 64, **options)
+        loss = model(tokens, position_ids, None, labels=tokens).float().mean()
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    selective = dict(recompute_granularity="selective", recompute_modules=["layernorm"])
+    plain_loss, plain_grads = step()
+    loss, grads = step(**selective)
+    assert loss == plain_loss
+    assert grads.keys() == plain_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], plain_grads[n], rtol=0, atol=1e-6, msg=n)
+    with patches_suspended("checkpoint_without_output_fp8"):
+        with pytest.raises(NameError, match="FP8GlobalStateManager"):
+            step(**selective)

@@ -160,6 +160,10 @@ REGISTRY: Tuple[Patch, ...] = (
           "the distributed and fp16/bf16 optimizers sort parameters by Tensor.type() == 'torch.cuda.*': CPU "
           "parameters are refused as of an unsupported type",
           CORE, CPU_ONLY, _apply("cpu", "patch_tensor_type_checks")),
+    Patch("checkpoint_without_output_fp8", ("megatron.core.tensor_parallel.random.CheckpointWithoutOutput.__init__",),
+          "CheckpointWithoutOutput sets self.fp8 = fp8 is not None, True for its default fp8=False (random.py:740), "
+          "so --recompute-modules layernorm asks TE's FP8GlobalStateManager: NameError without Transformer Engine",
+          V019, CPU_ONLY, _apply("cpu", "patch_checkpoint_without_output_fp8")),
     # ---------------------------------------------------------------- megatron.training on CPU + gloo
     Patch("training_module_torch", tuple(f"{m}.torch" for m in TRAINING_MODULES),
           "~90 torch.cuda.* calls and device='cuda' tensors in megatron.training (first training.py:1131, the "

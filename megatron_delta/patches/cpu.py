@@ -504,3 +504,20 @@ def patch_loader_generator() -> None:
     for module in (data_samplers, training):
         if getattr(module, "build_pretraining_data_loader", None) is original:
             replace(module, "build_pretraining_data_loader", build_pretraining_data_loader)
+
+
+# CheckpointWithoutOutput.__init__(fp8=False) sets `self.fp8 = fp8 is not None`, True for its default, so its
+# forward asks TE's FP8GlobalStateManager, which is not imported without Transformer Engine: selective
+# recompute of the norms (--recompute-modules layernorm) fails with a NameError. Without TE no FP8 runs, so the
+# object records no FP8 state.
+def patch_checkpoint_without_output_fp8() -> None:
+    from megatron.core.tensor_parallel import random
+
+    original = random.CheckpointWithoutOutput.__init__
+
+    @functools.wraps(original)
+    def __init__(self, fp8=False):
+        original(self, fp8)
+        self.fp8 = False
+
+    replace(random.CheckpointWithoutOutput, "__init__", __init__)
