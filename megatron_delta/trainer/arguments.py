@@ -92,6 +92,10 @@ def check_cpu_switches(args: argparse.Namespace) -> None:
 # Megatron-LM's args attribute of a TransformerConfig field, where the names differ
 # (megatron.training.argument_utils.core_transformer_config_from_args: num_moe_experts = args.num_experts).
 CONFIG_FIELD_ARGS = {"num_moe_experts": "num_experts"}
+# Flags for which Megatron-LM's core_transformer_config_from_args builds another config class
+# (MLATransformerConfig, HeterogeneousTransformerConfig) than the config_class it is given.
+OTHER_CONFIG_CLASSES = (("multi_latent_attention", "--multi-latent-attention"),
+                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"))
 
 
 def check_routed_features(args: argparse.Namespace) -> None:
@@ -113,12 +117,6 @@ def check_routed_features(args: argparse.Namespace) -> None:
                              f"DeltaTransformerConfig. Drop {flag}")
 
 
-# Flags for which Megatron-LM's core_transformer_config_from_args builds another config class
-# (MLATransformerConfig, HeterogeneousTransformerConfig) than the config_class it is given.
-OTHER_CONFIG_CLASSES = (("multi_latent_attention", "--multi-latent-attention"),
-                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"))
-
-
 def check_tensor_parallel_split(args: argparse.Namespace) -> None:
     """What tensor parallelism splits over its ranks must divide by its size. Megatron-Core asserts it only
     when the model is built, after the distributed start-up, as 'x is not divisible by y'."""
@@ -134,8 +132,8 @@ def check_tensor_parallel_split(args: argparse.Namespace) -> None:
 
 def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
-    from megatron_delta.core.router import check_kernels
     from megatron_delta.core.modes import check_delta_options
+    from megatron_delta.core.router import check_kernels
 
     check_cpu_switches(args)
 
