@@ -66,7 +66,9 @@ def test_layout_matches_tp1(reference, layout):
     bad = {m: d for m, d in diffs.items() if not d <= TOL}
     assert not bad, f"{layout}: losses differ from TP1 by {bad}"
 
-    # Payload sizes actually received equal len(payload_names) x per-rank sequence (issue 6).
+    # Payload sizes actually received equal the plan's tensors x per-rank sequence (issue 6): every payload
+    # name, or under the interleaved schedule what the source cache sends (on by default).
+    from megatron_delta.core.source_cache import SourceCachePlan
     from megatron_delta.core.sources import SourcePlan
 
     tp = 2 if "tp2" in layout else 1
@@ -76,8 +78,11 @@ def test_layout_matches_tp1(reference, layout):
             # no gate: the additive modes keep x as their sources, and x does not travel
             plan = SourcePlan(mode=m, num_layers=4, num_blocks=2 if m in ("delta_block", "attnres") else 4,
                               sources="exact", x_from_sources=m in ("delta", "delta_block"))
+            pp = 4 if "pp4" in layout else 2 if "pp2" in layout else 1
+            chunks = SourceCachePlan.even(plan, pp, 2 if "vpp2" in layout else 1)
+            sent = {first: names for _, first, names, _ in chunks.boundaries()}
             for first, size in r[m]["payloads"].items():
-                assert size == len(plan.payload_names(int(first))) * seq, (layout, m, first, size)
+                assert size == len(sent[int(first)]) * seq, (layout, m, first, size)
     if "pp" in layout and "delta" in modes:
         assert any(r["delta"]["payloads"] for r in results), "no pipeline payload was received"
 
@@ -150,6 +155,7 @@ def test_payload_holds_only_usable_sources(mode, L, K):
 def test_describe_stage_payloads_one_line_per_boundary(monkeypatch):
     from megatron_delta.core.payload import describe_stage_payloads
     from megatron_delta.trainer.main import parse_args
+    from megatron_delta.trainer.provider import transformer_config
 
     monkeypatch.setenv("WORLD_SIZE", "4")
 
@@ -158,7 +164,7 @@ def test_describe_stage_payloads_one_line_per_boundary(monkeypatch):
                                (["--pipeline-model-parallel-size", "4"], 4),
                                ):
             args = parse_args(driver.COMMON + driver.mode_flags(mode) + layout + ["--train-iters", "1"])
-            lines = describe_stage_payloads(args)
+            lines = describe_stage_payloads(transformer_config(args), args.seq_length, args.micro_batch_size)
             assert len(lines) == chunks - 1, lines
             plan = __import__("megatron_delta.core.block", fromlist=["source_plan"]).SourcePlan.from_config(args)
             assert plan.x_from_sources == (mode in ("delta", "delta_block"))  # no gate in these flags

@@ -2,7 +2,8 @@
 
 The decoder of one (virtual) pipeline chunk holds the SourceBuffer of the micro-batch it is running:
 it starts it from the embedding output (first chunk) or unpacks it from the one tensor the previous
-stage sent, runs its layers, and either packs what the next stage needs into one tensor or (last
+stage sent (under the interleaved schedule, plus the sources its rank already holds: the pipeline
+source cache, core/source_cache.py), runs its layers, and either packs what the next stage needs into one tensor or (last
 chunk) applies the final router of the replacement modes and the final norm. Activation recompute
 checkpoints groups of layers whose inputs are the buffer's tensors, passed explicitly.
 """
@@ -19,6 +20,7 @@ from megatron_delta.core.modes import REPLACEMENT_MODES
 from megatron_delta.core.layer import build_router
 from megatron_delta.core.payload import pack_stage_payload, unpack_stage_payload
 from megatron_delta.core.router import DepthRouter
+from megatron_delta.core.source_cache import cache_applies
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
 
 
@@ -29,6 +31,7 @@ class DeltaTransformerBlock(TransformerBlock):
         """Called once by DeltaGPTModel after Megatron built the block: adds what routing needs."""
         self.plan = SourcePlan.from_config(self.config)
         self.record_routing = False
+        self.source_cache = None  # the rank's SourceCache under the interleaved schedule (source_cache.link_chunks)
         self.routing_records = []  # SourceBuffers of the micro-batches run while recording
         if self.config.residual in REPLACEMENT_MODES and self.post_process:
             self.final_router = build_router(DepthRouter, self.config)
@@ -69,13 +72,22 @@ class DeltaTransformerBlock(TransformerBlock):
             hidden_states = self.input_tensor  # the previous stage's payload (see set_input_tensor)
         eps = self.config.delta_router_eps
         scope = self.readers(self.layers, final=self.post_process)  # the routers of this chunk
+        cache = self._linked_source_cache()
+        micro_batch = cache.begin(self.vp_stage) if cache is not None else None
         if self.pre_process:
             h0 = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
             buffer = SourceBuffer.start(self.plan, h0, eps, record_routing=self.record_routing, readers=scope)
             tensors = None
         else:
             names = self.plan.payload_names(self.first_layer)
-            tensors = unpack_stage_payload(hidden_states, len(names))
+            if cache is None:
+                tensors = unpack_stage_payload(hidden_states, len(names))
+            else:  # the payload holds what this rank lacks; the rest comes from its cache
+                k = cache.chunk(self.vp_stage)
+                sent = cache.plan.sent_names(k)
+                by_name = dict(zip(sent, unpack_stage_payload(hidden_states, len(sent))))
+                by_name.update(cache.take(micro_batch, cache.plan.taken_names(k)))
+                tensors = [by_name[n] for n in names]
             buffer = None
             # GPTModel sizes the rotary table from input_tensor, which is the packed payload
             # (len(names) x seq): keep the positions of one sequence.
@@ -113,9 +125,25 @@ class DeltaTransformerBlock(TransformerBlock):
             out = buffer.output(self.final_router)
             if self.final_layernorm is not None:
                 out = self.final_layernorm(out)
-        else:
+        elif cache is None:
             out = pack_stage_payload(buffer.to_tensors())
+        else:
+            k = cache.chunk(self.vp_stage)
+            tensors = dict(zip(self.plan.payload_names(self.end_layer), buffer.to_tensors()))
+            out = pack_stage_payload([tensors[n] for n in cache.plan.sent_names(k + 1)])
+            out = cache.keep(micro_batch, self.vp_stage, out, {n: tensors[n] for n in cache.plan.kept_names(k)})
+        if cache is not None:
+            cache.finish_forward(micro_batch, self.vp_stage)
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
+
+    def _linked_source_cache(self):
+        """The rank's SourceCache, or None; refuses to run interleaved chunks that were never linked (the
+        neighbouring ranks' chunks would send a cached payload this one cannot read)."""
+        if self.source_cache is None and cache_applies(self.config):
+            raise RuntimeError("--delta-pp-source-cache on: this rank's model chunks were never linked to one "
+                               "source cache; build them with megatron_delta.core.model.build_model_chunks, or call "
+                               "megatron_delta.core.source_cache.link_chunks(model_chunks) after Megatron's get_model")
+        return self.source_cache
 
     def _refuse_unsupported(self, **arguments):
         """TransformerBlock.forward's arguments that the routed block cannot honour: an error naming the

@@ -99,6 +99,10 @@ class DeltaTransformerConfig(TransformerConfig):
     """'auto' / 'c': fused C kernels for fp32 CPU tensors (cpu_kernels.py); 'torch': PyTorch ops;
     'fla' (and 'auto' for CUDA tensors): fla-core's fused GPU kernel (fla_router.py)."""
 
+    delta_pp_source_cache: bool = True
+    """Interleaved pipelines: a rank keeps the sources its earlier chunks held, and a boundary sends only
+    what the receiving rank lacks (core/source_cache.py). No effect without virtual pipeline stages."""
+
     def __post_init__(self):
         # Ours first: they read only fields as given, and name the flag where Megatron's checks of the
         # same fields (e.g. CPU offloading, MoE) would fail with their own message or an assert.

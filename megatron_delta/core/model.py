@@ -15,6 +15,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_delta.core.block import DeltaTransformerBlock
 from megatron_delta.core.config import DeltaTransformerConfig
 from megatron_delta.core.norms import LocalNorm
+from megatron_delta.core.source_cache import link_chunks
 from megatron_delta.core.specs import (decoder_block_spec, get_gpt_layer_local_spec_sp, get_gpt_layer_with_delta_spec,
                                        get_gpt_layer_with_delta_te_spec)
 
@@ -69,6 +70,7 @@ def build_model_chunks(config: DeltaTransformerConfig, vocab_size: int, pg_colle
             pre_process=is_pp_first_stage(pg_collection.pp) and is_vp_first_stage(stage, vp_size),
             post_process=is_pp_last_stage(pg_collection.pp) and is_vp_last_stage(stage, vp_size),
             pg_collection=pg_collection, **options))
+    link_chunks(chunks, pg_collection)  # one source cache per rank under the interleaved schedule
     return chunks
 
 

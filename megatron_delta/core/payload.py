@@ -114,19 +114,26 @@ def schedule_communication_kwargs(config, pg_collection=None) -> dict:
             "pg_collection": pg_collection}
 
 
-def describe_stage_payloads(args):
-    """Start-up lines: what crosses each (virtual) pipeline boundary, and its size per micro-batch."""
-    plan = SourcePlan.from_config(args)
-    chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
-    per_chunk = args.num_layers // chunks
-    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-    bytes_per = 2 if args.bf16 else 4
+def describe_stage_payloads(config, seq_length: int, micro_batch_size: int) -> List[str]:
+    """Start-up lines: what crosses each (virtual) pipeline boundary of a DeltaTransformerConfig, and its size
+    per micro-batch. Under the interleaved schedule with the source cache (core/source_cache.py) a line counts
+    what is sent and adds what the uncached path would send."""
+    from megatron_delta.core.source_cache import SourceCachePlan, cache_applies
+
+    plan = SourcePlan.from_config(config)
+    seq = seq_length // (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+    tensor_bytes = seq * micro_batch_size * config.hidden_size * (2 if config.bf16 or config.fp16 else 4)
+    if getattr(config, "pipeline_model_parallel_layout", None):  # the chunks are the layout's: not planned here
+        return [" pipeline payloads: chunks from --pipeline-model-parallel-layout (not described)"]
+    chunks = SourceCachePlan.from_config(config, plan, cached=cache_applies(config))
     lines = []
-    for k in range(1, chunks):
-        first = k * per_chunk
-        names = plan.payload_names(first)
-        size = len(names) * seq * args.micro_batch_size * args.hidden_size * bytes_per
-        lines.append(f" pipeline payload into layer {first} (chunk {k}): {len(names)} tensors "
-                     f"[{', '.join(names)}] = {size / 2**20:.2f} MiB per micro-batch "
-                     f"(x{len(names)} the baseline's)")
+    for k, first, sent, taken in chunks.boundaries():
+        size = len(sent) * tensor_bytes / 2**20
+        line = (f" pipeline payload into layer {first} (chunk {k}): {len(sent)} tensors [{', '.join(sent)}] = "
+                f"{size:.2f} MiB per micro-batch (x{len(sent)} the baseline's)")
+        if chunks.cached:
+            full = len(sent) + len(taken)
+            line += (f" (without the cache: {full * tensor_bytes / 2**20:.2f} MiB; kept on the rank: "
+                     f"[{', '.join(taken)}])")
+        lines.append(line)
     return lines

@@ -146,6 +146,16 @@ class SourcePlan:
         m = max(self.num_sources_read(j) for j in range(self.num_sublayers))
         return max(m, len(self.final_reads()))
 
+    def is_stable(self, name: str) -> bool:
+        """Source ``name`` keeps its value from the moment it is made: not the residual stream ``x``, not a
+        source some commit rewrites (a partial sum P<b>, p). A stable source need not travel twice to one
+        rank (core/source_cache.py)."""
+        mutable = self.__dict__.get("_mutable")
+        if mutable is None:
+            mutable = {"x"} | {self.rules.rewritten_by_commit(j) for j in range(self.num_sublayers)} - {None}
+            self.__dict__["_mutable"] = mutable
+        return name not in mutable
+
     # ------------------------------------------------------------------ pipeline payloads
     def payload_names(self, first_layer: int) -> List[str]:
         """Ordered names of the tensors that must travel into a stage (or virtual chunk) whose first

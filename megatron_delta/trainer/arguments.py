@@ -34,6 +34,10 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--delta-router-kernels", choices=list(KERNEL_CHOICES), default="auto",
                    help="auto: fused C kernels for fp32 CPU tensors, built on first use (PyTorch ops if "
                         "that fails); c: the same, a failed build is an error; torch: PyTorch ops")
+    g.add_argument("--delta-pp-source-cache", choices=["on", "off"], default=None,
+                   help="interleaved pipelines (routed modes): each rank keeps the sources its earlier virtual "
+                        "chunks held and a boundary sends only what the receiving rank lacks (default: on where "
+                        "it applies)")
     g.add_argument("--delta-cpu-allocator", choices=["cache", "system"], default="cache",
                    help="CPU runs: cache = glibc keeps freed tensor memory for reuse; system = as configured")
     g.add_argument("--delta-router-lr-mult", type=float, default=1.0,
@@ -162,3 +166,24 @@ def validate_delta_args(args: argparse.Namespace) -> None:
             raise TrainerArgumentError(
                 f"--residual {args.residual} with --transformer-impl transformer_engine needs Transformer "
                 "Engine; use --transformer-impl local")
+
+
+def resolve_pp_source_cache(args: argparse.Namespace) -> None:
+    """--delta-pp-source-cache -> a bool, after Megatron-LM's validate_args (which derives the virtual pipeline
+    size from --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank). On by default
+    where it applies: a routed mode under the interleaved schedule, without --pipeline-model-parallel-layout
+    (core/source_cache.py plans even or first/last-stage splits). An explicit `on` elsewhere is refused."""
+    interleaved = args.residual != BASELINE and (args.virtual_pipeline_model_parallel_size or 1) > 1
+    if args.delta_pp_source_cache == "on":
+        if not interleaved:
+            raise TrainerArgumentError(
+                "--delta-pp-source-cache on applies only to a routed --residual under the interleaved pipeline "
+                "schedule (--pipeline-model-parallel-size > 1 with --num-layers-per-virtual-pipeline-stage or "
+                "--num-virtual-stages-per-pipeline-rank giving two or more chunks per rank); drop the flag")
+        if args.pipeline_model_parallel_layout:
+            raise TrainerArgumentError(
+                "--delta-pp-source-cache on cannot plan the chunks of --pipeline-model-parallel-layout; use "
+                "--num-layers-per-virtual-pipeline-stage (or --num-virtual-stages-per-pipeline-rank), or pass "
+                "--delta-pp-source-cache off")
+    args.delta_pp_source_cache = (interleaved and args.delta_pp_source_cache != "off"
+                                  and not args.pipeline_model_parallel_layout)

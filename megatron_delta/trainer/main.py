@@ -42,7 +42,8 @@ import time
 from typing import Optional, Sequence
 
 from megatron_delta.core.modes import BASELINE
-from megatron_delta.trainer.arguments import PROG, TrainerArgumentError, add_delta_args, validate_delta_args
+from megatron_delta.trainer.arguments import (PROG, TrainerArgumentError, add_delta_args, resolve_pp_source_cache,
+                                              validate_delta_args)
 
 
 def _error(msg: str, code: int) -> int:
@@ -82,6 +83,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         detail = str(e) or where.line
         raise TrainerArgumentError(f"{detail} (Megatron-LM validate_args, "
                                    f"{os.path.basename(where.filename)}:{where.lineno})") from None
+    resolve_pp_source_cache(args)
     return args
 
 
@@ -166,6 +168,9 @@ class _Run:
         def setup_model_and_optimizer(*a, **k):
             self.print_payload()
             self.model, self.optimizer, self.scheduler = original_setup(*a, **k)
+            from megatron_delta.core.source_cache import link_chunks
+
+            link_chunks(self.model)  # the rank's chunks share one pipeline source cache (interleaved schedule)
             return self.model, self.optimizer, self.scheduler
 
         self._replace(mt, "setup_model_and_optimizer", setup_model_and_optimizer)
@@ -291,8 +296,9 @@ class _Run:
         if args.residual == BASELINE or args.pipeline_model_parallel_size == 1:
             return
         from megatron_delta.core.payload import describe_stage_payloads
+        from megatron_delta.trainer.provider import transformer_config
 
-        for line in describe_stage_payloads(args):
+        for line in describe_stage_payloads(transformer_config(args), args.seq_length, args.micro_batch_size):
             self._print(line)
 
     def record_train(self, loss_dict, lr, iteration, grad_norm):

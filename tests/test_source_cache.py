@@ -1,0 +1,228 @@
+"""The pipeline source cache under the interleaved schedule (megatron_delta/core/source_cache.py).
+
+The plan (which payload tensors a boundary sends, which the receiving rank already holds) is checked against
+an independent count per mode; the flag's start-up rules through pretrain_gpt.py's parser. The slow tests
+train every routed mode through pretrain_gpt.py under PP2+VPP2 and PP2 with three chunks per rank (6 layers),
+alone, with full recompute and with TP2+SP, with --delta-pp-source-cache off and on from one initial model:
+the losses equal TP1's within 1e-5, the cached run's gradients equal the uncached run's, the bytes each
+boundary received equal the plan's, and no micro-batch is left in a cache. A checkpoint written with the
+cache continues without it and the other way round, with the losses of each other.
+"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_delta.core.sources import SourcePlan
+from megatron_delta.core.source_cache import SourceCache, SourceCachePlan
+from tests import parity_driver as parity
+from tests import source_cache_driver as driver
+from tests.dist_utils import run_distributed
+
+ROUTED = ["delta", "delta_block", "attnres", "full_attnres"]
+LOSS_TOL = 1e-5  # against TP1 (the parity tests' tolerance)
+GRAD_RTOL = 1e-5  # cached vs uncached gradients: the same sums in another order (observed <= 3e-8 absolute)
+
+
+def chunk_plan(mode, num_layers, num_blocks, pp, vpp, cached=True, **plan_kw) -> SourceCachePlan:
+    plan = SourcePlan(mode=mode, num_layers=num_layers, num_blocks=num_blocks, **plan_kw)
+    per = num_layers // (pp * vpp)
+    return SourceCachePlan(plan, pp, tuple(k * per for k in range(pp * vpp)) + (num_layers,), cached)
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+@pytest.mark.parametrize("mode,x_from_sources", [("delta", True), ("delta", False), ("delta_block", True),
+                                                 ("delta_block", False), ("attnres", False),
+                                                 ("full_attnres", False)])
+@pytest.mark.parametrize("pp,vpp", [(2, 2), (2, 3), (4, 2), (2, 6)])
+def test_plan_splits_each_payload_into_sent_and_held(mode, x_from_sources, pp, vpp):
+    """Every boundary: sent + taken = the uncached payload (in its order), at least one tensor is sent, and a
+    taken tensor is stable and was in the payload into the receiving rank's previous chunk's successor."""
+    L, K = 12, 4
+    c = chunk_plan(mode, L, K if mode in ("delta_block", "attnres") else L, pp, vpp, x_from_sources=x_from_sources)
+    for k, first, sent, taken in c.boundaries():
+        names = c.plan.payload_names(first)
+        assert sent and sorted(sent + taken, key=names.index) == names and set(sent).isdisjoint(taken)
+        assert [n for n in names if n in sent] == sent  # payload order kept
+        if k < pp:
+            assert taken == []  # the rank ran nothing of this micro-batch before
+        for n in taken:
+            assert c.plan.is_stable(n) and n in c.plan.payload_names(c.first_layers[k - pp + 1])
+    uncached = chunk_plan(mode, L, K if mode in ("delta_block", "attnres") else L, pp, vpp, cached=False,
+                          x_from_sources=x_from_sources)
+    assert all(not taken for *_, taken in uncached.boundaries())
+
+
+def test_delta_sends_only_the_outputs_of_the_chunks_in_between():
+    """Fine-grained delta without a gate: a boundary into chunk k >= P carries exactly the sublayer outputs v_j
+    made by chunks k-P+1 .. k-1 (the other ranks' chunks since this rank last ran), nothing else."""
+    L, pp, vpp = 12, 2, 3
+    c = chunk_plan("delta", L, L, pp, vpp, x_from_sources=True)
+    f = c.first_layers
+    for k, first, sent, taken in c.boundaries():
+        if k >= pp:
+            assert sent == [f"v{j}" for j in range(2 * f[k - pp + 1], 2 * f[k])], (k, sent)
+            assert taken == ["h0"] + [f"v{j}" for j in range(2 * f[k - pp + 1])]
+        else:
+            assert sent == c.plan.payload_names(first)
+
+
+@pytest.mark.parametrize("mode,stable,mutable", [
+    ("delta", ["h0", "v0", "v5"], ["x"]),
+    ("delta_block", ["h0", "D0", "D1"], ["x", "P0", "P1"]),
+    ("attnres", ["B0", "B2"], ["p"]),
+    ("full_attnres", ["B0", "B7"], ["p"]),
+])
+def test_stable_sources(mode, stable, mutable):
+    plan = SourcePlan(mode=mode, num_layers=8, num_blocks=4 if mode in ("delta_block", "attnres") else 8)
+    assert all(plan.is_stable(n) for n in stable) and not any(plan.is_stable(n) for n in mutable)
+
+
+def test_out_of_order_chunks_are_an_error():
+    cache = SourceCache(chunk_plan("delta", 4, 4, 2, 2), pp_rank=0, num_chunks_here=2)
+    with pytest.raises(RuntimeError, match=r"virtual chunk 1 starts micro-batch 0 before chunk 0 ran it.*"
+                                           r"--delta-pp-source-cache off"):
+        cache.begin(1)
+    n = cache.begin(0)
+    with pytest.raises(RuntimeError, match=r"micro-batch 0 lacks \['v0'\] on pipeline rank 0"):
+        cache.take(n, ["v0"])
+
+
+def test_unlinked_interleaved_chunks_refuse_to_run():
+    """A rank's chunks built without link_chunks would misread the cached payloads its neighbours send."""
+    from types import SimpleNamespace
+
+    from megatron_delta.core.block import DeltaTransformerBlock
+
+    cfg = SimpleNamespace(residual="delta", virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2,
+                          pipeline_model_parallel_layout=None, delta_pp_source_cache=True)
+    with pytest.raises(RuntimeError, match=r"^--delta-pp-source-cache on: this rank's model chunks were never "
+                                           r"linked.*link_chunks\(model_chunks\)"):
+        DeltaTransformerBlock._linked_source_cache(SimpleNamespace(source_cache=None, config=cfg))
+    cfg.delta_pp_source_cache = False
+    assert DeltaTransformerBlock._linked_source_cache(SimpleNamespace(source_cache=None, config=cfg)) is None
+
+
+# ------------------------------------------------------------------------------------------------ the flag
+PP2_VPP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+
+
+def _args(monkeypatch, flags, world=2):
+    from megatron_delta.trainer.main import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    return parse_args(parity.COMMON + flags + ["--train-iters", "1"])
+
+
+def test_flag_defaults_on_where_it_applies(monkeypatch):
+    assert _args(monkeypatch, ["--residual", "delta"] + PP2_VPP2).delta_pp_source_cache is True
+    assert _args(monkeypatch, ["--residual", "delta", "--delta-pp-source-cache", "off"] + PP2_VPP2
+                 ).delta_pp_source_cache is False
+    assert _args(monkeypatch, ["--residual", "delta", "--pipeline-model-parallel-size", "2"]
+                 ).delta_pp_source_cache is False
+    assert _args(monkeypatch, ["--residual", "baseline"] + PP2_VPP2).delta_pp_source_cache is False
+
+
+@pytest.mark.parametrize("flags", [["--residual", "delta", "--pipeline-model-parallel-size", "2"],
+                                   ["--residual", "baseline"] + PP2_VPP2,
+                                   ["--residual", "delta_block"]])
+def test_explicit_on_where_it_does_not_apply_is_refused(monkeypatch, flags):
+    from megatron_delta.trainer.arguments import TrainerArgumentError
+
+    with pytest.raises(TrainerArgumentError, match=r"^--delta-pp-source-cache on applies only to a routed "
+                                                   r"--residual under the interleaved pipeline schedule"):
+        _args(monkeypatch, flags + ["--delta-pp-source-cache", "on"])
+
+
+def test_start_up_lines_give_both_sizes(monkeypatch):
+    """The payload lines count what is sent and add the uncached size; without the cache they are as before."""
+    from megatron_delta.core.payload import describe_stage_payloads
+    from megatron_delta.trainer.provider import transformer_config
+
+    args = _args(monkeypatch, ["--residual", "delta"] + PP2_VPP2)
+    lines = describe_stage_payloads(transformer_config(args), args.seq_length, args.micro_batch_size)
+    mib = 32 * 2 * 64 * 4 / 2**20  # one [seq, mbs, hidden] fp32 tensor
+    assert lines[0] == (f" pipeline payload into layer 1 (chunk 1): 3 tensors [h0, v0, v1] = {3 * mib:.2f} MiB "
+                        f"per micro-batch (x3 the baseline's) (without the cache: {3 * mib:.2f} MiB; kept on the "
+                        f"rank: [])")
+    assert lines[2] == (f" pipeline payload into layer 3 (chunk 3): 2 tensors [v4, v5] = {2 * mib:.2f} MiB per "
+                        f"micro-batch (x2 the baseline's) (without the cache: {7 * mib:.2f} MiB; kept on the rank: "
+                        f"[h0, v0, v1, v2, v3])")
+    args = _args(monkeypatch, ["--residual", "delta", "--delta-pp-source-cache", "off"] + PP2_VPP2)
+    off = describe_stage_payloads(transformer_config(args), args.seq_length, args.micro_batch_size)
+    assert off[2] == (f" pipeline payload into layer 3 (chunk 3): 7 tensors [h0, v0, v1, v2, v3, v4, v5] = "
+                      f"{7 * mib:.2f} MiB per micro-batch (x7 the baseline's)")
+
+
+# ------------------------------------------------------------------------------------------------ training
+SIX = ["--num-layers", "6"]
+LAUNCHES = {
+    # name: (world, extra model flags, layout, modes, variants)
+    # recompute: in the two launches with three chunks per rank
+    "pp2_vpp2": (2, [], PP2_VPP2, ROUTED + ["delta/authors-code", "delta_block/authors-code", "delta/gate"],
+                 ["off", "on"]),
+    "pp2_vpp3": (2, SIX, PP2_VPP2, ROUTED, ["off", "on", "on_recompute"]),
+    "tp2_sp_pp2_vpp2": (4, [], ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + PP2_VPP2, ROUTED,
+                        ["off", "on"]),
+    "tp2_sp_pp2_vpp3": (4, SIX, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + PP2_VPP2, ROUTED,
+                        ["off", "on_recompute"]),
+}
+
+
+@pytest.fixture(scope="module")
+def tp1_reference(tmp_path_factory):
+    """TP1 losses of every mode on 4 and 6 layers, and the initial models every launch loads."""
+    root = str(tmp_path_factory.mktemp("source-cache"))
+    modes = LAUNCHES["pp2_vpp2"][3]
+    four = run_distributed(driver.compare, 1, root, "l4", [], modes, ["default"], 3, [], timeout=1200)[0]
+    six = run_distributed(driver.compare, 1, root, "l6", [], ROUTED, ["default"], 3, SIX, timeout=1200)[0]
+    return root, {"l4": four, "l6": six}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_cached_training_equals_uncached_and_tp1(tp1_reference, launch):
+    root, ref = tp1_reference
+    world, extra, layout, modes, variants = LAUNCHES[launch]
+    init = "l6" if extra else "l4"
+    results = run_distributed(driver.compare, world, root, launch, layout, modes, variants, 3, extra, init,
+                              timeout=1800)
+    num_layers = 6 if extra else 4
+    tp = 2 if "tp2" in launch else 1
+    seq = 32 // tp if "sp" in launch else 32
+    for mode in modes:
+        name, _, flavour = mode.partition("/")
+        blocks = 2 if name in ("delta_block", "attnres") else num_layers
+        for v in variants:
+            last = results[-1][mode][v]
+            d = max(abs(a - b) for a, b in zip(last["losses"], ref[init][mode]["default"]["losses"]))
+            assert len(last["losses"]) == 3 and d <= LOSS_TOL, f"{launch} {mode} {v}: losses differ from TP1 by {d}"
+            cached = v != "off"
+            plan = chunk_plan(name, num_layers, blocks, 2, num_layers // 2, cached=cached,
+                              sources="authors-code" if flavour == "authors-code" else "exact",
+                              x_from_sources=name in ("delta", "delta_block") and not flavour)
+            for r, rank in enumerate(results):
+                entry = rank[mode][v]
+                pp_rank = r // (world // 2)  # Megatron's rank order: tensor-parallel ranks vary fastest
+                # the bytes each boundary received: what the plan sends, per rank sequence and micro-batch
+                expect = {str(first): len(sent) * seq for k, first, sent, _ in plan.boundaries() if k % 2 == pp_rank}
+                assert entry["payloads"] == expect, (launch, mode, v, r, entry["payloads"], expect)
+                assert entry["linked"] == int(cached) and entry["in_flight"] == 0, (launch, mode, v, entry)
+                if v == "off":
+                    continue
+                base = rank[mode]["off"]["grads"]
+                assert set(entry["grads"]) == set(base) and base
+                for pname, g in entry["grads"].items():
+                    scale = max(abs(x) for x in base[pname]) or 1.0
+                    diff = max(abs(a - b) for a, b in zip(g, base[pname]))
+                    assert diff <= GRAD_RTOL * scale, f"{launch} {mode} {v}: gradient of {pname} off by {diff}"
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_between_cached_and_uncached(tmp_path):
+    """Saved half-way with the cache and resumed without it (and the other way): the resumed iterations give
+    the straight run's losses (the cache holds no state and writes nothing into a checkpoint)."""
+    res = run_distributed(driver.checkpoint_swap, 2, str(tmp_path), PP2_VPP2, "delta", 4, timeout=1200)[-1]
+    for swap, r in res.items():
+        assert len(r["straight"]) == 4 and len(r["resumed"]) == 2, (swap, r)
+        d = max(abs(a - b) for a, b in zip(r["straight"][2:], r["resumed"]))
+        assert d <= LOSS_TOL, f"{swap}: resumed losses differ from the straight run's by {d}"
