@@ -84,6 +84,32 @@ def test_routed_modes_cost_more_and_pipeline_holds_micro_batches():
     assert all(y["activations"] > x["activations"] for x, y in zip(b, d))
 
 
+def test_interleaved_traffic_with_and_without_the_source_cache(capsys):
+    """Per boundary: without the cache every payload name travels, with it only what SourcePlan-based
+    SourceCachePlan sends; the stages then hold less payload, and the printed lines give both sizes."""
+    from megatron_delta.core.source_cache import SourceCachePlan
+    from megatron_delta.core.sources import SourcePlan
+
+    flags = ["--num-layers", "12", "--hidden-size", "256", "--seq-length", "128", "--micro-batch-size", "1",
+             "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+             "--global-batch-size", "8", "--residual", "delta"]
+    on = memory_plan.memory_plan(memory_plan.parse(flags))
+    off = memory_plan.memory_plan(memory_plan.parse(flags + ["--delta-pp-source-cache", "off"]))
+    one = 128 * 256 * 4
+    plan = SourcePlan(mode="delta", num_layers=12, num_blocks=12, x_from_sources=True)
+    expect = SourceCachePlan.even(plan, 2, 3).boundaries()
+    assert [b["first_layer"] for b in on["boundaries"]] == [2, 4, 6, 8, 10]
+    assert [b["bytes"] for b in on["boundaries"]] == [len(sent) * one for _, _, sent, _ in expect]
+    assert [b["bytes"] for b in on["boundaries"]] == [5 * one] + [4 * one] * 4  # v's of the other rank's chunk
+    assert [b["bytes_without_cache"] for b in on["boundaries"]] == [(1 + 4 * k) * one for k in range(1, 6)]
+    assert [b["bytes"] for b in off["boundaries"]] == [b["bytes_without_cache"] for b in on["boundaries"]]
+    assert all(a["of_which_payload"] <= b["of_which_payload"] for a, b in zip(on["stages"], off["stages"]))
+    assert sum(a["of_which_payload"] for a in on["stages"]) < sum(b["of_which_payload"] for b in off["stages"])
+    memory_plan.main(flags)
+    assert "payload into layer 10 (chunk 5): 4 tensors = 0.50 MiB per micro-batch (without the cache: 21 = 2.62 " \
+           "MiB)" in capsys.readouterr().out
+
+
 def test_qwen3_8b_preset_prints_table(capsys):
     assert memory_plan.main(["--preset", "qwen3-8b"]) == 0
     out = capsys.readouterr().out

@@ -69,8 +69,10 @@ def test_benchmark_smoke(tmp_path):
     # Payloads: 3 boundaries (2 stages x 2 virtual chunks of 1 layer); baseline sends one tensor.
     one = 16 * 2 * 32 * 4
     assert [p["bytes"] for p in base["payloads"]] == [one] * 3
-    assert [len(p["names"]) for p in rep["delta"]["payloads"]] == [3, 5, 7]  # h0, v0..v(2f-1); x is their sum
-    assert rep["delta"]["payloads"][2]["bytes"] == 7 * one
+    # uncached: h0, v0..v(2f-1) (x is their sum); the source cache sends what the rank lacks (design.md 2.3)
+    assert [p["bytes_without_cache"] for p in rep["delta"]["payloads"]] == [3 * one, 5 * one, 7 * one]
+    assert [p["names"] for p in rep["delta"]["payloads"]] == [["h0", "v0", "v1"], ["v2", "v3"], ["v4", "v5"]]
+    assert rep["delta"]["payloads"][2]["bytes"] == 2 * one and "[0.03 uncached]" in text
     assert "targets" in rep["delta_block"] and set(rep["delta_block"]["pass"]) == {"time", "saved", "peak"}
     assert rep["delta"]["max_sources"] == 8  # h0 + v0..v6 for the last MLP of 4 layers
 

@@ -48,7 +48,8 @@ Per mode (a Megatron GPTModel / DeltaGPTModel built by megatron_delta.core.model
   --routing-breakdown floor is printed at both rates.
 - pipeline payload: bytes per micro-batch crossing each boundary of the layout --pp-layout P (or
   PxV for P stages with V virtual chunks each), from SourcePlan.payload_names, vs. the baseline's
-  one [s, b, h] tensor.
+  one [s, b, h] tensor. With V > 1 what the source cache sends (core/source_cache.py), and in
+  brackets what the uncached path (--delta-pp-source-cache off) would send.
 
 Prints a markdown table of ratios to the baseline with the issue's targets and a pass/miss column,
 and writes every number to --output (JSON). Performance is judged from this table, never by timed
@@ -225,15 +226,15 @@ def payloads(opts, mode, config):
         raise SystemExit(f"--pp-layout {opts.pp_layout}: {chunks} chunks do not divide {opts.num_layers} layers")
     per = opts.num_layers // chunks
     one = opts.seq_length * opts.micro_batch_size * opts.hidden_size * 4
-    out = []
-    for k in range(1, chunks):
-        first = k * per
-        if mode == BASELINE:
-            names = ["x"]
-        else:
-            names = SourcePlan.from_config(config, mode).payload_names(first)
-        out.append({"boundary": k, "first_layer": first, "names": names, "bytes": len(names) * one})
-    return out
+    if mode == BASELINE:
+        return [{"boundary": k, "first_layer": k * per, "names": ["x"], "bytes": one, "bytes_without_cache": one}
+                for k in range(1, chunks)]
+    from megatron_delta.core.source_cache import SourceCachePlan
+
+    # with V > 1 the interleaved schedule's source cache (--delta-pp-source-cache on) sends only what is new
+    cache = SourceCachePlan.even(SourcePlan.from_config(config, mode), p, v)
+    return [{"boundary": k, "first_layer": first, "names": sent, "bytes": len(sent) * one,
+             "bytes_without_cache": (len(sent) + len(kept)) * one} for k, first, sent, kept in cache.boundaries()]
 
 
 def max_sources(mode, config):
@@ -623,7 +624,10 @@ def format_table(report):
               "| mode | " + " | ".join(f"into layer {p['first_layer']}" for p in res[BASELINE]["payloads"]) + " |",
               "|---|" + "---|" * len(res[BASELINE]["payloads"])]
     for mode, r in res.items():
-        blines.append(f"| {mode} | " + " | ".join(f"{_mib(p['bytes'])} ({len(p['names'])})" for p in r["payloads"]) + " |")
+        blines.append(f"| {mode} | " + " | ".join(
+            f"{_mib(p['bytes'])} ({len(p['names'])})" + (f" [{_mib(p['bytes_without_cache'])} uncached]"
+                                                          if p["bytes_without_cache"] != p["bytes"] else "")
+            for p in r["payloads"]) + " |")
     if res[BASELINE]["payloads"]:
         out.append("\n".join(blines))
     alone = [(m, r) for m, r in res.items() if r.get("routing_alone_ms") is not None]

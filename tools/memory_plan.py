@@ -28,6 +28,10 @@ Model of the activations (bytes saved for backward per micro-batch, counted as u
   (interleaved: Megatron's warm-up count + 1 chunk-micro-batches); each in-flight micro-batch of a
   stage that receives a payload also holds the payload tensors beyond x (the sources the stage
   reads). The last stage adds the logits (fp32 [tokens, vocab / TP]) of one micro-batch.
+- Interleaved schedule with the source cache (--delta-pp-source-cache on, the default): a chunk holds
+  only the payload tensors it was sent, plus the new sources it keeps for the rank's next chunk (which
+  the uncached path would free once sent); the boundary lines give the bytes sent per micro-batch with
+  and without the cache.
 - Weights: bf16 (2 B) + fp32 gradient buffer (4 B, Megatron's grad_reduce_in_fp32 with bf16) +
   Adam in fp32 (master weights, m, v: 12 B; fp32 training: m, v: 8 B), sharded over DP by
   --use-distributed-optimizer. Not counted: the CUDA context, NCCL buffers, allocator
@@ -76,6 +80,8 @@ def build_parser():
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--delta-pp-source-cache", choices=["on", "off"], default="on",
+                   help="interleaved schedule: a boundary sends only the sources the receiving rank lacks")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--bf16", action="store_true")
@@ -207,14 +213,55 @@ def in_flight(a, stage):
     return min(pp - stage, m)
 
 
+def tensor_bytes(a):
+    """One [s, b, h] activation tensor on one rank (SP divides s)."""
+    sp = a.tensor_model_parallel_size if a.sequence_parallel else 1
+    return a.seq_length * a.micro_batch_size * a.hidden_size / sp * (2 if a.bf16 else 4)
+
+
+def chunk_plan(a, cached=None):
+    """The pipeline chunks' SourceCachePlan (even split); cached: the source cache (default: the flag)."""
+    from megatron_delta.core.source_cache import SourceCachePlan
+
+    if cached is None:
+        cached = a.delta_pp_source_cache == "on"
+    return SourceCachePlan.even(source_plan(a), a.pipeline_model_parallel_size, a.vpp or 1, cached)
+
+
 def payload_extra_bytes(a, first_layer):
-    """Payload tensors beyond x that a chunk starting at `first_layer` receives and holds, per micro-batch."""
+    """Payload tensors beyond x that a chunk starting at `first_layer` receives and holds, per micro-batch
+    (with the source cache only those sent: the rest are tensors the rank already holds)."""
     plan = source_plan(a)
     if plan is None or first_layer == 0:
         return 0
-    sp = a.tensor_model_parallel_size if a.sequence_parallel else 1
-    n = len(plan.payload_names(first_layer))
-    return (n - 1) * a.seq_length * a.micro_batch_size * a.hidden_size / sp * (2 if a.bf16 else 4)
+    chunks = chunk_plan(a)
+    n = len(chunks.sent_names(chunks.first_layers.index(first_layer)))
+    return (n - 1) * tensor_bytes(a)
+
+
+def cache_kept_bytes(a, first_layer):
+    """What the source cache keeps at the end of the chunk starting at `first_layer` beyond what that chunk
+    received (its own new sources, which the uncached path frees once sent), per micro-batch."""
+    plan = source_plan(a)
+    if plan is None:
+        return 0
+    chunks = chunk_plan(a)
+    k = chunks.first_layers.index(first_layer)
+    received = set(plan.payload_names(first_layer)) if first_layer else set()
+    return len([n for n in chunks.kept_names(k) if n not in received]) * tensor_bytes(a)
+
+
+def boundary_traffic(a):
+    """Per (virtual) pipeline boundary: the tensors and bytes sent per micro-batch, with the source cache as
+    configured and without it."""
+    if source_plan(a) is None:
+        return [{"chunk": k, "first_layer": k * a.num_layers // (a.pipeline_model_parallel_size * (a.vpp or 1)),
+                 "tensors": 1, "bytes": tensor_bytes(a), "tensors_without_cache": 1,
+                 "bytes_without_cache": tensor_bytes(a)}
+                for k in range(1, a.pipeline_model_parallel_size * (a.vpp or 1))]
+    return [{"chunk": k, "first_layer": first, "tensors": len(sent), "bytes": len(sent) * tensor_bytes(a),
+             "tensors_without_cache": len(sent) + len(kept), "bytes_without_cache": (len(sent) + len(kept))
+             * tensor_bytes(a)} for k, first, sent, kept in chunk_plan(a).boundaries()]
 
 
 def plan_stage(a, stage):
@@ -230,7 +277,7 @@ def plan_stage(a, stage):
     for c in range(chunks):
         first = (c * pp + stage) * per_chunk
         chunk_acts.append(layer_activation_bytes(a, first, per_chunk))
-        chunk_payload.append(payload_extra_bytes(a, first))
+        chunk_payload.append(payload_extra_bytes(a, first) + cache_kept_bytes(a, first))
     k = in_flight(a, stage)
     if a.vpp:
         per = (sum(chunk_acts) + sum(chunk_payload)) / chunks
@@ -397,7 +444,8 @@ def router_share_table(gpu, shapes=("1B", "8B"), modes=ADDITIVE_MODES + REPLACEM
 
 def memory_plan(a):
     return {"config": {k: v for k, v in vars(a).items() if k != "json"},
-            "stages": [plan_stage(a, s) for s in range(a.pipeline_model_parallel_size)]}
+            "stages": [plan_stage(a, s) for s in range(a.pipeline_model_parallel_size)],
+            "boundaries": boundary_traffic(a) if a.pipeline_model_parallel_size > 1 else []}
 
 
 def format_table(plan):
@@ -418,6 +466,13 @@ def format_table(plan):
             f"{s['optimizer'] / GiB:.2f}", f"{s['activations'] / GiB:.2f}", f"{s['of_which_payload'] / GiB:.2f}",
             str(s["in_flight"]), f"{s['total'] / GiB:.2f}"]) + " |")
     lines.append("(GiB; + CUDA context, NCCL buffers, temporaries and fragmentation: plan 10-20 % headroom)")
+    cached = any(b["bytes"] != b["bytes_without_cache"] for b in plan["boundaries"])
+    for b in plan["boundaries"]:
+        line = (f"payload into layer {b['first_layer']} (chunk {b['chunk']}): {b['tensors']} tensors = "
+                f"{b['bytes'] / 2**20:.2f} MiB per micro-batch")
+        if cached:
+            line += f" (without the cache: {b['tensors_without_cache']} = {b['bytes_without_cache'] / 2**20:.2f} MiB)"
+        lines.append(line)
     return "\n".join(lines)
 
 
