@@ -536,11 +536,13 @@ class DepthRouter(torch.nn.Module):
         )
 
     def query_vector(self) -> Tensor:
-        """q = w * g: the logit of a source is (s . q) * inv_rms(s)."""
-        return self.query * self.key_norm_weight
+        """q = w * g: the logit of a source is (s . q) * inv_rms(s). In fp32 (at least) even where
+        Float16Module made the parameters bf16 (--bf16): the routers' math is fp32 (design.md 2.5)."""
+        cdt = _compute_dtype(self.query.dtype)
+        return _as(self.query, cdt) * _as(self.key_norm_weight, cdt)
 
     def _null(self, q: Tensor) -> Tuple[Tensor, Tensor]:
-        z = self.null_source
+        z = _as(self.null_source, q.dtype)  # fp32 (query_vector) even when the parameter is bf16
         inv = torch.rsqrt(z.pow(2).mean() + self.eps)
         return torch.dot(z, q) * inv, z
 
