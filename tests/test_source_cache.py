@@ -3,7 +3,8 @@
 The plan (which payload tensors a boundary sends, which the receiving rank already holds) is checked against
 an independent count per mode; the flag's start-up rules through pretrain_gpt.py's parser. The slow tests
 train every routed mode through pretrain_gpt.py under PP2+VPP2 and PP2 with three chunks per rank (6 layers),
-alone, with full recompute and with TP2+SP, with --delta-pp-source-cache off and on from one initial model:
+alone, with full recompute, with TP2+SP and with DP2 + the distributed optimizer, with --delta-pp-source-cache
+off and on from one initial model:
 the losses equal TP1's within 1e-5, the cached run's gradients equal the uncached run's, the bytes each
 boundary received equal the plan's, and no micro-batch is left in a cache. A checkpoint written with the
 cache continues without it and the other way round, with the losses of each other.
@@ -163,6 +164,9 @@ LAUNCHES = {
     "pp2_vpp3": (2, SIX, PP2_VPP2, ROUTED, ["off", "on", "on_recompute"]),
     "tp2_sp_pp2_vpp2": (4, [], ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + PP2_VPP2, ROUTED,
                         ["off", "on"]),
+    # data parallelism: each replica's ranks keep their own micro-batches (distributed optimizer too)
+    "dp2_distopt_pp2_vpp2": (4, [], ["--use-distributed-optimizer"] + PP2_VPP2, ["delta", "delta_block"],
+                             ["off", "on"]),
     "tp2_sp_pp2_vpp3": (4, SIX, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + PP2_VPP2, ROUTED,
                         ["off", "on_recompute"]),
 }
@@ -202,7 +206,7 @@ def test_cached_training_equals_uncached_and_tp1(tp1_reference, launch):
                               x_from_sources=name in ("delta", "delta_block") and not flavour)
             for r, rank in enumerate(results):
                 entry = rank[mode][v]
-                pp_rank = r // (world // 2)  # Megatron's rank order: tensor-parallel ranks vary fastest
+                pp_rank = r // (world // 2)  # Megatron's rank order: tensor- and data-parallel ranks vary faster
                 # the bytes each boundary received: what the plan sends, per rank sequence and micro-batch
                 expect = {str(first): len(sent) * seq for k, first, sent, _ in plan.boundaries() if k % 2 == pp_rank}
                 assert entry["payloads"] == expect, (launch, mode, v, r, entry["payloads"], expect)
