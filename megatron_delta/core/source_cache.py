@@ -62,8 +62,8 @@ class SourceCachePlan:
     @classmethod
     def from_config(cls, config, plan: Optional[SourcePlan] = None, cached: Optional[bool] = None
                     ) -> "SourceCachePlan":
-        """From a DeltaTransformerConfig (or flags with the same names): the chunks' first layers as
-        Megatron-Core splits them (get_transformer_layer_offset, uneven first/last stages included)."""
+        """From a DeltaTransformerConfig: the chunks' first layers as Megatron-Core splits them
+        (get_transformer_layer_offset, uneven first/last stages included)."""
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         if getattr(config, "pipeline_model_parallel_layout", None):
