@@ -384,6 +384,8 @@ NOT_THE_FUNCTION = {
     "expert_tensor_parallel_num_weight_shards": "None means expert_tensor_parallel_size; no experts",
     "cp_comm_type": "context parallelism is not used (size 1)",
     "inference_sampling_seed": "Megatron-Core's sampling in generation, not the model",
+    "delta_pp_source_cache": "which payload tensors travel between interleaved chunks (the trainer resolves it "
+                             "to False without them): traffic only, the same function",
 }
 
 
