@@ -31,10 +31,7 @@ def mode_flags(mode: str) -> list[str]:
 def _grads(model) -> dict:
     """{global parameter name: main_grad values} of this rank's chunks (name: chunk's decoder layer numbers)."""
     out = {}
-    for chunk in model:
-        inner = chunk
-        while hasattr(inner, "module"):
-            inner = inner.module
+    for inner in _inner(model):
         for n, p in inner.named_parameters():
             g = getattr(p, "main_grad", None)
             if g is None:
@@ -78,11 +75,10 @@ def compare(root: str, tag: str, layout: list[str], modes: list[str], variants: 
 
 
 def _inner(model):
-    for chunk in model:
-        inner = chunk
-        while hasattr(inner, "module"):
-            inner = inner.module
-        yield inner
+    """The GPT models of the rank's chunks, DDP and Float16Module wrappers off."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(model))
 
 
 def checkpoint_swap(root: str, layout: list[str], mode: str, iters: int = 4) -> dict:

@@ -228,27 +228,18 @@ def chunk_plan(a, cached=None):
     return SourceCachePlan.even(source_plan(a), a.pipeline_model_parallel_size, a.vpp or 1, cached)
 
 
-def payload_extra_bytes(a, first_layer):
-    """Payload tensors beyond x that a chunk starting at `first_layer` receives and holds, per micro-batch
-    (with the source cache only those sent: the rest are tensors the rank already holds)."""
-    plan = source_plan(a)
-    if plan is None or first_layer == 0:
-        return 0
-    chunks = chunk_plan(a)
-    n = len(chunks.sent_names(chunks.first_layers.index(first_layer)))
-    return (n - 1) * tensor_bytes(a)
-
-
-def cache_kept_bytes(a, first_layer):
-    """What the source cache keeps at the end of the chunk starting at `first_layer` beyond what that chunk
-    received (its own new sources, which the uncached path frees once sent), per micro-batch."""
+def chunk_payload_bytes(a, k):
+    """What chunk k holds of the pipeline payload per micro-batch beyond the baseline's one tensor: the tensors
+    it was sent (with the source cache only those: the rest are tensors the rank already holds) and the new
+    sources it keeps for the rank's next chunk (which the uncached path frees once sent)."""
     plan = source_plan(a)
     if plan is None:
         return 0
     chunks = chunk_plan(a)
-    k = chunks.first_layers.index(first_layer)
-    received = set(plan.payload_names(first_layer)) if first_layer else set()
-    return len([n for n in chunks.kept_names(k) if n not in received]) * tensor_bytes(a)
+    sent = chunks.sent_names(k) if k else []
+    received = set(plan.payload_names(chunks.first_layers[k])) if k else set()
+    kept_new = [n for n in chunks.kept_names(k) if n not in received]
+    return (max(len(sent) - 1, 0) + len(kept_new)) * tensor_bytes(a)
 
 
 def boundary_traffic(a):
@@ -277,7 +268,7 @@ def plan_stage(a, stage):
     for c in range(chunks):
         first = (c * pp + stage) * per_chunk
         chunk_acts.append(layer_activation_bytes(a, first, per_chunk))
-        chunk_payload.append(payload_extra_bytes(a, first) + cache_kept_bytes(a, first))
+        chunk_payload.append(chunk_payload_bytes(a, c * pp + stage))
     k = in_flight(a, stage)
     if a.vpp:
         per = (sum(chunk_acts) + sum(chunk_payload)) / chunks

@@ -73,7 +73,8 @@ class DeltaTransformerBlock(TransformerBlock):
         eps = self.config.delta_router_eps
         scope = self.readers(self.layers, final=self.post_process)  # the routers of this chunk
         cache = self._linked_source_cache()
-        micro_batch = cache.begin(self.vp_stage) if cache is not None else None
+        if cache is not None:
+            micro_batch, k = cache.begin(self.vp_stage), cache.chunk(self.vp_stage)  # k: the global chunk index
         if self.pre_process:
             h0 = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
             buffer = SourceBuffer.start(self.plan, h0, eps, record_routing=self.record_routing, readers=scope)
@@ -83,7 +84,6 @@ class DeltaTransformerBlock(TransformerBlock):
             if cache is None:
                 tensors = unpack_stage_payload(hidden_states, len(names))
             else:  # the payload holds what this rank lacks; the rest comes from its cache
-                k = cache.chunk(self.vp_stage)
                 sent = cache.plan.sent_names(k)
                 by_name = dict(zip(sent, unpack_stage_payload(hidden_states, len(sent))))
                 by_name.update(cache.take(micro_batch, cache.plan.taken_names(k)))
@@ -128,7 +128,6 @@ class DeltaTransformerBlock(TransformerBlock):
         elif cache is None:
             out = pack_stage_payload(buffer.to_tensors())
         else:
-            k = cache.chunk(self.vp_stage)
             tensors = dict(zip(self.plan.payload_names(self.end_layer), buffer.to_tensors()))
             out = pack_stage_payload([tensors[n] for n in cache.plan.sent_names(k + 1)])
             out = cache.keep(micro_batch, self.vp_stage, out, {n: tensors[n] for n in cache.plan.kept_names(k)})

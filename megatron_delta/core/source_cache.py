@@ -155,7 +155,6 @@ class SourceCache:
         self.plan, self.pp_rank = plan, pp_rank
         self._begun = [0] * num_chunks_here  # micro-batches each local chunk has started (forward)
         self._held: Dict[int, Dict[str, _Held]] = {}  # micro-batch -> name -> kept tensor
-        self.bytes_sent: Dict[int, int] = {}  # global chunk -> bytes of the last payload sent into it (tests)
 
     def chunk(self, vp_stage: int) -> int:
         """The global chunk index of local chunk ``vp_stage``."""
@@ -220,14 +219,10 @@ def link_chunks(model_chunks, pg_collection=None) -> Optional[SourceCache]:
     """Give the routed decoders of one rank's model chunks (one per virtual stage, in order) one shared
     SourceCache, where the cache applies (:func:`cache_applies`); else each decoder gets none. Called by
     build_model_chunks and by the trainer after Megatron-LM's get_model. Returns the cache (or None)."""
-    decoders = []
-    for chunk in model_chunks:
-        inner = chunk
-        while hasattr(inner, "module"):
-            inner = inner.module
-        decoder = getattr(inner, "decoder", None)
-        if hasattr(decoder, "source_cache"):  # a DeltaTransformerBlock (core/block.py)
-            decoders.append(decoder)
+    from megatron.core.utils import unwrap_model  # DDP and Float16Module wrappers off
+
+    decoders = [m.decoder for m in unwrap_model(list(model_chunks))
+                if hasattr(getattr(m, "decoder", None), "source_cache")]  # DeltaTransformerBlocks (core/block.py)
     if not decoders:
         return None
     config = decoders[0].config
