@@ -237,19 +237,43 @@ def _check_supported_run_config(rc: dict, where: str):
                               f"the HF export supports RMSNorm + SwiGLU + RoPE without biases (Qwen3/Llama)")
 
 
-def build_megatron_model(run_config: dict, padded_vocab_size: int, where: str = "run_config.json"):
-    """One GPT model (TP1/PP1, fp32, this process) for the model keys of a run_config-like dict.
-    Returns (model, args): args as checkpointing's load / save read them (see checkpoint_args)."""
+# How the tools compute with a checkpoint (--dtype): "auto" is the precision it was trained in (run_config.json
+# "bf16"), so evaluation reproduces training's numbers; "fp32" computes with the (possibly bf16) weights in fp32.
+EVAL_DTYPES = ("auto", "fp32", "bf16")
+
+
+def eval_in_bf16(rc: dict, dtype: str, flag: str = "--dtype") -> bool:
+    """Whether a tool computes in bf16 for ``dtype`` (one of EVAL_DTYPES) on a checkpoint of run_config ``rc``."""
+    if dtype not in EVAL_DTYPES:
+        raise ConversionError(f"{flag} must be one of {', '.join(EVAL_DTYPES)}, got {dtype!r}")
+    return bool(rc.get("bf16")) if dtype == "auto" else dtype == "bf16"
+
+
+def _as_trained(chunks, config, bf16: bool):
+    """The chunks as ``--bf16`` training holds them: each in Megatron-Core's Float16Module (bf16 model copy,
+    fp32 logits out; the routers still compute in fp32, docs/design.md 2.5), else as built (fp32)."""
+    if not bf16:
+        return chunks
+    from megatron.core.transformer.module import Float16Module
+
+    return [Float16Module(config, c) for c in chunks]
+
+
+def build_megatron_model(run_config: dict, padded_vocab_size: int, where: str = "run_config.json",
+                         bf16: bool = False):
+    """One GPT model (TP1/PP1, this process; fp32, or bf16 in Float16Module) for the model keys of a
+    run_config-like dict. Returns (model, args): args as checkpointing's load / save read them (see
+    checkpoint_args)."""
     from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.model_config import model_config
 
-    fields = model_fields(run_config, where, padded_vocab_size=padded_vocab_size)
+    fields = model_fields(run_config, where, padded_vocab_size=padded_vocab_size, bf16=bf16)
     args = checkpoint_args(fields)
     activate_cpu_platform()
     initialize_distributed(1, 1, seed=args.seed)
     config, options = model_config(fields)
-    (model,) = build_model_chunks(config, padded_vocab_size, **options)
+    (model,) = _as_trained(build_model_chunks(config, padded_vocab_size, **options), config, bf16)
     return model, args
 
 
@@ -270,23 +294,26 @@ def true_vocab_size(rc: dict) -> int:
     return sentencepiece.SentencePieceProcessor(model_file=spm).get_piece_size()
 
 
-def load_megatron(load: str):
-    """Load a checkpoint (any TP/PP/VPP layout) as one TP1/PP1 model. Returns (model, args, run_config)."""
+def load_megatron(load: str, dtype: str = "fp32"):
+    """Load a checkpoint (any TP/PP/VPP layout) as one TP1/PP1 model computing in ``dtype`` (EVAL_DTYPES;
+    the export reads weights in fp32). Returns (model, args, run_config)."""
     from megatron_delta.checkpointing import load_checkpoint, read_run_config, resolve_checkpoint_dir
 
     ckpt_dir, _ = resolve_checkpoint_dir(load)
     rc = read_run_config(ckpt_dir)
     _check_supported_run_config(rc, f"--load {ckpt_dir}")
-    model, args = build_megatron_model(rc, rc["padded_vocab_size"], f"--load {ckpt_dir}")
+    bf16 = eval_in_bf16(rc, dtype)
+    model, args = build_megatron_model(rc, rc["padded_vocab_size"], f"--load {ckpt_dir}", bf16=bf16)
     load_checkpoint(ckpt_dir, [model], None, None, args, load_optim=False, load_rng=False)
     model.eval()
     return model, args, rc
 
 
-def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1):
+def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                           dtype: str = "fp32"):
     """Load a checkpoint (saved under any layout) split over TP x PP ranks of this torch.distributed world
-    (torchrun's WORLD_SIZE; the remaining factor is data parallel), as training would hold it.
-    Returns (model chunks of this rank, args, run_config)."""
+    (torchrun's WORLD_SIZE; the remaining factor is data parallel), as training would hold it, computing in
+    ``dtype`` (EVAL_DTYPES). Returns (model chunks of this rank, args, run_config)."""
     from megatron_delta.checkpointing import load_checkpoint, read_run_config, resolve_checkpoint_dir
     from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
     from megatron_delta.core.model import build_model_chunks
@@ -301,18 +328,20 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
     ckpt_dir, _ = resolve_checkpoint_dir(load)
     rc = read_run_config(ckpt_dir)
     _check_supported_run_config(rc, f"--load {ckpt_dir}")
+    bf16 = eval_in_bf16(rc, dtype)
     padded = rc["padded_vocab_size"]
     if padded % tp:
         raise ConversionError(f"--tensor-model-parallel-size {tp} does not divide the checkpoint's padded "
                               f"vocabulary ({padded})")
     # routed modes send a payload whose length differs by stage boundary (model_config sets
     # variable_seq_lengths for them under PP > 1, as training does)
-    fields = model_fields(rc, f"--load {ckpt_dir}", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    fields = model_fields(rc, f"--load {ckpt_dir}", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          bf16=bf16)
     args = checkpoint_args(fields, data_parallel_size=world // (tp * pp))
     activate_cpu_platform()
     initialize_distributed(tp, pp, seed=args.seed)
     config, options = model_config(fields)
-    chunks = build_model_chunks(config, padded, **options)
+    chunks = _as_trained(build_model_chunks(config, padded, **options), config, bf16)
     load_checkpoint(ckpt_dir, chunks, None, None, args, load_optim=False, load_rng=False)
     for c in chunks:
         c.eval()

@@ -35,6 +35,8 @@ import torch
 from tests import bf16_driver
 from tests.dist_utils import run_distributed
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 MODES = ["baseline", "delta", "delta_block", "attnres", "full_attnres"]
 ROUTED = MODES[1:]
 ITERS = 4
@@ -118,28 +120,16 @@ def test_bf16_layouts_agree(runs):
 
 
 def megatron_bf16(ckpt):
-    """The checkpoint's model as --bf16 training holds it: built in bf16 under TP1 in this process, wrapped
-    in Megatron's Float16Module (fp32 logits out), loaded with checkpointing.load_checkpoint."""
+    """The checkpoint's model as --bf16 training holds it (the tools' --dtype auto): conversion.load_megatron
+    builds it in bf16 under TP1 in this process, in Megatron's Float16Module (fp32 logits out)."""
     from megatron.core.transformer.module import Float16Module
 
     from megatron_delta import conversion
-    from megatron_delta.checkpointing import load_checkpoint, read_run_config, resolve_checkpoint_dir
-    from megatron_delta.cpu_platform import activate_cpu_platform, initialize_distributed
-    from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.model_config import model_config
 
-    ckpt_dir, _ = resolve_checkpoint_dir(ckpt)
-    rc = read_run_config(ckpt_dir)
-    assert rc["bf16"] is True
-    fields = conversion.model_fields(rc, padded_vocab_size=rc["padded_vocab_size"], bf16=True)
-    args = conversion.checkpoint_args(fields)
-    activate_cpu_platform()
-    initialize_distributed(1, 1, seed=args.seed)
-    config, options = model_config(fields)
-    (model,) = build_model_chunks(config, rc["padded_vocab_size"], **options)
-    model = Float16Module(config, model)
-    load_checkpoint(ckpt_dir, [model], None, None, args, load_optim=False, load_rng=False)
-    return model.eval(), rc
+    model, args, rc = conversion.load_megatron(ckpt, dtype="auto")
+    assert rc["bf16"] is True and args.bf16 is True and isinstance(model, Float16Module)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    return model, rc
 
 
 def export_gaps(ckpt, out):
@@ -197,3 +187,59 @@ def test_bf16_export_matches_megatron_bf16(runs, tmp_path):
     # the tolerance is sharp enough to see the routers: zeroing the exported queries breaks it
     blind = {m: g for m, g in gaps.items() if m in ROUTED and not g["bf16_routers_zeroed"] > 3 * BF16_EXPORT}
     assert not blind, f"the routers' part of the function is within bf16 tolerance: {blind}"
+
+
+def _evaluate(tmp_path, ckpt, name, *flags):
+    """tools/evaluate.py in this process on SEQS: (OUT.json, logits)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("_evaluate_tool", os.path.join(REPO, "tools", "evaluate.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    toks = tmp_path / "toks.json"
+    toks.write_text(json.dumps(SEQS))
+    out, logits = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
+    assert tool.main(["--load", ckpt, "--tokens-file", str(toks), "--output", str(out), "--logits-file",
+                      str(logits), *flags]) == 0
+    return json.loads(out.read_text()), torch.load(logits)
+
+
+@pytest.mark.slow
+def test_evaluate_computes_as_trained(runs, tmp_path):
+    """tools/evaluate.py on the bf16-trained checkpoints: by default (--dtype auto) it computes in bf16, as
+    training held the model, and says so in OUT.json; its logits are Megatron's bf16 forward (the export test's
+    yardstick) exactly; --dtype fp32 computes with the same weights in fp32, which differs from bf16 by bf16
+    rounding only; under TP2 x PP2 (4 ranks, the payload crossing the stage boundary in bf16) the bf16 numbers
+    equal TP1's within bf16 tolerance."""
+    import json
+
+    from megatron_delta import conversion
+
+    root, _, _ = runs
+    gaps = {}
+    for mode in MODES:
+        ckpt = os.path.join(root, f"ckpt-tp2pp2sp-bf16-{mode}")
+        auto, auto_logits = _evaluate(tmp_path, ckpt, f"{mode}-auto")
+        fp32, fp32_logits = _evaluate(tmp_path, ckpt, f"{mode}-fp32", "--dtype", "fp32")
+        assert (auto["dtype"], fp32["dtype"]) == ("bf16", "fp32"), mode
+        model, rc = megatron_bf16(ckpt)
+        vocab = conversion.true_vocab_size(rc)
+        for ids, got in zip(SEQS, auto_logits, strict=True):
+            assert torch.equal(got, conversion.megatron_logits(model, torch.tensor([ids]))[0, :, :vocab]), mode
+        gap = max((a - b).abs().max().item() for a, b in zip(auto_logits, fp32_logits, strict=True))
+        assert 0 < gap <= BF16_EXPORT, (mode, gap)
+        gaps[mode] = (gap, abs(auto["total_nll"] - fp32["total_nll"]))
+    print(f"[evaluate of the bf16 checkpoints: bf16 vs fp32 compute, max |logits diff|, |total NLL diff|] {gaps}")
+    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta")
+    tp1, tp1_logits = _evaluate(tmp_path, ckpt, "delta-tp1")
+    run_distributed(os.path.join("tools", "evaluate.py"), 4, "--load", ckpt, "--tokens-file", str(tmp_path / "toks.json"),
+                    "--output", str(tmp_path / "par.json"), "--logits-file", str(tmp_path / "par.pt"),
+                    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", timeout=600)
+    par = json.loads((tmp_path / "par.json").read_text())
+    worst = max((a - b).abs().max().item() for a, b in zip(torch.load(tmp_path / "par.pt"), tp1_logits, strict=True))
+    print(f"[evaluate bf16 TP2xPP2 vs TP1, delta] max |logits diff| {worst:.2e}, total NLL {par['total_nll']:.5f} "
+          f"vs {tp1['total_nll']:.5f}")
+    assert par["dtype"] == "bf16" and par["total_tokens"] == tp1["total_tokens"]
+    assert worst <= BF16_EXPORT
+    assert abs(par["total_nll"] - tp1["total_nll"]) <= BF16_LAYOUTS * par["total_tokens"]

@@ -20,6 +20,10 @@ As in pretrain_gpt.py, the world size is TP x PP x DP: each model replica runs e
 Megatron's pipeline schedule (forward only; logits gathered over TP on the last stage), the DP replicas
 share the sequences, and rank 0 writes OUT.json. A layout whose TP x PP does not divide the world size
 is refused. The numbers do not depend on the layout (fp32: equal to TP1 within 1e-4 in NLL).
+
+--dtype auto (the default) computes in the precision the checkpoint was trained in: a `--bf16` run's model
+in bf16, as Megatron-LM's own evaluation during training holds it (Float16Module; the routers compute in
+fp32); --dtype fp32 computes with the same weights in fp32. OUT.json records the dtype used.
 """
 import argparse
 import json
@@ -92,6 +96,8 @@ def main(argv=None):
     p.add_argument("--logits-file", default=None)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="precision of the forward: auto = as the checkpoint was trained (run_config.json bf16)")
     a = p.parse_args(argv)
 
     import torch
@@ -117,9 +123,10 @@ def main(argv=None):
     try:
         if parallel:
             chunks, args, rc = load_megatron_parallel(a.load, a.tensor_model_parallel_size,
-                                                      a.pipeline_model_parallel_size)
+                                                      a.pipeline_model_parallel_size, dtype=a.dtype)
         else:
-            model, args, rc = load_megatron(a.load)
+            model, args, rc = load_megatron(a.load, dtype=a.dtype)
+        dtype = "bf16" if args.bf16 else "fp32"
         vocab = true_vocab_size(rc)
         bad = [x for s in seqs for x in s if not 0 <= x < vocab]
         if bad:
@@ -130,6 +137,7 @@ def main(argv=None):
                                   f"the model's {rc['max_position_embeddings']} positions")
         result, logits = evaluate_tokens_parallel(chunks, vocab, seqs) if parallel else \
             evaluate_tokens(model, vocab, seqs)
+        result["dtype"] = dtype
     except (ConversionError, CheckpointError) as err:
         print(f"evaluate.py: error: {err}", file=sys.stderr)
         return 2
@@ -146,7 +154,7 @@ def main(argv=None):
         layout = (f" (TP{a.tensor_model_parallel_size} PP{a.pipeline_model_parallel_size} "
                   f"DP{world // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size)})" if parallel else "")
         print(f"[evaluate] {len(seqs)} sequences, {result['total_tokens']} tokens, mean NLL "
-              f"{result['total_nll'] / max(result['total_tokens'], 1):.4f}{layout}")
+              f"{result['total_nll'] / max(result['total_tokens'], 1):.4f} in {dtype}{layout}")
     return 0
 
 

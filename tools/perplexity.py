@@ -18,7 +18,9 @@ of Megatron's embedding are dropped, as in the exported Hugging Face model). Unl
 pretrain_gpt.py prints (the first --eval-iters batches of Megatron's shuffled GPTDataset), this covers a
 fixed, contiguous prefix of each set, the same for every checkpoint, so runs compare directly.
 
-The checkpoint (any TP/PP/VPP layout) is read resharded into one TP1/PP1 model in this process.
+The checkpoint (any TP/PP/VPP layout) is read resharded into one TP1/PP1 model in this process. With
+--dtype auto (the default) it computes in the precision it was trained in (a `--bf16` run's model in bf16,
+routers in fp32, as in training); --dtype fp32 computes with the same weights in fp32.
 """
 import argparse
 import json
@@ -51,6 +53,8 @@ def build_parser():
     p.add_argument("--seq-length", type=int, default=None,
                    help="tokens of context per window (default: the checkpoint's --seq-length)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="precision of the forward: auto = as the checkpoint was trained (run_config.json bf16)")
     p.add_argument("--cache-dir", default=os.path.join("runs", "cache"), help="where the default data is built")
     return p
 
@@ -182,12 +186,13 @@ def _run(opts):
                 streams.append((name, prefix, read_token_stream(prefix, opts.max_tokens, flag)))
             except ValueError as err:
                 raise PerplexityError(str(err)) from err
-        model, _, rc = load_megatron(ckpt_dir)
+        model, args, rc = load_megatron(ckpt_dir, dtype=opts.dtype)
+        dtype = "bf16" if args.bf16 else "fp32"
         vocab = true_vocab_size(rc)
         result = {"checkpoint": os.path.abspath(ckpt_dir), "iteration": iteration, "residual": rc.get("residual"),
-                  "seq_length": seq, "max_tokens": opts.max_tokens, "datasets": {}}
+                  "seq_length": seq, "max_tokens": opts.max_tokens, "dtype": dtype, "datasets": {}}
         print(f" loaded {ckpt_dir} (iteration {iteration}, --residual {rc.get('residual')}); windows of {seq} "
-              f"tokens of context")
+              f"tokens of context; computing in {dtype}")
         for name, prefix, stream in streams:
             bad = stream[(stream < 0) | (stream >= vocab)]
             if len(bad):
