@@ -25,7 +25,7 @@ $(STAMP): requirements-lock.txt requirements-nodeps.txt setup.py
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # Everything except the tests marked `slow` (CI runs them all through `make test`).
 test-fast: setup

@@ -173,7 +173,10 @@ def resolve_pp_source_cache(args: argparse.Namespace) -> None:
     size from --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank). On by default
     where it applies: a routed mode under the interleaved schedule, without --pipeline-model-parallel-layout
     (core/source_cache.py plans even or first/last-stage splits). An explicit `on` elsewhere is refused."""
+    from megatron_delta.core.source_cache import cache_applies
+
     interleaved = args.residual != BASELINE and (args.virtual_pipeline_model_parallel_size or 1) > 1
+    applies = cache_applies(argparse.Namespace(**{**vars(args), "delta_pp_source_cache": True}))
     if args.delta_pp_source_cache == "on":
         if not interleaved:
             raise TrainerArgumentError(
@@ -185,5 +188,4 @@ def resolve_pp_source_cache(args: argparse.Namespace) -> None:
                 "--delta-pp-source-cache on cannot plan the chunks of --pipeline-model-parallel-layout; use "
                 "--num-layers-per-virtual-pipeline-stage (or --num-virtual-stages-per-pipeline-rank), or pass "
                 "--delta-pp-source-cache off")
-    args.delta_pp_source_cache = (interleaved and args.delta_pp_source_cache != "off"
-                                  and not args.pipeline_model_parallel_layout)
+    args.delta_pp_source_cache = applies and args.delta_pp_source_cache != "off"

@@ -42,11 +42,11 @@ def fresh_iterator(dataset, n_chunks: int):
 
 
 def delta_blocks(model):
+    from megatron.core.utils import unwrap_model
+
     from megatron_delta.core.block import DeltaTransformerBlock
 
-    for m in model:
-        while hasattr(m, "module"):
-            m = m.module
+    for m in unwrap_model(list(model)):
         if isinstance(getattr(m, "decoder", None), DeltaTransformerBlock):
             yield m.decoder
 
