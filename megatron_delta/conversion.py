@@ -249,7 +249,7 @@ def eval_in_bf16(rc: dict, dtype: str, flag: str = "--dtype") -> bool:
     return bool(rc.get("bf16")) if dtype == "auto" else dtype == "bf16"
 
 
-def _as_trained(chunks, config, bf16: bool):
+def as_trained(chunks, config, bf16: bool) -> list:
     """The chunks as ``--bf16`` training holds them: each in Megatron-Core's Float16Module (bf16 model copy,
     fp32 logits out; the routers still compute in fp32, docs/design.md 2.5), else as built (fp32)."""
     if not bf16:
@@ -273,7 +273,7 @@ def build_megatron_model(run_config: dict, padded_vocab_size: int, where: str = 
     activate_cpu_platform()
     initialize_distributed(1, 1, seed=args.seed)
     config, options = model_config(fields)
-    (model,) = _as_trained(build_model_chunks(config, padded_vocab_size, **options), config, bf16)
+    (model,) = as_trained(build_model_chunks(config, padded_vocab_size, **options), config, bf16)
     return model, args
 
 
@@ -341,7 +341,7 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
     activate_cpu_platform()
     initialize_distributed(tp, pp, seed=args.seed)
     config, options = model_config(fields)
-    chunks = _as_trained(build_model_chunks(config, padded, **options), config, bf16)
+    chunks = as_trained(build_model_chunks(config, padded, **options), config, bf16)
     load_checkpoint(ckpt_dir, chunks, None, None, args, load_optim=False, load_rng=False)
     for c in chunks:
         c.eval()

@@ -243,3 +243,79 @@ def test_evaluate_computes_as_trained(runs, tmp_path):
     assert par["dtype"] == "bf16" and par["total_tokens"] == tp1["total_tokens"]
     assert worst <= BF16_EXPORT
     assert abs(par["total_nll"] - tp1["total_nll"]) <= BF16_LAYOUTS * par["total_tokens"]
+
+
+@pytest.mark.slow
+def test_routing_report_computes_as_trained(runs, tmp_path):
+    """tools/routing_report.py on the bf16-trained delta_block checkpoint: by default in bf16 (recorded in
+    routing.json), with --dtype fp32 in fp32; the routing weights of the two agree within bf16 rounding of the
+    sources (the routers compute in fp32 either way) and each row still sums to 1."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("_routing_report", os.path.join(REPO, "tools", "routing_report.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    root, _, _ = runs
+    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta_block")
+    reports = {}
+    for dtype, flags in (("bf16", []), ("fp32", ["--dtype", "fp32"])):
+        out = tmp_path / dtype
+        assert tool.main(["--load", ckpt, "--output", str(out), "--mock-data", "--num-batches", "1",
+                          "--micro-batch-size", "2", *flags]) == 0
+        reports[dtype] = json.loads((out / "routing.json").read_text())
+        assert reports[dtype]["dtype"] == dtype
+    a, b = (reports[k]["datasets"]["mock"] for k in ("bf16", "fp32"))
+    assert a["order"] == b["order"] and a["columns"] == b["columns"]
+    worst = 0.0
+    for ra, rb in zip(a["aligned_matrix"], b["aligned_matrix"], strict=True):
+        assert [w is None for w in ra] == [w is None for w in rb]
+        assert math.isclose(sum(w for w in ra if w is not None), 1.0, rel_tol=1e-5)
+        worst = max([worst] + [abs(x - y) for x, y in zip(ra, rb) if x is not None])
+    print(f"[routing report of the bf16 delta_block checkpoint: bf16 vs fp32, max |mean weight diff|] {worst:.1e}")
+    assert 0 < worst <= 1e-2
+
+
+@pytest.mark.slow
+def test_perplexity_computes_as_trained(runs, tmp_path):
+    """tools/perplexity.py on the bf16-trained delta checkpoint: by default in bf16 (recorded in its JSON), and
+    its NLL over the windows of 31 tokens of context is tools/evaluate.py's bf16 NLL of the same windows (the
+    two tools, one model; evaluate.py runs each window's last token through the model too, so the shapes and
+    the bf16 roundings may differ); --dtype fp32 moves it by bf16 rounding only."""
+    import importlib.util
+    import json
+
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    stream = list(range(3, 255, 4)) + [255]  # 64 token ids of the checkpoints' NullTokenizer vocabulary, EOD last
+    prefix = str(tmp_path / "heldout")
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    b.add_document(torch.tensor(stream, dtype=torch.int32), [len(stream)])
+    b.finalize(prefix + ".idx")
+    spec = importlib.util.spec_from_file_location("_perplexity", os.path.join(REPO, "tools", "perplexity.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    root, _, _ = runs
+    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta")
+    got = {}
+    for dtype, flags in (("bf16", []), ("fp32", ["--dtype", "fp32"])):
+        out = tmp_path / f"ppl-{dtype}.json"
+        assert tool.main(["--load", ckpt, "--data-path", f"heldout={prefix}", "--seq-length", "31", "--batch-size",
+                          "1", "--max-tokens", "0", "--output", str(out), *flags]) == 0
+        rep = json.loads(out.read_text())
+        assert rep["dtype"] == dtype and rep["datasets"]["heldout"]["predicted_tokens"] == len(stream) - 1
+        got[dtype] = rep["datasets"]["heldout"]["nll"]
+    # the same windows through tools/evaluate.py (32 tokens, overlapping by one; the model has 32 positions)
+    toks = tmp_path / "windows.json"
+    toks.write_text(json.dumps([stream[0:32], stream[31:63], stream[62:64]]))
+    spec = importlib.util.spec_from_file_location("_evaluate_tool", os.path.join(REPO, "tools", "evaluate.py"))
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    assert evaluate.main(["--load", ckpt, "--tokens-file", str(toks), "--output", str(tmp_path / "ev.json")]) == 0
+    ev = json.loads((tmp_path / "ev.json").read_text())
+    print(f"[perplexity of the bf16 delta checkpoint] NLL bf16 {got['bf16']:.5f}, fp32 {got['fp32']:.5f}, "
+          f"evaluate.py bf16 {ev['total_nll']:.5f}")
+    assert ev["dtype"] == "bf16" and ev["total_tokens"] == len(stream) - 1
+    assert got["bf16"] == pytest.approx(ev["total_nll"], rel=1e-4)
+    assert 0 < abs(got["bf16"] - got["fp32"]) <= BF16_LAYOUTS * (len(stream) - 1)

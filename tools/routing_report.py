@@ -20,6 +20,9 @@ Data: by default the bundled SOTU validation split and the Wikipedia held-out sa
 (megatron_delta.data.ensure_default_data; the checkpoint must use that tokenizer, as the default
 run does); --data-path PREFIX for other preprocessed data (tokenised with the checkpoint's
 tokenizer); --mock-data for checkpoints trained on mock tokens (NullTokenizer).
+
+--dtype auto (the default) computes in the precision the checkpoint was trained in (a --bf16 run's model in
+bf16, the routers in fp32, as in training); --dtype fp32 / bf16 choose.
 """
 
 import argparse
@@ -42,6 +45,8 @@ def build_parser():
     p.add_argument("--num-batches", type=int, default=4, help="batches per dataset")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="precision of the forward: auto = as the checkpoint was trained (run_config.json bf16)")
     p.add_argument("--cache-dir", default=os.path.join("runs", "cache"), help="where the default data is built")
     return p
 
@@ -50,10 +55,10 @@ def run_from_run_config(cfg, opts, where):
     """(model fields, run): the checkpoint's model in a TP1/PP1 layout (megatron_delta.model_config) reading
     sequences of --seq-length (default: the checkpoint's) tokens, and the run the forward passes and
     checkpointing.load_checkpoint read (batch sizes, tokenizer, seed; the model fields as attributes)."""
-    from megatron_delta.conversion import checkpoint_args, model_fields
+    from megatron_delta.conversion import checkpoint_args, eval_in_bf16, model_fields
 
     seq = opts.seq_length or cfg.get("seq_length") or cfg.get("max_position_embeddings")
-    fields = model_fields(cfg, where, seq_length=seq)
+    fields = model_fields(cfg, where, seq_length=seq, bf16=eval_in_bf16(cfg, opts.dtype))
     tok_type, vocab = cfg.get("tokenizer_type"), cfg.get("vocab_size")
     if opts.mock_data:
         tokenizer = dict(tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_size=vocab or 1024)
@@ -208,6 +213,7 @@ def main(argv=None):
         print(f"routing_report.py: error: {e}", file=sys.stderr)
         return 1
 
+    from megatron_delta.conversion import as_trained
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.sources import SourcePlan
     from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
@@ -219,15 +225,17 @@ def main(argv=None):
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
         config, options = model_config(fields)
-        model = build_model_chunks(config, fields["padded_vocab_size"], **options)
+        model = as_trained(build_model_chunks(config, fields["padded_vocab_size"], **options), config, fields["bf16"])
         load_checkpoint(ckpt_dir, model, None, None, args, load_optim=False, load_rng=False)
         print(f" loaded {ckpt_dir} (iteration {iteration}, --residual {args.residual}, saved with TP"
               f"{cfg.get('tensor_model_parallel_size')} PP{cfg.get('pipeline_model_parallel_size')}"
-              f" VPP{cfg.get('virtual_pipeline_model_parallel_size')}; read as TP1 PP1)")
+              f" VPP{cfg.get('virtual_pipeline_model_parallel_size')}; read as TP1 PP1, computing in "
+              f"{'bf16' if fields['bf16'] else 'fp32'})")
         plan = SourcePlan.from_config(config)
         report = {"checkpoint": os.path.abspath(ckpt_dir), "iteration": iteration, "residual": args.residual,
                   "num_layers": args.num_layers, "delta_num_blocks": args.delta_num_blocks,
                   "delta_sources": args.delta_sources, "delta_null_source": bool(args.delta_null_source),
+                  "dtype": "bf16" if fields["bf16"] else "fp32",
                   "seq_length": args.seq_length, "tokens_per_dataset": opts.num_batches * args.global_batch_size
                   * args.seq_length, "datasets": {}}
         os.makedirs(opts.output, exist_ok=True)
