@@ -162,13 +162,12 @@ LAUNCHES = {
     "pp2_vpp2": (2, [], PP2_VPP2, ROUTED + ["delta/authors-code", "delta_block/authors-code", "delta/gate"],
                  ["off", "on"]),
     "pp2_vpp3": (2, SIX, PP2_VPP2, ROUTED, ["off", "on", "on_recompute"]),
-    "tp2_sp_pp2_vpp2": (4, [], ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + PP2_VPP2, ROUTED,
-                        ["off", "on"]),
     # data parallelism: each replica's ranks keep their own micro-batches (distributed optimizer too)
     "dp2_distopt_pp2_vpp2": (4, [], ["--use-distributed-optimizer"] + PP2_VPP2, ["delta", "delta_block"],
                              ["off", "on"]),
+    # tensor + sequence parallelism (one launch: three chunks per rank, the cache with and without recompute)
     "tp2_sp_pp2_vpp3": (4, SIX, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + PP2_VPP2, ROUTED,
-                        ["off", "on_recompute"]),
+                        ["off", "on", "on_recompute"]),
 }
 
 
