@@ -189,14 +189,21 @@ def test_bf16_export_matches_megatron_bf16(runs, tmp_path):
     assert not blind, f"the routers' part of the function is within bf16 tolerance: {blind}"
 
 
-def _evaluate(tmp_path, ckpt, name, *flags):
-    """tools/evaluate.py in this process on SEQS: (OUT.json, logits)."""
+def _tool(name):
+    """tools/<name>.py as a module (its main() runs in this process)."""
     import importlib.util
-    import json
 
-    spec = importlib.util.spec_from_file_location("_evaluate_tool", os.path.join(REPO, "tools", "evaluate.py"))
+    spec = importlib.util.spec_from_file_location(f"_{name}_tool", os.path.join(REPO, "tools", f"{name}.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def _evaluate(tmp_path, ckpt, name, *flags):
+    """tools/evaluate.py in this process on SEQS: (OUT.json, logits)."""
+    import json
+
+    tool = _tool("evaluate")
     toks = tmp_path / "toks.json"
     toks.write_text(json.dumps(SEQS))
     out, logits = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
@@ -250,12 +257,9 @@ def test_routing_report_computes_as_trained(runs, tmp_path):
     """tools/routing_report.py on the bf16-trained delta_block checkpoint: by default in bf16 (recorded in
     routing.json), with --dtype fp32 in fp32; the routing weights of the two agree within bf16 rounding of the
     sources (the routers compute in fp32 either way) and each row still sums to 1."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("_routing_report", os.path.join(REPO, "tools", "routing_report.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _tool("routing_report")
     root, _, _ = runs
     ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta_block")
     reports = {}
@@ -282,7 +286,6 @@ def test_perplexity_computes_as_trained(runs, tmp_path):
     its NLL over the windows of 31 tokens of context is tools/evaluate.py's bf16 NLL of the same windows (the
     two tools, one model; evaluate.py runs each window's last token through the model too, so the shapes and
     the bf16 roundings may differ); --dtype fp32 moves it by bf16 rounding only."""
-    import importlib.util
     import json
 
     import numpy as np
@@ -293,9 +296,7 @@ def test_perplexity_computes_as_trained(runs, tmp_path):
     b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
     b.add_document(torch.tensor(stream, dtype=torch.int32), [len(stream)])
     b.finalize(prefix + ".idx")
-    spec = importlib.util.spec_from_file_location("_perplexity", os.path.join(REPO, "tools", "perplexity.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _tool("perplexity")
     root, _, _ = runs
     ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta")
     got = {}
@@ -309,10 +310,7 @@ def test_perplexity_computes_as_trained(runs, tmp_path):
     # the same windows through tools/evaluate.py (32 tokens, overlapping by one; the model has 32 positions)
     toks = tmp_path / "windows.json"
     toks.write_text(json.dumps([stream[0:32], stream[31:63], stream[62:64]]))
-    spec = importlib.util.spec_from_file_location("_evaluate_tool", os.path.join(REPO, "tools", "evaluate.py"))
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
-    assert evaluate.main(["--load", ckpt, "--tokens-file", str(toks), "--output", str(tmp_path / "ev.json")]) == 0
+    assert _tool("evaluate").main(["--load", ckpt, "--tokens-file", str(toks), "--output", str(tmp_path / "ev.json")]) == 0
     ev = json.loads((tmp_path / "ev.json").read_text())
     print(f"[perplexity of the bf16 delta checkpoint] NLL bf16 {got['bf16']:.5f}, fp32 {got['fp32']:.5f}, "
           f"evaluate.py bf16 {ev['total_nll']:.5f}")
