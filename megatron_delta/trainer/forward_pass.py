@@ -59,11 +59,10 @@ def collect_routing_stats(args, model, dataset, num_batches=1):
     """Routing statistics over `num_batches` global batches of `dataset`, gathered from every rank."""
     from megatron.core import parallel_state
 
-    from megatron_delta.core.block import DeltaTransformerBlock
     from megatron_delta.routing_stats import RoutingStatsAccumulator
+    from megatron_delta.trainer.evaluation import delta_blocks
 
-    blocks = [m.module.decoder if hasattr(m, "module") else m.decoder for m in model]
-    blocks = [b for b in blocks if isinstance(b, DeltaTransformerBlock)]
+    blocks = list(delta_blocks(model))
     for b in blocks:
         b.record_routing, b.routing_records = True, []
     acc = RoutingStatsAccumulator()
