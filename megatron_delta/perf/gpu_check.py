@@ -1,51 +1,22 @@
-#!/usr/bin/env python
-"""The one acceptance run for a GPU (issues 7 and 19): at most 8 minutes on one H100 / H200.
-
-    python tools/gpu_check.py --out runs/gpu_check.json    # one GPU, Transformer Engine and fla-core installed
-    python tools/gpu_check.py --dry-run --out /tmp/dry.json  # CPU: everything except CUDA / TE, tiny sizes
-
-Prints a table per part and writes JSON (rewritten after every part: a timeout still leaves results), in order:
-
-(a) parity: every mode built three ways with the SAME weights - Transformer Engine spec, local spec, and
-    the local spec with the routers on PyTorch ops instead of fla's fused kernel - BF16 logits compared
-    (relative L2 error below --parity-tol). TE-spec names: `input_layernorm.weight` ->
-    `self_attention.linear_qkv.layer_norm_weight`, `pre_mlp_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight`.
-(b) router: fla's fused kernel vs the PyTorch router on the same bf16 sources, with and without null
-    source, gate and x: the output and every gradient (sources, x, query, key-norm weight, null, gate),
-    errors relative to each tensor's scale (--router-tol).
-(c) speed and memory: tokens/s and peak memory (torch.cuda.max_memory_allocated) against the baseline, at
-    an 8B layer slice (hidden 4096, FFN 12288, 32 heads / 8 groups, seq 2048, as many layers as fit; the
-    memory plan picks them) and at the paper's 1B width (Qwen3-1.7B shape), for delta_block and delta, both
-    router backends; beside each, tools/memory_plan.py's PREDICTED ratio (router bytes vs GEMM FLOPs on
-    this GPU). Targets: delta_block >= 0.95x tokens/s and <= 1.10x peak memory at the 8B slice, delta
-    >= 0.85x at 1B (both with the fused kernel).
-(d) training: every mode trains --iters iterations in BF16 and FP8 (hybrid; delayed scaling, and current
-    scaling - recipe `tensorwise` - where the installed TE has it), TE spec, routers on the fused kernel;
-    the loss must be finite and fall.
-
---dry-run runs all four on CPU at tiny sizes: (a) without the TE spec, (b) in fp32 and bf16, (c) CPU
-tokens/s (no peak memory), (d) fp32 without FP8; fla's pure-PyTorch ``naive_attnres`` stands in for the
-Triton kernel (megatron_delta.core.fla_router.use_kernel). Without --dry-run and without CUDA, Transformer
-Engine or fla it exits at once with status 2 and says why.
-"""
-
-import argparse
+"""The GPU acceptance checks of tools/gpu_check.py, each a function of (opts, env): (a) parity, (b) router_case,
+(c) and (d) train (tokens/s, peak memory, losses) with compare_speed setting the cost model's prediction beside
+the measurement. Env says what differs between a GPU run and the CPU dry run, check_session sets the
+one-process world up (the dry run: fla's naive_attnres standing in for the Triton kernel) and CheckRun keeps
+the results: the JSON rewritten after every run, the time budget, a failed run recorded and the rest run on.
+opts: tools/gpu_check.py's flags. torch, Megatron and Transformer Engine are imported inside the functions, so
+that the tool refuses a machine without CUDA at once."""
+import contextlib
 import gc
 import importlib.util
 import json
 import math
 import os
-import sys
 import time
 import types
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_delta.patches import known_warnings_quieted  # noqa: E402
-
-
-from megatron_delta.core.modes import (ADDITIVE_MODES, BASELINE, DELTA, DELTA_BLOCK,  # noqa: E402
-                                       RESIDUAL_MODES as MODES)
+from megatron_delta.core.modes import ADDITIVE_MODES, BASELINE, DELTA, DELTA_BLOCK
+from megatron_delta.perf import cost_model, memory_model
+from megatron_delta.perf.shapes import SHAPES as MODEL_SHAPES
 
 NO_GPU_EXIT = 2
 TARGETS = {("8B", DELTA_BLOCK): (0.95, 1.10), ("1B", DELTA): (0.85, None)}
@@ -58,11 +29,19 @@ FUSED_NORM_NAMES = {
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
 
-# (c)'s shapes; the dry run's are tiny stand-ins with the same roles.
-SHAPES = {"8B": dict(hidden=4096, ffn=12288, heads=32, groups=8, seq=2048, layers=None),
-          "1B": dict(hidden=2048, ffn=6144, heads=16, groups=8, seq=2048, layers=28)}
+# (c)'s shapes (perf.shapes; the 8B slice takes as many layers as fit unless --num-layers-8b); the dry run's
+# are tiny stand-ins with the same roles.
+SHAPES = {name: dict(hidden=s["hidden_size"], ffn=s["ffn_hidden_size"], heads=s["num_attention_heads"],
+                     groups=s["num_query_groups"], seq=s["seq_length"],
+                     layers=None if name == "8B" else s["num_layers"])
+          for name, s in ((n, MODEL_SHAPES[n]) for n in ("8B", "1B"))}
 DRY_SHAPES = {"8B": dict(hidden=64, ffn=192, heads=4, groups=2, seq=32, layers=4),
               "1B": dict(hidden=32, ffn=96, heads=4, groups=2, seq=32, layers=4)}
+# (b): (null source, gate, x) of each router case; (c): (mode, router backend) of each run at a shape, the
+# additive modes (those with targets) on both backends.
+ROUTER_CASES = [(False, False, False), (False, False, True), (True, False, True), (False, True, True),
+                (True, True, True), (True, False, False)]
+SPEED_RUNS = [(BASELINE, "-")] + [(m, k) for m in ADDITIVE_MODES for k in ("fla", "torch")]
 
 
 def local_to_te_name(name: str) -> str:
@@ -73,53 +52,21 @@ def local_to_te_name(name: str) -> str:
     return name
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/gpu_check.json")
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, naive_attnres for the kernel")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--vocab-size", type=int, default=None, help="default 32000 (dry run 64)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--speed-iters", type=int, default=None, help="(c): iterations per run (default 12, dry 4)")
-    p.add_argument("--warmup", type=int, default=None, help="(c): iterations excluded (default 4, dry 1)")
-    p.add_argument("--lr", type=float, default=None, help="default 3e-4 (dry run 3e-3)")
-    p.add_argument("--parity-hidden-size", type=int, default=None, help="default 1024 (dry 32)")
-    p.add_argument("--parity-seq-length", type=int, default=None, help="default 512 (dry 16)")
-    p.add_argument("--parity-tol", type=float, default=2e-2, help="max relative L2 error of BF16 logits")
-    p.add_argument("--router-tol", type=float, default=None, help="(b): default 2e-2 in bf16 (fp32: 1e-4)")
-    p.add_argument("--num-layers-8b", type=int, default=None, help="(c): default as many as fit (memory plan)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["parity", "router", "speed", "train"])
-    p.add_argument("--no-fp8", action="store_true")
-    p.add_argument("--time-budget-s", type=float, default=450, help="skip the remaining runs after this")
-    o = p.parse_args(argv)
-    dry = o.dry_run
-    for name, full, small in (("vocab_size", 32000, 64), ("speed_iters", 12, 4), ("warmup", 4, 1),
-                              ("lr", 3e-4, 3e-3), ("parity_hidden_size", 1024, 32), ("parity_seq_length", 512, 16)):
-        if getattr(o, name) is None:
-            setattr(o, name, small if dry else full)
-    if o.router_tol is None:
-        o.router_tol = 2e-2
-    return o
-
-
-def require_gpu():
-    """Exit at once (status 2) with a clear message when this machine cannot run the check."""
+def missing_requirement():
+    """Why this machine cannot run the GPU check (a sentence ending "Nothing was run."), or None."""
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); this check needs one "
-              "GPU with Transformer Engine and fla-core (or run --dry-run on CPU). Nothing was run.", file=sys.stderr)
-        sys.exit(NO_GPU_EXIT)
+        return ("no CUDA device visible (torch.cuda.is_available() is False); this check needs one "
+                "GPU with Transformer Engine and fla-core (or run --dry-run on CPU). Nothing was run.")
     if importlib.util.find_spec("transformer_engine") is None:
-        print("gpu_check: Transformer Engine is not installed (use an NGC PyTorch container or "
-              "`pip install megatron-delta[te]` on the GPU machine). Nothing was run.", file=sys.stderr)
-        sys.exit(NO_GPU_EXIT)
+        return ("Transformer Engine is not installed (use an NGC PyTorch container or "
+                "`pip install megatron-delta[te]` on the GPU machine). Nothing was run.")
     from megatron_delta.core import fla_router
 
     if not fla_router.available():
-        print("gpu_check: fla-core is not importable (pip install 'megatron-delta[gpu]'). Nothing was run.",
-              file=sys.stderr)
-        sys.exit(NO_GPU_EXIT)
+        return "fla-core is not importable (pip install 'megatron-delta[gpu]'). Nothing was run."
+    return None
 
 
 class Env:
@@ -152,7 +99,7 @@ class Env:
         return None if self.dry else torch.cuda.max_memory_allocated() / 2**30
 
     def gpu_kind(self):
-        """memory_plan.GPUS key for the prediction (H100 where the name says neither)."""
+        """cost_model.GPUS key for the prediction (H100 where the name says neither)."""
         for k in ("B200", "H200", "H100"):
             if k in self.gpu_name:
                 return k
@@ -313,16 +260,14 @@ def router_case(opts, env, dtype, null, gate, with_x, n=5):
 
 
 # ------------------------------------------------------------------------------------------- (c), (d)
-def train(opts, env, mode, *, shape, fp8=None, kernels="fla", iters=None, warmup=0):
-    """`iters` iterations with Megatron's DDP + optimizer + forward-backward schedule on a learnable stream."""
+def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=None, warmup=0):
+    """`iters` iterations with Megatron's DDP + optimizer + forward-backward schedule on a learnable stream.
+    ``overrides(args, standard_overrides)``: the optimizer's parameter-group overrides with the routers' group,
+    as pretrain_gpt.py makes them (the trainer's router_overrides)."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron.core.optimizer import get_standard_config_overrides
-
-    from megatron_delta.trainer.main import router_overrides
 
     free(env)
     env.reset_peak()
@@ -334,7 +279,7 @@ def train(opts, env, mode, *, shape, fp8=None, kernels="fla", iters=None, warmup
     opt_config = OptimizerConfig(optimizer="adam", **lr, **ADAM, bf16=not env.dry, params_dtype=config.params_dtype)
     # the routers' parameter group, as pretrain_gpt.py makes it (--delta-router-lr-mult 1: no weight decay)
     routers = types.SimpleNamespace(residual=mode, delta_router_lr_mult=1.0, **lr)
-    optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides=router_overrides(
+    optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides=overrides(
         routers, get_standard_config_overrides(opt_config)))
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -382,44 +327,78 @@ def layers_that_fit(env, shape, frac=0.8):
     fits in ``frac`` of this GPU's memory."""
     import torch
 
-    import memory_plan as mp
-
     total = torch.cuda.get_device_properties(0).total_memory
     best = 1
     for L in range(1, 37):
-        a = mp.parse(["--num-layers", str(L), "--hidden-size", str(shape["hidden"]), "--ffn-hidden-size",
-                      str(shape["ffn"]), "--num-attention-heads", str(shape["heads"]), "--num-query-groups",
-                      str(shape["groups"]), "--seq-length", str(shape["seq"]), "--residual", DELTA, "--bf16",
-                      "--transformer-impl", "transformer_engine", "--untie-embeddings-and-output-weights"])
-        if mp.memory_plan(a)["stages"][0]["total"] * 1.15 <= frac * total:
+        a = memory_model.plan_config(num_layers=L, hidden_size=shape["hidden"], ffn_hidden_size=shape["ffn"],
+                                     num_attention_heads=shape["heads"], num_query_groups=shape["groups"],
+                                     seq_length=shape["seq"], residual=DELTA, bf16=True,
+                                     transformer_impl="transformer_engine", untie_embeddings_and_output_weights=True)
+        if memory_model.memory_plan(a)["stages"][0]["total"] * 1.15 <= frac * total:
             best = L
     return best
 
 
-def predicted(env, shape_name, mode, kernels, num_layers):
-    import memory_plan as mp
+def speed_shape(opts, env, shape_name):
+    """(c)'s shape ``shape_name`` on this machine, its layer count settled (--num-layers-8b, else as many as fit)."""
+    shape = dict(env.shapes[shape_name])
+    if shape["layers"] is None:
+        shape["layers"] = opts.num_layers_8b or layers_that_fit(env, shape)
+    return shape
 
+
+def predicted(env, shape_name, mode, kernels, num_layers):
+    """The cost model's tokens/s ratio to the baseline for this run on this GPU (perf.cost_model.router_share)."""
     if mode == BASELINE:
         return 1.0
-    r = mp.router_share(env.gpu_kind(), shape_name, mode, kernels, num_layers=num_layers)
+    r = cost_model.router_share(env.gpu_kind(), shape_name, mode, kernels, num_layers=num_layers)
     return r["tokens_per_sec_ratio"]
 
 
-# ------------------------------------------------------------------------------------------- main
-@known_warnings_quieted()
-def main(argv=None):
-    opts = parse(argv)
-    if not opts.dry_run:
-        require_gpu()
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # memory_plan
-    import torch
+def compare_speed(env, r, base, shape_name, mode, kernels, num_layers):
+    """(c): set the run ``r``'s throughput and peak-memory ratios to the baseline run ``base``, the predicted ratio
+    beside them and, on a GPU for the runs with targets (TARGETS, fused kernel), target_ok. Returns the target
+    (tokens/s, memory) ratios or None."""
+    r["throughput_ratio"] = r["tokens_per_sec"] / base["tokens_per_sec"]
+    r["predicted_ratio"] = predicted(env, shape_name, mode, kernels, num_layers)
+    r["peak_mem_ratio"] = None if r["peak_mem_gib"] is None else r["peak_mem_gib"] / base["peak_mem_gib"]
+    target = TARGETS.get((shape_name, mode)) if kernels == "fla" else None
+    if target and not env.dry:
+        r["target_ok"] = (r["throughput_ratio"] >= target[0]
+                          and (target[1] is None or r["peak_mem_ratio"] <= target[1]))
+    return target
 
+
+def train_precisions(opts, env, skipped):
+    """(d)'s FP8 recipes beside BF16 (None): delayed scaling, and current scaling (recipe `tensorwise`) where the
+    installed Transformer Engine has it; what it cannot run is appended to ``skipped``."""
+    precisions = [None]
+    if not env.dry and not opts.no_fp8:
+        precisions.append("delayed")
+        try:
+            from transformer_engine.common import recipe as te_recipe
+
+            if hasattr(te_recipe, "Float8CurrentScaling"):
+                precisions.append("tensorwise")
+            else:
+                skipped.append("fp8 current scaling: not in this Transformer Engine")
+        except Exception as e:  # noqa: BLE001
+            skipped.append(f"fp8 current scaling: {e}")
+    return precisions
+
+
+@contextlib.contextmanager
+def check_session(opts):
+    """The Env of this run, inside the one-process world (gloo on CPU) and, in the dry run, with fla's
+    pure-PyTorch naive_attnres standing in for the Triton kernel (megatron_delta.core.fla_router.set_kernel).
+    Both are undone on exit."""
+    import logging
 
     from megatron_delta.core import fla_router
     from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
-    import logging
 
+    if not opts.dry_run:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # DDP / optimizer set-up lines per run
     env = Env(opts)
     injected = None
@@ -427,143 +406,69 @@ def main(argv=None):
         from fla.ops.attnres import naive_attnres
 
         injected = fla_router.set_kernel(naive_attnres, devices=("cpu",), name="naive_attnres (dry run)")
-    t_start = time.time()
-    initialize_distributed(1, 1, seed=1234)
-    result = {"device": env.gpu_name, "dry_run": env.dry, "torch": torch.__version__, "opts": vars(opts),
-              "router_kernels": fla_router.describe("fla", cuda=not env.dry),
-              "parity": [], "router": [], "speed": [], "train": [], "skipped": []}
-    print(result["router_kernels"], flush=True)
     try:
-        import transformer_engine
-
-        result["transformer_engine"] = getattr(transformer_engine, "__version__", "?")
-    except Exception as e:  # noqa: BLE001
-        result["transformer_engine"] = f"not available: {type(e).__name__}"
-
-    def save():
-        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
-        with open(opts.out, "w") as f:
-            json.dump(result, f, indent=1)
-
-    def over_budget(what):
-        if time.time() - t_start > opts.time_budget_s:
-            result["skipped"].append(what)
-            print(f"gpu_check: time budget spent, skipping {what}", flush=True)
-            return True
-        return False
-
-    def attempt(part, what, fn, **fields):
-        if over_budget(what):
-            return None
-        try:
-            r = fn()
-        except Exception as e:  # noqa: BLE001  (report and go on)
-            r = dict(fields, ok=False, error=f"{type(e).__name__}: {e}")
-            free(env)
-        result[part].append(r)
-        save()
-        return r
-
-    try:
-        if "parity" not in opts.skip:
-            print("\n(a) parity: relative L2 error of BF16 logits against the local spec (same weights)", flush=True)
-            for mode in opts.modes:
-                r = attempt("parity", f"parity {mode}", lambda: parity(opts, env, mode), mode=mode)
-                if r:
-                    print(f"  {mode:13s} {'ok ' if r['ok'] else 'BAD'} "
-                          f"{r.get('rel_l2', r.get('error'))}", flush=True)
-        if "router" not in opts.skip:
-            print("\n(b) router: fused kernel vs PyTorch ops, max relative error over output and every gradient",
-                  flush=True)
-            dtypes = [torch.float32, torch.bfloat16] if env.dry else [torch.bfloat16]
-            for dt in dtypes:
-                for null, gate, with_x in [(False, False, False), (False, False, True), (True, False, True),
-                                           (False, True, True), (True, True, True), (True, False, False)]:
-                    r = attempt("router", f"router {dt} {null} {gate} {with_x}",
-                                lambda: router_case(opts, env, dt, null, gate, with_x), dtype=str(dt))
-                    if r:
-                        print(f"  {r['dtype']:9s} null={null!s:5s} gate={gate!s:5s} x={with_x!s:5s} "
-                              f"{'ok ' if r['ok'] else 'BAD'} {r.get('max_rel', float('nan')):.2e}"
-                              f"{' ' + r['error'] if 'error' in r else ''}", flush=True)
-        if "speed" not in opts.skip:
-            print("\n(c) tokens/s and peak memory against the baseline; PREDICTED = tools/memory_plan.py's "
-                  f"router-share model on {env.gpu_kind()}", flush=True)
-            print(f"  {'shape':5s} {'mode':12s} {'router':6s} {'L':>3s} {'tok/s':>10s} {'x base':>7s} "
-                  f"{'PREDICTED':>9s} {'peak GiB':>9s} {'x base':>7s} target", flush=True)
-            for shape_name in ("8B", "1B"):
-                shape = dict(env.shapes[shape_name])
-                if shape["layers"] is None:
-                    shape["layers"] = opts.num_layers_8b or layers_that_fit(env, shape)
-                # the additive modes (those with targets), each on both router backends
-                runs = [(BASELINE, "-")] + [(m, k) for m in ADDITIVE_MODES for k in ("fla", "torch")]
-                base = None
-                for mode, kern in runs:
-                    r = attempt("speed", f"speed {shape_name} {mode} {kern}",
-                                lambda: train(opts, env, mode, shape=shape, kernels=kern if kern != "-" else "fla",
-                                              iters=opts.speed_iters, warmup=opts.warmup),
-                                mode=mode, kernels=kern)
-                    if not r:
-                        continue
-                    r["shape"] = shape_name
-                    if mode == BASELINE and "tokens_per_sec" in r:
-                        base = r
-                    if "tokens_per_sec" not in r or base is None:
-                        print(f"  {shape_name:5s} {mode:12s} {kern:6s} {r.get('error', 'no baseline')}", flush=True)
-                        continue
-                    r["throughput_ratio"] = r["tokens_per_sec"] / base["tokens_per_sec"]
-                    r["predicted_ratio"] = predicted(env, shape_name, mode, kern, shape["layers"])
-                    r["peak_mem_ratio"] = (None if r["peak_mem_gib"] is None
-                                           else r["peak_mem_gib"] / base["peak_mem_gib"])
-                    tgt = TARGETS.get((shape_name, mode)) if kern == "fla" else None
-                    if tgt and not env.dry:
-                        r["target_ok"] = (r["throughput_ratio"] >= tgt[0]
-                                          and (tgt[1] is None or r["peak_mem_ratio"] <= tgt[1]))
-                    tg = "" if not tgt else f">= {tgt[0]}x tok/s" + (f", <= {tgt[1]}x mem" if tgt[1] else "")
-                    if tg and "target_ok" in r:
-                        tg += " MET" if r["target_ok"] else " MISSED"
-                    mem = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
-                    memr = "-" if r["peak_mem_ratio"] is None else f"{r['peak_mem_ratio']:.3f}"
-                    print(f"  {shape_name:5s} {mode:12s} {kern:6s} {r['num_layers']:3d} {r['tokens_per_sec']:10,.0f} "
-                          f"{r['throughput_ratio']:7.3f} {r['predicted_ratio']:9.3f} {mem:>9s} {memr:>7s} {tg}",
-                          flush=True)
-                    save()
-        if "train" not in opts.skip:
-            precisions = [None]
-            if not env.dry and not opts.no_fp8:
-                precisions.append("delayed")
-                try:
-                    from transformer_engine.common import recipe as te_recipe
-
-                    if hasattr(te_recipe, "Float8CurrentScaling"):
-                        precisions.append("tensorwise")
-                    else:
-                        result["skipped"].append("fp8 current scaling: not in this Transformer Engine")
-                except Exception as e:  # noqa: BLE001
-                    result["skipped"].append(f"fp8 current scaling: {e}")
-            print(f"\n(d) training: {opts.iters} iterations per mode, routers on the fused kernel", flush=True)
-            for fp8 in precisions:
-                for mode in opts.modes:
-                    r = attempt("train", f"train {mode} fp8={fp8}",
-                                lambda: train(opts, env, mode, shape=dict(env.shapes["1B"], layers=4), fp8=fp8),
-                                mode=mode, precision=str(fp8))
-                    if r:
-                        ls = r.get("losses") or [float("nan")]
-                        print(f"  {mode:13s} {r.get('precision', str(fp8)):20s} {'ok ' if r['ok'] else 'BAD'} "
-                              f"loss {ls[0]:.3f} -> {ls[-1]:.3f}{' ' + r['error'] if 'error' in r else ''}", flush=True)
-        parts = result["parity"] + result["router"] + result["speed"] + result["train"]
-        result["ok"] = all(r["ok"] for r in parts) and not result["skipped"]
-        result["targets_met"] = all(r.get("target_ok", True) for r in result["speed"])
-        result["wall_s"] = time.time() - t_start
-        save()
-        print(f"\ngpu_check{' --dry-run' if env.dry else ''}: {'PASS' if result['ok'] else 'FAIL'}"
-              f"{'' if env.dry else ' (targets ' + ('met' if result['targets_met'] else 'MISSED') + ')'}"
-              f" in {result['wall_s']:.0f} s -> {opts.out}")
-        return 0 if result["ok"] else 1
+        initialize_distributed(1, 1, seed=SEED)
+        yield env
     finally:
         if env.dry:
             fla_router.set_kernel(injected.fn if injected else None, *(injected[1:] if injected else ()))
         destroy_distributed()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+class CheckRun:
+    """One acceptance run's results (``result``): the JSON at --out, rewritten after every run so that a timeout
+    still leaves results; the time budget (--time-budget-s) from the start; attempt() runs one part's run and
+    records it, a failure as ok=False with its error."""
+
+    def __init__(self, opts, env):
+        import torch
+
+        from megatron_delta.core import fla_router
+
+        self.opts, self.env = opts, env
+        self.t_start = time.time()
+        self.result = {"device": env.gpu_name, "dry_run": env.dry, "torch": torch.__version__, "opts": vars(opts),
+                       "router_kernels": fla_router.describe("fla", cuda=not env.dry),
+                       "parity": [], "router": [], "speed": [], "train": [], "skipped": []}
+        try:
+            import transformer_engine
+
+            self.result["transformer_engine"] = getattr(transformer_engine, "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            self.result["transformer_engine"] = f"not available: {type(e).__name__}"
+
+    def save(self):
+        os.makedirs(os.path.dirname(os.path.abspath(self.opts.out)), exist_ok=True)
+        with open(self.opts.out, "w") as f:
+            json.dump(self.result, f, indent=1)
+
+    def over_budget(self, what):
+        if time.time() - self.t_start > self.opts.time_budget_s:
+            self.result["skipped"].append(what)
+            print(f"gpu_check: time budget spent, skipping {what}", flush=True)
+            return True
+        return False
+
+    def attempt(self, part, what, fn, **fields):
+        """fn()'s result appended to ``part`` (None when the budget is spent); an exception is recorded as
+        ``fields`` + ok False + its error, and the run goes on."""
+        if self.over_budget(what):
+            return None
+        try:
+            r = fn()
+        except Exception as e:  # noqa: BLE001  (report and go on)
+            r = dict(fields, ok=False, error=f"{type(e).__name__}: {e}")
+            free(self.env)
+        self.result[part].append(r)
+        self.save()
+        return r
+
+    def finish(self):
+        """The verdicts (every run ok and nothing skipped; the targets met), the wall time; saved."""
+        result = self.result
+        parts = result["parity"] + result["router"] + result["speed"] + result["train"]
+        result["ok"] = all(r["ok"] for r in parts) and not result["skipped"]
+        result["targets_met"] = all(r.get("target_ok", True) for r in result["speed"])
+        result["wall_s"] = time.time() - self.t_start
+        self.save()
+        return result

@@ -1,12 +1,10 @@
-#!/usr/bin/env python
-"""Per-GPU memory plan: weights, gradients, optimizer state and activations per pipeline stage.
+"""Per-GPU memory model: weights, gradients, optimizer state and activations per pipeline stage.
 
-    python tools/memory_plan.py --preset qwen3-8b                       # the paper's 8B run (sbatch)
-    python tools/memory_plan.py --num-layers 36 --hidden-size 4096 ... --residual delta_block \
-        --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --bf16 --world-size 16
-
-Takes pretrain_gpt.py's model/parallel flags (plus --world-size) and prints a table and a JSON object
-(--json FILE also writes it). No model is built and no Megatron code runs.
+A plan config is a namespace of pretrain_gpt.py's model and parallel fields (plus world_size and device,
+PLAN_DEFAULTS): tools/memory_plan.py parses it from flags, plan_config() takes the fields as keywords, and
+resolve_plan_config() derives the rest (FFN width, data-parallel size, micro-batches, virtual stages, K).
+memory_plan() returns the per-stage plan and the pipeline boundaries' traffic. No model is built and no
+Megatron code runs.
 
 Model of the activations (bytes saved for backward per micro-batch, counted as unique storages):
 - local backend: the tensors Megatron's local spec saves, counted on CPU (tests/test_memory_plan.py
@@ -37,75 +35,29 @@ Model of the activations (bytes saved for backward per micro-batch, counted as u
   --use-distributed-optimizer. Not counted: the CUDA context, NCCL buffers, allocator
   fragmentation and temporary buffers (add 10-20 %).
 """
+from types import SimpleNamespace
 
-import argparse
-import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_delta.core.modes import (ADDITIVE_MODES, BASELINE, BLOCK_MODES, DELTA_BLOCK,  # noqa: E402
-                                       REPLACEMENT_MODES, RESIDUAL_MODES, SOURCE_DEFINITIONS, default_num_blocks)
+from megatron_delta.core.modes import BASELINE, REPLACEMENT_MODES, SOURCE_DEFINITIONS, default_num_blocks
 
 GiB = 2**30
 
-PRESETS = {
-    # The paper's 8B run = examples/slurm/pretrain_qwen3_8b_delta_block.sbatch on 2 nodes x 8 GPUs.
-    "qwen3-8b": dict(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
-                     num_query_groups=8, kv_channels=128, seq_length=2048, vocab_size=151936,
-                     untie_embeddings_and_output_weights=True, residual=DELTA_BLOCK, delta_num_blocks=4,
-                     tensor_model_parallel_size=2, pipeline_model_parallel_size=1, sequence_parallel=True,
-                     use_distributed_optimizer=True, bf16=True, fp8_format="hybrid",
-                     transformer_impl="transformer_engine", micro_batch_size=1, global_batch_size=64,
-                     world_size=16),
-}
+# A plan config's fields and their defaults (tools/memory_plan.py's flags, less --preset, --json and --router-share).
+PLAN_DEFAULTS = dict(
+    num_layers=4, hidden_size=128, ffn_hidden_size=None, num_attention_heads=4, num_query_groups=2, kv_channels=None,
+    seq_length=128, vocab_size=32000, untie_embeddings_and_output_weights=False, residual=BASELINE,
+    delta_num_blocks=None, delta_sources=SOURCE_DEFINITIONS[0], tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None, delta_pp_source_cache="on",
+    sequence_parallel=False, use_distributed_optimizer=False, bf16=False, fp8_format=None, transformer_impl=None,
+    micro_batch_size=1, global_batch_size=None, world_size=None, device="gpu")
 
 
-def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS))
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 3 x hidden (SwiGLU)")
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--num-query-groups", type=int, default=2)
-    p.add_argument("--kv-channels", type=int, default=None)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    p.add_argument("--residual", choices=RESIDUAL_MODES, default=BASELINE)
-    p.add_argument("--delta-num-blocks", type=int, default=None)
-    p.add_argument("--delta-sources", choices=SOURCE_DEFINITIONS, default=SOURCE_DEFINITIONS[0])
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    p.add_argument("--delta-pp-source-cache", choices=["on", "off"], default="on",
-                   help="interleaved schedule: a boundary sends only the sources the receiving rank lacks")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--use-distributed-optimizer", action="store_true")
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
-    p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
-                   help="default: transformer_engine with --bf16, else local")
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--global-batch-size", type=int, default=None)
-    p.add_argument("--world-size", type=int, default=None, help="default TP x PP (DP 1)")
-    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
-                   help="cpu: the router's fp32 C kernels (delta_block keeps no partial block sums)")
-    p.add_argument("--json", default=None, help="also write the JSON here")
-    p.add_argument("--router-share", choices=sorted(GPUS), default=None,
-                   help="instead: predict the router's share of a training step on this GPU (1B and 8B shapes, "
-                        "every routed mode, PyTorch path vs fla's fused kernel)")
-    return p
+class PlanError(ValueError):
+    """A plan config whose parallel layout does not divide (the message names the flags)."""
 
 
-def parse(argv=None):
-    p = build_parser()
-    pre, _ = p.parse_known_args(argv)
-    if pre.preset:
-        p.set_defaults(**PRESETS[pre.preset])
-    a = p.parse_args(argv)
+def resolve_plan_config(a):
+    """Derive a plan config's implied fields in place (FFN 3 x hidden, head width, backend, DP size, global
+    batch, micro-batches, virtual stages, K) and return it; PlanError where the layout does not divide."""
     if a.ffn_hidden_size is None:
         a.ffn_hidden_size = 3 * a.hidden_size
     if a.kv_channels is None:
@@ -116,7 +68,7 @@ def parse(argv=None):
     if a.world_size is None:
         a.world_size = t * pp
     if a.world_size % (t * pp) or a.num_layers % pp:
-        p.error("world size must be a multiple of TP x PP, and PP must divide --num-layers")
+        raise PlanError("world size must be a multiple of TP x PP, and PP must divide --num-layers")
     a.data_parallel_size = a.world_size // (t * pp)
     if a.global_batch_size is None:
         a.global_batch_size = a.micro_batch_size * a.data_parallel_size
@@ -129,6 +81,14 @@ def parse(argv=None):
     if a.delta_num_blocks is None:
         a.delta_num_blocks = default_num_blocks(a.residual, a.num_layers)
     return a
+
+
+def plan_config(**fields):
+    """A resolved plan config from keyword fields (PLAN_DEFAULTS for the rest)."""
+    unknown = sorted(set(fields) - set(PLAN_DEFAULTS))
+    if unknown:
+        raise TypeError(f"plan_config: unknown fields {unknown} (the fields are PLAN_DEFAULTS' keys)")
+    return resolve_plan_config(SimpleNamespace(**{**PLAN_DEFAULTS, **fields}))
 
 
 def source_plan(a):
@@ -294,197 +254,9 @@ def plan_stage(a, stage):
             "activations": acts + extra, "of_which_payload": payload, "in_flight": k, "total": total}
 
 
-# ------------------------------------------------------------------------- the router's share of a step
-GPUS = {  # name: (HBM bytes/s, dense bf16 FLOP/s) - datasheet peaks
-    "H100": (3.35e12, 989e12),
-    "H200": (4.8e12, 989e12),
-    "B200": (8.0e12, 2250e12),
-}
-GEMM_EFFICIENCY = 0.75  # fraction of peak FLOP/s Megatron's GEMMs reach at these shapes (H200: ~790 of 989)
-HBM_EFFICIENCY = 0.85   # fraction of peak bandwidth a streaming elementwise pass reaches
-SHAPES = {  # the router-share shapes: the paper's 1B width (Qwen3-1.7B) and the 8B layer slice (Qwen3-8B)
-    "1B": dict(num_layers=28, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16, num_query_groups=8,
-               kv_channels=128, seq_length=2048),
-    "8B": dict(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32, num_query_groups=8,
-               kv_channels=128, seq_length=2048),
-}
-
-
-def _reads_per_router(plan):
-    """Per receiving router of one micro-batch, per source it reads: (readers of that source value, whether
-    this router is its first reader). A source a commit rewrites (modes.RoutedMode.rewritten_by_commit) is a new value at each read."""
-    out, seen = [], {}
-    receivers = list(range(plan.num_sublayers)) + (["final"] if plan.final_reads() else [])
-    for j in receivers:
-        names = plan.final_reads() if j == "final" else plan.reads(j)
-        row = []
-        for n in names:
-            rewritten = n == plan.rules.rewritten_by_commit(plan.num_sublayers - 1 if j == "final" else j)
-            if rewritten or n not in seen:
-                seen[n] = len(plan.value_readers(n, j))
-                row.append((seen[n], True))
-            else:
-                row.append((seen[n], False))
-        out.append(row)
-    return out
-
-
-def router_bytes(plan, tokens, hidden, act_bytes=2, backend="torch", null_source=False, gate=False):
-    """Bytes the routers of one micro-batch move through HBM in forward + backward (every router, every
-    [tokens, hidden] pass; the [M, tokens] softmax tensors are ignored, they are 1/hidden as large).
-
-    Unit: one [tokens, hidden] tensor in the activation dtype = a bytes; fp32 = c = 4 bytes per element.
-    ``torch`` (router.py's PyTorch path; each eager op one pass): a source read by J >= 2 routers is
-    projected once (_ProjectSource: norm + GEMM, 2 reads; backward: 2 GEMM reads, one fused write into
-    its gradient); a local source (one reader) costs its router an fp32 copy and 2 reads of it (c reads);
-    the weighted sum starts from an fp32 copy of x (a + c; none without x), adds each source (a + 2c),
-    the null source (2c), and casts once (c + a); backward: grad to fp32 (a + c), per source one dot
-    product (a + 3c: the product into a buffer, its row sums) and one scaled add into its gradient sink
-    (2a + c), plus the local sources' projection gradient (a + 2c).
-    ``fla`` (fla_router.py around fused_attnres, checkpoint_level 1): forward reads the M residuals once
-    and writes r (M a + a), then u = x + r (3a; with the gate: fp32 combine, 2a + 2c + a); backward
-    re-reads the residuals twice (mix recompute + dv loop) and do, writes M source gradients and an fp32
-    [T, d] query-gradient partial that a second kernel reads (2 M a + a + M a + 2c); autograd adds each
-    source gradient after the first reader's into the source's (3a). The null source is one
-    more residual, materialised (a write) and its gradient summed (a read)."""
-    a, c = act_bytes, 4
-    total = 0.0
-    for reads in _reads_per_router(plan):
-        n = len(reads)
-        m = n + int(null_source)
-        has_x = plan.additive and not plan.x_from_sources
-        if backend == "torch":
-            fwd = (a + c if has_x else 0) + n * (a + 2 * c) + (2 * c if null_source else 0) + (c + a)
-            bwd = (a + c) + n * ((a + 3 * c) + (2 * a + c))
-            for readers, first in reads:
-                if readers >= 2:
-                    if first:  # projected once per source value, with all its readers
-                        total += 2 * a + 2 * a + a
-                else:
-                    fwd += a + c + 2 * c
-                    bwd += a + 2 * c
-            total += fwd + bwd
-        elif backend == "fla":
-            fwd = m * a + a + (a if null_source else 0)
-            if has_x:
-                fwd += (2 * a + 2 * c + a) if gate else 3 * a
-            elif plan.additive:  # x formed from the sources: read them again
-                fwd += n * a + 2 * c + a
-            bwd = 2 * m * a + a + m * a + 2 * c + (a if null_source else 0)
-            bwd += sum(3 * a for _, first in reads if not first)  # autograd adds it into the source's gradient
-            total += fwd + bwd
-        else:
-            raise ValueError(f"backend {backend!r}: torch or fla")
-    return total * tokens * hidden
-
-
-def layer_gemm_flops(shape, tokens, micro_batch=1):
-    """Training FLOPs of one layer's GEMMs (forward 2, backward 4 per multiply-add: 6 x tokens x params) plus
-    causal attention (QK^T and PV: 2 x 2 x s^2/2 x heads x head_dim per sequence, x 3 for training)."""
-    h, dh = shape["hidden_size"], shape["kv_channels"]
-    q, kv, f = shape["num_attention_heads"] * dh, shape["num_query_groups"] * dh, shape["ffn_hidden_size"]
-    params = h * (q + 2 * kv) + q * h + h * 2 * f + f * h
-    s = shape["seq_length"]
-    attn = 3 * 2 * 2 * (s * s / 2) * shape["num_attention_heads"] * dh * micro_batch
-    return 6 * tokens * params + attn
-
-
-def router_share(gpu, shape_name, mode, backend="torch", num_blocks=4, null_source=False, gate=False,
-                 micro_batch=1, act_bytes=2, num_layers=None):
-    """Predicted router time against the layers' GEMM time for one training step (one micro-batch):
-    router bytes / (HBM x HBM_EFFICIENCY) vs GEMM FLOPs / (peak x GEMM_EFFICIENCY). Returns a dict with
-    both times, the share of the step (router / (GEMM + router)) and the predicted tokens/s ratio to the
-    baseline (GEMM / (GEMM + router): the baseline's step taken as its GEMMs). ``num_layers`` overrides
-    the shape's (gpu_check's layer slice)."""
-    from types import SimpleNamespace
-
-    from megatron_delta.core.sources import SourcePlan
-
-    bw, flops = GPUS[gpu]
-    shape = dict(SHAPES[shape_name])
-    if num_layers:
-        shape["num_layers"] = num_layers
-    L = shape["num_layers"]
-    tokens = shape["seq_length"] * micro_batch
-    gemm_s = L * layer_gemm_flops(shape, tokens, micro_batch) / (flops * GEMM_EFFICIENCY)
-    router_s = 0.0
-    if mode != BASELINE:
-        kb = num_blocks if mode in BLOCK_MODES and L % num_blocks == 0 else L
-        cfg = SimpleNamespace(residual=mode, num_layers=L, delta_num_blocks=kb, delta_sources="exact",
-                              delta_gate="scalar" if gate else "none",
-                              delta_router_kernels="fla" if backend == "fla" else "torch")
-        plan = SourcePlan.from_config(cfg)
-        router_s = router_bytes(plan, tokens, shape["hidden_size"], act_bytes, backend, null_source,
-                                gate) / (bw * HBM_EFFICIENCY)
-    return {"gpu": gpu, "shape": shape_name, "mode": mode, "backend": backend, "num_layers": L,
-            "gemm_ms": gemm_s * 1e3, "router_ms": router_s * 1e3, "router_share": router_s / (gemm_s + router_s),
-            "tokens_per_sec_ratio": gemm_s / (gemm_s + router_s)}
-
-
-def router_share_table(gpu, shapes=("1B", "8B"), modes=ADDITIVE_MODES + REPLACEMENT_MODES):
-    rows = [router_share(gpu, s, m, b) for s in shapes for m in modes for b in ("torch", "fla")]
-    lines = [f"predicted router share of a training step on {gpu} (bf16, one micro-batch of 2048 tokens; "
-             f"GEMMs at {GEMM_EFFICIENCY:.0%} of peak, HBM at {HBM_EFFICIENCY:.0%})",
-             "| shape | mode | router backend | GEMM ms | router ms | router share | tokens/s x baseline |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['shape']} | {r['mode']} | {r['backend']} | {r['gemm_ms']:.1f} | {r['router_ms']:.2f} | "
-                     f"{r['router_share']:.1%} | {r['tokens_per_sec_ratio']:.3f} |")
-    return rows, "\n".join(lines)
-
-
 def memory_plan(a):
+    """The plan of a resolved config: its fields (less json), every stage's plan_stage and, with PP > 1, the
+    boundaries' traffic (a JSON-ready dict)."""
     return {"config": {k: v for k, v in vars(a).items() if k != "json"},
             "stages": [plan_stage(a, s) for s in range(a.pipeline_model_parallel_size)],
             "boundaries": boundary_traffic(a) if a.pipeline_model_parallel_size > 1 else []}
-
-
-def format_table(plan):
-    c = plan["config"]
-    head = (f"per-GPU memory plan: {c['residual']} | L {c['num_layers']} h {c['hidden_size']} ffn "
-            f"{c['ffn_hidden_size']} heads {c['num_attention_heads']}/{c['num_query_groups']} seq "
-            f"{c['seq_length']} mbs {c['micro_batch_size']} | TP {c['tensor_model_parallel_size']}"
-            f"{'+SP' if c['sequence_parallel'] else ''} PP {c['pipeline_model_parallel_size']}"
-            f"{' VPP ' + str(c['vpp']) if c['vpp'] else ''} DP {c['data_parallel_size']}"
-            f"{' dist-opt' if c['use_distributed_optimizer'] else ''} | "
-            f"{'fp8-' + c['fp8_format'] if c['fp8_format'] else 'bf16' if c['bf16'] else 'fp32'} "
-            f"{c['transformer_impl']}")
-    cols = ["stage", "params (M)", "weights", "grads", "optimizer", "activations", "(payload)", "in flight", "total GiB"]
-    lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for s in plan["stages"]:
-        lines.append("| " + " | ".join([
-            str(s["stage"]), f"{s['params'] / 1e6:,.0f}", f"{s['weights'] / GiB:.2f}", f"{s['grads'] / GiB:.2f}",
-            f"{s['optimizer'] / GiB:.2f}", f"{s['activations'] / GiB:.2f}", f"{s['of_which_payload'] / GiB:.2f}",
-            str(s["in_flight"]), f"{s['total'] / GiB:.2f}"]) + " |")
-    lines.append("(GiB; + CUDA context, NCCL buffers, temporaries and fragmentation: plan 10-20 % headroom)")
-    cached = any(b["bytes"] != b["bytes_without_cache"] for b in plan["boundaries"])
-    for b in plan["boundaries"]:
-        line = (f"payload into layer {b['first_layer']} (chunk {b['chunk']}): {b['tensors']} tensors = "
-                f"{b['bytes'] / 2**20:.2f} MiB per micro-batch")
-        if cached:
-            line += f" (without the cache: {b['tensors_without_cache']} = {b['bytes_without_cache'] / 2**20:.2f} MiB)"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def main(argv=None):
-    a = parse(argv)
-    if a.router_share:
-        rows, table = router_share_table(a.router_share)
-        print(table)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return 0
-    plan = memory_plan(a)
-    print(format_table(plan))
-    text = json.dumps(plan, indent=1)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

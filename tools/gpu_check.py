@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""The one acceptance run for a GPU (issues 7 and 19): at most 8 minutes on one H100 / H200.
+
+    python tools/gpu_check.py --out runs/gpu_check.json    # one GPU, Transformer Engine and fla-core installed
+    python tools/gpu_check.py --dry-run --out /tmp/dry.json  # CPU: everything except CUDA / TE, tiny sizes
+
+Prints a table per part and writes JSON (rewritten after every part: a timeout still leaves results), in order:
+
+(a) parity: every mode built three ways with the SAME weights - Transformer Engine spec, local spec, and
+    the local spec with the routers on PyTorch ops instead of fla's fused kernel - BF16 logits compared
+    (relative L2 error below --parity-tol). TE-spec names: `input_layernorm.weight` ->
+    `self_attention.linear_qkv.layer_norm_weight`, `pre_mlp_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight`.
+(b) router: fla's fused kernel vs the PyTorch router on the same bf16 sources, with and without null
+    source, gate and x: the output and every gradient (sources, x, query, key-norm weight, null, gate),
+    errors relative to each tensor's scale (--router-tol).
+(c) speed and memory: tokens/s and peak memory (torch.cuda.max_memory_allocated) against the baseline, at
+    an 8B layer slice (hidden 4096, FFN 12288, 32 heads / 8 groups, seq 2048, as many layers as fit; the
+    memory plan picks them) and at the paper's 1B width (Qwen3-1.7B shape), for delta_block and delta, both
+    router backends; beside each, tools/memory_plan.py's PREDICTED ratio (router bytes vs GEMM FLOPs on
+    this GPU). Targets: delta_block >= 0.95x tokens/s and <= 1.10x peak memory at the 8B slice, delta
+    >= 0.85x at 1B (both with the fused kernel).
+(d) training: every mode trains --iters iterations in BF16 and FP8 (hybrid; delayed scaling, and current
+    scaling - recipe `tensorwise` - where the installed TE has it), TE spec, routers on the fused kernel;
+    the loss must be finite and fall.
+
+--dry-run runs all four on CPU at tiny sizes: (a) without the TE spec, (b) in fp32 and bf16, (c) CPU
+tokens/s (no peak memory), (d) fp32 without FP8; fla's pure-PyTorch ``naive_attnres`` stands in for the
+Triton kernel (megatron_delta.core.fla_router.use_kernel). Without --dry-run and without CUDA, Transformer
+Engine or fla it exits at once with status 2 and says why. The checks: megatron_delta/perf/gpu_check.py.
+"""
+
+import argparse
+import sys
+
+from megatron_delta.core.modes import BASELINE, RESIDUAL_MODES as MODES
+from megatron_delta.patches import known_warnings_quieted
+from megatron_delta.perf import gpu_check as checks
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/gpu_check.json")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, naive_attnres for the kernel")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--vocab-size", type=int, default=None, help="default 32000 (dry run 64)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--speed-iters", type=int, default=None, help="(c): iterations per run (default 12, dry 4)")
+    p.add_argument("--warmup", type=int, default=None, help="(c): iterations excluded (default 4, dry 1)")
+    p.add_argument("--lr", type=float, default=None, help="default 3e-4 (dry run 3e-3)")
+    p.add_argument("--parity-hidden-size", type=int, default=None, help="default 1024 (dry 32)")
+    p.add_argument("--parity-seq-length", type=int, default=None, help="default 512 (dry 16)")
+    p.add_argument("--parity-tol", type=float, default=2e-2, help="max relative L2 error of BF16 logits")
+    p.add_argument("--router-tol", type=float, default=None, help="(b): default 2e-2 in bf16 (fp32: 1e-4)")
+    p.add_argument("--num-layers-8b", type=int, default=None, help="(c): default as many as fit (memory plan)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["parity", "router", "speed", "train"])
+    p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--time-budget-s", type=float, default=450, help="skip the remaining runs after this")
+    o = p.parse_args(argv)
+    dry = o.dry_run
+    for name, full, small in (("vocab_size", 32000, 64), ("speed_iters", 12, 4), ("warmup", 4, 1),
+                              ("lr", 3e-4, 3e-3), ("parity_hidden_size", 1024, 32), ("parity_seq_length", 512, 16)):
+        if getattr(o, name) is None:
+            setattr(o, name, small if dry else full)
+    if o.router_tol is None:
+        o.router_tol = 2e-2
+    return o
+
+
+@known_warnings_quieted()
+def main(argv=None):
+    opts = parse(argv)
+    if not opts.dry_run:
+        reason = checks.missing_requirement()
+        if reason:
+            print(f"gpu_check: {reason}", file=sys.stderr)
+            return checks.NO_GPU_EXIT
+    import torch
+
+    from megatron_delta.trainer.main import router_overrides  # the routers' optimizer group, as pretrain_gpt.py's
+
+    with checks.check_session(opts) as env:
+        run = checks.CheckRun(opts, env)
+        result, attempt = run.result, run.attempt
+        print(result["router_kernels"], flush=True)
+        if "parity" not in opts.skip:
+            print("\n(a) parity: relative L2 error of BF16 logits against the local spec (same weights)", flush=True)
+            for mode in opts.modes:
+                r = attempt("parity", f"parity {mode}", lambda: checks.parity(opts, env, mode), mode=mode)
+                if r:
+                    print(f"  {mode:13s} {'ok ' if r['ok'] else 'BAD'} "
+                          f"{r.get('rel_l2', r.get('error'))}", flush=True)
+        if "router" not in opts.skip:
+            print("\n(b) router: fused kernel vs PyTorch ops, max relative error over output and every gradient",
+                  flush=True)
+            dtypes = [torch.float32, torch.bfloat16] if env.dry else [torch.bfloat16]
+            for dt in dtypes:
+                for null, gate, with_x in checks.ROUTER_CASES:
+                    r = attempt("router", f"router {dt} {null} {gate} {with_x}",
+                                lambda: checks.router_case(opts, env, dt, null, gate, with_x), dtype=str(dt))
+                    if r:
+                        print(f"  {r['dtype']:9s} null={null!s:5s} gate={gate!s:5s} x={with_x!s:5s} "
+                              f"{'ok ' if r['ok'] else 'BAD'} {r.get('max_rel', float('nan')):.2e}"
+                              f"{' ' + r['error'] if 'error' in r else ''}", flush=True)
+        if "speed" not in opts.skip:
+            print("\n(c) tokens/s and peak memory against the baseline; PREDICTED = tools/memory_plan.py's "
+                  f"router-share model on {env.gpu_kind()}", flush=True)
+            print(f"  {'shape':5s} {'mode':12s} {'router':6s} {'L':>3s} {'tok/s':>10s} {'x base':>7s} "
+                  f"{'PREDICTED':>9s} {'peak GiB':>9s} {'x base':>7s} target", flush=True)
+            for shape_name in ("8B", "1B"):
+                shape = checks.speed_shape(opts, env, shape_name)
+                base = None
+                for mode, kern in checks.SPEED_RUNS:
+                    r = attempt("speed", f"speed {shape_name} {mode} {kern}",
+                                lambda: checks.train(opts, env, mode, shape=shape, overrides=router_overrides,
+                                                     kernels=kern if kern != "-" else "fla",
+                                                     iters=opts.speed_iters, warmup=opts.warmup),
+                                mode=mode, kernels=kern)
+                    if not r:
+                        continue
+                    r["shape"] = shape_name
+                    if mode == BASELINE and "tokens_per_sec" in r:
+                        base = r
+                    if "tokens_per_sec" not in r or base is None:
+                        print(f"  {shape_name:5s} {mode:12s} {kern:6s} {r.get('error', 'no baseline')}", flush=True)
+                        continue
+                    tgt = checks.compare_speed(env, r, base, shape_name, mode, kern, shape["layers"])
+                    tg = "" if not tgt else f">= {tgt[0]}x tok/s" + (f", <= {tgt[1]}x mem" if tgt[1] else "")
+                    if tg and "target_ok" in r:
+                        tg += " MET" if r["target_ok"] else " MISSED"
+                    mem = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
+                    memr = "-" if r["peak_mem_ratio"] is None else f"{r['peak_mem_ratio']:.3f}"
+                    print(f"  {shape_name:5s} {mode:12s} {kern:6s} {r['num_layers']:3d} {r['tokens_per_sec']:10,.0f} "
+                          f"{r['throughput_ratio']:7.3f} {r['predicted_ratio']:9.3f} {mem:>9s} {memr:>7s} {tg}",
+                          flush=True)
+                    run.save()
+        if "train" not in opts.skip:
+            precisions = checks.train_precisions(opts, env, result["skipped"])
+            print(f"\n(d) training: {opts.iters} iterations per mode, routers on the fused kernel", flush=True)
+            for fp8 in precisions:
+                for mode in opts.modes:
+                    r = attempt("train", f"train {mode} fp8={fp8}",
+                                lambda: checks.train(opts, env, mode, shape=dict(env.shapes["1B"], layers=4), fp8=fp8,
+                                                     overrides=router_overrides),
+                                mode=mode, precision=str(fp8))
+                    if r:
+                        ls = r.get("losses") or [float("nan")]
+                        print(f"  {mode:13s} {r.get('precision', str(fp8)):20s} {'ok ' if r['ok'] else 'BAD'} "
+                              f"loss {ls[0]:.3f} -> {ls[-1]:.3f}{' ' + r['error'] if 'error' in r else ''}", flush=True)
+        run.finish()
+        print(f"\ngpu_check{' --dry-run' if env.dry else ''}: {'PASS' if result['ok'] else 'FAIL'}"
+              f"{'' if env.dry else ' (targets ' + ('met' if result['targets_met'] else 'MISSED') + ')'}"
+              f" in {result['wall_s']:.0f} s -> {opts.out}")
+        return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
