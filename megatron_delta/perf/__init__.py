@@ -10,6 +10,7 @@ Modules (one concept each):
   machine_rates    - what this machine charges per [tokens, hidden] pass (operator costs, stream/memory rates)
   gpu_check        - the GPU acceptance checks: parity, fused kernel vs PyTorch router, speed, BF16 / FP8 training
 
-It may import megatron_delta.core and megatron.core, never the trainer (megatron_delta.trainer) or
-megatron.training.
+It imports megatron_delta.core, megatron.core and the shared training side that builds a model from its fields
+and starts the one-process world (megatron_delta.model_config, megatron_delta.cpu_platform), never the trainer
+(megatron_delta.trainer) or megatron.training: gpu_check.train takes the routers' optimizer group as an argument.
 """
