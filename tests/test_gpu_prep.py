@@ -26,8 +26,7 @@ def test_gpu_check_exits_at_once_without_cuda():
 
 
 def test_fused_norm_name_mapping():
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    from gpu_check import local_to_te_name
+    from megatron_delta.perf.gpu_check import local_to_te_name
 
     assert (local_to_te_name("decoder.layers.3.input_layernorm.weight")
             == "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")

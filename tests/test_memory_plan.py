@@ -1,18 +1,29 @@
-"""tools/memory_plan.py: the activation estimate against the bytes autograd really saves (CPU, local spec).
+"""The memory and cost models (megatron_delta/perf/memory_model.py, cost_model.py) and tools/memory_plan.py:
+the activation estimate against the bytes autograd really saves (CPU, local spec).
 
 The model is built in-process (megatron_delta.model_config + initialize_distributed(1, 1) + build_model_chunks); one
 forward with labels runs under torch.autograd.graph.saved_tensors_hooks, and the unique storages of
 the saved tensors that are not parameters are summed."""
+import importlib.util
 import os
-import sys
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
+from megatron_delta.perf import cost_model, memory_model
 
-import memory_plan  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tool(name):
+    """tools/<name>.py as a module (its parse() and main() run in this process)."""
+    spec = importlib.util.spec_from_file_location(f"_{name}_tool", os.path.join(REPO, "tools", f"{name}.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+memory_plan = _tool("memory_plan")
 
 CONFIGS = [  # (layers, hidden, heads, groups, seq, micro batch, vocab)
     (4, 64, 4, 2, 32, 2, 256),
@@ -66,7 +77,7 @@ def measured_saved_bytes(mode, L, h, heads, groups, s, b, V):
 def test_activation_estimate_within_10_percent(dist, mode, cfg):
     flags = _flags(mode, *cfg)
     measured = measured_saved_bytes(mode, *cfg)
-    plan = memory_plan.memory_plan(memory_plan.parse(flags + ["--transformer-impl", "local", "--device", "cpu"]))
+    plan = memory_model.memory_plan(memory_plan.parse(flags + ["--transformer-impl", "local", "--device", "cpu"]))
     (stage,) = plan["stages"]
     assert stage["in_flight"] == 1
     estimate = stage["activations"]
@@ -76,8 +87,8 @@ def test_activation_estimate_within_10_percent(dist, mode, cfg):
 def test_routed_modes_cost_more_and_pipeline_holds_micro_batches():
     base = ["--num-layers", "8", "--hidden-size", "256", "--seq-length", "256", "--micro-batch-size", "1",
             "--pipeline-model-parallel-size", "4", "--world-size", "4", "--global-batch-size", "8", "--bf16"]
-    b = memory_plan.memory_plan(memory_plan.parse(base + ["--residual", "baseline"]))["stages"]
-    d = memory_plan.memory_plan(memory_plan.parse(base + ["--residual", "delta"]))["stages"]
+    b = memory_model.memory_plan(memory_plan.parse(base + ["--residual", "baseline"]))["stages"]
+    d = memory_model.memory_plan(memory_plan.parse(base + ["--residual", "delta"]))["stages"]
     assert [s["in_flight"] for s in b] == [4, 3, 2, 1]
     assert all(x["of_which_payload"] == 0 for x in b)
     assert d[0]["of_which_payload"] == 0 and all(x["of_which_payload"] > 0 for x in d[1:])
@@ -93,8 +104,8 @@ def test_interleaved_traffic_with_and_without_the_source_cache(capsys):
     flags = ["--num-layers", "12", "--hidden-size", "256", "--seq-length", "128", "--micro-batch-size", "1",
              "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
              "--global-batch-size", "8", "--residual", "delta"]
-    on = memory_plan.memory_plan(memory_plan.parse(flags))
-    off = memory_plan.memory_plan(memory_plan.parse(flags + ["--delta-pp-source-cache", "off"]))
+    on = memory_model.memory_plan(memory_plan.parse(flags))
+    off = memory_model.memory_plan(memory_plan.parse(flags + ["--delta-pp-source-cache", "off"]))
     one = 128 * 256 * 4
     plan = SourcePlan(mode="delta", num_layers=12, num_blocks=12, x_from_sources=True)
     expect = SourceCachePlan.even(plan, 2, 3).boundaries()
@@ -121,19 +132,19 @@ def test_router_share_predictions():
     """Every routed mode on both shapes: the fused kernel moves fewer bytes than the PyTorch path;
     delta (O(L^2) source reads) costs more than delta_block (<= K+1 sources); faster HBM, smaller share."""
     for shape in ("1B", "8B"):
-        base = memory_plan.router_share("H100", shape, "baseline")
+        base = cost_model.router_share("H100", shape, "baseline")
         assert base["router_ms"] == 0 and base["tokens_per_sec_ratio"] == 1
         for mode in ("delta", "delta_block", "attnres", "full_attnres"):
-            t = memory_plan.router_share("H100", shape, mode, "torch")
-            f = memory_plan.router_share("H100", shape, mode, "fla")
+            t = cost_model.router_share("H100", shape, mode, "torch")
+            f = cost_model.router_share("H100", shape, mode, "fla")
             assert 0 < f["router_ms"] < t["router_ms"], (shape, mode)
             assert f["gemm_ms"] == t["gemm_ms"] == base["gemm_ms"]
-            b200 = memory_plan.router_share("B200", shape, mode, "fla")
-            h200 = memory_plan.router_share("H200", shape, mode, "fla")
+            b200 = cost_model.router_share("B200", shape, mode, "fla")
+            h200 = cost_model.router_share("H200", shape, mode, "fla")
             assert h200["router_ms"] < f["router_ms"] and h200["gemm_ms"] == f["gemm_ms"]
             assert b200["gemm_ms"] < f["gemm_ms"]
-        assert (memory_plan.router_share("H200", shape, "delta", "fla")["router_share"]
-                > memory_plan.router_share("H200", shape, "delta_block", "fla")["router_share"])
+        assert (cost_model.router_share("H200", shape, "delta", "fla")["router_share"]
+                > cost_model.router_share("H200", shape, "delta_block", "fla")["router_share"])
 
 
 def test_router_bytes_by_hand():
@@ -151,8 +162,8 @@ def test_router_bytes_by_hand():
     # router 0: M = 1 (h0, 2 readers); router 1: M = 2 (h0 with 2 readers, P0 local)
     r0 = (1 * a + a + 3 * a) + (2 * a + a + a + 2 * c)  # first reader of h0: its gradient is assigned
     r1 = (2 * a + a + 3 * a) + (4 * a + a + 2 * a + 2 * c) + 3 * a  # second reader of h0: one add
-    assert memory_plan.router_bytes(plan, 10, 8, a, "fla") == (r0 + r1) * 80
-    assert memory_plan.router_bytes(plan, 10, 8, a, "torch") > memory_plan.router_bytes(plan, 10, 8, a, "fla")
+    assert cost_model.router_bytes(plan, 10, 8, a, "fla") == (r0 + r1) * 80
+    assert cost_model.router_bytes(plan, 10, 8, a, "torch") > cost_model.router_bytes(plan, 10, 8, a, "fla")
 
 
 def test_router_share_cli(capsys):

@@ -79,13 +79,16 @@ def test_benchmark_smoke(tmp_path):
 
 def test_fused_router_passes_by_hand():
     """The pass count behind the benchmark's fused-router floor, counted by hand from docs/design.md."""
-    import benchmark
+    from types import SimpleNamespace
+
+    from megatron_delta.perf.benchmark import mode_config
+    from megatron_delta.perf.router_breakdown import fused_router_passes
 
     def passes(mode, layers, blocks=None, gate=False):
-        argv = [*TINY, "--num-layers", str(layers)] + (["--delta-num-blocks", str(blocks)] if blocks else [])
-        argv += ["--delta-gate", "scalar"] if gate else []
-        opts = benchmark.build_parser().parse_args(argv)
-        return benchmark.fused_router_passes(mode, benchmark.mode_config(opts, mode)[0])
+        opts = SimpleNamespace(num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=None,
+                               ffn_hidden_size=None, seq_length=16, vocab_size=1024, delta_num_blocks=blocks,
+                               delta_gate="scalar" if gate else "none", delta_router_kernels="auto")
+        return fused_router_passes(mode, mode_config(opts, mode)[0])
 
     # Per router with N sources: N (forward, beyond the stand-in's copy) + 3N + 1 (backward) in the
     # additive modes that hold x (with the gate), N - 1 + 3N + 1 in the replacement ones and where x is
@@ -107,26 +110,26 @@ def test_fused_router_passes_by_hand():
 
 def test_last_level_cache_bytes(tmp_path):
     """The memory rate's rotation is sized from the largest cache sysfs lists; unreadable entries are skipped."""
-    import benchmark
+    from megatron_delta.perf.machine_rates import last_level_cache_bytes
 
     for entry, size in {"index0": "48K", "index2": "2048K", "index3": "260M", "index4": "n/a"}.items():
         (tmp_path / entry).mkdir()
         (tmp_path / entry / "size").write_text(size + "\n")
     (tmp_path / "index5").mkdir()  # no size file
-    assert benchmark.last_level_cache_bytes(str(tmp_path)) == 260 << 20
-    assert benchmark.last_level_cache_bytes(str(tmp_path / "missing")) is None
+    assert last_level_cache_bytes(str(tmp_path)) == 260 << 20
+    assert last_level_cache_bytes(str(tmp_path / "missing")) is None
 
 
 def test_stand_ins_are_restored():
     """--routing-breakdown swaps the router's kernels; they must come back, even after an error."""
-    import benchmark
     from megatron_delta.core import router
+    from megatron_delta.perf.router_breakdown import ProjectStandIn, RouteStandIn, stand_ins
 
     originals = router._RouteFunction, router._ProjectSource
     with pytest.raises(RuntimeError, match="inside"):
-        with benchmark._stand_ins(True, True):
-            assert router._RouteFunction is benchmark._RouteStandIn
-            assert router._ProjectSource is benchmark._ProjectStandIn
+        with stand_ins(True, True):
+            assert router._RouteFunction is RouteStandIn
+            assert router._ProjectSource is ProjectStandIn
             raise RuntimeError("inside")
     assert (router._RouteFunction, router._ProjectSource) == originals
 

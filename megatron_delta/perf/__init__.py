@@ -1,0 +1,16 @@
+"""Performance models and measurement: the library behind tools/memory_plan.py, tools/benchmark.py and
+tools/gpu_check.py (which only parse flags and print). Importing the package imports none of its modules.
+
+Modules (one concept each):
+  shapes           - the 1B / 8B model shapes and the memory plan's job presets
+  memory_model     - per-GPU memory per pipeline stage (weights, gradients, optimizer, activations, payload)
+  cost_model       - the router's share of a training step on a GPU (bytes moved vs GEMM FLOPs)
+  benchmark        - the CPU harness: every mode side by side in one process (time, saved bytes, peak, payload)
+  router_breakdown - stand-ins for the router's kernels and the touch-once pass count (where routing time goes)
+  machine_rates    - what this machine charges per [tokens, hidden] pass (operator costs, stream/memory rates)
+  gpu_check        - the GPU acceptance checks: parity, fused kernel vs PyTorch router, speed, BF16 / FP8 training
+
+It imports megatron_delta.core, megatron.core and the shared training side that builds a model from its fields
+and starts the one-process world (megatron_delta.model_config, megatron_delta.cpu_platform), never the trainer
+(megatron_delta.trainer) or megatron.training: gpu_check.train takes the routers' optimizer group as an argument.
+"""

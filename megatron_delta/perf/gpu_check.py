@@ -1,0 +1,474 @@
+"""The GPU acceptance checks of tools/gpu_check.py, each a function of (opts, env): (a) parity, (b) router_case,
+(c) and (d) train (tokens/s, peak memory, losses) with compare_speed setting the cost model's prediction beside
+the measurement. Env says what differs between a GPU run and the CPU dry run, check_session sets the
+one-process world up (the dry run: fla's naive_attnres standing in for the Triton kernel) and CheckRun keeps
+the results: the JSON rewritten after every run, the time budget, a failed run recorded and the rest run on.
+opts: tools/gpu_check.py's flags. torch, Megatron and Transformer Engine are imported inside the functions, so
+that the tool refuses a machine without CUDA at once."""
+import contextlib
+import gc
+import importlib.util
+import json
+import math
+import os
+import time
+import types
+
+from megatron_delta.core.modes import ADDITIVE_MODES, BASELINE, DELTA, DELTA_BLOCK
+from megatron_delta.perf import cost_model, memory_model
+from megatron_delta.perf.shapes import SHAPES as MODEL_SHAPES
+
+NO_GPU_EXIT = 2
+TARGETS = {("8B", DELTA_BLOCK): (0.95, 1.10), ("1B", DELTA): (0.85, None)}
+
+# Local-spec parameter names -> TE-spec names (TE fuses the sublayer input norms into the linears).
+FUSED_NORM_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+
+# (c)'s shapes (perf.shapes; the 8B slice takes as many layers as fit unless --num-layers-8b); the dry run's
+# are tiny stand-ins with the same roles.
+SHAPES = {name: dict(hidden=s["hidden_size"], ffn=s["ffn_hidden_size"], heads=s["num_attention_heads"],
+                     groups=s["num_query_groups"], seq=s["seq_length"],
+                     layers=None if name == "8B" else s["num_layers"])
+          for name, s in ((n, MODEL_SHAPES[n]) for n in ("8B", "1B"))}
+DRY_SHAPES = {"8B": dict(hidden=64, ffn=192, heads=4, groups=2, seq=32, layers=4),
+              "1B": dict(hidden=32, ffn=96, heads=4, groups=2, seq=32, layers=4)}
+# (b): (null source, gate, x) of each router case; (c): (mode, router backend) of each run at a shape, the
+# additive modes (those with targets) on both backends.
+ROUTER_CASES = [(False, False, False), (False, False, True), (True, False, True), (False, True, True),
+                (True, True, True), (True, False, False)]
+SPEED_RUNS = [(BASELINE, "-")] + [(m, k) for m in ADDITIVE_MODES for k in ("fla", "torch")]
+
+
+def local_to_te_name(name: str) -> str:
+    """Map one local-spec state-dict key to the TE spec's key (identity for unfused parameters)."""
+    for local, te in FUSED_NORM_NAMES.items():
+        if name.endswith("." + local):
+            return name[: -len(local)] + te
+    return name
+
+
+def missing_requirement():
+    """Why this machine cannot run the GPU check (a sentence ending "Nothing was run."), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("no CUDA device visible (torch.cuda.is_available() is False); this check needs one "
+                "GPU with Transformer Engine and fla-core (or run --dry-run on CPU). Nothing was run.")
+    if importlib.util.find_spec("transformer_engine") is None:
+        return ("Transformer Engine is not installed (use an NGC PyTorch container or "
+                "`pip install megatron-delta[te]` on the GPU machine). Nothing was run.")
+    from megatron_delta.core import fla_router
+
+    if not fla_router.available():
+        return "fla-core is not importable (pip install 'megatron-delta[gpu]'). Nothing was run."
+    return None
+
+
+class Env:
+    """What differs between the GPU run and the dry run."""
+
+    def __init__(self, opts):
+        import torch
+
+        self.dry = opts.dry_run
+        self.device = "cpu" if self.dry else "cuda"
+        self.impl = "local" if self.dry else "transformer_engine"
+        self.shapes = DRY_SHAPES if self.dry else SHAPES
+        self.gpu_name = "CPU (dry run)" if self.dry else torch.cuda.get_device_name()
+
+    def sync(self):
+        import torch
+
+        if not self.dry:
+            torch.cuda.synchronize()
+
+    def reset_peak(self):
+        import torch
+
+        if not self.dry:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib(self):
+        import torch
+
+        return None if self.dry else torch.cuda.max_memory_allocated() / 2**30
+
+    def gpu_kind(self):
+        """cost_model.GPUS key for the prediction (H100 where the name says neither)."""
+        for k in ("B200", "H200", "H100"):
+            if k in self.gpu_name:
+                return k
+        return "H100"
+
+
+SEED = 1234
+# Adam as in pretrain_gpt.py's default run (tests/flags.py QWEN3); the learning rate is --lr, its floor lr / 10.
+ADAM = dict(weight_decay=0.1, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95)
+
+
+def model_fields(opts, env, mode, *, shape, impl=None, fp8=None):
+    """The model fields (megatron_delta.model_config) of one run: ``shape``, the GPU's backend in BF16 (the dry
+    run: local, fp32), and FP8 with the recipe ``fp8`` (delayed / tensorwise) when given."""
+    s = shape
+    fields = dict(residual=mode, transformer_impl=impl or env.impl, vocab_size=opts.vocab_size,
+                  num_layers=s["layers"], hidden_size=s["hidden"], ffn_hidden_size=s["ffn"],
+                  num_attention_heads=s["heads"], num_query_groups=s["groups"], seq_length=s["seq"],
+                  bf16=not env.dry)
+    if fp8:
+        fields.update(fp8_format="hybrid", fp8_recipe=fp8, fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    return fields
+
+
+def build(env, fields, kernels="fla"):
+    """(resolved fields, config, model chunk on the device); ``kernels``: the routers' backend (fla / torch)."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.model_config import model_config, resolve_model_fields
+
+    fields = resolve_model_fields(fields)
+    over = {} if fields["residual"] == BASELINE else {"delta_router_kernels": kernels}
+    config, options = model_config(fields, use_cpu_initialization=env.dry, **over)
+    torch.manual_seed(SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    (chunk,) = build_model_chunks(config, fields["padded_vocab_size"], **options)
+    return fields, config, chunk.to(env.device)
+
+
+def free(env, *objs):
+    import torch
+
+    del objs
+    gc.collect()
+    if not env.dry:
+        torch.cuda.empty_cache()
+        try:
+            from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+            FP8GlobalStateManager.reset()
+        except Exception:  # noqa: BLE001  (older/newer TE: nothing to reset)
+            pass
+
+
+def _rel(a, b):
+    return ((a - b).float().norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------- (a)
+def parity(opts, env, mode):
+    """Relative L2 errors of BF16 logits: TE spec vs local spec, and fused-kernel routers vs PyTorch ops."""
+    import torch
+
+    shape = dict(hidden=opts.parity_hidden_size, ffn=3 * opts.parity_hidden_size,
+                 heads=max(4, opts.parity_hidden_size // 128), groups=2, seq=opts.parity_seq_length, layers=4)
+    models = {"local": build(env, model_fields(opts, env, mode, shape=shape, impl="local"))[2],
+              "local-torch-router": build(env, model_fields(opts, env, mode, shape=shape, impl="local"),
+                                          kernels="torch")[2]}
+    if not env.dry:
+        models["te"] = build(env, model_fields(opts, env, mode, shape=shape, impl="transformer_engine"))[2]
+    src = models["local"].state_dict()
+    for name, m in models.items():
+        if name == "local":
+            continue
+        dst = m.state_dict()
+        mapped, unused = {}, []
+        for k, v in src.items():
+            if k.endswith("_extra_state"):
+                continue
+            tk = local_to_te_name(k) if name == "te" else k
+            if tk in dst and dst[tk].shape == v.shape:
+                mapped[tk] = v
+            else:
+                unused.append(k)
+        missing = [k for k in dst if k not in mapped and not k.endswith("_extra_state")]
+        if unused or missing:
+            raise RuntimeError(f"{mode}: state dicts do not map to {name} (left over {unused}, without a value "
+                               f"{missing})")
+        m.load_state_dict(mapped, strict=False)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():  # random router parameters, so that routing matters
+        for name, p in models["local"].named_parameters():
+            if name.endswith(".query"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g).to(p.device, p.dtype))
+        for name, m in models.items():
+            if name != "local":
+                m.load_state_dict({local_to_te_name(k) if name == "te" else k: v
+                                   for k, v in models["local"].state_dict().items()
+                                   if not k.endswith("_extra_state")}, strict=False)
+    seq = shape["seq"]
+    tokens = torch.randint(0, opts.vocab_size, (2, seq), generator=g).to(env.device)
+    pos = torch.arange(seq, device=env.device).unsqueeze(0).expand(2, -1)
+    logits = {}
+    with torch.no_grad():
+        for name, m in models.items():
+            m.eval()
+            logits[name] = m(tokens, pos, None).to(torch.bfloat16).float()
+    ref = logits["local"]
+    out = {"mode": mode, "rel_l2": {k: _rel(v, ref) for k, v in logits.items() if k != "local"}}
+    out["ok"] = all(v < opts.parity_tol for v in out["rel_l2"].values())
+    free(env, models, logits)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- (b)
+def router_case(opts, env, dtype, null, gate, with_x, n=5):
+    """fla's kernel vs the PyTorch router: output and every gradient, relative to each tensor's scale."""
+    import torch
+
+    from megatron_delta.core.router import DepthRouter, make_source
+
+    d, t = (256, 1024) if not env.dry else (64, 24)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    vals = [torch.randn(t, 1, d, generator=g).to(env.device, dtype) * (1 + i) for i in range(n)]
+    x = torch.randn(t, 1, d, generator=g).to(env.device, dtype)
+    W = torch.randn(t, 1, d, generator=g).to(env.device)
+    results = {}
+    for kind in ("fla", "torch"):
+        r = DepthRouter(d, null_source=null, gate=gate, eps=1e-6, kernels=kind).to(env.device)
+        gg = torch.Generator(device="cpu").manual_seed(6)
+        with torch.no_grad():
+            r.query.copy_(torch.randn(d, generator=gg).to(env.device))
+            r.key_norm_weight.copy_(1 + 0.2 * torch.randn(d, generator=gg).to(env.device))
+            if null:
+                r.null_source.copy_(torch.randn(d, generator=gg).to(env.device))
+            if gate:
+                r.gate.fill_(0.7)
+        vs = [v.clone().requires_grad_() for v in vals]
+        xx = x.clone().requires_grad_() if with_x else None
+        out = r([make_source(v, 1e-6) for v in vs], base=xx, apply_gate=True)
+        (out.float() * W).sum().backward()
+        named = {f"s{i}": v.grad for i, v in enumerate(vs)}
+        if with_x:
+            named["x"] = xx.grad
+        named.update({k: p.grad for k, p in r.named_parameters()})
+        results[kind] = (out.detach(), named)
+    (of, gf), (ot, gt) = results["fla"], results["torch"]
+    errs = {"out": _rel(of, ot)}
+    errs.update({k: _rel(gf[k], gt[k]) for k in gt})
+    tol = opts.router_tol if dtype != torch.float32 else 1e-4
+    # the null source's gradient is a sum over tokens of the kernel's per-token gradients, which are in the
+    # sources' dtype (bf16): ~1-2 % off the PyTorch path's fp32 sum (docs/gpu.md)
+    tols = {k: tol * (3 if k == "null_source" and dtype != torch.float32 else 1) for k in errs}
+    return {"dtype": str(dtype).replace("torch.", ""), "null": null, "gate": gate, "x": with_x,
+            "max_rel": max(errs.values()), "errors": errs, "ok": all(errs[k] < tols[k] for k in errs)}
+
+
+# ------------------------------------------------------------------------------------------- (c), (d)
+def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=None, warmup=0):
+    """`iters` iterations with Megatron's DDP + optimizer + forward-backward schedule on a learnable stream.
+    ``overrides(args, standard_overrides)``: the optimizer's parameter-group overrides with the routers' group,
+    as pretrain_gpt.py makes them (the trainer's router_overrides)."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    free(env)
+    env.reset_peak()
+    iters = iters or opts.iters
+    fields, config, chunk = build(env, model_fields(opts, env, mode, shape=shape, fp8=fp8), kernels=kernels)
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=chunk)
+    lr = dict(lr=opts.lr, min_lr=opts.lr / 10)
+    opt_config = OptimizerConfig(optimizer="adam", **lr, **ADAM, bf16=not env.dry, params_dtype=config.params_dtype)
+    # the routers' parameter group, as pretrain_gpt.py makes it (--delta-router-lr-mult 1: no weight decay)
+    routers = types.SimpleNamespace(residual=mode, delta_router_lr_mult=1.0, **lr)
+    optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides=overrides(
+        routers, get_standard_config_overrides(opt_config)))
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = ddp.no_sync
+
+    s, b = fields["seq_length"], 1
+    g = torch.Generator(device="cpu").manual_seed(1)
+    base = torch.randint(0, opts.vocab_size, (16,), generator=g)  # period 16: the loss must fall fast
+    seqs = base.repeat((s + 1) // 16 + 2)[: s + 1].to(env.device)
+    batch = {"tokens": seqs[:-1].expand(b, -1), "labels": seqs[1:].expand(b, -1),
+             "position_ids": torch.arange(s, device=env.device).expand(b, -1)}
+
+    def step_fn(_, model):
+        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+        def loss_fn(o):
+            loss = o.float().mean()
+            return loss, {"lm loss": loss.detach()}
+        return out, loss_fn
+
+    losses, times = [], []
+    fb = get_forward_backward_func()
+    for _ in range(iters):
+        env.sync()
+        t0 = time.perf_counter()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = fb(forward_step_func=step_fn, data_iterator=iter([None]), model=ddp, num_microbatches=1,
+                     seq_length=s, micro_batch_size=b, forward_only=False)
+        optimizer.step()
+        env.sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(reports[0]["lm loss"]))
+    timed = times[warmup:] or times
+    out = {"mode": mode, "kernels": kernels if mode != BASELINE else "-", "precision": fp8 and f"fp8-hybrid-{fp8}"
+           or ("fp32" if env.dry else "bf16"), "num_layers": fields["num_layers"], "losses": losses,
+           "tokens_per_sec": s * b * len(timed) / sum(timed), "peak_mem_gib": env.peak_gib(),
+           "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]}
+    free(env, ddp, optimizer, chunk)
+    return out
+
+
+def layers_that_fit(env, shape, frac=0.8):
+    """(c): the most layers (<= 36) of the 8B slice whose memory plan (delta, the hungriest mode, TE, bf16)
+    fits in ``frac`` of this GPU's memory."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    best = 1
+    for L in range(1, 37):
+        a = memory_model.plan_config(num_layers=L, hidden_size=shape["hidden"], ffn_hidden_size=shape["ffn"],
+                                     num_attention_heads=shape["heads"], num_query_groups=shape["groups"],
+                                     seq_length=shape["seq"], residual=DELTA, bf16=True,
+                                     transformer_impl="transformer_engine", untie_embeddings_and_output_weights=True)
+        if memory_model.memory_plan(a)["stages"][0]["total"] * 1.15 <= frac * total:
+            best = L
+    return best
+
+
+def speed_shape(opts, env, shape_name):
+    """(c)'s shape ``shape_name`` on this machine, its layer count settled (--num-layers-8b, else as many as fit)."""
+    shape = dict(env.shapes[shape_name])
+    if shape["layers"] is None:
+        shape["layers"] = opts.num_layers_8b or layers_that_fit(env, shape)
+    return shape
+
+
+def predicted(env, shape_name, mode, kernels, num_layers):
+    """The cost model's tokens/s ratio to the baseline for this run on this GPU (perf.cost_model.router_share)."""
+    if mode == BASELINE:
+        return 1.0
+    r = cost_model.router_share(env.gpu_kind(), shape_name, mode, kernels, num_layers=num_layers)
+    return r["tokens_per_sec_ratio"]
+
+
+def compare_speed(env, r, base, shape_name, mode, kernels, num_layers):
+    """(c): set the run ``r``'s throughput and peak-memory ratios to the baseline run ``base``, the predicted ratio
+    beside them and, on a GPU for the runs with targets (TARGETS, fused kernel), target_ok. Returns the target
+    (tokens/s, memory) ratios or None."""
+    r["throughput_ratio"] = r["tokens_per_sec"] / base["tokens_per_sec"]
+    r["predicted_ratio"] = predicted(env, shape_name, mode, kernels, num_layers)
+    r["peak_mem_ratio"] = None if r["peak_mem_gib"] is None else r["peak_mem_gib"] / base["peak_mem_gib"]
+    target = TARGETS.get((shape_name, mode)) if kernels == "fla" else None
+    if target and not env.dry:
+        r["target_ok"] = (r["throughput_ratio"] >= target[0]
+                          and (target[1] is None or r["peak_mem_ratio"] <= target[1]))
+    return target
+
+
+def train_precisions(opts, env, skipped):
+    """(d)'s FP8 recipes beside BF16 (None): delayed scaling, and current scaling (recipe `tensorwise`) where the
+    installed Transformer Engine has it; what it cannot run is appended to ``skipped``."""
+    precisions = [None]
+    if not env.dry and not opts.no_fp8:
+        precisions.append("delayed")
+        try:
+            from transformer_engine.common import recipe as te_recipe
+
+            if hasattr(te_recipe, "Float8CurrentScaling"):
+                precisions.append("tensorwise")
+            else:
+                skipped.append("fp8 current scaling: not in this Transformer Engine")
+        except Exception as e:  # noqa: BLE001
+            skipped.append(f"fp8 current scaling: {e}")
+    return precisions
+
+
+@contextlib.contextmanager
+def check_session(opts):
+    """The Env of this run, inside the one-process world (gloo on CPU) and, in the dry run, with fla's
+    pure-PyTorch naive_attnres standing in for the Triton kernel (megatron_delta.core.fla_router.set_kernel).
+    Both are undone on exit."""
+    import logging
+
+    from megatron_delta.core import fla_router
+    from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
+
+    if not opts.dry_run:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # DDP / optimizer set-up lines per run
+    env = Env(opts)
+    injected = None
+    if env.dry:
+        from fla.ops.attnres import naive_attnres
+
+        injected = fla_router.set_kernel(naive_attnres, devices=("cpu",), name="naive_attnres (dry run)")
+    try:
+        initialize_distributed(1, 1, seed=SEED)
+        yield env
+    finally:
+        if env.dry:
+            fla_router.set_kernel(injected.fn if injected else None, *(injected[1:] if injected else ()))
+        destroy_distributed()
+
+
+class CheckRun:
+    """One acceptance run's results (``result``): the JSON at --out, rewritten after every run so that a timeout
+    still leaves results; the time budget (--time-budget-s) from the start; attempt() runs one part's run and
+    records it, a failure as ok=False with its error."""
+
+    def __init__(self, opts, env):
+        import torch
+
+        from megatron_delta.core import fla_router
+
+        self.opts, self.env = opts, env
+        self.t_start = time.time()
+        self.result = {"device": env.gpu_name, "dry_run": env.dry, "torch": torch.__version__, "opts": vars(opts),
+                       "router_kernels": fla_router.describe("fla", cuda=not env.dry),
+                       "parity": [], "router": [], "speed": [], "train": [], "skipped": []}
+        try:
+            import transformer_engine
+
+            self.result["transformer_engine"] = getattr(transformer_engine, "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            self.result["transformer_engine"] = f"not available: {type(e).__name__}"
+
+    def save(self):
+        os.makedirs(os.path.dirname(os.path.abspath(self.opts.out)), exist_ok=True)
+        with open(self.opts.out, "w") as f:
+            json.dump(self.result, f, indent=1)
+
+    def over_budget(self, what):
+        if time.time() - self.t_start > self.opts.time_budget_s:
+            self.result["skipped"].append(what)
+            print(f"gpu_check: time budget spent, skipping {what}", flush=True)
+            return True
+        return False
+
+    def attempt(self, part, what, fn, **fields):
+        """fn()'s result appended to ``part`` (None when the budget is spent); an exception is recorded as
+        ``fields`` + ok False + its error, and the run goes on."""
+        if self.over_budget(what):
+            return None
+        try:
+            r = fn()
+        except Exception as e:  # noqa: BLE001  (report and go on)
+            r = dict(fields, ok=False, error=f"{type(e).__name__}: {e}")
+            free(self.env)
+        self.result[part].append(r)
+        self.save()
+        return r
+
+    def finish(self):
+        """The verdicts (every run ok and nothing skipped; the targets met), the wall time; saved."""
+        result = self.result
+        parts = result["parity"] + result["router"] + result["speed"] + result["train"]
+        result["ok"] = all(r["ok"] for r in parts) and not result["skipped"]
+        result["targets_met"] = all(r.get("target_ok", True) for r in result["speed"])
+        result["wall_s"] = time.time() - self.t_start
+        self.save()
+        return result

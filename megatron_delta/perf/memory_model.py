@@ -1,0 +1,262 @@
+"""Per-GPU memory model: weights, gradients, optimizer state and activations per pipeline stage.
+
+A plan config is a namespace of pretrain_gpt.py's model and parallel fields (plus world_size and device,
+PLAN_DEFAULTS): tools/memory_plan.py parses it from flags, plan_config() takes the fields as keywords, and
+resolve_plan_config() derives the rest (FFN width, data-parallel size, micro-batches, virtual stages, K).
+memory_plan() returns the per-stage plan and the pipeline boundaries' traffic. No model is built and no
+Megatron code runs.
+
+Model of the activations (bytes saved for backward per micro-batch, counted as unique storages):
+- local backend: the tensors Megatron's local spec saves, counted on CPU (tests/test_memory_plan.py
+  checks this estimate against torch.autograd.graph.saved_tensors_hooks within 10 %). Per layer and
+  token: 6 norm-region tensors [h] (input, normalised, norm output; twice), 6 of the query width,
+  the qkv output, one of the KV width, 5 x FFN (SwiGLU), the [heads, s] attention probabilities
+  (unfused softmax) and fp32 norm statistics; per layer the rope tables and the causal mask.
+- transformer_engine backend: norms fused into the linears (input + ln_out per sublayer), flash
+  attention (no [s, s] term; fp32 log-sum-exp per head); FP8 keeps FP8 copies (1 byte) of the GEMM
+  inputs instead of BF16 ones.
+- routed modes (delta, delta_block, attnres, full_attnres): + one [h] tensor per sublayer (the
+  routed input next to the residual stream; the sublayer outputs become sources held by reference),
+  + per (source, reader) pair one fp32 logit and one fp32 softmax weight per token, one fp32
+  inv_rms per source. Except delta_block (exact) in fp32 with the CPU router kernels (--device cpu):
+  a router reading the partial block sum P rebuilds it in backward from its output, so those
+  sublayers keep no extra [h] tensor.
+- TP divides tensor-parallel regions; SP also divides the norm region, the sources and the payloads.
+- Pipeline: 1F1B keeps min(PP - stage, micro-batches) micro-batches in flight on a stage
+  (interleaved: Megatron's warm-up count + 1 chunk-micro-batches); each in-flight micro-batch of a
+  stage that receives a payload also holds the payload tensors beyond x (the sources the stage
+  reads). The last stage adds the logits (fp32 [tokens, vocab / TP]) of one micro-batch.
+- Interleaved schedule with the source cache (--delta-pp-source-cache on, the default): a chunk holds
+  only the payload tensors it was sent, plus the new sources it keeps for the rank's next chunk (which
+  the uncached path would free once sent); the boundary lines give the bytes sent per micro-batch with
+  and without the cache.
+- Weights: bf16 (2 B) + fp32 gradient buffer (4 B, Megatron's grad_reduce_in_fp32 with bf16) +
+  Adam in fp32 (master weights, m, v: 12 B; fp32 training: m, v: 8 B), sharded over DP by
+  --use-distributed-optimizer. Not counted: the CUDA context, NCCL buffers, allocator
+  fragmentation and temporary buffers (add 10-20 %).
+"""
+from types import SimpleNamespace
+
+from megatron_delta.core.modes import BASELINE, REPLACEMENT_MODES, SOURCE_DEFINITIONS, default_num_blocks
+
+GiB = 2**30
+
+# A plan config's fields and their defaults (tools/memory_plan.py's flags, less --preset, --json and --router-share).
+PLAN_DEFAULTS = dict(
+    num_layers=4, hidden_size=128, ffn_hidden_size=None, num_attention_heads=4, num_query_groups=2, kv_channels=None,
+    seq_length=128, vocab_size=32000, untie_embeddings_and_output_weights=False, residual=BASELINE,
+    delta_num_blocks=None, delta_sources=SOURCE_DEFINITIONS[0], tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None, delta_pp_source_cache="on",
+    sequence_parallel=False, use_distributed_optimizer=False, bf16=False, fp8_format=None, transformer_impl=None,
+    micro_batch_size=1, global_batch_size=None, world_size=None, device="gpu")
+
+
+class PlanError(ValueError):
+    """A plan config whose parallel layout does not divide (the message names the flags)."""
+
+
+def resolve_plan_config(a):
+    """Derive a plan config's implied fields in place (FFN 3 x hidden, head width, backend, DP size, global
+    batch, micro-batches, virtual stages, K) and return it; PlanError where the layout does not divide."""
+    if a.ffn_hidden_size is None:
+        a.ffn_hidden_size = 3 * a.hidden_size
+    if a.kv_channels is None:
+        a.kv_channels = a.hidden_size // a.num_attention_heads
+    if a.transformer_impl is None:
+        a.transformer_impl = "transformer_engine" if a.bf16 else "local"
+    t, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    if a.world_size is None:
+        a.world_size = t * pp
+    if a.world_size % (t * pp) or a.num_layers % pp:
+        raise PlanError("world size must be a multiple of TP x PP, and PP must divide --num-layers")
+    a.data_parallel_size = a.world_size // (t * pp)
+    if a.global_batch_size is None:
+        a.global_batch_size = a.micro_batch_size * a.data_parallel_size
+    a.num_microbatches = a.global_batch_size // (a.micro_batch_size * a.data_parallel_size)
+    a.vpp = None
+    if a.num_layers_per_virtual_pipeline_stage:
+        a.vpp = a.num_layers // pp // a.num_layers_per_virtual_pipeline_stage
+    if a.tensor_model_parallel_size == 1:
+        a.sequence_parallel = False
+    if a.delta_num_blocks is None:
+        a.delta_num_blocks = default_num_blocks(a.residual, a.num_layers)
+    return a
+
+
+def plan_config(**fields):
+    """A resolved plan config from keyword fields (PLAN_DEFAULTS for the rest)."""
+    unknown = sorted(set(fields) - set(PLAN_DEFAULTS))
+    if unknown:
+        raise TypeError(f"plan_config: unknown fields {unknown} (the fields are PLAN_DEFAULTS' keys)")
+    return resolve_plan_config(SimpleNamespace(**{**PLAN_DEFAULTS, **fields}))
+
+
+def source_plan(a):
+    if a.residual == BASELINE:
+        return None
+    from megatron_delta.core.sources import SourcePlan
+
+    return SourcePlan.from_config(a)
+
+
+# ----------------------------------------------------------------------------------- parameters
+def layer_params(a):
+    h, q, kv, f = a.hidden_size, a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels, a.ffn_hidden_size
+    tp_split = h * (q + 2 * kv) + q * h + h * 2 * f + f * h  # divided by TP
+    replicated = 2 * h + 2 * a.kv_channels  # input norms, q/k norms
+    if a.residual != BASELINE:
+        replicated += 2 * 2 * h  # two routers: query + key-norm weight
+    return tp_split, replicated
+
+
+def stage_params(a, stage):
+    """Parameters on one GPU of pipeline stage `stage` (all its virtual chunks)."""
+    t, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    split, rep = layer_params(a)
+    n = a.num_layers // pp * (split / t + rep)
+    vocab = a.vocab_size / t
+    if stage == 0:
+        n += vocab * a.hidden_size
+    if stage == pp - 1:
+        n += a.hidden_size  # final norm
+        if a.residual in REPLACEMENT_MODES:
+            n += 2 * a.hidden_size  # final router
+        if a.untie_embeddings_and_output_weights or pp > 1:
+            n += vocab * a.hidden_size  # output layer (a tied copy lives on the last stage when PP > 1)
+    return n
+
+
+# ---------------------------------------------------------------------------------- activations
+def layer_activation_bytes(a, first_layer, num_layers):
+    """Bytes saved for backward by `num_layers` layers from global layer `first_layer`, one micro-batch."""
+    t = a.tensor_model_parallel_size
+    sp = t if a.sequence_parallel else 1
+    s, b = a.seq_length, a.micro_batch_size
+    T = s * b
+    h, dh = a.hidden_size, a.kv_channels
+    heads, groups = a.num_attention_heads / t, a.num_query_groups / t
+    q, kv, f = heads * dh, groups * dh, a.ffn_hidden_size / t
+    act = 2 if a.bf16 else 4
+    gemm_in = 1 if a.fp8_format else act  # FP8: TE keeps FP8 copies of the GEMM inputs
+    if a.transformer_impl == "local":
+        # LocalNorm computes in fp32: with bf16 activations its input copy and x*rsqrt are fp32.
+        norm_h = (2 * 4 + act) if a.bf16 else 3 * act  # (input, normalised, output) per norm
+        per_token = (2 * norm_h * h / sp               # attention + MLP input norms (norm region)
+                     + act * (6 * q + (q + 2 * kv) + kv + 5 * f)  # q path, qkv, k, SwiGLU
+                     + act * heads * s                  # softmax probabilities [b, np, s, s]
+                     + 4 * (2 / sp + heads + groups))   # fp32 rsqrt of the norms
+        per_layer = 4 * 4 * dh * s + s * s              # rope cos/sin (fp32, per position), causal mask
+    else:
+        per_token = (2 * h / sp * (act + gemm_in)      # LayerNormLinear: input + ln_out, twice
+                     + act * (3 * q + 3 * kv + (q + 2 * kv) + 4 * f) + gemm_in * (q + f)  # qk-norm/rope, qkv, SwiGLU, proj/fc2 inputs
+                     + 4 * (2 / sp + heads + groups + heads))  # rsigma, q/k-norm stats, flash lse
+        per_layer = 4 * 4 * dh * s
+    total = num_layers * (per_token * T + per_layer)
+    plan = source_plan(a)
+    if plan is not None:
+        total += num_layers * 2 * act * h * T / sp      # the routed input of each sublayer
+        rebuilds_p = a.device == "cpu" and not a.bf16 and plan.rules.router_rebuilds_from_x
+        for j in range(2 * first_layer, 2 * (first_layer + num_layers)):
+            if rebuilds_p and not plan.is_block_start(j):
+                total -= act * h * T / sp               # its P is rebuilt from u in backward (router.py)
+            m = plan.num_sources_read(j)
+            total += 4 * (2 * m + 1) * T / sp           # fp32 softmax weights and logit columns [M, T], one inv_rms
+    return total
+
+
+def in_flight(a, stage):
+    """Micro-batches (1F1B) or chunk-micro-batches (interleaved) whose activations a stage holds at peak."""
+    pp, m = a.pipeline_model_parallel_size, a.num_microbatches
+    if a.vpp:
+        warmup = (pp - stage - 1) * 2 + (a.vpp - 1) * pp
+        return min(warmup + 1, m * a.vpp)
+    return min(pp - stage, m)
+
+
+def tensor_bytes(a):
+    """One [s, b, h] activation tensor on one rank (SP divides s)."""
+    sp = a.tensor_model_parallel_size if a.sequence_parallel else 1
+    return a.seq_length * a.micro_batch_size * a.hidden_size / sp * (2 if a.bf16 else 4)
+
+
+def chunk_plan(a, cached=None):
+    """The pipeline chunks' SourceCachePlan (even split); cached: the source cache (default: the flag)."""
+    from megatron_delta.core.source_cache import SourceCachePlan
+
+    if cached is None:
+        cached = a.delta_pp_source_cache == "on"
+    return SourceCachePlan.even(source_plan(a), a.pipeline_model_parallel_size, a.vpp or 1, cached)
+
+
+def chunk_payload_bytes(a, k):
+    """What chunk k holds of the pipeline payload per micro-batch beyond the baseline's one tensor: the tensors
+    it was sent (with the source cache only those: the rest are tensors the rank already holds) and the new
+    sources it keeps for the rank's next chunk (which the uncached path frees once sent)."""
+    plan = source_plan(a)
+    if plan is None:
+        return 0
+    chunks = chunk_plan(a)
+    sent = chunks.sent_names(k) if k else []
+    received = set(plan.payload_names(chunks.first_layers[k])) if k else set()
+    kept_new = [n for n in chunks.kept_names(k) if n not in received]
+    return (max(len(sent) - 1, 0) + len(kept_new)) * tensor_bytes(a)
+
+
+def boundary_traffic(a):
+    """Per (virtual) pipeline boundary: the tensors and bytes sent per micro-batch, with the source cache as
+    configured and without it."""
+    if source_plan(a) is None:
+        return [{"chunk": k, "first_layer": k * a.num_layers // (a.pipeline_model_parallel_size * (a.vpp or 1)),
+                 "tensors": 1, "bytes": tensor_bytes(a), "tensors_without_cache": 1,
+                 "bytes_without_cache": tensor_bytes(a)}
+                for k in range(1, a.pipeline_model_parallel_size * (a.vpp or 1))]
+    return [{"chunk": k, "first_layer": first, "tensors": len(sent), "bytes": len(sent) * tensor_bytes(a),
+             "tensors_without_cache": len(sent) + len(kept), "bytes_without_cache": (len(sent) + len(kept))
+             * tensor_bytes(a)} for k, first, sent, kept in chunk_plan(a).boundaries()]
+
+
+def plan_stage(a, stage):
+    pp, t = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
+    chunks = a.vpp or 1
+    per_chunk = a.num_layers // (pp * chunks)
+    n = stage_params(a, stage)
+    w = n * (2 if a.bf16 else 4)
+    g = n * 4
+    o = n * (12 if a.bf16 else 8) / (a.data_parallel_size if a.use_distributed_optimizer else 1)
+    # Activations of one micro-batch through each chunk on this stage, and its payload.
+    chunk_acts, chunk_payload = [], []
+    for c in range(chunks):
+        first = (c * pp + stage) * per_chunk
+        chunk_acts.append(layer_activation_bytes(a, first, per_chunk))
+        chunk_payload.append(chunk_payload_bytes(a, c * pp + stage))
+    k = in_flight(a, stage)
+    if a.vpp:
+        per = (sum(chunk_acts) + sum(chunk_payload)) / chunks
+        acts = per * k
+        payload = sum(chunk_payload) / chunks * k
+    else:
+        acts = (chunk_acts[0] + chunk_payload[0]) * k
+        payload = chunk_payload[0] * k
+    T = a.seq_length * a.micro_batch_size
+    extra = 0
+    if stage == 0:
+        extra += T * 16  # tokens, labels (int64)
+    if stage == pp - 1:
+        extra += T * a.vocab_size / t * 4 + T  # fp32 logits/softmax of one micro-batch, loss mask
+        sp = t if a.sequence_parallel else 1
+        act = 2 if a.bf16 else 4
+        if a.transformer_impl == "local":  # final norm: input, normalised, output (+ fp32 rsqrt)
+            extra += T / sp * (a.hidden_size * ((2 * 4 + act) if a.bf16 else 3 * act) + 4)
+        else:
+            extra += T / sp * (a.hidden_size * act + 4)
+    total = w + g + o + acts + extra
+    return {"stage": stage, "params": n, "weights": w, "grads": g, "optimizer": o,
+            "activations": acts + extra, "of_which_payload": payload, "in_flight": k, "total": total}
+
+
+def memory_plan(a):
+    """The plan of a resolved config: its fields (less json), every stage's plan_stage and, with PP > 1, the
+    boundaries' traffic (a JSON-ready dict)."""
+    return {"config": {k: v for k, v in vars(a).items() if k != "json"},
+            "stages": [plan_stage(a, s) for s in range(a.pipeline_model_parallel_size)],
+            "boundaries": boundary_traffic(a) if a.pipeline_model_parallel_size > 1 else []}

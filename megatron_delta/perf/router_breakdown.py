@@ -1,0 +1,115 @@
+"""Where the routing time goes: stand-ins for the router's two kernels, and the passes a router touching
+each [tokens, hidden] tensor once would make.
+
+stand_ins(route, project) swaps router._RouteFunction (the routers' fused passes) and/or
+router._ProjectSource (the shared source projections) for RouteStandIn / ProjectStandIn while a block runs:
+the benchmark's --routing-breakdown and --model-breakdown attribute time by the difference of runs with and
+without them (STAND_INS names the two variants). fused_router_passes counts the passes over memory a
+touch-once router would add to what the stand-in loop already does: the benchmark's floor."""
+import contextlib
+
+import torch
+
+# The stand-in variants of the breakdowns (stand_ins arguments): the routers' fused passes stood in,
+# and the shared source projections as well.
+STAND_INS = {"route": (True, False), "both": (True, True)}
+
+
+class RouteStandIn(torch.autograd.Function):
+    """In place of router._RouteFunction (--routing-breakdown): no weighted sum, no projection of the
+    local sources, only a copy of the base (the first value in the replacement modes) so the buffer's
+    bookkeeping runs unchanged; its backward hands the gradient to that input and zero logit
+    gradients to the projections (which then do their full backward work, but receive nothing in
+    their gradient sinks)."""
+
+    @staticmethod
+    def forward(ctx, n, out_dtype, lib, sinks, base_sums, eps, base, gate, null_logit, null_value, query,
+                *tensors):
+        ref = base if base is not None else tensors[0]
+        rows = ref.numel() // ref.shape[-1]
+        ctx.n, ctx.has_base = n, base is not None
+        ctx.local = [c is None for c in tensors[n:]]
+        alpha = torch.softmax(torch.stack([torch.zeros(rows) if c is None else c for c in tensors[n:]]), dim=0)
+        ctx.zero = alpha.new_zeros(rows)
+        ctx.mark_non_differentiable(alpha)
+        return ref.to(out_dtype or ref.dtype, copy=True), alpha
+
+    @staticmethod
+    def backward(ctx, grad, _grad_alpha):
+        n = ctx.n
+        first = [None] * n
+        if not ctx.has_base:
+            first[0] = grad
+        return (None, None, None, None, None, None, grad if ctx.has_base else None, None, None, None, None, *first,
+                *[None if local else ctx.zero for local in ctx.local])
+
+
+class ProjectStandIn(torch.autograd.Function):
+    """In place of router._ProjectSource (--routing-breakdown): no norm, no GEMM (1/rms = 1, zero
+    logits); its backward passes on what the routers left in the source's gradient sink."""
+
+    @staticmethod
+    def forward(ctx, value, eps, sink, *queries):
+        rows = value.numel() // value.shape[-1]
+        ctx.sink, ctx.shape, ctx.nq = sink, value.shape, len(queries)
+        inv = torch.ones(rows, dtype=torch.float32, device=value.device)
+        ctx.mark_non_differentiable(inv)
+        return (inv, *torch.zeros(len(queries), rows, dtype=torch.float32, device=value.device).unbind(0))
+
+    @staticmethod
+    def backward(ctx, _grad_inv, *_grad_z):
+        acc, ctx.sink.grad = ctx.sink.grad, None
+        return (None if acc is None else acc.view(ctx.shape), None, None, *([None] * ctx.nq))
+
+
+@contextlib.contextmanager
+def stand_ins(route, project):
+    """Swap the router's kernels for the stand-ins above while the block runs: routing alone with
+    both kernels minus routing alone without the fused passes is what the fused passes cost, and
+    so on. Attribution is by difference and approximate (the parts share caches; with the weighted
+    sums gone the projections' backward gets no sink to add to). Always restored on exit."""
+    from megatron_delta.core import router
+
+    saved = router._RouteFunction, router._ProjectSource
+    try:
+        if route:
+            router._RouteFunction = RouteStandIn
+        if project:
+            router._ProjectSource = ProjectStandIn
+        yield
+    finally:
+        router._RouteFunction, router._ProjectSource = saved
+
+
+def fused_router_passes(mode, config):
+    """Passes over a [tokens, hidden] tensor per step that a router touching each tensor once would
+    make BEYOND what the stand-in loop (the "rest" of --routing-breakdown) already does. Per router
+    with N sources: forward N + 2 (read the sources and the base x, write u) or N + 1 in the
+    replacement modes and where x is the sum of the sources (no base), of which the stand-in's copy
+    already does 2; backward 3N + 1 (read
+    the output gradient and each source, read and write each source's gradient). Per source with
+    several readers (projected once for all of them, make_source): 1 forward (its norm and logit
+    columns in one read), 3 backward (read it, read and write its gradient); a source with one
+    reader is projected inside that router's passes (a local source), at no extra pass."""
+    from megatron_delta.core.router import DepthRouter
+    from megatron_delta.core.sources import SourceBuffer, SourcePlan
+
+    plan = SourcePlan.from_config(config, mode)
+    counts = [plan.num_sources_read(j) for j in range(plan.num_sublayers)] + [len(plan.final_reads())]
+    base = 1 if plan.additive and not plan.x_from_sources else 0  # a router that reads x
+    route = sum((nj + base - 1) + (3 * nj + 1) for nj in counts if nj)
+    # The sources made, as SourceBuffer makes them (tiny tensors): which are projected for several readers.
+    readers = {j: DepthRouter(1, null_source=False, gate=False, eps=1e-6) for j in [*range(plan.num_sublayers), "final"]}
+    buf = SourceBuffer.start(plan, torch.zeros(1, 1, 1), 1e-6, readers=readers)
+    shared = {}
+    with torch.no_grad():
+        for j in range(plan.num_sublayers):
+            for src in buf.read(j):
+                shared[id(src)] = (src, len(src.logits) > 1)  # keep src alive: ids stay unique
+            buf.routed_input(j, readers[j])
+            buf.commit(j, torch.ones(1, 1, 1))
+        if not plan.additive:
+            for name in plan.final_reads():
+                src = buf._source(name, "final")
+                shared[id(src)] = (src, len(src.logits) > 1)
+    return route + 4 * sum(multi for _, multi in shared.values())
