@@ -95,8 +95,8 @@ def build_parser():
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--delta-num-blocks", type=int, default=None, help=f"K for {' / '.join(BLOCK_MODES)} (default 4)")
     p.add_argument("--delta-gate", choices=GATES, default=GATES[0],
-                   help=f"as pretrain_gpt.py's flag, for {' and '.join(ADDITIVE_MODES)} (scalar: they also hold the residual "
-                        "stream x, see README)")
+                   help=f"as pretrain_gpt.py's flag, for {' and '.join(ADDITIVE_MODES)} (scalar: they also hold "
+                        "the residual stream x, see README)")
     p.add_argument("--delta-router-kernels", choices=["auto", "c", "torch"], default="auto",
                    help="the routers' kernels, as pretrain_gpt.py's flag (torch: PyTorch ops, for A/B runs)")
     p.add_argument("--delta-cpu-allocator", choices=["cache", "system"], default="cache",
