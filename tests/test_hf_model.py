@@ -286,6 +286,41 @@ def test_matches_float64_reference(mode, k, sources, null, gate, qk_norm):
         assert a.shape == b.shape and torch.allclose(a.double(), b, atol=1e-5)
 
 
+def test_a_mode_registered_in_modes_alone_runs_as_its_rule_says(monkeypatch):
+    """The model takes what each sublayer reads, forms and commits from modes.py: a made-up mode registered
+    there alone (tests/test_modes.py's delta_window: routers read h0 and the last two sublayer outputs) is
+    accepted by the config, and each sublayer's input, captured, is x + r([h0, v_{j-2}, v_{j-1}]) over the
+    captured outputs v, x = h0 + sum v, written out here."""
+    from megatron_delta.core import modes
+    from tests.test_modes import DeltaWindowMode
+
+    monkeypatch.setitem(modes.ROUTED_MODE_CLASSES, "delta_window", DeltaWindowMode)
+    eps = 1e-5
+    model = DeltaQwen3ForCausalLM(DeltaQwen3Config(residual="delta_window", delta_router_eps=eps,
+                                                   **backbone_kwargs())).eval()
+    randomize_routers(model)
+    inputs, outputs, routers = [], [], []
+    for layer in model.model.layers:
+        for norm, sublayer, router in ((layer.input_layernorm, layer.self_attn, layer.attn_router),
+                                       (layer.post_attention_layernorm, layer.mlp, layer.mlp_router)):
+            norm.register_forward_hook(lambda m, args, out: inputs.append(args[0]))
+            sublayer.register_forward_hook(lambda m, args, out: outputs.append(out[0] if isinstance(out, tuple)
+                                                                               else out))
+            routers.append(router)
+    ids = torch.randint(0, V, (2, 10))
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+        h0 = model.model.embed_tokens(ids)
+        assert len(inputs) == len(outputs) == 2 * L
+        x = h0
+        for j, router in enumerate(routers):
+            s = torch.stack([h0] + outputs[max(0, j - 2):j])
+            logits = (router.key_norm_weight * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)) @ router.query
+            torch.testing.assert_close(inputs[j], x + (torch.softmax(logits, 0).unsqueeze(-1) * s).sum(0))
+            x = x + outputs[j]
+        torch.testing.assert_close(hidden, model.model.norm(x))
+
+
 # ---------------------------------------------------------------------------------------------- KV cache
 @pytest.mark.parametrize("mode,k,sources,null,gate", [
     ("baseline", None, "exact", False, False),

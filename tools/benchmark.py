@@ -36,10 +36,10 @@ def build_parser():
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=1024, help="mock tokens' vocabulary")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--delta-num-blocks", type=int, default=None, help="K for delta_block / attnres (default 4)")
+    p.add_argument("--delta-num-blocks", type=int, default=None, help=f"K for {' / '.join(BLOCK_MODES)} (default 4)")
     p.add_argument("--delta-gate", choices=GATES, default=GATES[0],
-                   help="as pretrain_gpt.py's flag, for delta and delta_block (scalar: they also hold the residual "
-                        "stream x, see README)")
+                   help=f"as pretrain_gpt.py's flag, for {' and '.join(ADDITIVE_MODES)} (scalar: they also hold "
+                        "the residual stream x, see README)")
     p.add_argument("--delta-router-kernels", choices=["auto", "c", "torch"], default="auto",
                    help="the routers' kernels, as pretrain_gpt.py's flag (torch: PyTorch ops, for A/B runs)")
     p.add_argument("--delta-cpu-allocator", choices=["cache", "system"], default="cache",

@@ -26,7 +26,7 @@ from megatron_delta.patches import known_warnings_quieted  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megatron_delta.core.modes import BASELINE, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS  # noqa: E402
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS  # noqa: E402
 
 
 @known_warnings_quieted()
@@ -45,7 +45,7 @@ def main(argv=None):
     i.add_argument("--delta-gate", choices=GATES, default=GATES[0])
     i.add_argument("--delta-null-source", action="store_true")
     i.add_argument("--delta-num-blocks", type=int, default=None,
-                   help="K blocks of L/K layers (delta_block, attnres); default 4 (or L if L < 4)")
+                   help=f"K blocks of L/K layers ({', '.join(BLOCK_MODES)}); default 4 (or L if L < 4)")
     i.add_argument("--delta-sources", choices=SOURCE_DEFINITIONS, default=SOURCE_DEFINITIONS[0])
     i.add_argument("--tensor-model-parallel-size", type=int, default=1)
     i.add_argument("--pipeline-model-parallel-size", type=int, default=1)

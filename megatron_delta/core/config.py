@@ -84,9 +84,9 @@ class DeltaTransformerConfig(TransformerConfig):
     """TransformerConfig + residual routing. `residual='baseline'` is plain Megatron."""
 
     residual: str = BASELINE
-    """One of baseline, attnres, full_attnres, delta, delta_block (see docs/design.md section 1)."""
+    """baseline or a routed mode of core/modes.py (``--residual``'s choices; docs/design.md section 1)."""
     delta_num_blocks: int | None = None
-    """K for delta_block / attnres; None picks the default (4)."""
+    """K for the block modes (core/modes.py BLOCK_MODES); None picks the default (4)."""
     delta_null_source: bool = False
     """Each router also reads a learnable, zero-initialised null source."""
     delta_gate: str = "none"

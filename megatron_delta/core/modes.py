@@ -22,8 +22,10 @@ full_attnres        B0 (= h0), B1 (= v0), ..., p (the latest sublayer output)
 A mode object acts on one micro-batch's SourceBuffer (megatron_delta/core/sources.py) through its small
 interface: ``hold(name, value)`` (name ``x``: the residual stream), ``take(name)``, ``value(name)``,
 ``rename(old, new)``, ``held_x``, ``x``, ``add_to_x(v)`` and ``route(j, router, base=, apply_gate=,
-base_sums=)``; SourceBuffer keeps the protocol, the projections and the tensor bookkeeping. A new mode is a
-subclass registered here (and its float64 reference in tests/reference_delta.py): nothing else of the core.
+base_sums=)``; SourceBuffer keeps the protocol, the projections and the tensor bookkeeping. The HF model
+applies the same objects to its DepthSources (megatron_delta/hf/modeling_delta.py), the same interface over a
+dict of tensors. A new mode is a subclass registered here (and its float64 reference in
+tests/reference_delta.py): no other production file.
 
 Messages name the command-line flag (``FLAGS``) or, for the HF configuration, its field (``HF_FIELDS``).
 """

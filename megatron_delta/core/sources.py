@@ -63,7 +63,7 @@ class SourcePlan:
     # ------------------------------------------------------------------ basic facts
     @property
     def additive(self) -> bool:
-        """delta / delta_block keep the residual stream x; attnres / full_attnres replace it."""
+        """The additive modes (delta, delta_block) keep the residual stream x; the replacement modes replace it."""
         return self.rules.additive
 
     @property

@@ -16,21 +16,23 @@ from transformers import Qwen3Config
 
 try:  # an exported model: the copy of core/modes.py next to this file (hf.write_remote_code_model)
     from .modes import (ATTNRES, AUTHORS_CODE, BASELINE, DELTA, DELTA_BLOCK, EXACT, FULL_ATTNRES, HF_FIELDS,
-                        REPLACEMENT_MODES, check_delta_options)
+                        REPLACEMENT_MODES, RoutedMode, check_delta_options, routed_mode_class)
 except ModuleNotFoundError:  # inside the megatron_delta package
     from megatron_delta.core.modes import (ATTNRES, AUTHORS_CODE, BASELINE, DELTA, DELTA_BLOCK, EXACT,
-                                           FULL_ATTNRES, HF_FIELDS, REPLACEMENT_MODES, check_delta_options)
+                                           FULL_ATTNRES, HF_FIELDS, REPLACEMENT_MODES, RoutedMode,
+                                           check_delta_options, routed_mode_class)
 
 
 class DeltaQwen3Config(Qwen3Config):
     """Qwen3Config plus the residual-mode fields.
 
     Args (in addition to Qwen3Config's):
-        residual: one of ``baseline``, ``attnres``, ``full_attnres``, ``delta``, ``delta_block``.
-        delta_num_blocks: K, the number of blocks of consecutive layers (``attnres`` and
-            ``delta_block`` only; must divide ``num_hidden_layers``).
+        residual: ``baseline`` or a routed mode of modes.py (``--residual``'s choices: ``attnres``,
+            ``full_attnres``, ``delta``, ``delta_block``, ...).
+        delta_num_blocks: K, the number of blocks of consecutive layers (the block modes only,
+            modes.BLOCK_MODES; must divide ``num_hidden_layers``).
         delta_sources: ``exact`` (paper definition) or ``authors-code`` (the public code's
-            sources); only meaningful for ``delta`` / ``delta_block``.
+            sources); for the modes that define it (modes.py: ``source_definitions``).
         delta_null_source: add a learnable zero-initialised null source z to every router.
         delta_gate: ``none`` or ``scalar`` (u = x + a*r, a zero-initialised; additive modes only).
         delta_router_eps: eps of the router's key RMS norm.
@@ -83,6 +85,14 @@ class DeltaQwen3Config(Qwen3Config):
     @property
     def has_final_router(self) -> bool:
         return self.residual in REPLACEMENT_MODES
+
+    def residual_rules(self) -> RoutedMode | None:
+        """The routed mode's rules (modes.py, those of the Megatron model): which sources each sublayer
+        reads, how it forms its input and what its output adds to the sources; None for ``baseline``."""
+        if not self.has_routers:
+            return None
+        L = self.num_hidden_layers
+        return routed_mode_class(self.residual, self.delta_sources, HF_FIELDS)(L, self.delta_num_blocks or L)
 
     # ------------------------------------------------------------------ construction
     @classmethod

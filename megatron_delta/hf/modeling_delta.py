@@ -1,13 +1,27 @@
 """Hugging Face model for Delta Attention Residuals (remote code; eval and serving).
 
 Copied verbatim next to converted checkpoints and loaded with ``trust_remote_code=True``:
-it imports nothing from ``megatron_delta``, its config and the mode names through a relative import.
+it imports nothing from ``megatron_delta``; its config, and through it the mode rules of ``modes.py``
+(a copy of megatron_delta/core/modes.py), by a relative import.
 
 The backbone is transformers' Qwen3 (attention, SwiGLU MLP, RMSNorm, RoPE); with
 ``config.use_qk_norm=False`` the attention has no q/k norms, i.e. it is Llama's.
 Every decoder layer has an ``attn_router`` and an ``mlp_router`` (modes other than
 ``baseline``), and the replacement modes have a ``model.final_router`` before the final norm.
-The math is docs/design.md section 1; sources are stacked per call (readability over speed).
+
+The math is docs/design.md section 1. Sublayer j = 0..2L-1 (attention, MLP, attention, ...) computes
+v_j = f_j(u_j), its input u_j routed over the sources S_j it reads:
+
+  baseline       u = x;                    x <- x + v          (no routers)
+  additive       u = x + G(r(S_j));        x <- x + v          (e.g. delta, delta_block)
+  replacement    u = r(B + [p]);           p <- p + v          (e.g. attnres, full_attnres; a final router
+                                                                 mixes B + [p] before the final norm)
+
+with r(S) = sum_i alpha_i s_i (:class:`DeltaRouter`). Which sources S_j are (h0, v0, v1, ... for delta;
+block sums for delta_block; B0 = h0, B1, ... for the replacement modes) and when a sublayer's output
+becomes one is each mode's class in modes.py, the rules the Megatron model applies
+(megatron_delta/core/sources.py); here :class:`DepthSources` holds them as a dict of named tensors,
+stacked per call (readability over speed).
 
 A receiver with no sources (``authors-code``: the first attention) uses u = x, or reads the null
 source alone (r = z) when there is one - the convention of tests/reference_delta.py.
@@ -31,8 +45,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
-from .configuration_delta import (ATTNRES, AUTHORS_CODE, BASELINE, DELTA, DELTA_BLOCK, FULL_ATTNRES,
-                                  DeltaQwen3Config)
+from .configuration_delta import DeltaQwen3Config
 
 
 class DeltaRouter(nn.Module):
@@ -102,15 +115,15 @@ class DeltaRouter(nn.Module):
                 else:
                     record.append(like.new_zeros(*like.shape[:-1], 0, dtype=torch.float32))
 
-    def additive(self, x: torch.Tensor, sources, record=None) -> torch.Tensor:
-        """u = x + G(r) for the additive modes; G = identity or a*r (scalar gate).
+    def additive(self, x: torch.Tensor, sources, record=None, apply_gate: bool = True) -> torch.Tensor:
+        """u = x + G(r) for the additive modes; G = identity or a*r (scalar gate, unless not apply_gate).
 
         No sources (authors-code, first receiver): u = x, or u = x + G(z) with a null source."""
         self._record(record, sources, x)
         if len(sources) == 0 and self.null_source is None:
             return x
         r = self.forward(sources, like=x)
-        if self.gate is not None:
+        if self.gate is not None and apply_gate:
             r = self.gate.float() * r
         return x + r.to(x.dtype)
 
@@ -118,6 +131,54 @@ class DeltaRouter(nn.Module):
         """u = r for the replacement modes, cast to the activation dtype."""
         self._record(record, sources, sources[0])
         return self.forward(sources).to(dtype)
+
+
+class DepthSources:
+    """The sources of one call and the residual stream x (additive modes), by the names of modes.py.
+
+    The mode object (``config.residual_rules()``) runs a call: ``start`` holds the embedding output,
+    then per sublayer j ``u = routed_input(buf, j, router)`` and ``commit(buf, j, f_j(u))``, then
+    ``output(buf, final_router)``. It acts through the methods below, the interface that
+    megatron_delta/core/sources.py's SourceBuffer gives the Megatron model (which adds pipeline payloads
+    and fused projections); here they are plain tensor operations.
+    """
+
+    def __init__(self, rules, dtype: torch.dtype, record=None):
+        self.rules, self.dtype, self.record = rules, dtype, record
+        self.sources = {}  # name -> tensor
+        self.x = None  # the residual stream of the additive modes
+
+    @property
+    def held_x(self):
+        return self.x
+
+    def hold(self, name: str, value: torch.Tensor):
+        if name == "x":
+            self.x = value
+        else:
+            self.sources[name] = value
+
+    def take(self, name: str):
+        return self.sources.pop(name, None)
+
+    def value(self, name: str) -> torch.Tensor:
+        return self.x if name == "x" else self.sources[name]
+
+    def rename(self, old: str, new: str):
+        self.sources[new] = self.sources.pop(old)
+
+    def add_to_x(self, v: torch.Tensor):
+        self.x = self.x + v
+
+    def route(self, j, router: DeltaRouter, *, base, apply_gate: bool, base_sums: bool) -> torch.Tensor:
+        """Receiver j (a sublayer, or "final") over the sources it reads: base + G(r), or r without a base.
+        ``base_sums`` (the base is the sum of those sources) only tells the Megatron router that it may
+        rebuild one from the other; the math is the same."""
+        names = self.rules.final_reads() if j == "final" else self.rules.reads(j)
+        sources = [self.sources[name] for name in names]
+        if base is None:
+            return router.replace(sources, self.dtype, self.record)
+        return router.additive(base, sources, self.record, apply_gate=apply_gate)
 
 
 class DeltaQwen3Attention(Qwen3Attention):
@@ -205,10 +266,10 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
         self.embed_tokens = value
 
     def _sublayers(self):
-        """Yield (layer_idx, is_attention, layer) for j = 0..2L-1."""
-        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            yield i, True, layer
-            yield i, False, layer
+        """Yield (layer, is_attention) for j = 0..2L-1."""
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            yield layer, True
+            yield layer, False
 
     def forward(
         self,
@@ -259,81 +320,19 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
         def router(layer, is_attn):
             return layer.attn_router if is_attn else layer.mlp_router
 
-        mode = self.config.residual
-        L = self.config.num_hidden_layers
-        per_block = L // self.config.delta_num_blocks if self.config.delta_num_blocks else L
-        authors = self.config.delta_sources == AUTHORS_CODE
-
-        if mode == BASELINE:
+        rules = self.config.residual_rules()  # the mode's class in modes.py; None for baseline
+        if rules is None:
             x = h0
-            for _, is_attn, layer in self._sublayers():
+            for layer, is_attn in self._sublayers():
                 x = x + f(layer, is_attn, x)
             out = x
-
-        elif mode == DELTA:
-            # S = [h0]; u = x + G(r(S)); v = f(u); x <- x + v; S.append(v).
-            # authors-code: sublayer 0 reads nothing (u = x), h0 is appended after it routed.
-            x = h0
-            sources = [] if authors else [h0]
-            for i, is_attn, layer in self._sublayers():
-                u = router(layer, is_attn).additive(x, sources, record)
-                if authors and i == 0 and is_attn:
-                    sources.append(h0)
-                v = f(layer, is_attn, u)
-                x = x + v
-                sources.append(v)
-            out = x
-
-        elif mode == DELTA_BLOCK and not authors:
-            # sources: h0, completed block sums Delta_c (c < b), partial sum P_b when non-empty.
-            x = h0
-            done, partial = [], None
-            for i, is_attn, layer in self._sublayers():
-                if is_attn and i > 0 and i % per_block == 0:
-                    done.append(partial)
-                    partial = None
-                sources = [h0] + done + ([partial] if partial is not None else [])
-                u = router(layer, is_attn).additive(x, sources, record)
-                v = f(layer, is_attn, u)
-                x = x + v
-                partial = v if partial is None else partial + v
-            out = x
-
-        elif mode == DELTA_BLOCK:
-            # authors-code: at the first layer of each block, after its attention sublayer routed and
-            # before its output is added, append x (first time) or x - blocks[-1]; no partial source.
-            x = h0
-            blocks = []
-            for i, is_attn, layer in self._sublayers():
-                u = router(layer, is_attn).additive(x, blocks, record)
-                if is_attn and i % per_block == 0:
-                    blocks.append(x if not blocks else x - blocks[-1])
-                v = f(layer, is_attn, u)
-                x = x + v
-            out = x
-
-        elif mode == ATTNRES:
-            # B = [], p = h0; a block-starting attention: u = r(B+[p]); B.append(p); p = f(u).
-            done, p = [], h0
-            for i, is_attn, layer in self._sublayers():
-                u = router(layer, is_attn).replace(done + [p], h0.dtype, record)
-                if is_attn and i % per_block == 0:
-                    done.append(p)
-                    p = f(layer, is_attn, u)
-                else:
-                    p = p + f(layer, is_attn, u)
-            out = self.final_router.replace(done + [p], h0.dtype, record)
-
-        elif mode == FULL_ATTNRES:
-            done, p = [], h0
-            for i, is_attn, layer in self._sublayers():
-                u = router(layer, is_attn).replace(done + [p], h0.dtype, record)
-                done.append(p)
-                p = f(layer, is_attn, u)
-            out = self.final_router.replace(done + [p], h0.dtype, record)
-
-        else:  # pragma: no cover - the config validates the mode
-            raise ValueError(f"unknown residual mode {mode!r}")
+        else:
+            sources = DepthSources(rules, h0.dtype, record)
+            rules.start(sources, h0)
+            for j, (layer, is_attn) in enumerate(self._sublayers()):
+                u = rules.routed_input(sources, j, router(layer, is_attn))
+                rules.commit(sources, j, f(layer, is_attn, u))
+            out = rules.output(sources, getattr(self, "final_router", None))
 
         return BaseModelOutputWithPast(last_hidden_state=self.norm(out), cache=cache if use_cache else None)
 

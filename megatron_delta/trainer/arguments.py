@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_delta.core.modes import BASELINE, RESIDUAL_MODES, SOURCE_DEFINITIONS
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 from megatron_delta.core.router import KERNEL_CHOICES
 
 PROG = "pretrain_gpt.py"
@@ -24,7 +24,7 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--residual", choices=RESIDUAL_MODES, default=BASELINE,
                    help="depth routing of the residual stream (default: baseline, Megatron's own layer)")
     g.add_argument("--delta-num-blocks", type=int, default=None,
-                   help="K blocks of L/K layers (delta_block, attnres); default 4 (or L if L < 4)")
+                   help=f"K blocks of L/K layers ({', '.join(BLOCK_MODES)}); default 4 (or L if L < 4)")
     g.add_argument("--delta-null-source", action="store_true",
                    help="each router also reads a learnable zero-initialised null source")
     g.add_argument("--delta-gate", choices=["none", "scalar"], default="none",
