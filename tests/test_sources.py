@@ -539,12 +539,16 @@ def test_partial_block_sum_rebuilt_not_kept(plan, null, gate_value):
     kept = 0 if gate_value is not None and gate_value < -0.5 else sums
     c32, t32, t64 = runs["c", torch.float32], runs["torch", torch.float32], runs["torch", torch.float64]
     assert sums > 0 and t32[0] - c32[0] == kept * s * b * d * 4
+    # A scalar gate's gradient is a sum over tokens that can cancel to near zero; its fp32 round-off is
+    # that of the sum's terms, so it is measured against the largest gate gradient of the model (the
+    # C kernels' -march=native vectorisation rounds such a sum differently from the PyTorch path).
+    gate_scale = max((r.abs().max().item() for r in t64[1] if r is not None and r.numel() == 1), default=0.0)
     for c, t, ref in zip(c32[1], t32[1], t64[1], strict=True):
         assert (c is None) == (ref is None)
-        if c is not None:  # fp32 round-off (1e-4, as the router tests); a gate's gradient (a sum over
-            # tokens that cancels) can be off by more on both paths: there no worse than the PyTorch path
+        if c is not None:  # fp32 round-off (1e-4, as the router tests)
+            scale = max(ref.abs().max().item(), gate_scale if ref.numel() == 1 else 0.0)
             err_c, err_t = ((x.double() - ref).abs().max().item() for x in (c, t))
-            assert err_c <= max(1e-4 * ref.abs().max().item(), 2 * err_t), (err_c, err_t)
+            assert err_c <= max(1e-4 * scale, 2 * err_t), (err_c, err_t)
 
 
 # --------------------------------------------------------------------------- payload
