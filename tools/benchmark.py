@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from megatron_delta.core.modes import BASELINE, GATES
+from megatron_delta.core.modes import ADDITIVE_MODES, BASELINE, BLOCK_MODES, GATES
 from megatron_delta.perf.benchmark import MODES, finalize, mode_config, run
 
 
