@@ -247,8 +247,11 @@ _SAVE_FUNCTIONS = {
     ("megatron/core/dist_checkpointing/serialization.py", "save"),
     ("torch/distributed/checkpoint/state_dict_saver.py", "save"),
     ("torch/serialization.py", "save"),
+    ("megatron_delta/trainer/main.py", "save_checkpoint"),  # _Run's hook around upstream's
+    ("megatron_delta/trainer/run_config.py", "write_run_config"),
 }
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_NEARLY_FULL = 2**20  # bytes: less free space than this counts as a full disk even before any checkpoint
 
 
 def _from_checkpoint_save(exc: BaseException) -> bool:
@@ -285,7 +288,8 @@ def describe_save_failure(exc: BaseException, save_dir: Optional[str]) -> Option
     "Worker failure: An error is caught while starting worker 0, error: <class 'RuntimeError'>": torch.save's
     "unexpected pos" or the OSError's errno does not survive it. So a failed save counts as a full disk when an
     ENOSPC / EDQUOT OSError is in the chain, or when the free space left on the ``--save`` filesystem is below
-    what the last complete checkpoint there occupies (the size the failed save needed at least).
+    what the last complete checkpoint there occupies (the size the failed save needed at least), or below
+    1 MiB.
     """
     if not save_dir or isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
         return None
@@ -302,7 +306,7 @@ def describe_save_failure(exc: BaseException, save_dir: Optional[str]) -> Option
     needed = _size(previous) if previous else 0
     full = any(isinstance(e, OSError) and e.errno in _FULL for e in _chain(exc)) or any(
         "No space left on device" in str(e) or "Disk quota exceeded" in str(e) for e in _chain(exc))
-    if not full and not (needed and free < needed):
+    if not full and free >= max(needed, _NEARLY_FULL):
         return None
     unfinished = [it for it in _iterations(save_dir) if tracked is None or it > tracked]
     what = f"the checkpoint of iteration {unfinished[-1]}" if unfinished else "a checkpoint"
