@@ -8,8 +8,14 @@ loading), finds the damaged file by checking the iteration directory against its
 ``.metadata`` of torch.distributed.checkpoint records every item's file, offset and length; ``.pt``
 files are zip archives; ``metadata.json`` is JSON; files listed in a ``--verify-integrity`` manifest
 must exist) and returns one line: the file, the iteration, the previous complete checkpoint and the
-two ways to resume from it (point the tracker at it, or ``--ckpt-step N``). Failures that are not a
-damaged checkpoint file give None: the caller re-raises them unchanged.
+two ways to resume from it (point the tracker at it, or ``--ckpt-step N``). A torch_dist iteration directory
+without its ``metadata.json`` or ``.metadata`` (written last) is a save that did not finish, or lost files.
+Failures that are not a damaged checkpoint file give None: the caller re-raises them unchanged.
+
+Two more failures get one line here: :func:`describe_save_failure` (the ``--save`` filesystem is full: the free
+space, and the previous checkpoint, which stays intact) and :func:`describe_schedule_mismatch` (a resume whose
+learning-rate / weight-decay schedule flags differ from the checkpoint's: which value, and
+``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``).
 
     try:
         run(args)
@@ -237,7 +243,6 @@ def describe_load_failure(exc: BaseException, load_dir: Optional[str], ckpt_step
         line += (f"Delete {ckpt_dir} and write {previous} into {tracker} to resume from iteration "
                  f"{previous}, or pass --ckpt-step {previous}")
     return line
-
 
 
 # ------------------------------------------------------------------------------- saving on a full disk
