@@ -8,6 +8,8 @@
 #
 # Under Slurm, examples/slurm/pretrain_qwen3_8b_delta_block.sbatch sets these from SLURM_* variables.
 # RDZV=c10d uses torchrun's c10d rendezvous instead (elastic agents; node ranks are then assigned by it).
+# The agent is torchrun run by megatron_delta.trainer.launch: a SIGTERM to it (a preemption, Slurm's
+# --signal) is passed on to the workers, which save with --exit-signal-handler and exit 0, and so does it.
 set -euo pipefail
 
 NNODES=${NNODES:-1}
@@ -32,4 +34,5 @@ else
 fi
 
 echo "torchrun_multinode: node $NODE_RANK/$NNODES x $NPROC_PER_NODE procs, rendezvous $RDZV at $MASTER_ADDR:$MASTER_PORT" >&2
-exec "$PYTHON" -m torch.distributed.run "${launch[@]}" "$HERE/pretrain_gpt.py" "$@"
+export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"  # megatron_delta.trainer.launch from this checkout
+exec "$PYTHON" -m megatron_delta.trainer.launch "${launch[@]}" "$HERE/pretrain_gpt.py" "$@"

@@ -7,7 +7,9 @@ tiny COMMON model of tests/trainer_driver.py, as a job script would start it:
    that checkpoint continues as the uninterrupted run.
 2. --exit-interval / --exit-duration-in-mins: training stops with a checkpoint of the iteration reached.
 3. A rank SIGKILLed under `torchrun --max-restarts 1` (DP2): the restarted ranks load the last complete
-   checkpoint and train on exactly as an uninterrupted run.
+   checkpoint and train on exactly as an uninterrupted run, and no process of the killed rank survives;
+   then SIGTERM to the launcher (megatron_delta.trainer.launch): the workers save, it exits 0, and a
+   resume from that checkpoint ends as the uninterrupted run.
 4. A save killed midway (SIGKILL while iteration 4's checkpoint is written) is never loaded: the tracker
    still names iteration 2, --load resumes from 2 exactly, and the next save of 4 overwrites the leftover.
 5. A truncated .distcp shard: one error line naming the file and what to do, exit code 1, no traceback.
@@ -252,8 +254,42 @@ def _torchrun(*args) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + list(args)
 
 
+def _launcher(*args) -> list:
+    """megatron_delta.trainer.launch: torchrun whose SIGTERM goes to the workers (examples/torchrun_multinode.sh)."""
+    return [sys.executable, "-m", "megatron_delta.trainer.launch", "--standalone", "--nproc-per-node", "2"] + list(args)
+
+
+def _split_at_restart(records: list):
+    """(records of the first attempt, records of the restarted one): a restart logs a lower iteration again."""
+    iterations = [r["iteration"] for r in records]
+    restart = next((i for i in range(1, len(iterations)) if iterations[i] <= iterations[i - 1]), len(records))
+    return records[:restart], records[restart:]
+
+
+def _processes_with(marker: str) -> list:
+    """The processes whose environment holds marker (a variable set only in one job's environment)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("MEGATRON_DELTA_TEST_JOB") == marker:
+                found.append((p.pid, " ".join(p.cmdline())[:160], p.memory_info().rss // 2**20))
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 @pytest.mark.slow
-def test_rank_killed_under_torchrun_restarts_from_last_checkpoint(tmp_path):
+def test_rank_killed_then_launcher_sigterm(tmp_path):
+    """One launch through megatron_delta.trainer.launch under --max-restarts 1 with --exit-signal-handler:
+    (a) rank 0 SIGKILLed after the save of iteration 3: the restarted ranks load it and train on exactly as an
+    uninterrupted run; (b) no process of the killed ranks survives (megatron-core's checkpoint writer's
+    Manager, patch ckpt_writer_manager_exits_with_rank); (c) SIGTERM to the launcher, as a cluster sends it:
+    the workers save the iteration reached and the launcher exits 0; (d) a resume from that checkpoint ends
+    as the uninterrupted run, and no process of the job is left."""
+    import uuid
+
     flags = COMMON + ["--train-iters", "10", "--save-interval", "3", "--hidden-dropout", "0.1"]
     ref_metrics = str(tmp_path / "ref.jsonl")
     ref = _run(_torchrun("-m", "megatron_delta.trainer", *flags, "--save", str(tmp_path / "ref-ckpt"),
@@ -263,9 +299,14 @@ def test_rank_killed_under_torchrun_restarts_from_last_checkpoint(tmp_path):
     assert [r["iteration"] for r in reference] == list(range(1, 11))
 
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    # Each restart attempt gets a rendezvous store of its own (megatron_delta.trainer.main._elastic_attempt_store).
-    job = Job(_torchrun("--max-restarts", "1", "-m", "megatron_delta.trainer", *flags, "--save", ckpt,
-                        "--load", ckpt, "--delta-metrics-file", metrics), str(tmp_path / "run"))
+    marker = uuid.uuid4().hex
+    os.environ["MEGATRON_DELTA_TEST_JOB"] = marker  # inherited by the job's processes only (Job copies os.environ)
+    try:
+        # Each restart attempt gets a rendezvous store of its own (megatron_delta.trainer.main._elastic_attempt_store).
+        job = Job(_launcher("--max-restarts", "1", "-m", "megatron_delta.trainer", *flags, "--exit-signal-handler",
+                            "--save", ckpt, "--load", ckpt, "--delta-metrics-file", metrics), str(tmp_path / "run"))
+    finally:
+        del os.environ["MEGATRON_DELTA_TEST_JOB"]
     # Rank 1 writes the metrics; iteration 4 logged means iteration 3's checkpoint is complete.
     _wait_until(lambda: _last_iteration(metrics) >= 4, job, timeout=500, poll=0.01)
     victim = _worker_with_rank(job.proc.pid, 0)
@@ -274,17 +315,35 @@ def test_rank_killed_under_torchrun_restarts_from_last_checkpoint(tmp_path):
     killed_after = _last_iteration(metrics)
     complete = _tracker(ckpt)  # the last complete checkpoint when the rank died
     assert complete is not None and complete % 3 == 0 and complete <= killed_after, (complete, killed_after)
+    # The restarted attempt has trained an iteration: SIGTERM to the launcher.
+    _wait_until(lambda: _split_at_restart(_metrics(metrics))[1], job, timeout=500, poll=0.01)
+    job.proc.send_signal(signal.SIGTERM)
     code = job.wait(600)
     assert code == 0, job.tail()
-    records = _metrics(metrics)
-    iterations = [r["iteration"] for r in records]
-    restart = next(i for i in range(1, len(iterations)) if iterations[i] <= iterations[i - 1])
-    before, after = records[:restart], records[restart:]
+    assert "SIGTERM passed on to 2 worker(s)" in job.stderr(), job.tail()
+    assert "exiting program after receiving SIGTERM" in job.stdout(), job.tail()
+    before, after = _split_at_restart(_metrics(metrics))
+    reached = after[-1]["iteration"]
     assert [r["iteration"] for r in before] == list(range(1, len(before) + 1)) and len(before) >= killed_after
-    assert [r["iteration"] for r in after] == list(range(complete + 1, 11)), iterations
+    assert [r["iteration"] for r in after] == list(range(complete + 1, reached + 1)) and reached < 10, after
+    assert _tracker(ckpt) == reached  # saved at the iteration reached
     assert _losses(before, 1, len(before)) == pytest.approx(_losses(reference, 1, len(before)), abs=1e-6)
-    assert _losses(after, complete + 1, 10) == pytest.approx(_losses(reference, complete + 1, 10), abs=1e-6)
-    assert _lrs(after, complete + 1, 10) == pytest.approx(_lrs(reference, complete + 1, 10), rel=1e-12)
+    assert _losses(after, complete + 1, reached) == pytest.approx(_losses(reference, complete + 1, reached), abs=1e-6)
+    # Nothing of the job is left: not the killed rank's checkpoint writer (its Manager, ~600 MB, and resource
+    # tracker were reparented to init before the patch), nor anything of the restarted attempt.
+    deadline = time.monotonic() + 30
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the Manager looks for its parent every 0.2 s
+    assert _processes_with(marker) == [], _processes_with(marker)
+
+    resumed_metrics = str(tmp_path / "resumed.jsonl")
+    job = _run(_torchrun("-m", "megatron_delta.trainer", *flags, "--load", ckpt, "--save", ckpt,
+                         "--delta-metrics-file", resumed_metrics), str(tmp_path / "resumed"))
+    assert job.proc.returncode == 0, job.tail()
+    resumed = _metrics(resumed_metrics)
+    assert [r["iteration"] for r in resumed] == list(range(reached + 1, 11))
+    assert _losses(resumed, reached + 1, 10) == pytest.approx(_losses(reference, reached + 1, 10), abs=1e-6)
+    assert _lrs(resumed, reached + 1, 10) == pytest.approx(_lrs(reference, reached + 1, 10), rel=1e-12)
     assert _tracker(ckpt) == 10  # and the end of training saved iteration 10
 
 

@@ -60,7 +60,7 @@ class Patch:
 
 
 def _apply(module: str, function: str) -> Callable[[], None]:
-    """The implementation, imported when the patch is applied (megatron_delta.patches.cpu / .distopt)."""
+    """The implementation, imported when the patch is applied (megatron_delta.patches.cpu / .distopt / .ckpt_writer)."""
 
     def apply():
         getattr(importlib.import_module(f"megatron_delta.patches.{module}"), function)()
@@ -214,6 +214,13 @@ REGISTRY: Tuple[Patch, ...] = (
           "the fully_reshardable loader (--dist-ckpt-optim-fully-reshardable) leaves Adam's step out of the "
           "tensors it sets (distrib_optimizer.py:1223): KeyError: 'step' on resume",
           V019, EVERY_DEVICE, _apply("distopt", "fix_distopt_missing_state_key")),
+    # ---------------------------------------------------------------- checkpoint writer processes
+    Patch("ckpt_writer_manager_exits_with_rank",
+          ("megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue",),
+          "the torch_dist writer's results queue lives in a multiprocessing Manager (filesystem_async.py:53-66) "
+          "that outlives a SIGKILLed rank: the Manager (~600 MB) and its resource tracker are reparented to "
+          "init at every torchrun --max-restarts restart",
+          V019, EVERY_DEVICE, _apply("ckpt_writer", "fix_results_queue_manager")),
     # ---------------------------------------------------------------- made elsewhere (pointers)
     Patch("p2p_shape_exchange", ("megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator"
                                  "._communicate_shapes",),

@@ -8,8 +8,14 @@ loading), finds the damaged file by checking the iteration directory against its
 ``.metadata`` of torch.distributed.checkpoint records every item's file, offset and length; ``.pt``
 files are zip archives; ``metadata.json`` is JSON; files listed in a ``--verify-integrity`` manifest
 must exist) and returns one line: the file, the iteration, the previous complete checkpoint and the
-two ways to resume from it (point the tracker at it, or ``--ckpt-step N``). Failures that are not a
-damaged checkpoint file give None: the caller re-raises them unchanged.
+two ways to resume from it (point the tracker at it, or ``--ckpt-step N``). A torch_dist iteration directory
+without its ``metadata.json`` or ``.metadata`` (written last) is a save that did not finish, or lost files.
+Failures that are not a damaged checkpoint file give None: the caller re-raises them unchanged.
+
+Two more failures get one line here: :func:`describe_save_failure` (the ``--save`` filesystem is full: the free
+space, and the previous checkpoint, which stays intact) and :func:`describe_schedule_mismatch` (a resume whose
+learning-rate / weight-decay schedule flags differ from the checkpoint's: which value, and
+``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``).
 
     try:
         run(args)
@@ -21,6 +27,7 @@ damaged checkpoint file give None: the caller re-raises them unchanged.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -108,6 +115,13 @@ def damaged_files(ckpt_dir: str) -> List[Tuple[str, str]]:
         return [(ckpt_dir, "is missing")]
     found: List[Tuple[str, str]] = []
     dcp_index = os.path.join(ckpt_dir, ".metadata")
+    names = os.listdir(ckpt_dir)
+    if not any(n.startswith("mp_rank_") for n in names):  # not the legacy torch format: a torch_dist save
+        # dist_checkpointing writes metadata.json and torch.distributed.checkpoint's .metadata (the index of
+        # the .distcp shards) last: without them the directory is a save that did not finish, or lost files.
+        for name in ("metadata.json", ".metadata"):
+            if name not in names:
+                found.append((os.path.join(ckpt_dir, name), "is missing"))
     if os.path.exists(dcp_index):  # torch_dist / torch.distributed.checkpoint
         try:
             from torch.distributed.checkpoint import FileSystemReader
@@ -210,15 +224,156 @@ def describe_load_failure(exc: BaseException, load_dir: Optional[str], ckpt_step
     more = f" (and {len(found) - 1} more file(s))" if len(found) > 1 else ""
     cause = next((e for e in _chain(exc) if not type(e).__name__.endswith("CheckpointException")), exc)
     detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
-    line = (f"cannot load the checkpoint of iteration {iteration}: {path} {why}{more}; "
-            f"the load failed with {detail.splitlines()[0][:200]}. ")
     tracker = os.path.join(load_dir, TRACKER)
+    tracked = _tracker_iteration(load_dir)
+    unfinished = ""
+    if why == "is missing" and os.path.basename(path) in ("metadata.json", ".metadata") and tracked != iteration:
+        unfinished = f" (a save that did not finish: {tracker} names iteration {tracked})" if tracked is not None \
+            else " (a save that did not finish)"
+    line = (f"cannot load the checkpoint of iteration {iteration}: {path} {why}{more}{unfinished}; "
+            f"the load failed with {detail.splitlines()[0][:200].rstrip('.')}. ")
     previous = _previous_complete(load_dir, iteration)
     if previous is None:
         line += (f"No earlier complete checkpoint in {load_dir}: delete {ckpt_dir} and {tracker} "
                  f"to start from scratch, or --load another directory")
+    elif tracked == previous and tracked != iteration:  # --ckpt-step named a later, unfinished save
+        line += (f"Delete {ckpt_dir} (it is never loaded) and resume without --ckpt-step: {tracker} names "
+                 f"iteration {previous}, the last complete checkpoint; or pass --ckpt-step {previous}")
     else:
         line += (f"Delete {ckpt_dir} and write {previous} into {tracker} to resume from iteration "
                  f"{previous}, or pass --ckpt-step {previous}")
     return line
 
+
+# ------------------------------------------------------------------------------- saving on a full disk
+# Frames that mean "this exception came out of saving a checkpoint".
+_SAVE_FUNCTIONS = {
+    ("megatron/training/checkpointing.py", "save_checkpoint"),
+    ("megatron/core/dist_checkpointing/serialization.py", "save"),
+    ("torch/distributed/checkpoint/state_dict_saver.py", "save"),
+    ("torch/serialization.py", "save"),
+    ("megatron_delta/trainer/main.py", "save_checkpoint"),  # _Run's hook around upstream's
+    ("megatron_delta/trainer/run_config.py", "write_run_config"),
+}
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_NEARLY_FULL = 2**20  # bytes: less free space than this counts as a full disk even before any checkpoint
+
+
+def _from_checkpoint_save(exc: BaseException) -> bool:
+    for e in _chain(exc):
+        for filename, function in _frames(e):
+            if any(filename.endswith(f) and function == fn for f, fn in _SAVE_FUNCTIONS):
+                return True
+    return False
+
+
+def _size(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _human(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def describe_save_failure(exc: BaseException, save_dir: Optional[str]) -> Optional[str]:
+    """One line for a checkpoint save that failed because the ``--save`` filesystem is full, or None.
+
+    The writer of torch_dist checkpoints (megatron-core's FileSystemWriterAsync) reports a failed write as
+    "Worker failure: An error is caught while starting worker 0, error: <class 'RuntimeError'>": torch.save's
+    "unexpected pos" or the OSError's errno does not survive it. So a failed save counts as a full disk when an
+    ENOSPC / EDQUOT OSError is in the chain, or when the free space left on the ``--save`` filesystem is below
+    what the last complete checkpoint there occupies (the size the failed save needed at least), or below
+    1 MiB.
+    """
+    if not save_dir or isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+        return None
+    if not _from_checkpoint_save(exc):
+        return None
+    import shutil
+
+    try:
+        free = shutil.disk_usage(save_dir).free
+    except OSError:
+        return None
+    tracked = _tracker_iteration(save_dir)
+    previous = iteration_dir(save_dir, tracked) if tracked is not None else None
+    needed = _size(previous) if previous else 0
+    full = any(isinstance(e, OSError) and e.errno in _FULL for e in _chain(exc)) or any(
+        "No space left on device" in str(e) or "Disk quota exceeded" in str(e) for e in _chain(exc))
+    if not full and free >= max(needed, _NEARLY_FULL):
+        return None
+    unfinished = [it for it in _iterations(save_dir) if tracked is None or it > tracked]
+    what = f"the checkpoint of iteration {unfinished[-1]}" if unfinished else "a checkpoint"
+    line = f"cannot save {what} in {save_dir}: no space left on device ({_human(free)} free"
+    line += f", the last checkpoint took {_human(needed)}); " if needed else "); "
+    if previous is not None and not damaged_files(previous):
+        line += (f"the previous checkpoint, iteration {tracked} ({previous}), is intact and "
+                 f"{os.path.join(save_dir, TRACKER)} names it. ")
+    else:
+        line += "no earlier complete checkpoint is there. "
+    if unfinished:
+        line += f"Delete the unfinished {iteration_dir(save_dir, unfinished[-1])} (it is never loaded), free "
+    else:
+        line += "Free "
+    line += f"space or --save to a larger filesystem, and resume with --load {save_dir}"
+    return line
+
+
+# ------------------------------------------------------------------------------- schedule mismatch on resume
+_SCHEDULER_ASSERT = re.compile(r"class input value (.*) and checkpoint ?value (.*) for (.*) do not match")
+# OptimizerParamScheduler._check_and_set's names (megatron-core 0.19.2) -> the flags behind them, and whether the
+# value counts samples (iterations x --global-batch-size for an iteration-based run)
+_SCHEDULER_FIELDS = {
+    "learning rate": ("--lr", False),
+    "minimum learning rate": ("--min-lr", False),
+    "warmup iterations": ("--lr-warmup-iters / --lr-warmup-fraction", True),
+    "total number of iterations": ("--lr-decay-iters (default --train-iters)", True),
+    "learning rate decay style": ("--lr-decay-style", False),
+    "start weight decay": ("--start-weight-decay / --weight-decay", False),
+    "end weight decay": ("--end-weight-decay / --weight-decay", False),
+    "total number of weight decay iterations": ("--train-iters", True),
+    "weight decay incr style": ("--weight-decay-incr-style", False),
+}
+
+
+def describe_schedule_mismatch(exc: BaseException, args) -> Optional[str]:
+    """One line for a resume whose learning-rate / weight-decay schedule flags differ from the checkpoint's
+    (OptimizerParamScheduler.load_state_dict's AssertionError), or None."""
+    if not isinstance(exc, AssertionError):
+        return None
+    if not any(f.endswith("megatron/core/optimizer_param_scheduler.py") and fn == "_check_and_set"
+               for f, fn in _frames(exc)):
+        return None
+    m = _SCHEDULER_ASSERT.search(str(exc))
+    if m is None:
+        return None
+    ours, theirs, name = m.group(1), m.group(2), m.group(3)
+    flag, in_samples = _SCHEDULER_FIELDS.get(name, ("the schedule flags", False))
+    gbs = getattr(args, "global_batch_size", None)
+    if in_samples and getattr(args, "train_iters", None) and gbs:
+        def iters(v: str) -> str:
+            try:
+                f = float(v)
+            except ValueError:
+                return v
+            return f"{f / gbs:g} iterations" if f % gbs == 0 else f"{f:g} samples"
+
+        ours, theirs = iters(ours), iters(theirs)
+    where = f"the checkpoint in {args.load}" if getattr(args, "load", None) else "the checkpoint"
+    return (f"{where} was trained with another schedule: {name} ({flag}) is {ours} in this run but {theirs} "
+            f"in the checkpoint. Resume with the checkpoint's value, or add --override-opt_param-scheduler to "
+            f"continue with this run's schedule flags (learning rate, warmup, decay iterations and style, weight "
+            f"decay; from the checkpoint's iteration on, so the learning rate may jump there; model, optimizer "
+            f"state, iteration and data position still come from the checkpoint), or "
+            f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule and ignore these flags")

@@ -25,7 +25,9 @@ removed; the trainer itself is upstream's; the list is _Run's docstring):
 - ``--train-iters 0 --save DIR`` writes the initial model (upstream saves only at iteration != 0);
 - no data flags: the embedded default run (trainer/embedded.py);
 - data / tokenizer / checkpoint errors after start-up: ``pretrain_gpt.py: error: ...``, exit code 1
-  (a damaged checkpoint file: trainer/checkpoint_errors.describe_load_failure names it).
+  (trainer/checkpoint_errors: a damaged checkpoint file named by describe_load_failure, a full --save
+  filesystem by describe_save_failure, schedule flags that differ from the checkpoint's by
+  describe_schedule_mismatch).
 
 These hooks, like every other change of upstream behaviour (the CPU adaptation, the fixes of the distributed
 optimizer over torch's Adam on every device), are entries of the registry megatron_delta.patches
@@ -522,9 +524,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             raise
-        from megatron_delta.trainer.checkpoint_errors import describe_load_failure
+        from megatron_delta.trainer.checkpoint_errors import (describe_load_failure, describe_save_failure,
+                                                              describe_schedule_mismatch)
 
-        message = describe_load_failure(e, args.load, args.ckpt_step)  # a damaged checkpoint file
+        message = (describe_load_failure(e, args.load, args.ckpt_step)  # a damaged checkpoint file
+                   or describe_save_failure(e, args.save)  # --save's filesystem full
+                   or describe_schedule_mismatch(e, args))  # schedule flags differ from --load's checkpoint
         if message is not None:
             return _error(message, 1)
         if isinstance(e, _run_errors()) or _WRONG_HINT in str(e):  # data / tokenizer / checkpoint flags
