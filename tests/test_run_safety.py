@@ -127,9 +127,10 @@ def test_lock_integrity_and_fresh_start(tmp_path):
     assert second.stdout.count("RC 1") == 2, second.stdout[-3000:] + second.stderr[-5000:]
     errors = [ln for ln in second.stderr.splitlines() if ln.startswith(ERROR)]
     assert errors == [
-        f"{ERROR}the checkpoint of iteration 2 is damaged: {d}/iter_0000002/{shards[what]} differs from its hash "
-        f"in integrity.json. The last checkpoint that verifies is iteration 0 ({d}/iter_0000000): resume from it "
-        f"with --ckpt-step 0" for what, d in flipped.items()], second.stderr[-5000:]
+        f"{ERROR}cannot load the checkpoint of iteration 2: {d}/iter_0000002/{shards[what]} differs from its hash "
+        f"in integrity.json (bytes changed since the save). The last checkpoint that verifies is iteration 0 ({d}/iter_0000000): resume from it "
+        f"with --ckpt-step 0, or delete {d}/iter_0000002 and write 0 into {d}/latest_checkpointed_iteration.txt"
+        for what, d in flipped.items()], second.stderr[-5000:]
     assert "Traceback" not in second.stderr
 
 

@@ -96,23 +96,33 @@ def describe_mismatch(exc: BaseException, load_dir: Optional[str], ckpt_step: Op
     ckpt_dir = where.group(1) if where else load_dir
     m = _ITER_DIR.match(os.path.basename(os.path.normpath(ckpt_dir)))
     iteration = int(m.group(1)) if m else iteration_to_load(load_dir, ckpt_step)
-    if files:
+    from megatron_delta.trainer.checkpoint_errors import damaged_files
+
+    found = damaged_files(ckpt_dir)  # truncated / missing files, named as the other load errors name them
+    if found:
+        shard = " ".join(found[0])
+    elif files:
         name, why = files[0]
-        what = "differs from its hash in integrity.json" if why == "hash mismatch" else "is missing or unreadable"
+        what = ("differs from its hash in integrity.json (bytes changed since the save)" if why == "hash mismatch"
+                else "is missing or unreadable")
         shard = f"{os.path.join(ckpt_dir, name)} {what}"
-        if len(files) > 1:
-            shard += f" (and {len(files) - 1} more file(s): {', '.join(n for n, _ in files[1:4])})"
     else:
         shard = f"a file of {ckpt_dir} fails its integrity check"
-    line = f"the checkpoint of iteration {iteration} is damaged: {shard}. "
+    more = max(len(found), len(files)) - 1
+    if more > 0:
+        shard += f" (and {more} more file(s))"
+    line = f"cannot load the checkpoint of iteration {iteration}: {shard}. "
     previous = last_verified(load_dir, iteration if iteration is not None else 1 << 62)
     if previous is None:
         line += f"No earlier checkpoint in {load_dir} verifies: --load another directory or start from scratch"
     else:
         from megatron_delta.checkpointing import iteration_dir
 
+        from megatron_delta.checkpointing import TRACKER
+
         line += (f"The last checkpoint that verifies is iteration {previous} ({iteration_dir(load_dir, previous)}): "
-                 f"resume from it with --ckpt-step {previous}")
+                 f"resume from it with --ckpt-step {previous}, or delete {ckpt_dir} and write {previous} into "
+                 f"{os.path.join(load_dir, TRACKER)}")
     return line
 
 
