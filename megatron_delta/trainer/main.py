@@ -23,9 +23,15 @@ removed; the trainer itself is upstream's; the list is _Run's docstring):
 - ``run_config.json`` in every iter_NNNNNNN/ saved, before the tracker names it, and the model-flag
   check of ``--load`` (trainer/run_config.py);
 - ``--train-iters 0 --save DIR`` writes the initial model (upstream saves only at iteration != 0);
+- the lock of ``--save`` (trainer/save_lock.py), taken before the model is built: one writer per directory;
+- ``--load`` with nothing to load: one warning line with the path; a checkpoint without integrity.json loads
+  unverified with a line (integrity checking is on by default: trainer/integrity.py);
 - no data flags: the embedded default run (trainer/embedded.py);
 - data / tokenizer / checkpoint errors after start-up: ``pretrain_gpt.py: error: ...``, exit code 1
-  (a damaged checkpoint file: trainer/checkpoint_errors.describe_load_failure names it).
+  (a damaged checkpoint file: trainer/checkpoint_errors.describe_load_failure names it; a file failing its
+  integrity hash: trainer/integrity.describe_mismatch);
+- argument errors: one line (argparse's after a short usage, not Megatron-LM's usage of every flag), printed
+  by the first process of each node only.
 
 These hooks, like every other change of upstream behaviour (the CPU adaptation, the fixes of the distributed
 optimizer over torch's Adam on every device), are entries of the registry megatron_delta.patches
@@ -141,8 +147,10 @@ class _Run:
 
     Each replaces or wraps one upstream function for the duration of the run (``with _Run(args)``):
     training.get_megatron_optimizer_config   + the routers' param group (--delta-router-lr-mult)
-    training.setup_model_and_optimizer       keeps model/optimizer; payload lines (routed, PP > 1)
-    training.load_checkpoint                 first: run_config.json's model flags == the run's
+    training.setup_model_and_optimizer       first: the lock of --save (rank 0); keeps model/optimizer; payload
+                                             lines (routed, PP > 1)
+    training.load_checkpoint                 first: the fresh-start line, run_config.json's model flags == the
+                                             run's; no integrity.json: loaded unverified, with a line
     training.train                           the clock of tokens_per_sec
     training.training_log                    metrics: iteration, lm_loss, lr, grad_norm, tokens_per_sec
     training.evaluate                        captures the loss dict of each evaluation
