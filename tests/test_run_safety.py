@@ -7,7 +7,7 @@ Runs of pretrain_gpt.py as programs (a lock holder must be another process; torc
   (the stale lock taken over with a line, the fresh start announced with the path, the initial model
   saved), a run from it to iteration 2 (--finetune: the initial model has no optimizer state), and loads of two copies of DIR whose iteration-2 shard has bytes
   flipped inside a model tensor and inside an Adam state tensor: each one line naming the shard, the
-  iteration and the checkpoint that verifies (iteration 0).
+  iteration and the checkpoint that verifies (iteration 0); a copy without integrity.json loads with a line.
 - test_argument_error_once_under_torchrun: a bad flag under 2 ranks is printed once, without the usage of
   Megatron-LM's flags.
 """
@@ -106,6 +106,8 @@ def test_lock_integrity_and_fresh_start(tmp_path):
             FLAGS + ["--train-iters", "2", "--save-interval", "2", "--save", run, "--load", run, "--finetune"]]
     runs += [FLAGS + ["--train-iters", "4", "--save-interval", "2", "--load", d]
              for d in flipped.values()]
+    unhashed = str(tmp_path / "unhashed")  # iteration 2 without integrity.json: loads, unverified, with a line
+    runs.append(FLAGS + ["--train-iters", "2", "--load", unhashed])
     # the loads of the damaged copies run after the copies are made: the driver is started twice
     first = _run([sys.executable, "-c", _DRIVER, json.dumps(runs[:2])], tmp_path)
     assert first.stdout.count("RC 0") == 2, first.stdout[-3000:] + first.stderr[-5000:]
@@ -123,8 +125,13 @@ def test_lock_integrity_and_fresh_start(tmp_path):
         shutil.copytree(run, d)
         shards[what] = _flip(os.path.join(d, "iter_0000002"),
                              "decoder.layers.mlp.linear_fc1.weight" if what == "model" else "optimizer.state.exp_avg.")
+    shutil.copytree(run, unhashed)
+    os.remove(os.path.join(unhashed, "iter_0000002", "integrity.json"))
     second = _run([sys.executable, "-c", _DRIVER, json.dumps(runs[2:])], tmp_path)
-    assert second.stdout.count("RC 1") == 2, second.stdout[-3000:] + second.stderr[-5000:]
+    assert [ln for ln in second.stdout.splitlines() if ln.startswith("RC ")] == ["RC 1", "RC 1", "RC 0"], (
+        second.stdout[-3000:] + second.stderr[-5000:])
+    assert (f" note: {unhashed}/iter_0000002 has no integrity.json (saved with --no-verify-integrity or by another "
+            f"tool): loaded without verifying its files") in second.stdout, second.stdout[-3000:]
     errors = [ln for ln in second.stderr.splitlines() if ln.startswith(ERROR)]
     assert errors == [
         f"{ERROR}cannot load the checkpoint of iteration 2: {d}/iter_0000002/{shards[what]} differs from its hash "
