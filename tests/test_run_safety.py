@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 

@@ -41,6 +41,7 @@ around the upstream calls that emit them (patches.known_warnings_quieted); no pr
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import sys
@@ -86,8 +87,6 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     """Megatron-LM's parser + our flags; our validation, then Megatron's (validate_args)."""
     from megatron.training.arguments import parse_args as megatron_parse_args
     from megatron.training.arguments import validate_args
-
-    import io
 
     # argparse prints Megatron-LM's whole usage before its error line: kept aside, the error line is kept
     captured = io.StringIO()
