@@ -256,10 +256,11 @@ def test_save_interval(tmp_path, capsys):
 
 
 def test_verify_integrity_by_default():
+    from megatron_delta.trainer.arguments import TrainerArgumentError
     from megatron_delta.trainer.main import parse_args
 
     assert parse_args(TINY + MOCK).verify_integrity is True
     assert parse_args(TINY + MOCK + ["--no-verify-integrity"]).verify_integrity is False
-    assert parse_args(TINY + MOCK + ["--ckpt-format", "torch_dcp"]).verify_integrity is False
-    with pytest.raises(Exception, match="--verify-integrity needs --ckpt-format torch_dist"):
-        parse_args(TINY + MOCK + ["--ckpt-format", "torch_dcp", "--verify-integrity"])
+    assert parse_args(TINY + MOCK + ["--ckpt-format", "torch"]).verify_integrity is False
+    with pytest.raises(TrainerArgumentError, match="--verify-integrity needs --ckpt-format torch_dist"):
+        parse_args(TINY + MOCK + ["--ckpt-format", "torch", "--verify-integrity"])
