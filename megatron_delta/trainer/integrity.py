@@ -86,6 +86,11 @@ def last_verified(load_dir: str, below: int) -> Optional[int]:
     return None
 
 
+def is_integrity_failure(exc: BaseException) -> bool:
+    """Upstream's verification on load failed (dist_checkpointing.validation.verify_integrity_manifest)."""
+    return any(_FAILED in str(e) for e in _chain(exc))
+
+
 def describe_mismatch(exc: BaseException, load_dir: Optional[str], ckpt_step: Optional[int]) -> Optional[str]:
     """One line for upstream's integrity failure on load, or None when exc is not one."""
     text = next((str(e) for e in _chain(exc) if _FAILED in str(e)), None)
@@ -137,4 +142,5 @@ def _chain(exc: BaseException):
         stack += [e.__cause__, e.__context__]
 
 
-__all__ = ["MANIFEST", "resolve_default", "unverified_load", "verifies", "last_verified", "describe_mismatch"]
+__all__ = ["MANIFEST", "resolve_default", "unverified_load", "verifies", "last_verified", "is_integrity_failure",
+           "describe_mismatch"]

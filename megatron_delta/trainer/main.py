@@ -596,7 +596,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if isinstance(e, ArgparseError):
             print(SHORT_USAGE, file=sys.stderr)
         return _error(str(e), 2)
-    from megatron_delta.trainer.integrity import describe_mismatch
+    from megatron_delta.trainer.integrity import describe_mismatch, is_integrity_failure
     from megatron_delta.trainer.save_lock import SaveDirInUse
 
     try:
@@ -608,9 +608,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         if isinstance(e, SaveDirInUse):  # every rank raises it; rank 0 says it
             return _error(str(e), 1) if torch_rank() == 0 else 1
-        message = describe_mismatch(e, args.load, args.ckpt_step)  # --verify-integrity: a damaged file
-        if message is not None:
-            return _error(message, 1)
+        if is_integrity_failure(e):  # rank 0 verified and broadcast the failure: every rank raised it
+            if torch_rank() != 0:
+                return 1
+            message = describe_mismatch(e, args.load, args.ckpt_step)  # the damaged file, the last good checkpoint
+            if message is not None:
+                return _error(message, 1)
         from megatron_delta.trainer.checkpoint_errors import describe_load_failure
 
         message = describe_load_failure(e, args.load, args.ckpt_step)  # a damaged checkpoint file
