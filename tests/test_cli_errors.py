@@ -154,3 +154,113 @@ def test_router_kernels_auto_without_a_compiler_warns(tmp_path):
     assert "CPU allocator: glibc keeps freed memory for reuse (--delta-cpu-allocator cache)" in out, out
     assert err.count("the fused CPU router kernels cannot be built (no C compiler 'no-such-cc' on PATH") == 1, err
     assert "--delta-router-kernels torch" in err, err
+
+
+# ---------------------------------------------------------------- start-up checks of paths and argparse errors
+def test_argparse_error_without_megatron_usage(capsys):
+    """argparse's own error (a bad choice): a short usage and the error line, not the usage of ~850 flags."""
+    rc = main(TINY + MOCK + ["--residual", "bogus"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.splitlines() == [
+        "usage: pretrain_gpt.py [FLAGS ...]   (pretrain_gpt.py --help lists Megatron-LM's flags and the project's)",
+        "pretrain_gpt.py: error: argument --residual: invalid choice: 'bogus' (choose from 'baseline', 'attnres', "
+        "'full_attnres', 'delta', 'delta_block')"], err
+
+
+def test_argument_error_printed_by_the_first_rank_only(monkeypatch, capsys):
+    """Every rank of a launch parses the same flags: the others exit with the status and say nothing."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(TINY + MOCK + ["--residual", "bogus"]) == 2
+    assert main(TINY + MOCK + ["--load", "run/iter_0000020"]) == 2
+    assert capsys.readouterr().err == ""
+
+
+def _refused(argv, capsys, base=TINY) -> str:
+    rc = main(base + MOCK + argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    _no_traceback(err)
+    return err.strip().splitlines()[-1]
+
+
+def test_load_of_an_iteration_directory(tmp_path, capsys):
+    ckpt = tmp_path / "run" / "iter_0000020"
+    ckpt.mkdir(parents=True)
+    assert _refused(["--load", str(ckpt)], capsys) == (
+        f"pretrain_gpt.py: error: --load {ckpt} is one iteration's directory; --load takes the run's directory and "
+        f"--ckpt-step the iteration: --load {tmp_path / 'run'} --ckpt-step 20")
+
+
+def test_save_is_a_file(tmp_path, capsys):
+    f = tmp_path / "save"
+    f.write_text("")
+    assert _refused(["--save", str(f), "--save-interval", "1"], capsys) == (
+        f"pretrain_gpt.py: error: --save {f} is a file, not a directory; pass a directory")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody can write in: chmod for a user, a read-only bind mount for root (whom chmod does
+    not stop)."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+        return
+    p = subprocess.run(["mount", "--bind", "-o", "ro", str(d), str(d)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"root without a read-only bind mount ({p.stderr.strip()}): no read-only directory to test")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_save_not_writable(read_only_dir, capsys):
+    """Found at start-up, not at the first save after training up to it."""
+    save = read_only_dir / "ckpt"
+    line = _refused(["--save", str(save), "--save-interval", "1"], capsys)
+    assert line.startswith(f"pretrain_gpt.py: error: --save {save}: cannot write into {save} ("), line
+    assert line.endswith("); pass a writable directory"), line
+
+
+def test_path_flags_checked_at_start_up(tmp_path, capsys):
+    assert _refused(["--delta-metrics-file", str(tmp_path)], capsys) == (
+        f"pretrain_gpt.py: error: --delta-metrics-file {tmp_path} is a directory; pass a file name (JSON lines are "
+        f"appended to it)")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert _refused(["--delta-metrics-file", str(blocker / "m.jsonl")], capsys) == (
+        f"pretrain_gpt.py: error: --delta-metrics-file {blocker / 'm.jsonl'}: {blocker} is a file, not a directory; "
+        f"pass a directory")
+    line = _refused(["--delta-heldout-data-path", str(tmp_path / "wiki")], capsys)
+    assert line.startswith(f"pretrain_gpt.py: error: --delta-heldout-data-path: {tmp_path / 'wiki'}.bin/.idx not "
+                           f"found"), line
+
+
+def test_save_interval(tmp_path, capsys):
+    """--train-iters 0 --save DIR saves the initial model: no --save-interval needed. Training without one
+    is refused with the flag named (upstream: `assert args.save_interval is not None`)."""
+    from megatron_delta.trainer.main import parse_args
+
+    argv = TINY[:-2]  # without --save-interval
+    assert argv[-2:] == ["--eval-interval", "1000"]
+    args = parse_args(argv + MOCK + ["--train-iters", "0", "--save", str(tmp_path / "b")])
+    assert args.save == str(tmp_path / "b") and args.skip_train
+    assert _refused(["--save", str(tmp_path / "c")], capsys, base=argv) == (
+        "pretrain_gpt.py: error: --save needs --save-interval N (a checkpoint every N iterations; N = --train-iters "
+        "1 saves at the end only)")
+
+
+def test_verify_integrity_by_default():
+    from megatron_delta.trainer.arguments import TrainerArgumentError
+    from megatron_delta.trainer.main import parse_args
+
+    assert parse_args(TINY + MOCK).verify_integrity is True
+    assert parse_args(TINY + MOCK + ["--no-verify-integrity"]).verify_integrity is False
+    assert parse_args(TINY + MOCK + ["--ckpt-format", "torch"]).verify_integrity is False
+    with pytest.raises(TrainerArgumentError, match="--verify-integrity needs --ckpt-format torch_dist"):
+        parse_args(TINY + MOCK + ["--ckpt-format", "torch", "--verify-integrity"])

@@ -25,6 +25,7 @@ ENTRIES = [
     "device_arch_version", "loader_generator",
     "distopt_fresh_state_dict", "distopt_step_per_param", "distopt_load_no_grad", "distopt_missing_state_key",
     "ckpt_writer_manager_exits_with_rank", "p2p_shape_exchange", "vpp_pp2_batched_p2p", "trainer_hooks", "checkpoint_hint",
+    "verify_integrity_default",
 ]
 CPU_ENTRIES = ENTRIES[:14]  # the CPU adaptation
 FIX_ENTRIES = ENTRIES[14:19]  # upstream fixes applied on every device

@@ -32,7 +32,7 @@ def test_help_lists_megatron_and_delta_flags(cli):
     ("blocks_not_dividing", "--delta-num-blocks 3"),
     ("gate_on_replacement", "--delta-gate scalar"),
     ("bad_mode", "--residual"),
-    ("save_without_interval", "save_interval"),
+    ("save_without_interval", "--save needs --save-interval"),
 ])
 def test_errors_are_one_line_naming_the_flag(cli, name, flag):
     r = cli["errors"][name]

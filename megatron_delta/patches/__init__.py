@@ -244,7 +244,9 @@ REGISTRY: Tuple[Patch, ...] = (
           + ("megatron.training.checkpointing.save_checkpoint",
              "megatron.training.checkpointing.get_checkpoint_tracker_filename"),
           "upstream's pretrain() has no hook for the routers' param group (--delta-router-lr-mult), --delta-metrics-file, "
-          "--delta-heldout-data-path and routing statistics, run_config.json in each checkpoint, the iteration-0 save",
+          "--delta-heldout-data-path and routing statistics, run_config.json in each checkpoint, the iteration-0 save, "
+          "the lock of --save (two runs overwrite each other's checkpoints), the line of a --load that starts from "
+          "scratch, the load of a checkpoint without integrity.json",
           V019, EVERY_DEVICE,
           made_by="megatron_delta/trainer/main.py _Run: each function wrapped for one run (with _Run(args)), the "
                   "originals back when it ends"),
@@ -254,6 +256,12 @@ REGISTRY: Tuple[Patch, ...] = (
           V019, EVERY_DEVICE,
           made_by="megatron_delta/trainer/main.py run_error_message: the hint names "
                   "--dist-ckpt-optim-fully-reshardable or --no-load-optim instead"),
+    Patch("verify_integrity_default", ("megatron.training.arguments._add_checkpointing_args (--verify-integrity)",),
+          "--verify-integrity defaults to off: flipped bytes in a .distcp shard load silently and training goes on "
+          "from damaged weights or optimizer state",
+          V019, EVERY_DEVICE,
+          made_by="megatron_delta/trainer/arguments.py add_delta_args: --no-verify-integrity, default None; "
+                  "megatron_delta/trainer/integrity.py resolve_default: on for --ckpt-format torch_dist"),
 )
 
 _BY_NAME: Dict[str, Patch] = {p.name: p for p in REGISTRY}

@@ -7,6 +7,9 @@ and before Megatron's ``validate_args``, so a bad combination is one line naming
 from __future__ import annotations
 
 import argparse
+import os
+import re
+from typing import Optional
 
 from megatron_delta.core.modes import BASELINE, BLOCK_MODES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 from megatron_delta.core.router import KERNEL_CHOICES
@@ -46,6 +49,12 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="append JSON lines of metrics (iteration, lm_loss, lr, grad_norm; validation) here")
     g.add_argument("--delta-heldout-data-path", nargs="*", default=None,
                    help="another distribution, evaluated beside validation at every evaluation")
+    # Megatron-LM's --verify-integrity (store_true, default False) gets its negation and the default None:
+    # validate_delta_args turns it on for torch_dist checkpoints (trainer/integrity.py)
+    g.add_argument("--no-verify-integrity", dest="verify_integrity", action="store_false",
+                   help="do not hash checkpoints on save nor verify them on load (default: both, with "
+                        "--ckpt-format torch_dist; Megatron-LM's --verify-integrity)")
+    parser.set_defaults(verify_integrity=None)
     _escape_percent_in_help(parser)
     return parser
 
@@ -134,12 +143,77 @@ def check_tensor_parallel_split(args: argparse.Namespace) -> None:
                              f"splits it over its ranks")
 
 
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """The path-valued flags, checked at start-up (before the distributed start-up and any training), one line
+    naming the flag: --save must be a writable directory (created if missing), --load not one iteration's
+    directory, --delta-metrics-file a writable file, --delta-heldout-data-path existing indexed datasets."""
+    if args.load:
+        m = _ITER_DIR.match(os.path.basename(os.path.normpath(args.load)))
+        if m:
+            parent = os.path.dirname(os.path.normpath(args.load)) or "."
+            raise TrainerArgumentError(
+                f"--load {args.load} is one iteration's directory; --load takes the run's directory and "
+                f"--ckpt-step the iteration: --load {parent} --ckpt-step {int(m.group(1))}")
+    if args.save:
+        _check_writable_dir("--save", args.save)
+    if args.delta_metrics_file:
+        path = args.delta_metrics_file
+        if os.path.isdir(path):
+            raise TrainerArgumentError(f"--delta-metrics-file {path} is a directory; pass a file name "
+                                       f"(JSON lines are appended to it)")
+        _check_writable_dir("--delta-metrics-file", os.path.dirname(os.path.abspath(path)), of=path)
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise TrainerArgumentError(f"--delta-metrics-file {path} is not writable; pass another file")
+    for entry in args.delta_heldout_data_path or ():
+        try:
+            float(entry)  # a blend weight
+        except ValueError:
+            from megatron_delta.data import validate_indexed_prefix
+
+            try:
+                validate_indexed_prefix(entry, "--delta-heldout-data-path")
+            except (ValueError, FileNotFoundError) as e:
+                raise TrainerArgumentError(str(e)) from None
+
+
+def _check_writable_dir(flag: str, path: str, of: Optional[str] = None) -> None:
+    """path is (or can be made) a directory this process can create files in: tried, not asked (os.access
+    says yes to root on a read-only filesystem)."""
+    import tempfile
+
+    shown = of or path
+    if os.path.exists(path) and not os.path.isdir(path):
+        where = f"{flag} {path}" if of is None else f"{flag} {of}: {path}"
+        raise TrainerArgumentError(f"{where} is a file, not a directory; pass a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise TrainerArgumentError(f"{flag} {shown}: cannot write into {path} ({e.strerror or e}); pass a "
+                                   f"writable directory") from None
+
+
 def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
     from megatron_delta.core.modes import check_delta_options
     from megatron_delta.core.router import check_kernels
+    from megatron_delta.trainer.integrity import resolve_default
 
     check_cpu_switches(args)
+    problem = resolve_default(args)
+    if problem:
+        raise TrainerArgumentError(problem)
+    if args.save and args.save_interval is None:
+        if args.train_iters == 0:  # only the initial model is saved (main._save_initial_model)
+            args.save_interval = 1
+        else:
+            raise TrainerArgumentError(f"--save needs --save-interval N (a checkpoint every N iterations; "
+                                       f"N = --train-iters {args.train_iters} saves at the end only)")
 
     try:
         args.delta_num_blocks = check_delta_options(

@@ -23,11 +23,16 @@ removed; the trainer itself is upstream's; the list is _Run's docstring):
 - ``run_config.json`` in every iter_NNNNNNN/ saved, before the tracker names it, and the model-flag
   check of ``--load`` (trainer/run_config.py);
 - ``--train-iters 0 --save DIR`` writes the initial model (upstream saves only at iteration != 0);
+- the lock of ``--save`` (trainer/save_lock.py), taken before the model is built: one writer per directory;
+- ``--load`` with nothing to load: one warning line with the path; a checkpoint without integrity.json loads
+  unverified with a line (integrity checking is on by default: trainer/integrity.py);
 - no data flags: the embedded default run (trainer/embedded.py);
 - data / tokenizer / checkpoint errors after start-up: ``pretrain_gpt.py: error: ...``, exit code 1
   (trainer/checkpoint_errors: a damaged checkpoint file named by describe_load_failure, a full --save
   filesystem by describe_save_failure, schedule flags that differ from the checkpoint's by
-  describe_schedule_mismatch).
+  describe_schedule_mismatch; a file failing its integrity hash: trainer/integrity.describe_mismatch);
+- argument errors: one line (argparse's after a short usage, not Megatron-LM's usage of every flag), printed
+  by the first process of each node only.
 
 These hooks, like every other change of upstream behaviour (the CPU adaptation, the fixes of the distributed
 optimizer over torch's Adam on every device), are entries of the registry megatron_delta.patches
@@ -37,6 +42,7 @@ around the upstream calls that emit them (patches.known_warnings_quieted); no pr
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import sys
@@ -44,13 +50,27 @@ import time
 from typing import Optional, Sequence
 
 from megatron_delta.core.modes import BASELINE
-from megatron_delta.trainer.arguments import (PROG, TrainerArgumentError, add_delta_args, resolve_pp_source_cache,
-                                              validate_delta_args)
+from megatron_delta.trainer.arguments import (PROG, TrainerArgumentError, add_delta_args, check_paths,
+                                              resolve_pp_source_cache, validate_delta_args)
+
+# An argparse error, without Megatron-LM's usage of its ~850 flags
+SHORT_USAGE = f"usage: {PROG} [FLAGS ...]   ({PROG} --help lists Megatron-LM's flags and the project's)"
 
 
 def _error(msg: str, code: int) -> int:
     print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
     return code
+
+
+def _prints_start_up_errors() -> bool:
+    """An argument error is the same on every rank of a launch: the first process of each node prints it
+    (LOCAL_RANK, else RANK, 0 or unset), the others only exit with its status."""
+    rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    return rank.strip() in ("", "0")
+
+
+class ArgparseError(TrainerArgumentError):
+    """argparse's own error (unknown flag, bad choice / type): printed after SHORT_USAGE."""
 
 
 @contextlib.contextmanager
@@ -69,9 +89,24 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     from megatron.training.arguments import parse_args as megatron_parse_args
     from megatron.training.arguments import validate_args
 
+    # argparse prints Megatron-LM's whole usage before its error line: kept aside, the error line is kept
+    captured = io.StringIO()
     with _argv(argv):
-        args = megatron_parse_args(extra_args_provider=add_delta_args)
+        try:
+            with contextlib.redirect_stderr(captured):
+                args = megatron_parse_args(extra_args_provider=add_delta_args)
+        except SystemExit as e:
+            if e.code in (0, None):
+                raise
+            prefix = f"{PROG}: error: "
+            lines = [ln for ln in captured.getvalue().splitlines() if ln.startswith(prefix)]
+            if not lines:
+                sys.stderr.write(captured.getvalue())
+                raise
+            raise ArgparseError(lines[-1][len(prefix):]) from None
+    sys.stderr.write(captured.getvalue())  # anything else the parser said
     validate_delta_args(args)
+    check_paths(args)  # before validate_args prints the arguments
     if args.train_iters == 0:
         # Nothing to train: no optimizer (upstream's scheduler needs train iters); the initial model
         # is saved after pretrain (see _save_initial_model).
@@ -112,8 +147,10 @@ class _Run:
 
     Each replaces or wraps one upstream function for the duration of the run (``with _Run(args)``):
     training.get_megatron_optimizer_config   + the routers' param group (--delta-router-lr-mult)
-    training.setup_model_and_optimizer       keeps model/optimizer; payload lines (routed, PP > 1)
-    training.load_checkpoint                 first: run_config.json's model flags == the run's
+    training.setup_model_and_optimizer       first: the lock of --save (rank 0); keeps model/optimizer; payload
+                                             lines (routed, PP > 1)
+    training.load_checkpoint                 first: the fresh-start line, run_config.json's model flags == the
+                                             run's; no integrity.json: loaded unverified, with a line
     training.train                           the clock of tokens_per_sec
     training.training_log                    metrics: iteration, lm_loss, lr, grad_norm, tokens_per_sec
     training.evaluate                        captures the loss dict of each evaluation
@@ -137,6 +174,7 @@ class _Run:
         self._captured = []
         self._clock = None
         self._saved = []
+        self.lock = None  # save_lock.SaveDirLock of --save (rank 0)
 
     def _replace(self, module, name, value):
         self._saved.append((module, name, getattr(module, name)))
@@ -168,6 +206,12 @@ class _Run:
         original_setup = mt.setup_model_and_optimizer
 
         def setup_model_and_optimizer(*a, **k):
+            if self.args.save:  # one writer per --save directory, before anything is built or loaded
+                from megatron_delta.trainer.save_lock import acquire_on_rank0
+
+                self.lock = acquire_on_rank0(self.args.save)
+                if self.lock is not None and self.lock.message:
+                    print(f" {self.lock.message}", flush=True)
             self.print_payload()
             self.model, self.optimizer, self.scheduler = original_setup(*a, **k)
             from megatron_delta.core.source_cache import link_chunks
@@ -181,10 +225,22 @@ class _Run:
         original_load = mt.load_checkpoint
 
         def load_checkpoint(*a, **k):
+            from megatron_delta.trainer.integrity import unverified_load
             from megatron_delta.trainer.run_config import check_load
 
+            self.announce_fresh_start()
             self.carried = check_load(self.args)
-            return original_load(*a, **k)
+            unverified = unverified_load(self.args)
+            if unverified is None:
+                return original_load(*a, **k)
+            if torch_rank() == 0:
+                print(f" note: {unverified} has no integrity.json (saved with --no-verify-integrity or by another "
+                      f"tool): loaded without verifying its files", flush=True)
+            self.args.verify_integrity = False  # upstream's load would refuse it; later saves hash again
+            try:
+                return original_load(*a, **k)
+            finally:
+                self.args.verify_integrity = True
 
         self._replace(mt, "load_checkpoint", load_checkpoint)
         # Wraps checkpointing.save_checkpoint (and training's import of it) / get_checkpoint_tracker_filename.
@@ -281,6 +337,26 @@ class _Run:
         for module, name, value in reversed(self._saved):
             setattr(module, name, value)
         self._saved.clear()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def announce_fresh_start(self):
+        """--load given, nothing there to load: one line on stderr with the path (upstream's two WARNING lines
+        are lost among the start-up output). --save X --load X then starts fresh, as it should."""
+        from megatron_delta.checkpointing import TRACKER
+
+        load = self.args.load
+        if not load or getattr(self.args, "ckpt_step", None) is not None or torch_rank() != 0:
+            return
+        if not os.path.isdir(load):
+            why = "does not exist"
+        elif not os.path.isfile(os.path.join(load, TRACKER)):
+            why = f"holds no checkpoint (no {TRACKER})"
+        else:
+            return
+        print(f"{PROG}: warning: --load {load} {why}: this run STARTS FROM SCRATCH (random weights, iteration 0)",
+              file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------------- records (last rank writes)
     def _write(self, record):
@@ -513,10 +589,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if is_embedded(argv):
             argv = embedded_argv(argv)
         args = parse_args(argv)
-    except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
+    except SystemExit as e:  # argparse: --help (0)
         return e.code if isinstance(e.code, int) else 0
     except (TrainerArgumentError, EmbeddedRunError) as e:
+        if not _prints_start_up_errors():
+            return 2
+        if isinstance(e, ArgparseError):
+            print(SHORT_USAGE, file=sys.stderr)
         return _error(str(e), 2)
+    from megatron_delta.trainer.integrity import describe_mismatch, is_integrity_failure
+    from megatron_delta.trainer.save_lock import SaveDirInUse
+
     try:
         run(args)
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
@@ -524,6 +607,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             raise
+        if isinstance(e, SaveDirInUse):  # every rank raises it; rank 0 says it
+            return _error(str(e), 1) if torch_rank() == 0 else 1
+        if is_integrity_failure(e):  # rank 0 verified and broadcast the failure: every rank raised it
+            if torch_rank() != 0:
+                return 1
+            message = describe_mismatch(e, args.load, args.ckpt_step)  # the damaged file, the last good checkpoint
+            if message is not None:
+                return _error(message, 1)
         from megatron_delta.trainer.checkpoint_errors import (describe_load_failure, describe_save_failure,
                                                               describe_schedule_mismatch)
 
