@@ -79,7 +79,7 @@ fi
 # ---------------------------------------------------------------------------------------------- 4. fine-tune
 MODEL_FLAGS=$($PY - "$WORK/imported" <<'PYEOF'
 import glob, json, sys
-from megatron_delta.conversion import model_flags
+from megatron_delta.checkpoint.run_config import model_flags
 rc = json.load(open(sorted(glob.glob(sys.argv[1] + "/iter_*/run_config.json"))[-1]))
 print(" ".join(model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(rc["vocab_size"])]))
 PYEOF

@@ -45,7 +45,7 @@ def _errors(p):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 2-layer delta_block model trained 100 iterations on the SOTU training speeches, and its export."""
-    from megatron_delta.data import ensure_default_data
+    from megatron_delta.data.corpus import ensure_default_data
 
     paths = ensure_default_data(os.path.join(REPO_ROOT, "runs", "cache"))
     d = tmp_path_factory.mktemp("evalrun")
@@ -124,7 +124,7 @@ def test_perplexity_windows_predict_every_token_once():
 
 # ------------------------------------------------------------------------------------ cloze examples
 def test_cloze_examples_are_deterministic_and_held_out():
-    from megatron_delta import cloze
+    from megatron_delta.evaluation import cloze
 
     docs = _raw_held_out_docs()
     with lzma.open(os.path.join(REPO_ROOT, "data", "sotu.txt.xz"), "rt", encoding="utf-8") as f:
@@ -216,7 +216,7 @@ def _greedy_word_examples(model, tok, examples, n):
 
 @pytest.mark.slow
 def test_cloze_harness_matches_direct_transformers(tiny, tmp_path):
-    from megatron_delta import cloze
+    from megatron_delta.evaluation import cloze
 
     model, tok = _hf_model(tiny["hf"])
     built = cloze.ensure_cloze_data(os.path.join(REPO_ROOT, "runs", "cache"), log=lambda *_: None)

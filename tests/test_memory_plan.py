@@ -22,7 +22,7 @@ CONFIGS = [  # (layers, hidden, heads, groups, seq, micro batch, vocab)
 
 @pytest.fixture(scope="module")
 def dist():
-    from megatron_delta.cpu_platform import initialize_distributed
+    from megatron_delta.platform.distributed import initialize_distributed
 
     initialize_distributed(1, 1, seed=1234)
     yield
@@ -38,7 +38,7 @@ def measured_saved_bytes(mode, L, h, heads, groups, s, b, V):
     from megatron.core import tensor_parallel
 
     from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.model_config import model_config
+    from megatron_delta.checkpoint.model_config import model_config
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)

@@ -5,7 +5,7 @@
     python tools/cloze_eval.py --hf hf/delta_block --output cloze.json
     python tools/cloze_eval.py --build-only                 # only build the task data (runs/cache/cloze-*)
 
-The examples (megatron_delta/cloze.py) come from text training never sees: the SOTU validation speeches
+The examples (megatron_delta/evaluation/cloze.py) come from text training never sees: the SOTU validation speeches
 and the Wikipedia sample. Passages of 20-60 words, cut at sentence boundaries; the target is the last
 word (alphabetic, >= 3 letters), the context everything before it. They are built deterministically
 once and cached under --cache-dir as JSONL; the lm-eval task definitions are local
@@ -59,7 +59,7 @@ def build_parser():
 
 def main(argv=None):
     opts = build_parser().parse_args(argv)
-    from megatron_delta.cloze import ClozeError
+    from megatron_delta.evaluation.cloze import ClozeError
 
     try:
         return _run(opts)
@@ -69,7 +69,7 @@ def main(argv=None):
 
 
 def _run(opts):
-    from megatron_delta import cloze
+    from megatron_delta.evaluation import cloze
 
     if opts.limit is not None and opts.limit < 1:
         raise cloze.ClozeError(f"--limit must be >= 1, got {opts.limit}")

@@ -41,7 +41,7 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
 
 
 from megatron_delta.core.modes import (ADDITIVE_MODES, BASELINE, DELTA, DELTA_BLOCK,  # noqa: E402
@@ -183,7 +183,7 @@ def build(env, fields, kernels="fla"):
     from megatron.core import tensor_parallel
 
     from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.model_config import model_config, resolve_model_fields
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
 
     fields = resolve_model_fields(fields)
     over = {} if fields["residual"] == BASELINE else {"delta_router_kernels": kernels}
@@ -322,7 +322,7 @@ def train(opts, env, mode, *, shape, fp8=None, kernels="fla", iters=None, warmup
 
     from megatron.core.optimizer import get_standard_config_overrides
 
-    from megatron_delta.trainer.main import router_overrides
+    from megatron_delta.trainer.hooks import router_overrides
 
     free(env)
     env.reset_peak()
@@ -417,7 +417,7 @@ def main(argv=None):
 
 
     from megatron_delta.core import fla_router
-    from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
+    from megatron_delta.platform.distributed import destroy_distributed, initialize_distributed
     import logging
 
     logging.getLogger("megatron").setLevel(logging.WARNING)  # DDP / optimizer set-up lines per run

@@ -19,9 +19,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
 
-from megatron_delta.data import TOKENIZER_TYPES, preprocess_to_indexed  # noqa: E402
+from megatron_delta.data.indexed import preprocess_to_indexed  # noqa: E402
+from megatron_delta.data.tokenizers import TOKENIZER_TYPES
 
 
 @known_warnings_quieted()

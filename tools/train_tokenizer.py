@@ -17,9 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
 
-from megatron_delta.data import train_sentencepiece  # noqa: E402
+from megatron_delta.data.tokenizers import train_sentencepiece  # noqa: E402
 
 
 @known_warnings_quieted()

@@ -5,7 +5,7 @@ When is a run the embedded default run? Exactly when its arguments name NO data:
 ``--data-args-path``, ``--per-split-data-args-path`` (Megatron-LM's data flags; ``--delta-heldout-data-path``
 does not count). Then:
 
-- data: the bundled corpus (megatron_delta.data.ensure_default_data, built once under runs/cache):
+- data: the bundled corpus (megatron_delta.data.corpus.ensure_default_data, built once under runs/cache):
   ``--train-data-path`` the SOTU training speeches, ``--valid-data-path`` the SOTU validation speeches,
   ``--delta-heldout-data-path`` the Wikipedia sample, ``--tokenizer-type SentencePieceTokenizer
   --tokenizer-model`` the bundled BPE tokenizer. Giving ``--tokenizer-type``/``--tokenizer-model``/
@@ -90,7 +90,7 @@ def embedded_argv(argv: Sequence[str]) -> List[str]:
         raise EmbeddedRunError(
             f"{' '.join(bad)} needs --data-path (data tokenized with that tokenizer: tools/preprocess_data.py) "
             f"or --mock-data; without them the run uses the bundled corpus and its own tokenizer")
-    from megatron_delta.data import ensure_default_data
+    from megatron_delta.data.corpus import ensure_default_data
 
     paths = ensure_default_data(CACHE_DIR)
     extra = ["--train-data-path", *paths["train_data_path"], "--valid-data-path", paths["sotu_valid_data_path"],

@@ -23,7 +23,8 @@ import re
 import shutil
 import tempfile
 
-from megatron_delta.data import BUNDLED_DATA_DIR, DEFAULT_VALID_EVERY, REPO_ROOT, iter_records, split_sentences
+from megatron_delta.data.corpus import BUNDLED_DATA_DIR, DEFAULT_VALID_EVERY, REPO_ROOT
+from megatron_delta.data.text import iter_records, split_sentences
 
 TASKS_DIR = os.path.join(REPO_ROOT, "tools", "lm_eval_tasks")
 SOURCES = ("sotu_valid", "wiki")

@@ -1,4 +1,7 @@
-"""A checkpoint that fails to load because a file of it is damaged: one line naming the file and what to do.
+"""The checkpoint errors: :class:`CheckpointError` (a checkpoint that cannot be used with these flags),
+:class:`ConversionError` (a run_config or model that cannot be converted or rebuilt), and
+:func:`describe_load_failure`: a checkpoint that fails to load because a file of it is damaged gets one line
+naming the file and what to do.
 
 Megatron-LM's ``load_checkpoint`` reads a torch_dist checkpoint with torch.distributed.checkpoint. A truncated
 ``__R_F.distcp`` shard ends there in ``CheckpointException`` (the ranks' failures gathered: an
@@ -26,6 +29,15 @@ import os
 import re
 import zipfile
 from typing import Iterator, List, Optional, Tuple
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used with these flags; the message says why and what to do."""
+
+
+class ConversionError(ValueError):
+    """A checkpoint or model that cannot be converted; the message says why."""
+
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")

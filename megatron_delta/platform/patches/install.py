@@ -1,5 +1,5 @@
 """How a patch replaces an upstream attribute, remembering the original so that the tests can put it back
-(:func:`megatron_delta.patches.patches_suspended`) and show the failure the patch answers."""
+(:func:`megatron_delta.platform.patches.patches_suspended`) and show the failure the patch answers."""
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +26,7 @@ def installing(name: str):
 def replace(owner, attr: str, value) -> None:
     """setattr, recording the original for the patch being installed."""
     if not _CURRENT:
-        raise RuntimeError(f"replace({owner!r}, {attr!r}) outside megatron_delta.patches.install.installing()")
+        raise RuntimeError(f"replace({owner!r}, {attr!r}) outside megatron_delta.platform.patches.install.installing()")
     # a class attribute is restored in the class itself (not the inherited one)
     original = owner.__dict__.get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr, _MISSING)
     _ORIGINALS.setdefault(_CURRENT[-1], []).append((owner, attr, original))

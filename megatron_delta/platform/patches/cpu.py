@@ -1,6 +1,6 @@
 """The CPU + gloo adaptation of Megatron-Core and megatron.training: the implementations of the CPU-only
-entries of megatron_delta.patches (the registry says which upstream failure each answers, for which
-versions; this module says how). Applied by megatron_delta.cpu_platform.activate_cpu_platform, only
+entries of megatron_delta.platform.patches (the registry says which upstream failure each answers, for which
+versions; this module says how). Applied by megatron_delta.platform.cpu.activate_cpu_platform, only
 without CUDA."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from megatron_delta.patches import PATCHED_MODULES, TRAINING_MODULES
-from megatron_delta.patches.install import replace
+from megatron_delta.platform.patches import PATCHED_MODULES, TRAINING_MODULES
+from megatron_delta.platform.patches.install import replace
 
 _CPU = torch.device("cpu")
 

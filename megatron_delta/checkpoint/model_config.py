@@ -1,7 +1,7 @@
 """A GPT model described by a dict of model fields, built without any command line.
 
 The fields are Megatron-LM's argument names - the keys of the ``run_config.json`` every checkpoint carries
-(trainer/run_config.py) - so conversion rebuilds a checkpoint's model from that file, and the tools and tests
+(checkpoint/run_config.py) - so conversion rebuilds a checkpoint's model from that file, and the tools and tests
 describe theirs the same way:
 
     fields = resolve_model_fields({"num_layers": 4, "residual": "delta_block", "vocab_size": 256})
@@ -32,7 +32,7 @@ class ModelConfigError(ValueError):
 
 # Every field this module knows, with its value when not given (None: derived, or off).
 SMALL_CPU_MODEL = dict(
-    # shape (checkpointing.MODEL_FLAGS)
+    # shape (run_config.MODEL_FLAGS)
     num_layers=4, hidden_size=128, ffn_hidden_size=None, num_attention_heads=4, num_query_groups=2,
     kv_channels=None, normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True, qk_layernorm=True,
     disable_bias_linear=True, untie_embeddings_and_output_weights=False, position_embedding_type="rope",
@@ -199,26 +199,6 @@ def resolve_model_fields(fields: Mapping, require: Iterable[str] = ()) -> dict:
     return f
 
 
-# The run_config.json keys a checkpoint must record for its model to be rebuilt. Its other model keys
-# (checkpointing.MODEL_FLAGS) fall back to SMALL_CPU_MODEL's (RMSNorm, SwiGLU, RoPE, no biases), as in the
-# record of a Hugging Face import (conversion.model_config_from_hf).
-REQUIRED_RUN_CONFIG_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                            "num_query_groups", "kv_channels", "norm_epsilon", "qk_layernorm", "rotary_base",
-                            "max_position_embeddings", "padded_vocab_size", "residual")
-
-
-def run_config_fields(run_config: Mapping, **overrides) -> dict:
-    """The resolved model fields of a checkpoint's run_config.json (or a dict like it): its model keys
-    (checkpointing.MODEL_FLAGS) in a one-process fp32 local build (TP1/PP1) reading sequences of up to
-    max_position_embeddings tokens; ``overrides`` (layout, seq_length, ...) replace any of them."""
-    from megatron_delta.checkpointing import MODEL_FLAGS
-
-    fields = {k: run_config[k] for k in MODEL_FLAGS if k in run_config}
-    fields["seq_length"] = run_config.get("max_position_embeddings")
-    fields.update(overrides)
-    return resolve_model_fields(fields, require=REQUIRED_RUN_CONFIG_KEYS)
-
-
 def model_config(fields: Mapping, **config_overrides):
     """(DeltaTransformerConfig, GPTModel options of megatron_delta.core.model.gpt_model / build_model_chunks)
     for the model ``fields`` describe (resolved by :func:`resolve_model_fields` first); ``config_overrides``
@@ -226,7 +206,7 @@ def model_config(fields: Mapping, **config_overrides):
     import torch
     import torch.nn.functional as F
 
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
     from megatron_delta.core.config import DeltaTransformerConfig
 
     f = resolve_model_fields(fields)

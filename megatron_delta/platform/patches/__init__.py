@@ -5,7 +5,7 @@ answers (a Megatron-LM issue number where one exists, else the failure without i
 versions it was written and verified for, and where it applies (CPU only, or every device). Entries with an
 ``apply`` function are installed here, by :func:`apply_patches`, only where they apply: on a megatron-core
 outside an entry's versions (or on CUDA, for a CPU-only entry) the entry is skipped, and
-:func:`describe` / ``python -m megatron_delta.patches`` show why. The other entries point at the one place
+:func:`describe` / ``python -m megatron_delta.platform.patches`` show why. The other entries point at the one place
 that makes the change (a subclass in megatron_delta/core, whose models import nothing of the training side;
 a setting; the trainer's hooks) so that a reader finds all of them from here.
 
@@ -60,10 +60,10 @@ class Patch:
 
 
 def _apply(module: str, function: str) -> Callable[[], None]:
-    """The implementation, imported when the patch is applied (megatron_delta.patches.cpu / .distopt)."""
+    """The implementation, imported when the patch is applied (megatron_delta.platform.patches.cpu / .distopt)."""
 
     def apply():
-        getattr(importlib.import_module(f"megatron_delta.patches.{module}"), function)()
+        getattr(importlib.import_module(f"megatron_delta.platform.patches.{module}"), function)()
 
     apply.__qualname__ = f"{module}.{function}"
     return apply
@@ -226,8 +226,8 @@ REGISTRY: Tuple[Patch, ...] = (
           "Megatron-LM #750: with PP=2 + VPP, batched p2p (the default) cannot tell send-next from send-prev to "
           "the one peer: training is silently wrong",
           CORE, EVERY_DEVICE,
-          made_by="megatron_delta.patches.batch_p2p_comm, the one decision (for "
-                  "megatron_delta.model_config.model_config); "
+          made_by="megatron_delta.platform.patches.batch_p2p_comm, the one decision (for "
+                  "megatron_delta.checkpoint.model_config.model_config); "
                   "the trainer keeps upstream's (batch_p2p_comm = not overlap_p2p_comm, and validate_args refuses "
                   "PP=2 + VPP without overlap); check_p2p_config() refuses a config with the trap"),
     Patch("trainer_hooks",
@@ -239,7 +239,7 @@ REGISTRY: Tuple[Patch, ...] = (
           "upstream's pretrain() has no hook for the routers' param group (--delta-router-lr-mult), --delta-metrics-file, "
           "--delta-heldout-data-path and routing statistics, run_config.json in each checkpoint, the iteration-0 save",
           V019, EVERY_DEVICE,
-          made_by="megatron_delta/trainer/main.py _Run: each function wrapped for one run (with _Run(args)), the "
+          made_by="megatron_delta/trainer/hooks.py RunHooks: each function wrapped for one run (with RunHooks(args)), the "
                   "originals back when it ends"),
     Patch("checkpoint_hint", ("megatron.training.checkpointing.load_checkpoint (RuntimeError text)",),
           "a distributed-optimizer checkpoint loaded into another TP/PP layout raises a hint naming "
@@ -251,7 +251,7 @@ REGISTRY: Tuple[Patch, ...] = (
 
 _BY_NAME: Dict[str, Patch] = {p.name: p for p in REGISTRY}
 if len(_BY_NAME) != len(REGISTRY):
-    raise RuntimeError("megatron_delta.patches: two entries share a name")
+    raise RuntimeError("megatron_delta.platform.patches: two entries share a name")
 _APPLIED: List[str] = []
 _REPORTED: set = set()
 
@@ -288,7 +288,7 @@ def apply_patches(where: str, version: Optional[str] = None) -> List[str]:
     """Install the entries of ``where`` (CPU_ONLY or EVERY_DEVICE) that apply to megatron-core ``version``
     (default: the installed one; the tests pass others). Idempotent; returns the names installed by this call.
     An entry outside its versions is skipped with a warning on this module's logger."""
-    from megatron_delta.patches.install import installing
+    from megatron_delta.platform.patches.install import installing
 
     if where not in (CPU_ONLY, EVERY_DEVICE):
         raise ValueError(f"where must be {CPU_ONLY!r} or {EVERY_DEVICE!r}, got {where!r}")
@@ -300,7 +300,7 @@ def apply_patches(where: str, version: Optional[str] = None) -> List[str]:
         if not ok:
             if (patch.name, why) not in _REPORTED:  # once: activate_cpu_platform runs at every initialisation
                 _REPORTED.add((patch.name, why))
-                logger.warning("megatron_delta.patches: %s not applied: %s", patch.name, why)
+                logger.warning("megatron_delta.platform.patches: %s not applied: %s", patch.name, why)
             continue
         with installing(patch.name):
             patch.apply()
@@ -312,7 +312,7 @@ def apply_patches(where: str, version: Optional[str] = None) -> List[str]:
 def entry(name: str) -> Patch:
     """The registry entry ``name``."""
     if name not in _BY_NAME:
-        raise KeyError(f"no patch {name!r} in megatron_delta.patches; entries: {', '.join(_BY_NAME)}")
+        raise KeyError(f"no patch {name!r} in megatron_delta.platform.patches; entries: {', '.join(_BY_NAME)}")
     return _BY_NAME[name]
 
 
@@ -341,7 +341,7 @@ def describe(version: Optional[str] = None, cuda: Optional[bool] = None) -> List
 def patches_suspended(*names: str):
     """The upstream originals of the named (installed) patches back while the block runs: the tests show
     with it the failure each patch answers."""
-    from megatron_delta.patches.install import suspended
+    from megatron_delta.platform.patches.install import suspended
 
     unknown = [n for n in names if n not in _BY_NAME or _BY_NAME[n].apply is None]
     if unknown:

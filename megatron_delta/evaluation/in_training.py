@@ -15,7 +15,8 @@ import torch
 
 def build_heldout_dataset(args, tokenizer):
     """GPTDataset of --delta-heldout-data-path: --eval-iters evaluation global batches (all of it train split)."""
-    from megatron_delta.data import build_gpt_datasets, validate_indexed_prefix
+    from megatron_delta.data.datasets import build_gpt_datasets
+    from megatron_delta.data.indexed import validate_indexed_prefix
 
     for entry in args.delta_heldout_data_path:
         try:
@@ -54,7 +55,7 @@ def delta_blocks(model):
 def routing_statistics(evaluate, forward_step_func, dataset, model, config, **kwargs):
     """{"stats", "text"} of one validation global batch, gathered from every rank; None without routers
     anywhere. `evaluate` is upstream's megatron.training.training.evaluate."""
-    from megatron_delta.routing_stats import RoutingStatsAccumulator
+    from megatron_delta.evaluation.routing_stats import RoutingStatsAccumulator
 
     blocks = list(delta_blocks(model))
     for b in blocks:

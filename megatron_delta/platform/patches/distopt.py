@@ -1,5 +1,5 @@
 """Fixes of the distributed optimizer over torch's own Adam (no Apex / Transformer Engine), on every device:
-the implementations of the ``distopt_*`` entries of megatron_delta.patches (which says which failure each
+the implementations of the ``distopt_*`` entries of megatron_delta.platform.patches (which says which failure each
 answers and for which Megatron-Core versions).
 
 Without Apex and Transformer Engine (megatron.core.optimizer.distrib_optimizer.HAVE_APEX_OR_TE is False: any
@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from megatron_delta.patches.install import replace
+from megatron_delta.platform.patches.install import replace
 
 
 def _torch_adam_without_fused(opt) -> bool:
