@@ -68,7 +68,7 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1]); os.makedirs(sys.argv[2], exist
 prefix = os.path.join(sys.argv[2], "sotu_text_document")
 b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
 n = 0
-for line in lzma.open("data/sotu.txt.xz", "rt"):
+for line in lzma.open("megatron_delta/data/bundled/sotu.txt.xz", "rt"):
     ids = tok(json.loads(line)["text"])["input_ids"] + [tok.eos_token_id]
     b.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)]); n += len(ids)
 b.finalize(prefix + ".idx")
@@ -113,7 +113,7 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1])
 assert AutoTokenizer.from_pretrained(sys.argv[2])("held-out text")["input_ids"] == tok("held-out text")["input_ids"]
 n, seq = int(sys.argv[3]), int(sys.argv[4])
 ids = []
-for line in lzma.open("data/wiki.txt.xz", "rt"):
+for line in lzma.open("megatron_delta/data/bundled/wiki.txt.xz", "rt"):
     ids += tok(json.loads(line)["text"])["input_ids"]
     if len(ids) >= n + 1: break
 ids = torch.tensor(ids[: n + 1 - (n % seq)])

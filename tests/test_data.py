@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from megatron_delta.data import corpus as bundled_corpus  # noqa: E402
+from megatron_delta.data.corpus import BUNDLED_DATA_DIR  # noqa: E402
 from megatron_delta.data.datasets import build_gpt_datasets  # noqa: E402
 from megatron_delta.data.indexed import preprocess_to_indexed, validate_indexed_prefix  # noqa: E402
 from megatron_delta.data.text import split_sentences  # noqa: E402
@@ -34,7 +35,7 @@ def _load_tool(name):
 
 def _sentences(n_speeches=6):
     """Sentences of the first few speeches of the bundled corpus (reads only the start of the xz)."""
-    with lzma.open(os.path.join(ROOT, "data", "sotu.txt.xz"), "rt", encoding="utf-8") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "sotu.txt.xz"), "rt", encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in itertools.islice(f, n_speeches)]
     return [s for t in texts for s in split_sentences(t)]
 

@@ -18,6 +18,7 @@ import pytest
 
 from tests.flags import tiny
 
+from megatron_delta.data.corpus import BUNDLED_DATA_DIR
 from tests.dist_utils import REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
@@ -71,9 +72,9 @@ def _hf_model(hf_dir):
 # ------------------------------------------------------------------------------------ perplexity
 def _raw_held_out_docs():
     """The held-out documents straight from the bundled corpus files (no project code)."""
-    with lzma.open(os.path.join(REPO_ROOT, "data", "sotu.txt.xz"), "rt", encoding="utf-8") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "sotu.txt.xz"), "rt", encoding="utf-8") as f:
         sotu = [json.loads(line)["text"] for line in f if line.strip()]
-    with lzma.open(os.path.join(REPO_ROOT, "data", "wiki.txt.xz"), "rt", encoding="utf-8") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "wiki.txt.xz"), "rt", encoding="utf-8") as f:
         wiki = [json.loads(line)["text"] for line in f if line.strip()]
     return {"sotu_valid": [d for i, d in enumerate(sotu) if i % 10 == 9], "wiki": wiki}
 
@@ -127,7 +128,7 @@ def test_cloze_examples_are_deterministic_and_held_out():
     from megatron_delta.evaluation import cloze
 
     docs = _raw_held_out_docs()
-    with lzma.open(os.path.join(REPO_ROOT, "data", "sotu.txt.xz"), "rt", encoding="utf-8") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "sotu.txt.xz"), "rt", encoding="utf-8") as f:
         train_text = " ".join(" ".join(json.loads(line)["text"].split()) for i, line in enumerate(f) if i % 10 != 9)
     for source in cloze.SOURCES:
         a = cloze.build_examples(source, max_examples=50)

@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from tests.test_conversion import REPO, _finetune, _hf_logits
+from megatron_delta.data.corpus import BUNDLED_DATA_DIR
+from tests.test_conversion import _finetune, _hf_logits
 
 LAYERS = 2
 TOL = 1e-4
@@ -77,7 +78,7 @@ def build_sotu_data(tok, prefix: str, docs: int = 12, max_tokens: int = 1024):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    with lzma.open(os.path.join(REPO, "data", "sotu.txt.xz"), "rt") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "sotu.txt.xz"), "rt") as f:
         for _, line in zip(range(docs), f):
             ids = tok(json.loads(line)["text"])["input_ids"][:max_tokens] + [tok.eos_token_id]
             b.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)])
@@ -86,7 +87,7 @@ def build_sotu_data(tok, prefix: str, docs: int = 12, max_tokens: int = 1024):
 
 def heldout_ids(tok, n: int = 256) -> list:
     ids = []
-    with lzma.open(os.path.join(REPO, "data", "wiki.txt.xz"), "rt") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "wiki.txt.xz"), "rt") as f:
         for line in f:
             ids += tok(json.loads(line)["text"])["input_ids"]
             if len(ids) > n:

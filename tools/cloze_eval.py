@@ -9,7 +9,7 @@ The examples (megatron_delta/evaluation/cloze.py) come from text training never 
 and the Wikipedia sample. Passages of 20-60 words, cut at sentence boundaries; the target is the last
 word (alphabetic, >= 3 letters), the context everything before it. They are built deterministically
 once and cached under --cache-dir as JSONL; the lm-eval task definitions are local
-(tools/lm_eval_tasks/delta_cloze/*.yaml), the model is the exported transformers directory
+(megatron_delta/evaluation/lm_eval_tasks/delta_cloze/*.yaml), the model is the exported transformers directory
 (`--model hf`, trust_remote_code for the routed modes), and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are
 set: nothing is downloaded.
 
@@ -19,7 +19,7 @@ lambada_openai defines them. The contexts are left-truncated to the model's max_
 The same evaluation through lm-eval's own CLI:
 
     lm_eval --model hf --model_args pretrained=hf/delta_block,trust_remote_code=True,add_bos_token=False \\
-        --include_path tools/lm_eval_tasks --tasks delta_cloze_sotu,delta_cloze_wiki \\
+        --include_path megatron_delta/evaluation/lm_eval_tasks --tasks delta_cloze_sotu,delta_cloze_wiki \\
         --metadata '{"cloze_data_dir": "runs/cache/cloze-<hash>"}'
 """
 import argparse

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train a SentencePiece tokenizer for megatron-delta.
 
-  python tools/train_tokenizer.py --input data/sotu.txt.xz --model-prefix runs/tok/sotu_bpe \
+  python tools/train_tokenizer.py --input megatron_delta/data/bundled/sotu.txt.xz --model-prefix runs/tok/sotu_bpe \
       --vocab-size 4096 --model-type bpe
 
 Inputs: .txt (one document per line) or .jsonl (one JSON object per line, text under --json-keys),

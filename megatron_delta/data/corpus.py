@@ -1,5 +1,6 @@
 """The bundled default corpus: the run with no data flags trains on it (trainer/embedded.py). Built once
-into a cache directory (tokenizer + indexed datasets) from the compressed texts shipped beside this module.
+into a cache directory (tokenizer + indexed datasets) from the compressed texts shipped beside this module
+(bundled/: sotu.txt.xz, wiki.txt.xz and their licences, NOTICE.md).
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from megatron_delta.data.indexed import indexed_prefix, preprocess_to_indexed
 from megatron_delta.data.text import iter_records, print_flush
 from megatron_delta.data.tokenizers import train_sentencepiece
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUNDLED_DATA_DIR = os.path.join(REPO_ROOT, "data")
+# The corpus ships with the package (package data), so an installed megatron-delta finds it too.
+BUNDLED_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled")
 
 DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_VALID_EVERY = 10          # every 10th speech (index % 10 == 9) is validation
@@ -129,8 +130,7 @@ def ensure_default_data(cache_dir: str = "runs/cache") -> dict:
                 with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
                     json.dump({"settings": settings, "corpus_digest": digest,
                                "vocab_size": sp.get_piece_size(),
-                               "sotu": os.path.relpath(sotu, REPO_ROOT),
-                               "wiki": os.path.relpath(wiki, REPO_ROOT)}, f, indent=1)
+                               "sotu": os.path.basename(sotu), "wiki": os.path.basename(wiki)}, f, indent=1)
                 os.chmod(tmp, 0o755)             # mkdtemp makes it private
                 if os.path.exists(root):         # incomplete leftover of an older layout
                     shutil.rmtree(root)

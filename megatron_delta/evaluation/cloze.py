@@ -9,7 +9,7 @@ the passage up to that word; the target is the word (LAMBADA style: the model mu
 
 `ensure_cloze_data(cache_dir)` writes `<cache_dir>/cloze-<hash>/{sotu_valid,wiki}.jsonl` once (the hash
 covers the corpus files and the settings). `run_cloze_eval(hf_dir, data_dir)` evaluates an exported
-transformers model on them through the local lm-eval task definitions in `tools/lm_eval_tasks/` (a
+transformers model on them through the local lm-eval task definitions in `lm_eval_tasks/` beside this module (a
 `loglikelihood` task: accuracy = the whole target word is the greedy continuation, perplexity = exp of
 minus the mean log-likelihood of the target word), with the Hugging Face hub and datasets offline.
 """
@@ -23,10 +23,10 @@ import re
 import shutil
 import tempfile
 
-from megatron_delta.data.corpus import BUNDLED_DATA_DIR, DEFAULT_VALID_EVERY, REPO_ROOT
+from megatron_delta.data.corpus import BUNDLED_DATA_DIR, DEFAULT_VALID_EVERY
 from megatron_delta.data.text import iter_records, split_sentences
 
-TASKS_DIR = os.path.join(REPO_ROOT, "tools", "lm_eval_tasks")
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")  # package data
 SOURCES = ("sotu_valid", "wiki")
 TASK_OF = {"sotu_valid": "delta_cloze_sotu", "wiki": "delta_cloze_wiki"}
 _FORMAT_VERSION = 1

@@ -3,11 +3,10 @@ import glob
 import json
 import os
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 
 def _default_dir():
-    found = sorted(glob.glob(os.path.join(_REPO_ROOT, "runs", "cache", "cloze-*", "manifest.json")),
+    """The newest build under runs/cache of the current directory (ensure_cloze_data's default cache)."""
+    found = sorted(glob.glob(os.path.join("runs", "cache", "cloze-*", "manifest.json")),
                    key=os.path.getmtime)
     if not found:
         raise FileNotFoundError("no cloze data under runs/cache: build it with `python tools/cloze_eval.py "
