@@ -1,5 +1,5 @@
-"""megatron_delta.trainer (Megatron-LM's own trainer): what the old loop offered, kept around pretrain -
-the metrics file in the old format, --delta-heldout-data-path, routing statistics at every evaluation, the
+"""megatron_delta.trainer (Megatron-LM's own trainer): what the project adds around pretrain -
+the metrics file (--delta-metrics-file), --delta-heldout-data-path, routing statistics at every evaluation, the
 pipeline payload lines, run_config.json in every checkpoint (readable by the tools' one-process loader),
 the embedded default run and one-line errors after start-up."""
 from __future__ import annotations

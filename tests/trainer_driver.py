@@ -180,7 +180,7 @@ def _param_groups() -> list:
     return groups
 
 
-# ------------------------------------------------------------------------------ the old loop's features
+# ------------------------------------------------------------------------- the features around pretrain
 # The bundled corpus (SentencePiece BPE 4096): real text for --valid-data-path / --delta-heldout-data-path.
 def bundled_data() -> dict:
     from megatron_delta.data.corpus import ensure_default_data

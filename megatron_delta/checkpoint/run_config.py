@@ -255,12 +255,12 @@ _ALIASES = {
 
 
 def recorded_config(args) -> dict:
-    """RECORDED_FLAGS with the old loop's names and meanings, from Megatron-LM's args."""
+    """RECORDED_FLAGS, named and meant as pretrain_gpt.py's flags, from Megatron-LM's args (_ALIASES)."""
     return {k: (_ALIASES[k](args) if k in _ALIASES else getattr(args, k, None)) for k in RECORDED_FLAGS}
 
 
 def flags_view(args):
-    """Megatron-LM's args seen with the old loop's flag names (for checkpointing's helpers)."""
+    """Megatron-LM's args seen with the RECORDED_FLAGS names (for check_model_flags / carried_provenance)."""
     view = types.SimpleNamespace(**vars(args))
     for k, v in recorded_config(args).items():
         setattr(view, k, v)

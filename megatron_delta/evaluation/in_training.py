@@ -1,8 +1,9 @@
-"""What the old loop evaluated beside validation, on Megatron-LM's trainer.
+"""What the trainer evaluates beside validation, on Megatron-LM's trainer (called from trainer/hooks.py).
 
 - ``--delta-heldout-data-path``: another distribution. Its dataset is built with the others (every rank),
-  and at every evaluation its first ``--eval-iters`` global batches (the same ones every time, as the
-  old loop) go through upstream's ``evaluate_and_print_results`` (its printout and loss reduction).
+  and at every evaluation its first ``--eval-iters`` global batches (the same ones every time, so the
+  numbers compare across evaluations) go through upstream's ``evaluate_and_print_results`` (its printout
+  and loss reduction).
 - routing statistics (routed modes): the first validation global batch through upstream's
   ``evaluate`` (Megatron's forward_backward_func with forward_only, on the model the run built, with
   the run's p2p communicator) while every DeltaTransformerBlock records its routing weights

@@ -10,7 +10,7 @@ does not count). Then:
   ``--delta-heldout-data-path`` the Wikipedia sample, ``--tokenizer-type SentencePieceTokenizer
   --tokenizer-model`` the bundled BPE tokenizer. Giving ``--tokenizer-type``/``--tokenizer-model``/
   ``--vocab-size`` without data is an error (the corpus is tokenized with its own tokenizer).
-- every flag of :data:`EMBEDDED_DEFAULTS` that the arguments do not give is added: the old loop's
+- every flag of :data:`EMBEDDED_DEFAULTS` that the arguments do not give is added: the embedded
   defaults (4 layers, hidden 128, Qwen3-style: RMSNorm, SwiGLU, RoPE base 1e6, qk-layernorm, GQA 4
   heads / 2 groups, no biases; seq 128, MBS 8, 200 iterations, lr 3e-3 cosine to 3e-4, warmup 5 %,
   weight decay 0.1, clip 1, beta2 0.95, eval every 100 iterations over 10 batches, log every 10);

@@ -206,7 +206,7 @@ class RunHooks:
             print(line, flush=True)
 
     def print_payload(self):
-        """Start-up lines of routed modes with PP > 1: what crosses each pipeline boundary (the old loop's)."""
+        """Start-up lines of routed modes with PP > 1: what crosses each pipeline boundary (describe_stage_payloads)."""
         args = self.args
         if args.residual == BASELINE or args.pipeline_model_parallel_size == 1:
             return

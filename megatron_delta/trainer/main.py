@@ -12,11 +12,11 @@ What this adds around ``megatron.training.pretrain`` (each a thin hook, installe
 removed; the trainer itself is upstream's; the list is RunHooks' docstring (trainer/hooks.py)):
 - the router param group (``--delta-router-lr-mult``): get_megatron_optimizer_config returns Megatron's
   standard ``config_overrides``; a routed run adds ParamKey(attr="is_delta_router");
-- ``--delta-metrics-file``: JSON lines in the old loop's format - per iteration {"iteration", "lm_loss",
+- ``--delta-metrics-file``: JSON lines - per iteration {"iteration", "lm_loss",
   "lr", "grad_norm", "tokens_per_sec"}, per evaluation {"iteration", "split", "lm_loss", "ppl"} with
   split "valid" / "heldout" ("test" for upstream's test split), per evaluation of a routed mode
   {"iteration", "routing": {...}}; the lines ` validation[ (final)] [split] at iteration N | lm loss
-  | ppl` and the routing table are printed as the old loop did;
+  | ppl` and the routing table are printed;
 - ``--delta-heldout-data-path`` and the routing statistics beside every validation (evaluation/in_training.py);
 - routed modes with PP > 1: the start-up payload lines and the PayloadP2PCommunicator (shape
   exchange safe for PP=2 + VPP);
@@ -295,7 +295,7 @@ _WRONG_HINT = "Please use `--ckpt-fully-parallel-save` flag during checkpoint sa
 
 
 def run_error_message(e: BaseException) -> str:
-    """One line for the data / tokenizer / checkpoint errors after start-up (the old loop's)."""
+    """One line for the data / tokenizer / checkpoint errors after start-up (``pretrain_gpt.py: error: ...``)."""
     msg = " ".join(str(e).split()) or type(e).__name__
     msg = msg.replace(_WRONG_HINT, "Save the checkpoint with --dist-ckpt-optim-fully-reshardable, or load it "
                                    "with --no-load-optim")
