@@ -42,7 +42,7 @@ def dist():
 
 
 def _fields(mode, sources="exact", null=False, gate=False, num_layers=4, num_blocks=None, extra=None):
-    """The model fields (megatron_delta.model_config) of one variant."""
+    """The model fields (megatron_delta.checkpoint.model_config) of one variant."""
     f = dict(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
              seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_sources=sources,
              delta_null_source=null, delta_gate="scalar" if gate else "none")
@@ -52,7 +52,7 @@ def _fields(mode, sources="exact", null=False, gate=False, num_layers=4, num_blo
 
 
 def build(mode, sources="exact", null=False, gate=False, num_layers=4, num_blocks=None, extra=None):
-    """(model, resolved model fields as attributes) built through megatron_delta.model_config /
+    """(model, resolved model fields as attributes) built through megatron_delta.checkpoint.model_config /
     build_model_chunks with a freshly seeded RNG, so the same seed gives the same backbone in every mode."""
     from megatron.core import tensor_parallel
 

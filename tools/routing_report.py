@@ -52,7 +52,7 @@ def build_parser():
 
 
 def run_from_run_config(cfg, opts, where):
-    """(model fields, run): the checkpoint's model in a TP1/PP1 layout (megatron_delta.model_config) reading
+    """(model fields, run): the checkpoint's model in a TP1/PP1 layout (megatron_delta.checkpoint.model_config) reading
     sequences of --seq-length (default: the checkpoint's) tokens, and the run the forward passes and
     checkpoint/store.py load_checkpoint reads (batch sizes, tokenizer, seed; the model fields as attributes)."""
     from megatron_delta.checkpoint.run_config import checkpoint_args, model_fields
