@@ -12,6 +12,10 @@ a setting; the trainer's hooks) so that a reader finds all of them from here.
 Known upstream warnings that say nothing to a user of this project are listed here too (KNOWN_WARNINGS) and
 silenced only around the upstream calls that emit them (:func:`known_warnings_quieted`, a
 ``warnings.catch_warnings`` block): the project never changes the process-wide warning filters.
+
+Modules: this one (the table, apply_patches, describe, the warnings); cpu (the CPU-only entries'
+implementations); distopt (the distributed optimizer's fixes on every device); install (replace / suspend,
+the one way an entry changes upstream); __main__ (``python -m megatron_delta.platform.patches``).
 """
 from __future__ import annotations
 
@@ -239,8 +243,8 @@ REGISTRY: Tuple[Patch, ...] = (
           "upstream's pretrain() has no hook for the routers' param group (--delta-router-lr-mult), --delta-metrics-file, "
           "--delta-heldout-data-path and routing statistics, run_config.json in each checkpoint, the iteration-0 save",
           V019, EVERY_DEVICE,
-          made_by="megatron_delta/trainer/hooks.py RunHooks: each function wrapped for one run (with RunHooks(args)), the "
-                  "originals back when it ends"),
+          made_by="megatron_delta/trainer/hooks.py RunHooks: each function wrapped for one run "
+                  "(with RunHooks(args)), the originals back when it ends"),
     Patch("checkpoint_hint", ("megatron.training.checkpointing.load_checkpoint (RuntimeError text)",),
           "a distributed-optimizer checkpoint loaded into another TP/PP layout raises a hint naming "
           "--ckpt-fully-parallel-save, which does not choose a loadable format (checkpointing.py:2251)",
