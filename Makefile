@@ -10,9 +10,9 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Re-installs only when the lock file or setup.py changed (the stamp is newer otherwise). A .venv of
+# Re-installs only when the lock file or pyproject.toml changed (the stamp is newer otherwise). A .venv of
 # another Python version (an older checkout's) is replaced.
-$(STAMP): requirements-lock.txt requirements-nodeps.txt setup.py
+$(STAMP): requirements-lock.txt requirements-nodeps.txt pyproject.toml
 	@test -n "$(PYTHON)" || { echo "ERROR: Python 3.12 not found; install it or run make PYTHON=/path/to/python3.12"; exit 1; }
 	@if test -x $(PY) && ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
 	    echo "$(VENV) is not Python 3.12: recreating it"; rm -rf $(VENV); fi

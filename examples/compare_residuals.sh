@@ -7,7 +7,7 @@
 #   MOCK=1 ITERS=5 bash examples/compare_residuals.sh  # mock tokens (no held-out set): a plumbing check
 #
 # Data: the bundled SOTU corpus (train), its by-speech validation split and the Wikipedia held-out
-# sample (built once under runs/cache by megatron_delta.data.ensure_default_data), passed explicitly
+# sample (built once under runs/cache by megatron_delta.data.corpus.ensure_default_data), passed explicitly
 # so every run reads the same batches. Each run: OUT/<name>/metrics.jsonl + summary.json
 # (tools/compare_runs.py train); the table: OUT/table.md; the curves: OUT/loss.png.
 # Throughput and memory on a shared CPU are noisy: compare them only between runs of one invocation.
@@ -30,7 +30,7 @@ if [[ "$MOCK" == 1 ]]; then
   DATA=(--mock-data --tokenizer-type NullTokenizer --vocab-size 4096)
 else
   mapfile -t P < <("$PY" - <<'PYEOF'
-from megatron_delta.data import ensure_default_data
+from megatron_delta.data.corpus import ensure_default_data
 p = ensure_default_data("runs/cache")
 print(p["train_data_path"][0]); print(p["sotu_valid_data_path"]); print(p["heldout_data_path"]); print(p["tokenizer_model"])
 PYEOF

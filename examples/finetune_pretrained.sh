@@ -68,7 +68,7 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1]); os.makedirs(sys.argv[2], exist
 prefix = os.path.join(sys.argv[2], "sotu_text_document")
 b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
 n = 0
-for line in lzma.open("data/sotu.txt.xz", "rt"):
+for line in lzma.open("megatron_delta/data/bundled/sotu.txt.xz", "rt"):
     ids = tok(json.loads(line)["text"])["input_ids"] + [tok.eos_token_id]
     b.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)]); n += len(ids)
 b.finalize(prefix + ".idx")
@@ -79,7 +79,7 @@ fi
 # ---------------------------------------------------------------------------------------------- 4. fine-tune
 MODEL_FLAGS=$($PY - "$WORK/imported" <<'PYEOF'
 import glob, json, sys
-from megatron_delta.conversion import model_flags
+from megatron_delta.checkpoint.run_config import model_flags
 rc = json.load(open(sorted(glob.glob(sys.argv[1] + "/iter_*/run_config.json"))[-1]))
 print(" ".join(model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(rc["vocab_size"])]))
 PYEOF
@@ -113,7 +113,7 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1])
 assert AutoTokenizer.from_pretrained(sys.argv[2])("held-out text")["input_ids"] == tok("held-out text")["input_ids"]
 n, seq = int(sys.argv[3]), int(sys.argv[4])
 ids = []
-for line in lzma.open("data/wiki.txt.xz", "rt"):
+for line in lzma.open("megatron_delta/data/bundled/wiki.txt.xz", "rt"):
     ids += tok(json.loads(line)["text"])["input_ids"]
     if len(ids) >= n + 1: break
 ids = torch.tensor(ids[: n + 1 - (n % seq)])

@@ -1,13 +1,17 @@
 """megatron-delta: Delta Attention Residuals for Megatron-Core.
 
+Sub-packages, from the bottom layer up (a package imports only those below it; tests/test_import_direction.py
+holds the order):
+
   core/         the model: residual modes, routers, sources, stage payload, Megatron-Core layer/block/model
                 subclasses and specs. Imports nothing from the rest of the package.
-  trainer/      pretrain_gpt.py on Megatron-LM's trainer (megatron.training): flags, providers, evaluation
-  hf/           the Hugging Face model and configuration (no Megatron import)
-  the rest      the training side shared by the trainer and tools: model_config (a model from its fields, the
-                run_config.json keys; no argv), data, checkpointing, conversion (Megatron <-> HF), cloze,
-                routing_stats, cpu_platform (CPU + gloo start-up)
-  patches/      the one registry of changes to upstream behaviour (CPU adaptation, bug workarounds, the
-                trainer's hooks), each with its upstream issue and megatron-core versions
+  hf/           the Hugging Face model and configuration (no Megatron import; core/modes.py's rules only)
+  platform/     Megatron-Core on this machine: the CPU + gloo adaptation, distributed start-up, and patches/,
+                the one registry of changes to upstream behaviour, each with its upstream issue and versions
+  data/         text, tokenizers, indexed datasets, GPT datasets, the bundled default corpus
+  checkpoint/   the run_config.json contract, models from their fields, the tools' loader/saver, errors
+  evaluation/   checkpoints loaded for evaluation, the trainer's held-out and routing evaluations, cloze
+  convert/      Megatron <-> Hugging Face: the state-dict adapter and the import/export commands
+  trainer/      pretrain_gpt.py on Megatron-LM's trainer (megatron.training): flags, providers, the run, hooks
 """
 __version__ = "0.1.0"

@@ -28,6 +28,6 @@ def distributed_teardown():
     import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from megatron_delta.cpu_platform import destroy_distributed
+        from megatron_delta.platform.distributed import destroy_distributed
 
         destroy_distributed()

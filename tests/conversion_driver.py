@@ -17,9 +17,9 @@ def train_all(argvs: list[list[str]]) -> list[dict]:
     import torch
 
     torch.set_num_threads(1)
-    from megatron_delta.patches import import_megatron
+    from megatron_delta.platform.patches import import_megatron
 
-    import_megatron(training=True)  # Megatron's import-time notices quieted (megatron_delta.patches.KNOWN_WARNINGS)
+    import_megatron(training=True)  # Megatron's import-time notices quieted (megatron_delta.platform.patches.KNOWN_WARNINGS)
     from tests.parity_driver import _run
 
     out = []

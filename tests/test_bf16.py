@@ -17,7 +17,7 @@ What they must show:
       sharded_state_dict assume one dtype). The activations - the decoder's input and output, the payload
       received from the previous pipeline stage, every router's output - are bf16;
   (3) layout parity at bf16 tolerance: the bf16 losses under TP2+PP2+SP equal TP1's within BF16_LAYOUTS;
-  (4) the bf16-trained TP2+PP2+SP checkpoint exported with `--dtype bf16` (megatron_delta.conversion) and
+  (4) the bf16-trained TP2+PP2+SP checkpoint exported with `--dtype bf16` (megatron_delta.convert) and
       loaded by transformers in bf16 (routers kept fp32) gives Megatron's bf16 forward of the same checkpoint
       (the trained model in Float16Module, TP1) within BF16_EXPORT, where an fp32 export of the same
       checkpoint matches it only to the bf16 rounding of the activations.
@@ -120,13 +120,13 @@ def test_bf16_layouts_agree(runs):
 
 
 def megatron_bf16(ckpt):
-    """The checkpoint's model as --bf16 training holds it (the tools' --dtype auto): conversion.load_megatron
+    """The checkpoint's model as --bf16 training holds it (the tools' --dtype auto): evaluation.loaders.load_megatron
     builds it in bf16 under TP1 in this process, in Megatron's Float16Module (fp32 logits out)."""
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_delta import conversion
+    from megatron_delta.evaluation import loaders
 
-    model, args, rc = conversion.load_megatron(ckpt, dtype="auto")
+    model, args, rc = loaders.load_megatron(ckpt, dtype="auto")
     assert rc["bf16"] is True and args.bf16 is True and isinstance(model, Float16Module)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     return model, rc
@@ -137,14 +137,16 @@ def export_gaps(ckpt, out):
     the same checkpoint vs Megatron bf16}, and the greedy tokens agreement of the bf16 pair."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_delta import conversion
+    from megatron_delta.checkpoint import run_config
+    from megatron_delta.convert import hf_checkpoint
+    from megatron_delta.evaluation import loaders
 
     model, rc = megatron_bf16(ckpt)
-    vocab = conversion.true_vocab_size(rc)
+    vocab = run_config.true_vocab_size(rc)
     routed = rc["residual"] != "baseline"
     gaps, argmax_equal = {}, True
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        conversion.export_checkpoint(ckpt, f"{out}-{dtype}", dtype=dtype, log=lambda *a: None)
+        hf_checkpoint.export_checkpoint(ckpt, f"{out}-{dtype}", dtype=dtype, log=lambda *a: None)
         hf = AutoModelForCausalLM.from_pretrained(f"{out}-{dtype}", trust_remote_code=routed,
                                                   dtype=torch_dtype).eval()
         for n, p in hf.named_parameters():  # routers stay fp32 in a bf16 export (their values are bf16's)
@@ -154,7 +156,7 @@ def export_gaps(ckpt, out):
         worst = 0.0
         for ids in SEQS:
             t = torch.tensor([ids])
-            meg = conversion.megatron_logits(model, t)[0, :, :vocab]
+            meg = loaders.megatron_logits(model, t)[0, :, :vocab]
             with torch.no_grad():
                 logits = hf(t).logits[0]
             assert logits.dtype == torch_dtype and meg.shape == logits.shape == (len(ids), vocab)
@@ -168,7 +170,7 @@ def export_gaps(ckpt, out):
                     if n.endswith("_router.query"):
                         p.zero_()
                 gaps["bf16_routers_zeroed"] = max(
-                    (hf(torch.tensor([ids])).logits[0].float() - conversion.megatron_logits(
+                    (hf(torch.tensor([ids])).logits[0].float() - loaders.megatron_logits(
                         model, torch.tensor([ids]))[0, :, :vocab]).abs().max().item() for ids in SEQS)
     return gaps, argmax_equal
 
@@ -221,7 +223,8 @@ def test_evaluate_computes_as_trained(runs, tmp_path):
     equal TP1's within bf16 tolerance."""
     import json
 
-    from megatron_delta import conversion
+    from megatron_delta.checkpoint import run_config
+    from megatron_delta.evaluation import loaders
 
     root, _, _ = runs
     gaps = {}
@@ -231,9 +234,9 @@ def test_evaluate_computes_as_trained(runs, tmp_path):
         fp32, fp32_logits = _evaluate(tmp_path, ckpt, f"{mode}-fp32", "--dtype", "fp32")
         assert (auto["dtype"], fp32["dtype"]) == ("bf16", "fp32"), mode
         model, rc = megatron_bf16(ckpt)
-        vocab = conversion.true_vocab_size(rc)
+        vocab = run_config.true_vocab_size(rc)
         for ids, got in zip(SEQS, auto_logits, strict=True):
-            assert torch.equal(got, conversion.megatron_logits(model, torch.tensor([ids]))[0, :, :vocab]), mode
+            assert torch.equal(got, loaders.megatron_logits(model, torch.tensor([ids]))[0, :, :vocab]), mode
         gap = max((a - b).abs().max().item() for a, b in zip(auto_logits, fp32_logits, strict=True))
         assert 0 < gap <= BF16_EXPORT, (mode, gap)
         gaps[mode] = (gap, abs(auto["total_nll"] - fp32["total_nll"]))

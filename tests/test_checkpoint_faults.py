@@ -1,5 +1,5 @@
 """Damaged checkpoints, a full disk and a schedule mismatch on resume: one error line each, naming the file or
-flag and what to do, exit code 1, no traceback (megatron_delta/trainer/checkpoint_errors.py).
+flag and what to do, exit code 1, no traceback (megatron_delta/checkpoint/errors.py).
 
 The trainer as a program, on the tiny COMMON model of tests/trainer_driver.py:
 1. `.metadata` deleted, `metadata.json` deleted, `--ckpt-step` at a save that did not finish, and a resume

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from megatron_delta.checkpointing import TRACKER, CheckpointError, resolve_checkpoint_dir
+from megatron_delta.checkpoint.errors import CheckpointError
+from megatron_delta.checkpoint.run_config import TRACKER, resolve_checkpoint_dir
 from tests import parity_driver as driver
 from tests.dist_utils import run_distributed
 

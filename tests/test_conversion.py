@@ -1,4 +1,4 @@
-"""Checkpoint conversion (tools/convert_checkpoint.py, tools/evaluate.py, megatron_delta.conversion).
+"""Checkpoint conversion (tools/convert_checkpoint.py, tools/evaluate.py, megatron_delta.convert, megatron_delta.evaluation.loaders).
 
 (a) every residual mode: pretrain_gpt trains a tiny model 3 iterations under TP2+PP2 (4 gloo ranks, ONE
     launch trains all modes in sequence: tests/conversion_driver.py) -> export (resharded to one
@@ -29,8 +29,11 @@ import safetensors  # noqa: E402,F401
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel,  # noqa: E402
                           LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from megatron_delta import conversion  # noqa: E402
-from megatron_delta.checkpointing import CheckpointError, load_checkpoint  # noqa: E402
+from megatron_delta.checkpoint import errors, run_config  # noqa: E402
+from megatron_delta.convert import hf_checkpoint, state_dict_adapter  # noqa: E402
+from megatron_delta.evaluation import loaders  # noqa: E402
+from megatron_delta.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_delta.checkpoint.store import load_checkpoint  # noqa: E402
 from tests import conversion_driver  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
@@ -115,10 +118,10 @@ def test_export_every_mode_matches_megatron(trained):
     runs, spm, tmp = trained
     for name, ckpt in runs.items():
         out = str(tmp / f"hf_{name}")
-        conversion.export_checkpoint(ckpt, out, log=lambda *a: None)
+        hf_checkpoint.export_checkpoint(ckpt, out, log=lambda *a: None)
         assert not [f for f in os.listdir(tmp) if f.startswith(f"hf_{name}.tmp-")]  # temp dir renamed away
-        model, _, rc = conversion.load_megatron(ckpt)
-        vocab = conversion.true_vocab_size(rc)
+        model, _, rc = loaders.load_megatron(ckpt)
+        vocab = run_config.true_vocab_size(rc)
         seqs = [[t % vocab for t in s] for s in SEQS]
         result, meg_logits = evaluate_tokens(model, vocab, seqs)
         routed = name not in ("baseline", "baseline_llama")
@@ -165,8 +168,8 @@ def test_evaluate_cli_and_missing_tokenizer(trained, tmp_path):
     # missing tokenizer: a clear error before anything is written
     os.rename(spm, spm + ".moved")
     try:
-        with pytest.raises(conversion.ConversionError, match="tokenizer model .* does not exist"):
-            conversion.export_checkpoint(runs["baseline"], str(tmp_path / "hf"))
+        with pytest.raises(errors.ConversionError, match="tokenizer model .* does not exist"):
+            hf_checkpoint.export_checkpoint(runs["baseline"], str(tmp_path / "hf"))
         assert not os.path.exists(tmp_path / "hf")
     finally:
         os.rename(spm + ".moved", spm)
@@ -181,8 +184,8 @@ def test_evaluate_under_tp2_pp2_matches_tp1(trained, tmp_path):
     seqs = [[1, 5, 9, 200, 3, 3, 17, 255, 0, 42, 7], [250, 2, 64, 128], [3, 4], [7]]
     (tmp_path / "toks.json").write_text(json.dumps(seqs))
     evaluate_tokens = _evaluate_tool().evaluate_tokens
-    model, _, rc = conversion.load_megatron(ckpt)
-    tp1, tp1_logits = evaluate_tokens(model, conversion.true_vocab_size(rc), seqs)
+    model, _, rc = loaders.load_megatron(ckpt)
+    tp1, tp1_logits = evaluate_tokens(model, run_config.true_vocab_size(rc), seqs)
     run_distributed("tools/evaluate.py", 4, "--load", ckpt, "--tokens-file", str(tmp_path / "toks.json"),
                     "--output", str(tmp_path / "out.json"), "--logits-file", str(tmp_path / "logits.pt"),
                     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", timeout=600)
@@ -251,17 +254,17 @@ def test_one_rename_table_inverts_itself(qk_layernorm, tied):
         hf["lm_head.weight"] = torch.randn(vocab, d, generator=g)
     kw = dict(num_layers=L, num_attention_heads=nh, num_query_groups=ng, kv_channels=hn, hidden_size=d,
               qk_layernorm=qk_layernorm, tied=tied)
-    meg = conversion.hf_to_megatron_state_dict(hf, padded_vocab_size=128, **kw)
-    want = {conversion.EMBEDDING[0], conversion.FINAL_NORM[0], conversion.OUTPUT[0]}
-    want |= {f"decoder.layers.{i}.{m}" for i in range(L) for m, _, qk in conversion.LAYER_RENAMES
+    meg = state_dict_adapter.hf_to_megatron_state_dict(hf, padded_vocab_size=128, **kw)
+    want = {state_dict_adapter.EMBEDDING[0], state_dict_adapter.FINAL_NORM[0], state_dict_adapter.OUTPUT[0]}
+    want |= {f"decoder.layers.{i}.{m}" for i in range(L) for m, _, qk in state_dict_adapter.LAYER_RENAMES
              if qk_layernorm or not qk}
-    want |= {f"decoder.layers.{i}.{m}" for i in range(L) for m, _ in conversion.LAYER_FUSED}
+    want |= {f"decoder.layers.{i}.{m}" for i in range(L) for m, _ in state_dict_adapter.LAYER_FUSED}
     want |= {f"decoder.final_router.{field}" for field in ROUTER_FIELDS}
     want |= {f"decoder.layers.{i}.{r}.{field}" for i in range(L) for r in ("self_attention_router", "mlp_router")
              for field in ROUTER_FIELDS}
     assert set(meg) == want
-    assert meg[conversion.EMBEDDING[0]].shape == (128, d) and not meg[conversion.EMBEDDING[0]][vocab:].any()
-    back = conversion.megatron_to_hf_state_dict(meg, vocab_size=vocab, **kw)
+    assert meg[state_dict_adapter.EMBEDDING[0]].shape == (128, d) and not meg[state_dict_adapter.EMBEDDING[0]][vocab:].any()
+    back = state_dict_adapter.megatron_to_hf_state_dict(meg, vocab_size=vocab, **kw)
     assert set(back) == set(hf)
     for k in hf:
         assert torch.equal(back[k], hf[k]), k
@@ -271,11 +274,11 @@ def test_one_rename_table_inverts_itself(qk_layernorm, tied):
 def test_hf_megatron_hf_roundtrip_is_lossless(tmp_path, kind):
     hf = _tiny(kind)
     hf.save_pretrained(tmp_path / "src")
-    conversion.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "meg"), "baseline",
+    hf_checkpoint.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "meg"), "baseline",
                                  tensor_model_parallel_size=2, log=lambda *a: None)
     rc = json.load(open(tmp_path / "meg" / "iter_0000000" / "run_config.json"))
     assert rc["padded_vocab_size"] == 512 and rc["hf_vocab_size"] == 300  # padded for TP2 (128 x 2)
-    conversion.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "back"), log=lambda *a: None)
+    hf_checkpoint.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "back"), log=lambda *a: None)
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()  # no remote code
     assert type(back) is type(hf)
     a, b = hf.state_dict(), back.state_dict()
@@ -294,15 +297,15 @@ def test_hf_megatron_hf_roundtrip_is_lossless(tmp_path, kind):
 def test_import_with_gate_reproduces_hf_logits(tmp_path, kind, mode, extra):
     hf = _tiny(kind)
     hf.save_pretrained(tmp_path / "src")
-    conversion.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "meg"), mode, log=lambda *a: None, **extra)
-    model, _, rc = conversion.load_megatron(str(tmp_path / "meg"))
+    hf_checkpoint.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "meg"), mode, log=lambda *a: None, **extra)
+    model, _, rc = loaders.load_megatron(str(tmp_path / "meg"))
     assert rc["residual"] == mode and rc["delta_gate"] == "scalar"
     ids = [7, 3, 250, 299, 0, 12, 12, 44]
-    meg = conversion.megatron_logits(model, torch.tensor([ids]))[0, :, :300]
+    meg = loaders.megatron_logits(model, torch.tensor([ids]))[0, :, :300]
     diff = (meg - _hf_logits(hf, ids)).abs().max().item()
     assert diff <= TOL, diff  # measured 1.8e-7 .. 2.4e-7 (logits ~0.5-0.9)
     # and the routed export of the imported model loads as remote code with the same logits
-    conversion.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "out"), log=lambda *a: None)
+    hf_checkpoint.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "out"), log=lambda *a: None)
     delta = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
     assert (_hf_logits(delta, ids) - meg).abs().max().item() <= TOL
 
@@ -310,10 +313,10 @@ def test_import_with_gate_reproduces_hf_logits(tmp_path, kind, mode, extra):
 # ---------------------------------------------------------------------------------------------- (d)
 def test_unknown_architecture_is_refused(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(conversion.ConversionError, match="unsupported architecture"):
-        conversion.import_checkpoint(str(tmp_path / "gpt2"), str(tmp_path / "meg"), "delta")
-    with pytest.raises(conversion.ConversionError, match="no config.json"):
-        conversion.import_checkpoint(str(tmp_path), str(tmp_path / "meg"), "delta")
+    with pytest.raises(errors.ConversionError, match="unsupported architecture"):
+        hf_checkpoint.import_checkpoint(str(tmp_path / "gpt2"), str(tmp_path / "meg"), "delta")
+    with pytest.raises(errors.ConversionError, match="no config.json"):
+        hf_checkpoint.import_checkpoint(str(tmp_path), str(tmp_path / "meg"), "delta")
     assert not os.path.exists(tmp_path / "meg")
     proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "import", "--hf", str(tmp_path / "gpt2"),
                            "--save", str(tmp_path / "meg"), "--residual", "delta"], cwd=REPO,
@@ -323,22 +326,22 @@ def test_unknown_architecture_is_refused(tmp_path):
 
 def test_mode_and_vocab_mismatch_are_refused(tmp_path):
     hf = _tiny("qwen3")
-    conversion.import_checkpoint(hf, str(tmp_path / "meg"), "delta", delta_gate="scalar", log=lambda *a: None)
+    hf_checkpoint.import_checkpoint(hf, str(tmp_path / "meg"), "delta", delta_gate="scalar", log=lambda *a: None)
     rc = json.load(open(tmp_path / "meg" / "iter_0000000" / "run_config.json"))
     # loading into a model of another residual mode / another padded vocabulary: named flag in the error
     other = dict(rc, residual="delta_block", delta_num_blocks=2)
-    model, args = conversion.build_megatron_model(other, rc["padded_vocab_size"])
+    model, args = loaders.build_megatron_model(other, rc["padded_vocab_size"])
     with pytest.raises(CheckpointError, match="--residual: checkpoint 'delta', flags 'delta_block'"):
         load_checkpoint(str(tmp_path / "meg"), [model], None, None, args, load_optim=False, load_rng=False)
-    model, args = conversion.build_megatron_model(rc, rc["padded_vocab_size"] + 128)
+    model, args = loaders.build_megatron_model(rc, rc["padded_vocab_size"] + 128)
     with pytest.raises(CheckpointError, match="--padded-vocab-size"):
         load_checkpoint(str(tmp_path / "meg"), [model], None, None, args, load_optim=False, load_rng=False)
     # a gate in a replacement mode, and a vocabulary larger than the padding, are refused too
     with pytest.raises(Exception, match="scalar"):
-        conversion.import_checkpoint(hf, str(tmp_path / "bad"), "attnres", delta_num_blocks=2, delta_gate="scalar")
+        hf_checkpoint.import_checkpoint(hf, str(tmp_path / "bad"), "attnres", delta_num_blocks=2, delta_gate="scalar")
     sd = {"model.embed_tokens.weight": torch.zeros(300, 64), "model.norm.weight": torch.ones(64)}
-    with pytest.raises(conversion.ConversionError, match="exceeds the padded size"):
-        conversion.hf_to_megatron_state_dict(sd, num_layers=0, num_attention_heads=4, num_query_groups=2,
+    with pytest.raises(errors.ConversionError, match="exceeds the padded size"):
+        state_dict_adapter.hf_to_megatron_state_dict(sd, num_layers=0, num_attention_heads=4, num_query_groups=2,
                                              kv_channels=16, hidden_size=64, qk_layernorm=True, tied=True,
                                              padded_vocab_size=256)
 
@@ -346,12 +349,12 @@ def test_mode_and_vocab_mismatch_are_refused(tmp_path):
 def test_bad_run_config_is_refused_naming_the_key():
     """A run_config.json whose model keys are missing, of the wrong type or inconsistent: one ConversionError naming
     where it was read and the key (with its pretrain_gpt.py flag), before any model is built."""
-    from megatron_delta.model_config import ModelConfigError, resolve_model_fields
+    from megatron_delta.checkpoint.model_config import ModelConfigError, resolve_model_fields
 
     rc = dict(num_layers=4, hidden_size=64, ffn_hidden_size=192, num_attention_heads=4, num_query_groups=2,
               kv_channels=16, norm_epsilon=1e-6, qk_layernorm=True, rotary_base=1000000, max_position_embeddings=32,
               residual="delta_block", delta_num_blocks=2, padded_vocab_size=256, iteration=3, tokenizer_type="x")
-    fields = conversion.model_fields(rc)  # keys that are not the model's (iteration, tokenizer) are not read
+    fields = run_config.model_fields(rc)  # keys that are not the model's (iteration, tokenizer) are not read
     assert (fields["delta_num_blocks"], fields["delta_router_eps"], fields["seq_length"]) == (2, 1e-6, 32)
     for bad, message in [
         ({"num_layers": None}, "model field num_layers (--num-layers) is missing"),
@@ -362,14 +365,14 @@ def test_bad_run_config_is_refused_naming_the_key():
         ({"num_query_groups": 3}, "model field num_attention_heads (--num-attention-heads) 4 is not divisible by "
                                   "num_query_groups 3"),
     ]:
-        with pytest.raises(conversion.ConversionError) as e:
-            conversion.model_fields(dict(rc, **bad), "--load CKPT")
+        with pytest.raises(errors.ConversionError) as e:
+            run_config.model_fields(dict(rc, **bad), "--load CKPT")
         assert str(e.value) == f"--load CKPT: {message}"
-    with pytest.raises(conversion.ConversionError, match=r"^--load CKPT: --delta-num-blocks 3 must be a positive "
+    with pytest.raises(errors.ConversionError, match=r"^--load CKPT: --delta-num-blocks 3 must be a positive "
                                                          r"divisor of --num-layers 4"):
-        conversion.model_fields(dict(rc, delta_num_blocks=3), "--load CKPT")
-    with pytest.raises(conversion.ConversionError) as e:  # a longer sequence than the model's positions
-        conversion.model_fields(rc, "--load CKPT", seq_length=64)
+        run_config.model_fields(dict(rc, delta_num_blocks=3), "--load CKPT")
+    with pytest.raises(errors.ConversionError) as e:  # a longer sequence than the model's positions
+        run_config.model_fields(rc, "--load CKPT", seq_length=64)
     assert str(e.value) == ("--load CKPT: model field seq_length (--seq-length) 64 exceeds max_position_embeddings 32")
     with pytest.raises(ModelConfigError, match=r"^unknown model field\(s\) num_layer; known: num_layers, "):
         resolve_model_fields({"num_layer": 4})
@@ -398,16 +401,17 @@ def _same(a, b):
 
 @pytest.mark.parametrize("name", list(MODES) + ["delta_without_gqa"])
 def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
-    """The model conversion and the tools build from a checkpoint's run_config.json (megatron_delta.model_config)
+    """The model conversion and the tools build from a checkpoint's run_config.json (megatron_delta.checkpoint.model_config)
     has the config the trainer built from its flags, field by field (NOT_THE_FUNCTION aside), and the trainer's
     GPTModel options; under the layout of the trained checkpoints (TP2 x PP2), as load_megatron_parallel builds."""
-    from megatron_delta.cpu_platform import activate_cpu_platform
+    from megatron_delta.platform.cpu import activate_cpu_platform
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
-    from megatron_delta.model_config import model_config, padded_vocab_size, run_config_fields
+    from megatron_delta.checkpoint.model_config import model_config, padded_vocab_size
+    from megatron_delta.checkpoint.run_config import run_config_fields
     from megatron_delta.trainer.main import parse_args
     from megatron_delta.trainer.provider import transformer_config
-    from megatron_delta.trainer.run_config import recorded_config
+    from megatron_delta.checkpoint.run_config import recorded_config
 
     activate_cpu_platform()  # Megatron-LM's validate_args asks the GPU its architecture under TP > 1
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -435,10 +439,10 @@ def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
 # ---------------------------------------------------------------------------------------------- (e) fine-tuning
 def _finetune(ckpt, save, extra=("--mock-data",), iters=2, seq=16):
     """pretrain_gpt.py --finetune --load CKPT (an imported checkpoint) with its model flags (+ `extra`)."""
-    from megatron_delta.checkpointing import read_run_config, resolve_checkpoint_dir
+    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
 
     rc = read_run_config(resolve_checkpoint_dir(ckpt)[0])
-    argv = (conversion.model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(rc["vocab_size"]),
+    argv = (run_config.model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(rc["vocab_size"]),
                                           "--finetune", "--load", ckpt, "--delta-router-lr-mult", "100", "--lr", "5e-5",
                                           "--min-lr", "5e-6", "--lr-warmup-iters", "0", "--weight-decay", "0.0",
                                           "--seq-length", str(seq), "--micro-batch-size", "1",
@@ -467,7 +471,7 @@ def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
     hf.save_pretrained(tmp_path / "src")
     export_sentencepiece_tokenizer(spm, str(tmp_path / "src"))
     src_tok = AutoTokenizer.from_pretrained(str(tmp_path / "src"))
-    conversion.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "imported"), "delta_block", delta_num_blocks=2,
+    hf_checkpoint.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "imported"), "delta_block", delta_num_blocks=2,
                                  delta_gate="scalar", delta_null_source=True, log=lambda *a: None)
     rc0 = json.load(open(tmp_path / "imported" / "iter_0000000" / "run_config.json"))
     assert rc0["hf_tokenizer_dir"] == "hf_tokenizer"  # copied into the checkpoint, not a path to the source
@@ -481,7 +485,7 @@ def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
 
     shutil.rmtree(tmp_path / "src")
     shutil.rmtree(tmp_path / "imported")
-    conversion.export_checkpoint(str(tmp_path / "ft"), str(tmp_path / "hf_ft"), log=lambda *a: None)
+    hf_checkpoint.export_checkpoint(str(tmp_path / "ft"), str(tmp_path / "hf_ft"), log=lambda *a: None)
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf_ft"))
     for text in ("The state of the union.", "people  government\nyear nation"):
         assert tok(text)["input_ids"] == src_tok(text)["input_ids"], text
@@ -492,5 +496,5 @@ def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
     assert torch.isfinite(_hf_logits(model, ids)).all()
     # a recorded tokenizer directory that went missing is a clear error, not a silent export without it
     shutil.rmtree(tmp_path / "ft" / "iter_0000002" / "hf_tokenizer")
-    with pytest.raises(conversion.ConversionError, match="HF tokenizer directory .* is missing"):
-        conversion.export_checkpoint(str(tmp_path / "ft"), str(tmp_path / "hf_ft2"), log=lambda *a: None)
+    with pytest.raises(errors.ConversionError, match="HF tokenizer directory .* is missing"):
+        hf_checkpoint.export_checkpoint(str(tmp_path / "ft"), str(tmp_path / "hf_ft2"), log=lambda *a: None)

@@ -1,4 +1,4 @@
-"""Tests of megatron_delta.cpu_platform and the CPU-only entries of megatron_delta.patches: each patch is
+"""Tests of megatron_delta.platform (cpu, distributed) and the CPU-only entries of megatron_delta.platform.patches: each patch is
 needed (suspended, upstream fails as its registry entry says), and Megatron-Core trains on CPU. Also the
 every-device entries (the distributed optimizer over torch Adam saves and resumes exactly).
 
@@ -209,9 +209,9 @@ def _train(chunks_fn, config, steps, num_microbatches, dist_opt, first_mb=0, cli
 def rank_reference(weights_dir, steps, num_microbatches):
     """TP1/PP1 on one rank: save the initial weights (2- and 4-layer models), train, return losses."""
     import torch
-    from megatron_delta import cpu_platform
+    from megatron_delta.platform import distributed
 
-    cpu_platform.initialize_distributed(seed=1234)
+    distributed.initialize_distributed(seed=1234)
     result = {}
     for layers in (2, 4):
         config = _gpt_config(num_layers=layers)
@@ -220,7 +220,7 @@ def rank_reference(weights_dir, steps, num_microbatches):
                    os.path.join(weights_dir, f"gpt{layers}.pt"))
         losses, norms = _train(lambda: chunks, config, steps, num_microbatches, dist_opt=False)
         result[f"gpt{layers}"] = {"losses": losses, "norms": norms}
-    cpu_platform.destroy_distributed()
+    distributed.destroy_distributed()
     return result
 
 
@@ -228,7 +228,7 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
     """Train the same model from the same weights in several parallel layouts (2 ranks)."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron_delta import cpu_platform, patches
+    from megatron_delta.platform import distributed, patches
 
     results = {}
     for name in layouts:
@@ -239,7 +239,7 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
             "pp2": (1, 2, None, False, 2),
             "pp2_vpp2": (1, 2, 2, False, 4),
         }[name]
-        cpu_platform.initialize_distributed(tensor_model_parallel_size=tp,
+        distributed.initialize_distributed(tensor_model_parallel_size=tp,
                                             pipeline_model_parallel_size=pp,
                                             virtual_pipeline_model_parallel_size=vpp, seed=1234)
         config = _gpt_config(num_layers=layers, tp=tp, pp=pp, vpp=vpp, batch_p2p_comm=patches.batch_p2p_comm(vpp))
@@ -255,27 +255,27 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
         mbs = num_microbatches // dp
         losses, norms = _train(chunks_fn, config, steps, mbs, dist_opt, first_mb=dp_rank * mbs)
         results[name] = {"losses": losses, "norms": norms, "dp": dp}
-    cpu_platform.destroy_distributed()
+    distributed.destroy_distributed()
     return results
 
 
 def rank_patch_checks_single():
     """One rank: each patch's upstream failure (suspended) and its fix (active)."""
     import torch
-    from megatron_delta import cpu_platform
-    from megatron_delta.patches import patches_suspended
+    from megatron_delta.platform import cpu, distributed
+    from megatron_delta.platform.patches import patches_suspended
 
-    assert cpu_platform.activate_cpu_platform() is True
-    assert cpu_platform.activate_cpu_platform() is True  # idempotent
-    assert cpu_platform.is_cpu_platform()
-    from megatron_delta import patches
+    assert cpu.activate_cpu_platform() is True
+    assert cpu.activate_cpu_platform() is True  # idempotent
+    assert cpu.is_cpu_platform()
+    from megatron_delta.platform import patches
 
     applied = patches.applied()
     assert "RANK" not in os.environ  # the plain-python launch: a one-process world
-    out = {"applied": applied, "world_errors": [_expect_failure(lambda: cpu_platform.initialize_distributed(
+    out = {"applied": applied, "world_errors": [_expect_failure(lambda: distributed.initialize_distributed(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)) for tp, pp in
         ((2, 1), (1, 2), (3, 5))]}
-    cpu_platform.initialize_distributed(seed=1234)
+    distributed.initialize_distributed(seed=1234)
     import torch.distributed as dist
 
     out["world"] = [dist.get_world_size(), dist.get_backend()]
@@ -370,7 +370,7 @@ def rank_patch_checks_single():
     out["tensor_type_checks"] = {"off": off, "on": on}
     # Tensor.type() is the real one again outside the optimizers' constructors
     out["tensor_type_checks"]["type_after"] = torch.ones(1).type()
-    cpu_platform.destroy_distributed()
+    distributed.destroy_distributed()
     return out
 
 
@@ -403,10 +403,10 @@ def _recompute_matches():
 def rank_patch_checks_pp2():
     """Two ranks, PP2: synchronize after batched p2p (2), tied embeddings .cuda() (3), TP RNG."""
     import torch
-    from megatron_delta import cpu_platform
-    from megatron_delta.patches import patches_suspended
+    from megatron_delta.platform import distributed
+    from megatron_delta.platform.patches import patches_suspended
 
-    cpu_platform.initialize_distributed(pipeline_model_parallel_size=2, seed=1234)
+    distributed.initialize_distributed(pipeline_model_parallel_size=2, seed=1234)
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -441,9 +441,9 @@ def rank_patch_checks_pp2():
                           "tied_equal": bool(torch.equal(gathered[0], gathered[1]))}
 
     # The VPP trap (Megatron-LM #750): PP2 + VPP2 with batched p2p is refused by check_p2p_config.
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
-    cpu_platform.initialize_distributed(pipeline_model_parallel_size=2,
+    distributed.initialize_distributed(pipeline_model_parallel_size=2,
                                         virtual_pipeline_model_parallel_size=2)
     out["vpp_check"] = [
         _expect_failure(lambda: patches.check_p2p_config(
@@ -453,7 +453,7 @@ def rank_patch_checks_pp2():
 
     # TP2 (same torch.distributed world, new model-parallel state): the model-parallel RNG
     # stream differs per TP rank, the data-parallel one does not.
-    cpu_platform.initialize_distributed(tensor_model_parallel_size=2, seed=1234)
+    distributed.initialize_distributed(tensor_model_parallel_size=2, seed=1234)
     from megatron.core import tensor_parallel
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -465,7 +465,7 @@ def rank_patch_checks_pp2():
     torch.distributed.all_gather(both, torch.cat([mp, dp]))
     out["rng_tp"] = {"mp_differs": not torch.equal(both[0][:4], both[1][:4]),
                      "dp_equal": torch.equal(both[0][4:], both[1][4:])}
-    cpu_platform.destroy_distributed()
+    distributed.destroy_distributed()
     return out
 
 
@@ -566,7 +566,7 @@ def test_patch_registry_names_the_cpu_failures(single_checks):
     """The CPU-only entries of the registry, each installed by activate_cpu_platform (a test below shows
     each one's upstream failure; checkpoint_without_output_fp8's: tests/test_refusals.py, selective norm
     recompute); the megatron.training ones are written for the 0.19 wheel only."""
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
     cpu = [p for p in patches.REGISTRY if p.where == patches.CPU_ONLY]
     assert [p.name for p in cpu] == CPU_ENTRIES and all(p.apply is not None for p in cpu)
@@ -576,11 +576,11 @@ def test_patch_registry_names_the_cpu_failures(single_checks):
 
 def test_activate_is_a_no_op_with_cuda(monkeypatch):
     import torch
-    from megatron_delta import cpu_platform
+    from megatron_delta.platform import cpu
 
     current_device = torch.cuda.current_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cpu_platform.activate_cpu_platform() is False
+    assert cpu.activate_cpu_platform() is False
     assert torch.cuda.current_device is current_device
 
 
@@ -647,7 +647,7 @@ def _failing_rank():
 # ------------------------------------------------------------------------------------------------
 _ALLOC_PROBE = r"""
 import ctypes, resource, sys
-from megatron_delta.cpu_platform import set_cpu_allocator
+from megatron_delta.platform.cpu import set_cpu_allocator
 print(set_cpu_allocator(sys.argv[1]))
 libc = ctypes.CDLL("libc.so.6")  # malloc/free of the process's glibc, as PyTorch's CPU allocator calls them
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -691,7 +691,7 @@ def test_cpu_allocator_cache_stops_page_faults():
 
 
 def test_cpu_allocator_respects_the_users_malloc_and_checks_the_choice():
-    from megatron_delta.cpu_platform import set_cpu_allocator
+    from megatron_delta.platform.cpu import set_cpu_allocator
 
     line, faults = _alloc_probe("cache", MALLOC_ARENA_MAX="2")
     assert line == ("CPU allocator: malloc as configured by MALLOC_ARENA_MAX "
@@ -709,10 +709,10 @@ def rank_training_patch_checks():
     import types
 
     import torch
-    from megatron_delta import cpu_platform
-    from megatron_delta.patches import patches_suspended
+    from megatron_delta.platform import distributed
+    from megatron_delta.platform.patches import patches_suspended
 
-    cpu_platform.initialize_distributed(seed=1234)
+    distributed.initialize_distributed(seed=1234)
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import arguments, initialize, training
     from megatron.training.global_vars import set_args
@@ -771,7 +771,7 @@ def rank_training_patch_checks():
         off = draws()
     out["loader_generator"] = {"off_draws": off, "on_draws": draws()}
     set_args(None)
-    cpu_platform.destroy_distributed()
+    distributed.destroy_distributed()
     return out
 
 
@@ -814,7 +814,7 @@ def test_patch13_loader_generator(training_checks):
 
 
 # ------------------------------------------------------------------------------------------------
-# Upstream fixes applied on every device (megatron_delta.patches, distopt_*): the distributed optimizer with
+# Upstream fixes applied on every device (megatron_delta.platform.patches, distopt_*): the distributed optimizer with
 # torch's own Adam (no Apex / Transformer Engine) saves and resumes exactly
 # ------------------------------------------------------------------------------------------------
 _DISTOPT_STEPS, _DISTOPT_SPLIT = 5, 3
@@ -867,13 +867,13 @@ def rank_distopt_fix_checks(root):
     fully_reshardable), resume, 2 more steps == 5 straight; each fix suspended shows its failure."""
     import torch
     from megatron.core import dist_checkpointing
-    from megatron_delta import cpu_platform
-    from megatron_delta.patches import patches_suspended
+    from megatron_delta.platform import distributed
+    from megatron_delta.platform.patches import patches_suspended
 
-    cpu_platform.initialize_distributed(seed=1234)
+    distributed.initialize_distributed(seed=1234)
     config = _gpt_config(num_layers=2)
     weights = {k: v.detach().clone() for k, v in _build_gpt(config)[0].named_parameters()}
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
     out = {"applied": [n for n in patches.applied() if patches.entry(n).where == patches.EVERY_DEVICE]}
     model, optimizer = _distopt_model(config, weights)
@@ -916,7 +916,7 @@ def rank_distopt_fix_checks(root):
         out["fresh_save_off"] = _expect_failure(opt.state_dict)
     out["fresh_save_on"] = _expect_failure(opt.state_dict)
     out["n_params"] = len(opt.optimizer.state)
-    cpu_platform.destroy_distributed()
+    distributed.destroy_distributed()
     return out
 
 
@@ -927,7 +927,7 @@ def distopt_checks(tmp_path_factory):
 
 
 def test_fixes_registry_and_versions():
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
     fixes = [p for p in patches.REGISTRY if p.where == patches.EVERY_DEVICE and p.apply is not None]
     assert [p.name for p in fixes] == ["distopt_fresh_state_dict", "distopt_step_per_param",

@@ -14,7 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from megatron_delta import data as D  # noqa: E402
+from megatron_delta.data import corpus as bundled_corpus  # noqa: E402
+from megatron_delta.data.corpus import BUNDLED_DATA_DIR  # noqa: E402
+from megatron_delta.data.datasets import build_gpt_datasets  # noqa: E402
+from megatron_delta.data.indexed import preprocess_to_indexed, validate_indexed_prefix  # noqa: E402
+from megatron_delta.data.text import split_sentences  # noqa: E402
+from megatron_delta.data.tokenizers import build_tokenizer, train_sentencepiece  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 512
@@ -30,9 +35,9 @@ def _load_tool(name):
 
 def _sentences(n_speeches=6):
     """Sentences of the first few speeches of the bundled corpus (reads only the start of the xz)."""
-    with lzma.open(os.path.join(ROOT, "data", "sotu.txt.xz"), "rt", encoding="utf-8") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "sotu.txt.xz"), "rt", encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in itertools.islice(f, n_speeches)]
-    return [s for t in texts for s in D.split_sentences(t)]
+    return [s for t in texts for s in split_sentences(t)]
 
 
 def _make_docs(sents, n_docs, per_doc, offset=0):
@@ -64,22 +69,22 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sp_model(corpus):
-    return D.train_sentencepiece([corpus["jsonl_a"], corpus["jsonl_b"]],
+    return train_sentencepiece([corpus["jsonl_a"], corpus["jsonl_b"]],
                                  str(corpus["dir"] / "tok"), VOCAB, "bpe", log=lambda m: None)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(sp_model):
-    return D.build_tokenizer("SentencePieceTokenizer", sp_model, None)
+    return build_tokenizer("SentencePieceTokenizer", sp_model, None)
 
 
 @pytest.fixture(scope="module")
 def datasets(corpus, sp_model):
     out = corpus["dir"] / "ds"
     out.mkdir()
-    a = D.preprocess_to_indexed(corpus["jsonl_a"], str(out / "a"), "SentencePieceTokenizer",
+    a = preprocess_to_indexed(corpus["jsonl_a"], str(out / "a"), "SentencePieceTokenizer",
                                 sp_model, log=lambda m: None)["text"]
-    b = D.preprocess_to_indexed(corpus["jsonl_b"], str(out / "b"), "SentencePieceTokenizer",
+    b = preprocess_to_indexed(corpus["jsonl_b"], str(out / "b"), "SentencePieceTokenizer",
                                 sp_model, log=lambda m: None)["text"]
     return {"a": a, "b": b}
 
@@ -117,20 +122,20 @@ def test_train_tokenizer_cli(corpus, tmp_path, capsys):
     txt.write_text("\n".join(corpus["docs_a"]) + "\n", encoding="utf-8")
     assert tool.main(["--input", str(txt), "--model-prefix", str(tmp_path / "u"),
                       "--vocab-size", "400", "--model-type", "unigram"]) == 0
-    tok = D.build_tokenizer("SentencePieceTokenizer", str(tmp_path / "u.model"), None)
+    tok = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "u.model"), None)
     assert tok.vocab_size == 400
     with pytest.raises(SystemExit):
         tool.main(["--input", str(tmp_path / "missing.txt"), "--model-prefix", str(tmp_path / "v")])
     assert f"--input: {tmp_path / 'missing.txt'} does not exist" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--vocab-size 100000 is too large"):
-        D.train_sentencepiece([str(txt)], str(tmp_path / "w"), 100000, log=lambda m: None)
+        train_sentencepiece([str(txt)], str(tmp_path / "w"), 100000, log=lambda m: None)
     with pytest.raises(ValueError, match="--vocab-size 100 is too small for this input: at least"):
-        D.train_sentencepiece([str(txt)], str(tmp_path / "w"), 100, log=lambda m: None)
+        train_sentencepiece([str(txt)], str(tmp_path / "w"), 100, log=lambda m: None)
     assert not list(tmp_path.glob("w.*")) and not list(tmp_path.glob(".tmp*"))
 
 
 def test_sentence_split():
-    assert D.split_sentences('He said "Go." Then we left! Why? Mr. Smith\nNext line') == [
+    assert split_sentences('He said "Go." Then we left! Why? Mr. Smith\nNext line') == [
         'He said "Go."', "Then we left!", "Why?", "Mr.", "Smith", "Next line"]
 
 
@@ -144,7 +149,7 @@ def test_preprocess_round_trip(corpus, datasets, tokenizer):
     assert tokenizer.detokenize(docs[0][:-1]) == corpus["docs_a"][0]
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     assert IndexedDataset(datasets["a"]).index.dtype == np.uint16
-    assert D.validate_indexed_prefix(datasets["a"]) == len(corpus["docs_a"])
+    assert validate_indexed_prefix(datasets["a"]) == len(corpus["docs_a"])
 
 
 def test_preprocess_cli_text_format_and_workers(corpus, datasets, sp_model, tmp_path, capsys):
@@ -160,7 +165,7 @@ def test_preprocess_cli_text_format_and_workers(corpus, datasets, sp_model, tmp_
     assert _doc_tokens(str(tmp_path / "t_text_document")) == _doc_tokens(datasets["a"])
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "t_text_document.bin", "t_text_document.idx"]
     # --no-append-eod: no EOD tokens at all
-    D.preprocess_to_indexed(str(txt), str(tmp_path / "n"), "SentencePieceTokenizer", sp_model,
+    preprocess_to_indexed(str(txt), str(tmp_path / "n"), "SentencePieceTokenizer", sp_model,
                             append_eod=False, log=lambda m: None)
     noeod = _doc_tokens(str(tmp_path / "n_text_document"))
     assert [d + [2] for d in noeod] == _doc_tokens(datasets["a"])
@@ -169,30 +174,30 @@ def test_preprocess_cli_text_format_and_workers(corpus, datasets, sp_model, tmp_
 def test_preprocess_interrupted_leaves_no_dataset(corpus, sp_model, tmp_path):
     prefix = str(tmp_path / "x")
     with pytest.raises(RuntimeError, match="simulated failure"):
-        D.preprocess_to_indexed(corpus["jsonl_a"], prefix, "SentencePieceTokenizer", sp_model,
+        preprocess_to_indexed(corpus["jsonl_a"], prefix, "SentencePieceTokenizer", sp_model,
                                 log=lambda m: None, _fail_after_docs=3)
     assert os.listdir(tmp_path) == []
     # a bad line in the middle of the input: clear error naming file and line, nothing left behind
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "good one."}\n{"text": "good two."}\n{"text": broken\n', encoding="utf-8")
     with pytest.raises(ValueError, match=rf"--input: {bad}:3: not valid JSON"):
-        D.preprocess_to_indexed(str(bad), prefix, "SentencePieceTokenizer", sp_model,
+        preprocess_to_indexed(str(bad), prefix, "SentencePieceTokenizer", sp_model,
                                 log=lambda m: None)
     missing_key = tmp_path / "nokey.jsonl"
     missing_key.write_text('{"body": "x"}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"--json-keys: .*nokey.jsonl:1 has no key 'text'"):
-        D.preprocess_to_indexed(str(missing_key), prefix, "SentencePieceTokenizer", sp_model,
+        preprocess_to_indexed(str(missing_key), prefix, "SentencePieceTokenizer", sp_model,
                                 log=lambda m: None)
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "nokey.jsonl"]
     with pytest.raises(ValueError, match=r"--input: .*nope.txt does not exist"):
-        D.preprocess_to_indexed(str(tmp_path / "nope.txt"), prefix, "SentencePieceTokenizer",
+        preprocess_to_indexed(str(tmp_path / "nope.txt"), prefix, "SentencePieceTokenizer",
                                 sp_model, log=lambda m: None)
 
 
 # ----------------------------------------------------------------------------- GPT datasets
 def test_gpt_dataset_samples(datasets, tokenizer, tmp_path):
     seq = 16
-    train, valid, test = D.build_gpt_datasets([datasets["a"]], "80,20,0", seq, 1234, (40, 8, 0),
+    train, valid, test = build_gpt_datasets([datasets["a"]], "80,20,0", seq, 1234, (40, 8, 0),
                                               tokenizer, cache_dir=str(tmp_path / "cache"))
     assert test is None
     assert len(train) >= 40 and len(valid) >= 8
@@ -215,7 +220,7 @@ def test_gpt_dataset_samples(datasets, tokenizer, tmp_path):
                 assert any(_is_sublist(p, d) for d in docs), p
     assert os.listdir(tmp_path / "cache")          # indices were cached where asked
     # the same seed gives the same samples (cache hit), another seed others
-    again = D.build_gpt_datasets([datasets["a"]], "80,20,0", seq, 1234, (40, 8, 0), tokenizer,
+    again = build_gpt_datasets([datasets["a"]], "80,20,0", seq, 1234, (40, 8, 0), tokenizer,
                                  cache_dir=str(tmp_path / "cache"))[0]
     assert again[3]["tokens"].tolist() == train[3]["tokens"].tolist()
 
@@ -231,7 +236,7 @@ def _init_gloo(tmp_path):
 def test_weighted_blend_with_and_without_distributed(datasets, tokenizer, tmp_path):
     import torch.distributed as dist
     blend = ["0.25", datasets["a"], "0.75", datasets["b"]]
-    train, valid, test = D.build_gpt_datasets(blend, "100,0,0", 8, 7, (200, 0, 0), tokenizer)
+    train, valid, test = build_gpt_datasets(blend, "100,0,0", 8, 7, (200, 0, 0), tokenizer)
     assert valid is None and test is None
     assert type(train).__name__ == "BlendedDataset" and len(train) == 200
     counts = np.bincount(np.asarray(train.dataset_index), minlength=2)
@@ -242,12 +247,12 @@ def test_weighted_blend_with_and_without_distributed(datasets, tokenizer, tmp_pa
     started = _init_gloo(tmp_path)
     try:
         cache = tmp_path / "cache"
-        tr2 = D.build_gpt_datasets(blend, "100,0,0", 8, 7, (200, 0, 0), tokenizer,
+        tr2 = build_gpt_datasets(blend, "100,0,0", 8, 7, (200, 0, 0), tokenizer,
                                    cache_dir=str(cache))[0]
         assert np.array_equal(np.asarray(tr2.dataset_index), np.asarray(train.dataset_index))
         assert any("BlendedDataset" in p for p in os.listdir(cache))
         # separate valid path (blend_per_split): all of data_path is train, all of valid is valid
-        tr3, va3, te3 = D.build_gpt_datasets([datasets["a"]], "ignored", 8, 7, (10, 10, 0),
+        tr3, va3, te3 = build_gpt_datasets([datasets["a"]], "ignored", 8, 7, (10, 10, 0),
                                              tokenizer, cache_dir=str(cache),
                                              valid_data_path=datasets["b"])
         assert te3 is None and len(tr3) >= 10 and len(va3) >= 10
@@ -257,10 +262,10 @@ def test_weighted_blend_with_and_without_distributed(datasets, tokenizer, tmp_pa
 
 
 def test_mock_data():
-    tok = D.build_tokenizer("NullTokenizer", None, 100)
+    tok = build_tokenizer("NullTokenizer", None, 100)
     assert tok.vocab_size == 100 and tok.eod == 99
     assert tok.tokenize("3 4 5") == [3, 4, 5] and tok.detokenize([3, 4]) == "3 4"
-    train, valid, test = D.build_gpt_datasets(None, "99,1,0", 16, 1, (10, 2, 0), tok, mock=True)
+    train, valid, test = build_gpt_datasets(None, "99,1,0", 16, 1, (10, 2, 0), tok, mock=True)
     assert test is None and train[0]["tokens"].shape == (16,)
     assert int(train[0]["tokens"].max()) <= 99
 
@@ -269,19 +274,19 @@ def test_mock_data():
 def test_error_missing_data_path(datasets, tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"--data-path: /x/foo\.bin/\.idx not found; build it with "
                                          r"tools/preprocess_data\.py"):
-        D.build_gpt_datasets(["/x/foo"], "99,1,0", 16, 1, (10, 1, 0), tokenizer)
+        build_gpt_datasets(["/x/foo"], "99,1,0", 16, 1, (10, 1, 0), tokenizer)
     with pytest.raises(ValueError, match=r"--valid-data-path: /x/v\.bin/\.idx not found"):
-        D.build_gpt_datasets([datasets["a"]], "99,1,0", 16, 1, (10, 1, 0), tokenizer,
+        build_gpt_datasets([datasets["a"]], "99,1,0", 16, 1, (10, 1, 0), tokenizer,
                              valid_data_path=["/x/v"])
     with pytest.raises(ValueError, match=r"--data-path: no data path given"):
-        D.build_gpt_datasets(None, "99,1,0", 16, 1, (10, 1, 0), tokenizer)
+        build_gpt_datasets(None, "99,1,0", 16, 1, (10, 1, 0), tokenizer)
     with pytest.raises(ValueError, match=r"--data-path: .*without \.bin/\.idx"):
-        D.build_gpt_datasets(["/x/foo.bin"], "99,1,0", 16, 1, (10, 1, 0), tokenizer)
+        build_gpt_datasets(["/x/foo.bin"], "99,1,0", 16, 1, (10, 1, 0), tokenizer)
 
 
 def test_error_bad_blend(datasets, tokenizer):
     with pytest.raises(ValueError, match=r"--data-path: .*weight"):
-        D.build_gpt_datasets(["0.5", datasets["a"], datasets["b"]], "99,1,0", 16, 1, (10, 1, 0),
+        build_gpt_datasets(["0.5", datasets["a"], datasets["b"]], "99,1,0", 16, 1, (10, 1, 0),
                              tokenizer)
 
 
@@ -309,29 +314,29 @@ def test_error_corrupted_dataset(datasets, tokenizer, tmp_path, damage):
             f.truncate(size - 10)
         pattern = rf"--data-path: {p}\.bin .* does not match {p}\.idx"
     with pytest.raises(ValueError, match=pattern):
-        D.build_gpt_datasets([p], "99,1,0", 16, 1, (10, 1, 0), tokenizer)
+        build_gpt_datasets([p], "99,1,0", 16, 1, (10, 1, 0), tokenizer)
 
 
 def test_error_tokenizer(tmp_path):
     with pytest.raises(ValueError, match=r"--tokenizer-model: /x/y\.model does not exist; train one "
                                          r"with tools/train_tokenizer\.py"):
-        D.build_tokenizer("SentencePieceTokenizer", "/x/y.model", None)
+        build_tokenizer("SentencePieceTokenizer", "/x/y.model", None)
     junk = tmp_path / "junk.model"
     junk.write_bytes(b"\x00\x01 this is not a sentencepiece model")
     with pytest.raises(ValueError, match=rf"--tokenizer-model: {junk} is not a valid SentencePiece"):
-        D.build_tokenizer("SentencePieceTokenizer", str(junk), None)
+        build_tokenizer("SentencePieceTokenizer", str(junk), None)
     with pytest.raises(ValueError, match=r"--tokenizer-model is required"):
-        D.build_tokenizer("SentencePieceTokenizer", None, None)
+        build_tokenizer("SentencePieceTokenizer", None, None)
     with pytest.raises(ValueError, match=r"--tokenizer-type: unknown tokenizer type 'GPT3'"):
-        D.build_tokenizer("GPT3", None, None)
+        build_tokenizer("GPT3", None, None)
     with pytest.raises(ValueError, match=r"--vocab-size"):
-        D.build_tokenizer("NullTokenizer", None, None)
+        build_tokenizer("NullTokenizer", None, None)
 
 
 @pytest.mark.parametrize("split", ["abc", "1,2,3,4", "0,0,0", "-1,2", "", None])
 def test_error_bad_split(datasets, tokenizer, split):
     with pytest.raises(ValueError, match=r"--split: .* is not valid"):
-        D.build_gpt_datasets([datasets["a"]], split, 16, 1, (10, 1, 0), tokenizer)
+        build_gpt_datasets([datasets["a"]], split, 16, 1, (10, 1, 0), tokenizer)
 
 
 # ----------------------------------------------------------------------------- default data
@@ -342,15 +347,15 @@ def test_ensure_default_data_builds_once_and_is_shared(corpus, tmp_path, monkeyp
     speeches = _make_docs(corpus["sents"], 20, 6)
     _write_jsonl_xz(bundled / "sotu.txt.xz", speeches, year=1900)
     _write_jsonl_xz(bundled / "wiki.txt.xz", corpus["docs_b"][:5], title="T")
-    monkeypatch.setattr(D, "BUNDLED_DATA_DIR", str(bundled))
-    monkeypatch.setattr(D, "DEFAULT_VOCAB_SIZE", 400)
+    monkeypatch.setattr(bundled_corpus, "BUNDLED_DATA_DIR", str(bundled))
+    monkeypatch.setattr(bundled_corpus, "DEFAULT_VOCAB_SIZE", 400)
     cache = str(tmp_path / "cache")
 
     results, errors = [], []
 
     def call():
         try:
-            results.append(D.ensure_default_data(cache))
+            results.append(bundled_corpus.ensure_default_data(cache))
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -366,18 +371,18 @@ def test_ensure_default_data_builds_once_and_is_shared(corpus, tmp_path, monkeyp
                       "sotu_valid_data_path"}
     assert isinstance(d["train_data_path"], list)
     assert d["vocab_size"] == 400
-    tok = D.build_tokenizer("SentencePieceTokenizer", d["tokenizer_model"], None)
-    n_train = D.validate_indexed_prefix(d["train_data_path"][0])
-    n_valid = D.validate_indexed_prefix(d["sotu_valid_data_path"])
+    tok = build_tokenizer("SentencePieceTokenizer", d["tokenizer_model"], None)
+    n_train = validate_indexed_prefix(d["train_data_path"][0])
+    n_valid = validate_indexed_prefix(d["sotu_valid_data_path"])
     assert (n_train, n_valid) == (18, 2)                      # split by speech: every 10th is valid
-    assert D.validate_indexed_prefix(d["heldout_data_path"]) == 5
+    assert validate_indexed_prefix(d["heldout_data_path"]) == 5
     valid_docs = _doc_tokens(d["sotu_valid_data_path"])
     assert valid_docs[0] == tok.tokenize(speeches[9]) + [tok.eod]
     # exactly one build directory, no temp leftovers
     assert sorted(p for p in os.listdir(cache) if not p.endswith(".lock")) == [
         os.path.basename(d["root"])]
     t0 = time.time()
-    assert D.ensure_default_data(cache) == d
+    assert bundled_corpus.ensure_default_data(cache) == d
     assert time.time() - t0 < 1.0
 
 
@@ -386,11 +391,11 @@ def test_unused_split_without_documents_is_not_built(datasets, tokenizer):
     every split with a positive weight and loops forever on an empty one; a split asked for no
     samples is not built at all, and the others keep exactly their documents."""
     p = datasets["a"]
-    n = D.validate_indexed_prefix(p)
+    n = validate_indexed_prefix(p)
     assert round(0.999 * n) == n  # the test share (1/1000) of this corpus is empty
-    train, valid, test = D.build_gpt_datasets([p], "969,30,1", 16, 1, (10, 1, 0), tokenizer)
+    train, valid, test = build_gpt_datasets([p], "969,30,1", 16, 1, (10, 1, 0), tokenizer)
     assert test is None and len(train) >= 10 and len(valid) >= 1
     # the train documents are the first round(0.969 n), as with the test split built
     assert set(int(i) for i in train.document_index) == set(range(round(0.969 * n)))
     with pytest.raises(ValueError, match=r"--split 969,30,1: the test split of .* gets no document"):
-        D.build_gpt_datasets([p], "969,30,1", 16, 1, (10, 1, 1), tokenizer)
+        build_gpt_datasets([p], "969,30,1", 16, 1, (10, 1, 1), tokenizer)

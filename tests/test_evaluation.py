@@ -18,6 +18,7 @@ import pytest
 
 from tests.flags import tiny
 
+from megatron_delta.data.corpus import BUNDLED_DATA_DIR
 from tests.dist_utils import REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
@@ -45,7 +46,7 @@ def _errors(p):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 2-layer delta_block model trained 100 iterations on the SOTU training speeches, and its export."""
-    from megatron_delta.data import ensure_default_data
+    from megatron_delta.data.corpus import ensure_default_data
 
     paths = ensure_default_data(os.path.join(REPO_ROOT, "runs", "cache"))
     d = tmp_path_factory.mktemp("evalrun")
@@ -71,9 +72,9 @@ def _hf_model(hf_dir):
 # ------------------------------------------------------------------------------------ perplexity
 def _raw_held_out_docs():
     """The held-out documents straight from the bundled corpus files (no project code)."""
-    with lzma.open(os.path.join(REPO_ROOT, "data", "sotu.txt.xz"), "rt", encoding="utf-8") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "sotu.txt.xz"), "rt", encoding="utf-8") as f:
         sotu = [json.loads(line)["text"] for line in f if line.strip()]
-    with lzma.open(os.path.join(REPO_ROOT, "data", "wiki.txt.xz"), "rt", encoding="utf-8") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "wiki.txt.xz"), "rt", encoding="utf-8") as f:
         wiki = [json.loads(line)["text"] for line in f if line.strip()]
     return {"sotu_valid": [d for i, d in enumerate(sotu) if i % 10 == 9], "wiki": wiki}
 
@@ -124,10 +125,10 @@ def test_perplexity_windows_predict_every_token_once():
 
 # ------------------------------------------------------------------------------------ cloze examples
 def test_cloze_examples_are_deterministic_and_held_out():
-    from megatron_delta import cloze
+    from megatron_delta.evaluation import cloze
 
     docs = _raw_held_out_docs()
-    with lzma.open(os.path.join(REPO_ROOT, "data", "sotu.txt.xz"), "rt", encoding="utf-8") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "sotu.txt.xz"), "rt", encoding="utf-8") as f:
         train_text = " ".join(" ".join(json.loads(line)["text"].split()) for i, line in enumerate(f) if i % 10 != 9)
     for source in cloze.SOURCES:
         a = cloze.build_examples(source, max_examples=50)
@@ -216,7 +217,7 @@ def _greedy_word_examples(model, tok, examples, n):
 
 @pytest.mark.slow
 def test_cloze_harness_matches_direct_transformers(tiny, tmp_path):
-    from megatron_delta import cloze
+    from megatron_delta.evaluation import cloze
 
     model, tok = _hf_model(tiny["hf"])
     built = cloze.ensure_cloze_data(os.path.join(REPO_ROOT, "runs", "cache"), log=lambda *_: None)

@@ -327,7 +327,7 @@ B, S, V, HIDDEN = 2, 8, 64, 32
 
 @pytest.fixture(scope="module")
 def dist():
-    from megatron_delta.cpu_platform import initialize_distributed
+    from megatron_delta.platform.distributed import initialize_distributed
 
     initialize_distributed(1, 1, None, 1, seed=1234)
     yield
@@ -338,7 +338,7 @@ def _model(mode, null, gate, kernels):
 
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.modes import BLOCK_MODES
-    from megatron_delta.model_config import model_config, resolve_model_fields
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
 
     fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, seq_length=S,
                   vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from megatron_delta.model_config import ModelConfigError, model_config, resolve_model_fields
+from megatron_delta.checkpoint.model_config import ModelConfigError, model_config, resolve_model_fields
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16, vocab_size=64)
@@ -94,7 +94,7 @@ class FakeTE:
 
 @pytest.fixture(scope="module")
 def dist():
-    from megatron_delta.cpu_platform import initialize_distributed
+    from megatron_delta.platform.distributed import initialize_distributed
 
     initialize_distributed(1, 1, None, 1, seed=1234)
     yield

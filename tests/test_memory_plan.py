@@ -1,7 +1,7 @@
 """The memory and cost models (megatron_delta/perf/memory_model.py, cost_model.py) and tools/memory_plan.py:
 the activation estimate against the bytes autograd really saves (CPU, local spec).
 
-The model is built in-process (megatron_delta.model_config + initialize_distributed(1, 1) + build_model_chunks); one
+The model is built in-process (megatron_delta.checkpoint.model_config + initialize_distributed(1, 1) + build_model_chunks); one
 forward with labels runs under torch.autograd.graph.saved_tensors_hooks, and the unique storages of
 the saved tensors that are not parameters are summed."""
 import importlib.util
@@ -33,7 +33,7 @@ CONFIGS = [  # (layers, hidden, heads, groups, seq, micro batch, vocab)
 
 @pytest.fixture(scope="module")
 def dist():
-    from megatron_delta.cpu_platform import initialize_distributed
+    from megatron_delta.platform.distributed import initialize_distributed
 
     initialize_distributed(1, 1, seed=1234)
     yield
@@ -49,7 +49,7 @@ def measured_saved_bytes(mode, L, h, heads, groups, s, b, V):
     from megatron.core import tensor_parallel
 
     from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.model_config import model_config
+    from megatron_delta.checkpoint.model_config import model_config
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)

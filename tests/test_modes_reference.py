@@ -2,7 +2,7 @@
 (tests/reference_delta.py), plus the initialisation facts, source counts, routing memory and the
 start-up checks of bad flag combinations.
 
-In-process, one rank, fp32, local spec, CPU (megatron_delta.cpu_platform patches what needs CUDA).
+In-process, one rank, fp32, local spec, CPU (megatron_delta.platform.cpu patches what needs CUDA).
 Tolerances (measured, see the asserts):
   * logits, random router parameters: max |megatron - reference| / max |reference| < 1e-5
     (fp32 round-off; measured <= ~1e-6).
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_delta.core.modes import ADDITIVE_MODES, BLOCK_MODES, REPLACEMENT_MODES
-from megatron_delta.model_config import ModelConfigError, resolve_model_fields
+from megatron_delta.checkpoint.model_config import ModelConfigError, resolve_model_fields
 from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
 
 torch.set_num_threads(1)
@@ -35,14 +35,14 @@ def _rel(a, b):
 
 @pytest.fixture(scope="module", autouse=True)
 def dist():
-    from megatron_delta.cpu_platform import initialize_distributed
+    from megatron_delta.platform.distributed import initialize_distributed
 
     initialize_distributed(1, 1, None, 1, seed=SEED)
     yield
 
 
 def _fields(mode, sources="exact", null=False, gate=False, num_layers=4, num_blocks=None, extra=None):
-    """The model fields (megatron_delta.model_config) of one variant."""
+    """The model fields (megatron_delta.checkpoint.model_config) of one variant."""
     f = dict(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
              seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_sources=sources,
              delta_null_source=null, delta_gate="scalar" if gate else "none")
@@ -52,12 +52,12 @@ def _fields(mode, sources="exact", null=False, gate=False, num_layers=4, num_blo
 
 
 def build(mode, sources="exact", null=False, gate=False, num_layers=4, num_blocks=None, extra=None):
-    """(model, resolved model fields as attributes) built through megatron_delta.model_config /
+    """(model, resolved model fields as attributes) built through megatron_delta.checkpoint.model_config /
     build_model_chunks with a freshly seeded RNG, so the same seed gives the same backbone in every mode."""
     from megatron.core import tensor_parallel
 
     from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.model_config import model_config, resolve_model_fields
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
 
     fields = resolve_model_fields(_fields(mode, sources, null, gate, num_layers, num_blocks, extra))
     torch.manual_seed(SEED)  # what initialize_distributed(seed=...) does on one rank
@@ -330,7 +330,7 @@ def test_exact_sources_sum_to_residual_stream(monkeypatch, mode, k):
 def test_routing_stats_of_a_receiver_with_no_source():
     """authors-code: layer 0's attention reads no source (alpha [s, b, 0]); the routing summary
     written at the end of training must accept it (it used to fail with reshape(-1, 0))."""
-    from megatron_delta.routing_stats import RoutingStatsAccumulator, routing_stats
+    from megatron_delta.evaluation.routing_stats import RoutingStatsAccumulator, routing_stats
 
     for mode in ("delta", "delta_block"):
         model, _ = build(mode, "authors-code")

@@ -35,7 +35,7 @@ MARGIN = 0.3  # nats; measured drop (first 3 vs last 5 iterations) ~1.3 for delt
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from megatron_delta.data import ensure_default_data
+    from megatron_delta.data.corpus import ensure_default_data
 
     out = tmp_path_factory.mktemp("modes_training")
     paths = ensure_default_data(os.path.join(REPO, "runs", "cache"))

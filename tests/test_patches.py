@@ -1,4 +1,4 @@
-"""megatron_delta.patches, the one registry of changes of upstream behaviour: every entry says what it changes,
+"""megatron_delta.platform.patches, the one registry of changes of upstream behaviour: every entry says what it changes,
 which upstream issue or failure it answers, for which megatron-core versions and where; an entry outside its
 versions is not applied; the pointing entries point at the code that makes the change; known upstream warnings
 are silenced around the upstream calls only (no process-wide warning filter after a run).
@@ -35,7 +35,7 @@ FIX_ENTRIES = ENTRIES[14:19]  # upstream fixes applied on every device
 def test_registry_lists_every_entry_with_issue_versions_and_where():
     from packaging.specifiers import SpecifierSet
 
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
     assert [p.name for p in patches.REGISTRY] == ENTRIES
     for p in patches.REGISTRY:
@@ -52,7 +52,7 @@ def test_registry_lists_every_entry_with_issue_versions_and_where():
 
 
 def test_registry_refuses_an_incomplete_entry():
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
     with pytest.raises(ValueError, match="where must be"):
         patches.Patch("x", ("torch.x",), "a failure", ">=0.19", "GPU", made_by="here")
@@ -65,7 +65,7 @@ def test_registry_refuses_an_incomplete_entry():
 
 
 def test_a_version_outside_the_range_skips_the_entry_and_says_so():
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
     distopt = patches.entry("distopt_step_per_param")
     assert patches.applies(distopt, version="0.19.2") == (True, "")
@@ -81,7 +81,7 @@ def test_a_version_outside_the_range_skips_the_entry_and_says_so():
     assert list(lines) == ENTRIES
     for name in CPU_ENTRIES + FIX_ENTRIES:
         assert lines[name].endswith(f"skipped: megatron-core 0.20.0 is outside {patches.entry(name).versions}")
-    assert "made by megatron_delta/trainer/main.py _Run" in lines["trainer_hooks"]
+    assert "made by megatron_delta/trainer/hooks.py RunHooks" in lines["trainer_hooks"]
     assert "[megatron-core 0.20.0 is outside >=0.19,<0.20]" in lines["trainer_hooks"]
     lines = dict(line.split(None, 1) for line in patches.describe(version="0.19.2", cuda=True))
     assert lines["current_device"].endswith("skipped: CUDA is available (CPU only)")
@@ -92,7 +92,7 @@ _APPLY_PROBE = r"""
 import json, logging, sys, torch
 logging.basicConfig(stream=sys.stdout, format="LOG %(message)s")
 original = torch.cuda.current_device
-from megatron_delta import patches
+from megatron_delta.platform import patches
 out = {"cpu_outside": patches.apply_patches(patches.CPU_ONLY, version="0.20.0"),
        "untouched": torch.cuda.current_device is original,
        "megatron_imported": "megatron.core" in sys.modules}
@@ -114,14 +114,14 @@ def test_apply_patches_skips_entries_outside_the_version_given():
     out = json.loads(run.stdout.split("RESULT ", 1)[1])
     assert out["cpu_outside"] == [] and out["untouched"] and not out["megatron_imported"]
     for name in CPU_ENTRIES:  # each skipped entry is reported
-        assert f"LOG megatron_delta.patches: {name} not applied: megatron-core 0.20.0 is outside" in run.stdout
+        assert f"LOG megatron_delta.platform.patches: {name} not applied: megatron-core 0.20.0 is outside" in run.stdout
     assert out["every_device_inside"] == FIX_ENTRIES and out["again"] == []
     assert out["cpu_inside"] == CPU_ENTRIES and out["patched"]
     assert out["applied"] == FIX_ENTRIES + CPU_ENTRIES
 
 
 def test_patches_suspended_knows_only_installable_entries():
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
     with pytest.raises(ValueError, match=r"unknown patches \['nope', 'trainer_hooks'\]"):
         with patches.patches_suspended("trainer_hooks", "nope"):
@@ -130,7 +130,7 @@ def test_patches_suspended_knows_only_installable_entries():
 
 # ------------------------------------------------------------------------------------------ the pointers
 def test_pointing_entries_point_at_the_code_that_makes_the_change():
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
     from megatron_delta.core import payload
 
     cls = payload.PayloadP2PCommunicator
@@ -145,18 +145,18 @@ def test_pointing_entries_point_at_the_code_that_makes_the_change():
 
 
 def test_trainer_hooks_entry_lists_exactly_what_the_run_replaces():
-    """Entering _Run replaces the functions trainer_hooks names (and no other); leaving it puts them back."""
+    """Entering RunHooks replaces the functions trainer_hooks names (and no other); leaving it puts them back."""
     import argparse
 
-    from megatron_delta import patches
-    from megatron_delta.trainer import main as trainer_main
+    from megatron_delta.platform import patches
+    from megatron_delta.trainer.hooks import RunHooks
 
     patches.import_megatron(training=True)
     args = argparse.Namespace(rank=0, world_size=1, delta_metrics_file=None)
     modules = {m: sys.modules[m] for m in ("megatron.training.training", "megatron.training.checkpointing")}
     listed = set(patches.entry("trainer_hooks").changes)
     before = {c: getattr(modules[c.rsplit(".", 1)[0]], c.rsplit(".", 1)[1]) for c in listed}
-    run = trainer_main._Run(args)
+    run = RunHooks(args)
     with run:
         replaced = {f"{module.__name__}.{name}" for module, name, _ in run._saved}
         changed = {c for c in listed if getattr(modules[c.rsplit(".", 1)[0]], c.rsplit(".", 1)[1]) is not before[c]}
@@ -207,7 +207,7 @@ def test_known_warnings_are_quieted_inside_the_block_only():
     plus what upstream code set meanwhile (its own filters outlive the block, as they would without it)."""
     import warnings
 
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
     class UpstreamWarning(UserWarning):
         pass
@@ -259,7 +259,7 @@ def rank_trainer_warnings(root: str) -> dict:
 
     code = main(COMMON + mode_flags("delta_block") + ["--train-iters", "1", "--save", os.path.join(root, "ckpt"),
                                                       "--save-interval", "1"])
-    from megatron_delta import patches
+    from megatron_delta.platform import patches
 
     left = [repr(f) for f in warnings.filters if repr(f) not in before]
     return {"code": code, "left": {f: adders.get(f, "?") for f in left}, "shown": shown,
@@ -282,23 +282,23 @@ def test_trainer_run_adds_no_warning_filter_and_shows_no_known_noise(tmp_path):
 # ------------------------------------------------------------------------------------------ checkpointing
 def rank_optimizer_round_trip(root: str, delta_router_lr_mult: float) -> dict:
     """A routed model's optimizer (Megatron's groups + the routers' group of --delta-router-lr-mult) after one step,
-    saved and loaded by megatron_delta.checkpointing into a fresh one, with upstream's param-group matching."""
+    saved and loaded by megatron_delta.checkpoint.store into a fresh one, with upstream's param-group matching."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_delta.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_delta.checkpoint.store import load_checkpoint, save_checkpoint
     from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
-    from megatron_delta.conversion import checkpoint_args
-    from megatron_delta.model_config import model_config, resolve_model_fields
-    from megatron_delta.trainer.main import router_overrides
+    from megatron_delta.platform.distributed import destroy_distributed, initialize_distributed
+    from megatron_delta.checkpoint.run_config import checkpoint_args
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
+    from megatron_delta.trainer.hooks import router_overrides
 
     vocab = 64
     fields = resolve_model_fields(dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                        vocab_size=vocab, residual="delta"))
-    # what router_overrides, the scheduler and megatron_delta.checkpointing read of a run's args
+    # what router_overrides, the scheduler and megatron_delta.checkpoint.store read of a run's args
     args = checkpoint_args(fields, delta_router_lr_mult=delta_router_lr_mult, lr=1e-2, min_lr=1e-3)
     initialize_distributed(seed=1234)
 

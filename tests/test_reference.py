@@ -497,7 +497,7 @@ def test_megatron_full_forward_matches_baseline(megatron_gpt):
     package's CPU adaptation of Megatron makes that the CPU device."""
     from megatron.core import tensor_parallel
 
-    from megatron_delta.cpu_platform import activate_cpu_platform
+    from megatron_delta.platform.cpu import activate_cpu_platform
 
     activate_cpu_platform()
     tensor_parallel.model_parallel_cuda_manual_seed(11)  # attention forks the model-parallel RNG

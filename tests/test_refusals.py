@@ -133,7 +133,7 @@ def test_trainer_refuses_other_config_classes(flags, residual, monkeypatch, caps
 # ----------------------------------------------------------------------------- built models
 @pytest.fixture(scope="module")
 def dist():
-    from megatron_delta.cpu_platform import initialize_distributed
+    from megatron_delta.platform.distributed import initialize_distributed
 
     initialize_distributed(1, 1, None, 1, seed=1234)
     yield
@@ -141,7 +141,7 @@ def dist():
 
 def _config(mode, **overrides):
     """(DeltaTransformerConfig, GPTModel options) of a 4-layer model (delta: with the scalar gate)."""
-    from megatron_delta.model_config import model_config
+    from megatron_delta.checkpoint.model_config import model_config
 
     return model_config(dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=4, seq_length=16,
                              vocab_size=64, residual=mode, delta_gate="scalar" if mode == "delta" else "none"),
@@ -284,7 +284,7 @@ def test_selective_norm_recompute_matches_the_plain_step(mode, dist):
     from megatron.core import tensor_parallel
 
     from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.patches import patches_suspended
+    from megatron_delta.platform.patches import patches_suspended
 
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     position_ids = torch.arange(16).unsqueeze(0).expand(2, 16)

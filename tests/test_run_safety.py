@@ -47,7 +47,7 @@ def _torchrun(*args):
 
 _HOLDER = """
 import sys, time
-from megatron_delta.trainer.save_lock import SaveDirLock
+from megatron_delta.checkpoint.save_lock import SaveDirLock
 lock = SaveDirLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(600)

@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from tests.test_conversion import REPO, _finetune, _hf_logits
+from megatron_delta.data.corpus import BUNDLED_DATA_DIR
+from tests.test_conversion import _finetune, _hf_logits
 
 LAYERS = 2
 TOL = 1e-4
@@ -77,7 +78,7 @@ def build_sotu_data(tok, prefix: str, docs: int = 12, max_tokens: int = 1024):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    with lzma.open(os.path.join(REPO, "data", "sotu.txt.xz"), "rt") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "sotu.txt.xz"), "rt") as f:
         for _, line in zip(range(docs), f):
             ids = tok(json.loads(line)["text"])["input_ids"][:max_tokens] + [tok.eos_token_id]
             b.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)])
@@ -86,7 +87,7 @@ def build_sotu_data(tok, prefix: str, docs: int = 12, max_tokens: int = 1024):
 
 def heldout_ids(tok, n: int = 256) -> list:
     ids = []
-    with lzma.open(os.path.join(REPO, "data", "wiki.txt.xz"), "rt") as f:
+    with lzma.open(os.path.join(BUNDLED_DATA_DIR, "wiki.txt.xz"), "rt") as f:
         for line in f:
             ids += tok(json.loads(line)["text"])["input_ids"]
             if len(ids) > n:
@@ -109,17 +110,18 @@ def perplexity(model, ids, seq=128) -> float:
 def test_smollm2_import_finetune_export(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_delta import conversion
+    from megatron_delta.convert import hf_checkpoint
+    from megatron_delta.evaluation import loaders
 
     hf, tok = cut_smollm2(str(tmp_path / "smollm2"))
     # 1. import as delta_block with the zero scalar gate: Megatron computes SmolLM2's function at step 0
-    conversion.import_checkpoint(str(tmp_path / "smollm2"), str(tmp_path / "imported"), "delta_block",
+    hf_checkpoint.import_checkpoint(str(tmp_path / "smollm2"), str(tmp_path / "imported"), "delta_block",
                                  delta_num_blocks=LAYERS, delta_gate="scalar", delta_null_source=True,
                                  log=lambda *a: None)
     ids = tok("The state of the union is strong, and the people of this nation")["input_ids"]
-    model, _, rc = conversion.load_megatron(str(tmp_path / "imported"))
+    model, _, rc = loaders.load_megatron(str(tmp_path / "imported"))
     assert (rc["residual"], rc["delta_gate"], rc["hf_vocab_size"]) == ("delta_block", "scalar", 49152)
-    meg = conversion.megatron_logits(model, torch.tensor([ids]))[0, :, :49152]
+    meg = loaders.megatron_logits(model, torch.tensor([ids]))[0, :, :49152]
     ref = _hf_logits(hf, ids)
     diff = (meg - ref).abs().max().item()
     print(f"[smollm2] step-0 max |Megatron - HF| logits {diff:.2e} (logits up to {ref.abs().max().item():.1f})")
@@ -135,7 +137,7 @@ def test_smollm2_import_finetune_export(tmp_path):
     losses = [float(m.group(1)) for m in re.finditer(r"iteration\s+\d+/\s*\d+ \|.*?\blm loss: ([-+0-9.eE]+)", out)]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), out[-2000:]
     # 3. export the fine-tuned checkpoint: remote-code model + the SmolLM2 tokenizer carried through fine-tuning
-    conversion.export_checkpoint(str(tmp_path / "ft"), str(tmp_path / "hf_ft"), log=lambda *a: None)
+    hf_checkpoint.export_checkpoint(str(tmp_path / "ft"), str(tmp_path / "hf_ft"), log=lambda *a: None)
     tuned = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_ft"), trust_remote_code=True,
                                                  dtype=torch.float32).eval()
     assert type(tuned).__name__ == "DeltaQwen3ForCausalLM" and tuned.config.num_hidden_layers == LAYERS

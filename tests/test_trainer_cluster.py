@@ -395,7 +395,7 @@ def test_truncated_shard_is_one_error_line(straight, tmp_path):
     shard = os.path.join(ckpt, "iter_0000010", shards[0])
     os.truncate(shard, os.path.getsize(shard) // 2)  # a copy or a write cut short
 
-    # main() translates the failure with megatron_delta/trainer/checkpoint_errors.describe_load_failure
+    # main() translates the failure with megatron_delta/checkpoint/errors.describe_load_failure
     job = _run(_trainer(*ITERS, "--load", ckpt, "--exit-interval", "11"), str(tmp_path / "run"))
     err, out = job.stderr(), job.stdout()
     assert job.proc.returncode == 1, job.tail()

@@ -1,5 +1,5 @@
-"""megatron_delta.trainer (Megatron-LM's own trainer): what the old loop offered, kept around pretrain -
-the metrics file in the old format, --delta-heldout-data-path, routing statistics at every evaluation, the
+"""megatron_delta.trainer (Megatron-LM's own trainer): what the project adds around pretrain -
+the metrics file (--delta-metrics-file), --delta-heldout-data-path, routing statistics at every evaluation, the
 pipeline payload lines, run_config.json in every checkpoint (readable by the tools' one-process loader),
 the embedded default run and one-line errors after start-up."""
 from __future__ import annotations
@@ -49,8 +49,8 @@ def test_embedded_argv_fills_what_is_not_given():
 def test_recorded_config_uses_the_old_flag_names():
     import types
 
-    from megatron_delta.checkpointing import RECORDED_FLAGS
-    from megatron_delta.trainer.run_config import recorded_config
+    from megatron_delta.checkpoint.run_config import RECORDED_FLAGS
+    from megatron_delta.checkpoint.run_config import recorded_config
 
     args = types.SimpleNamespace(layernorm_epsilon=1e-6, add_bias_linear=False, num_layers=4)
     rc = recorded_config(args)
@@ -119,7 +119,7 @@ def test_payload_lines_for_routed_pp2(features):
 
 @pytest.mark.slow
 def test_run_config_in_every_checkpoint_before_the_tracker(features):
-    from megatron_delta.checkpointing import RECORDED_FLAGS
+    from megatron_delta.checkpoint.run_config import RECORDED_FLAGS
 
     root, r, _ = features
     ckpt = os.path.join(root, "tp2", "ckpt")
@@ -141,7 +141,7 @@ def test_run_config_in_every_checkpoint_before_the_tracker(features):
 
 @pytest.mark.slow
 def test_tools_load_a_tp2_checkpoint_of_the_new_trainer(features):
-    """checkpointing.load_checkpoint(model only) into one process, as the tools do: the same held-out loss."""
+    """checkpoint/store.py load_checkpoint (model only) into one process, as the tools do: the same held-out loss."""
     _, r, one = features
     heldout = [x for x in r["tp2"]["records"] if x.get("split") == "heldout"]
     assert one["iteration"] == 4

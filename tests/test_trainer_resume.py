@@ -1,7 +1,7 @@
 """megatron_delta.trainer (Megatron-LM's own trainer): exact resume with dropout on. 20 iterations
 straight (saving at 10) == 10 + save + a resumed run of 10 (losses and learning rates), for baseline
 and delta_block, with and without the distributed optimizer (DP2; also in its fully reshardable
-checkpoint format, --dist-ckpt-optim-fully-reshardable). Without the every-device entries of megatron_delta.patches (distopt_*) the distributed
+checkpoint format, --dist-ckpt-optim-fully-reshardable). Without the every-device entries of megatron_delta.platform.patches (distopt_*) the distributed
 optimizer's resume fails or drifts (tests/test_cpu_platform.py shows each fix's failure)."""
 from __future__ import annotations
 

@@ -180,10 +180,10 @@ def _param_groups() -> list:
     return groups
 
 
-# ------------------------------------------------------------------------------ the old loop's features
+# ------------------------------------------------------------------------- the features around pretrain
 # The bundled corpus (SentencePiece BPE 4096): real text for --valid-data-path / --delta-heldout-data-path.
 def bundled_data() -> dict:
-    from megatron_delta.data import ensure_default_data
+    from megatron_delta.data.corpus import ensure_default_data
 
     return ensure_default_data(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "cache"))
 
@@ -254,13 +254,14 @@ def rank_features(root: str) -> dict:
 
 
 def rank_load_one_process(ckpt_root: str, eval_samples: int) -> dict:
-    """The tools' path (megatron_delta.conversion.load_megatron -> checkpointing.load_checkpoint, model only)
+    """The tools' path (megatron_delta.evaluation.loaders.load_megatron -> checkpoint/store.py load_checkpoint, model only)
     on a checkpoint written by the new trainer: its held-out loss over the first `eval_samples` samples."""
     import torch
 
-    from megatron_delta.checkpointing import read_run_config, resolve_checkpoint_dir
-    from megatron_delta.conversion import load_megatron, megatron_logits
-    from megatron_delta.data import build_gpt_datasets, build_tokenizer
+    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
+    from megatron_delta.evaluation.loaders import load_megatron, megatron_logits
+    from megatron_delta.data.datasets import build_gpt_datasets
+    from megatron_delta.data.tokenizers import build_tokenizer
 
     ckpt, iteration = resolve_checkpoint_dir(ckpt_root)
     rc = read_run_config(ckpt)
@@ -276,7 +277,7 @@ def rank_load_one_process(ckpt_root: str, eval_samples: int) -> dict:
         mask = torch.as_tensor(s["loss_mask"]).float()
         total += float((nll * mask).sum())
         count += float(mask.sum())
-    from megatron_delta.cpu_platform import destroy_distributed
+    from megatron_delta.platform.distributed import destroy_distributed
 
     destroy_distributed()
     return {"iteration": iteration, "heldout_loss": total / count, "run_config": rc}

@@ -154,7 +154,7 @@ def main(argv=None):
         if m.strip() and m.strip() not in MODES:
             print(f"benchmark.py: error: unknown mode {m!r} (choose from {', '.join(MODES)})", file=sys.stderr)
             return 2
-    from megatron_delta.model_config import ModelConfigError
+    from megatron_delta.checkpoint.model_config import ModelConfigError
 
     try:
         for m in opts.modes.split(","):  # every model's fields, before any model is built

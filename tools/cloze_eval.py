@@ -5,11 +5,11 @@
     python tools/cloze_eval.py --hf hf/delta_block --output cloze.json
     python tools/cloze_eval.py --build-only                 # only build the task data (runs/cache/cloze-*)
 
-The examples (megatron_delta/cloze.py) come from text training never sees: the SOTU validation speeches
+The examples (megatron_delta/evaluation/cloze.py) come from text training never sees: the SOTU validation speeches
 and the Wikipedia sample. Passages of 20-60 words, cut at sentence boundaries; the target is the last
 word (alphabetic, >= 3 letters), the context everything before it. They are built deterministically
 once and cached under --cache-dir as JSONL; the lm-eval task definitions are local
-(tools/lm_eval_tasks/delta_cloze/*.yaml), the model is the exported transformers directory
+(megatron_delta/evaluation/lm_eval_tasks/delta_cloze/*.yaml), the model is the exported transformers directory
 (`--model hf`, trust_remote_code for the routed modes), and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are
 set: nothing is downloaded.
 
@@ -19,7 +19,7 @@ lambada_openai defines them. The contexts are left-truncated to the model's max_
 The same evaluation through lm-eval's own CLI:
 
     lm_eval --model hf --model_args pretrained=hf/delta_block,trust_remote_code=True,add_bos_token=False \\
-        --include_path tools/lm_eval_tasks --tasks delta_cloze_sotu,delta_cloze_wiki \\
+        --include_path megatron_delta/evaluation/lm_eval_tasks --tasks delta_cloze_sotu,delta_cloze_wiki \\
         --metadata '{"cloze_data_dir": "runs/cache/cloze-<hash>"}'
 """
 import argparse
@@ -59,7 +59,7 @@ def build_parser():
 
 def main(argv=None):
     opts = build_parser().parse_args(argv)
-    from megatron_delta.cloze import ClozeError
+    from megatron_delta.evaluation.cloze import ClozeError
 
     try:
         return _run(opts)
@@ -69,7 +69,7 @@ def main(argv=None):
 
 
 def _run(opts):
-    from megatron_delta import cloze
+    from megatron_delta.evaluation import cloze
 
     if opts.limit is not None and opts.limit < 1:
         raise cloze.ClozeError(f"--limit must be >= 1, got {opts.limit}")

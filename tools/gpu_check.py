@@ -33,7 +33,7 @@ import argparse
 import sys
 
 from megatron_delta.core.modes import BASELINE, RESIDUAL_MODES as MODES
-from megatron_delta.patches import known_warnings_quieted
+from megatron_delta.platform.patches import known_warnings_quieted
 from megatron_delta.perf import gpu_check as checks
 
 
@@ -76,7 +76,7 @@ def main(argv=None):
             return checks.NO_GPU_EXIT
     import torch
 
-    from megatron_delta.trainer.main import router_overrides  # the routers' optimizer group, as pretrain_gpt.py's
+    from megatron_delta.trainer.hooks import router_overrides  # the routers' optimizer group, as pretrain_gpt.py's
 
     with checks.check_session(opts) as env:
         run = checks.CheckRun(opts, env)

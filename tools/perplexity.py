@@ -4,7 +4,7 @@
     python tools/perplexity.py --load runs/default-delta_block [--output ppl.json]
         [--data-path [NAME=]PREFIX ...] [--max-tokens 65536] [--seq-length S] [--batch-size 8]
 
-By default it reads the two held-out sets of the bundled corpus (megatron_delta.data.ensure_default_data,
+By default it reads the two held-out sets of the bundled corpus (megatron_delta.data.corpus.ensure_default_data,
 built once under --cache-dir): `sotu_valid` (every 10th State of the Union speech, never trained on) and
 `wiki` (the Wikipedia sample, another distribution). `--data-path` takes other preprocessed prefixes
 (tokenised with the checkpoint's tokenizer), optionally named `NAME=PREFIX`.
@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -63,7 +63,7 @@ def read_token_stream(prefix, max_tokens, flag="--data-path"):
     """The documents of a Megatron indexed dataset concatenated in order (first max_tokens; 0 = all)."""
     import numpy as np
 
-    from megatron_delta.data import validate_indexed_prefix
+    from megatron_delta.data.indexed import validate_indexed_prefix
 
     validate_indexed_prefix(prefix, flag)
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -126,7 +126,7 @@ def datasets_to_measure(opts, rc):
         return out
     if rc.get("tokenizer_type") == "NullTokenizer":
         raise PerplexityError("--load: the checkpoint was trained on mock tokens (NullTokenizer); pass --data-path")
-    from megatron_delta.data import ensure_default_data
+    from megatron_delta.data.corpus import ensure_default_data
 
     paths = ensure_default_data(opts.cache_dir)
     mine = rc.get("tokenizer_model")
@@ -168,9 +168,12 @@ def _run(opts):
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
-    from megatron_delta.checkpointing import CheckpointError, read_run_config, resolve_checkpoint_dir
-    from megatron_delta.conversion import ConversionError, load_megatron, megatron_logits, true_vocab_size
-    from megatron_delta.cpu_platform import destroy_distributed
+    from megatron_delta.checkpoint.errors import CheckpointError
+    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
+    from megatron_delta.checkpoint.errors import ConversionError
+    from megatron_delta.checkpoint.run_config import true_vocab_size
+    from megatron_delta.evaluation.loaders import load_megatron, megatron_logits
+    from megatron_delta.platform.distributed import destroy_distributed
 
     try:
         ckpt_dir, iteration = resolve_checkpoint_dir(opts.load)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tokenize text into a Megatron indexed dataset (.bin/.idx), with Megatron-LM's flag names.
 
-  python tools/preprocess_data.py --input data/sotu.txt.xz --output-prefix runs/data/sotu \
+  python tools/preprocess_data.py --input megatron_delta/data/bundled/sotu.txt.xz --output-prefix runs/data/sotu \
       --tokenizer-type SentencePieceTokenizer --tokenizer-model runs/tok/sotu_bpe.model \
       --json-keys text --append-eod --workers 2
   -> runs/data/sotu_text_document.bin/.idx; train with --data-path runs/data/sotu_text_document
@@ -19,9 +19,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
 
-from megatron_delta.data import TOKENIZER_TYPES, preprocess_to_indexed  # noqa: E402
+from megatron_delta.data.indexed import preprocess_to_indexed  # noqa: E402
+from megatron_delta.data.tokenizers import TOKENIZER_TYPES
 
 
 @known_warnings_quieted()

@@ -17,7 +17,7 @@ dist_checkpointing reshards), runs text through it with routing recording on (do
                             normalised entropy (uniform routing = 1)
 
 Data: by default the bundled SOTU validation split and the Wikipedia held-out sample
-(megatron_delta.data.ensure_default_data; the checkpoint must use that tokenizer, as the default
+(megatron_delta.data.corpus.ensure_default_data; the checkpoint must use that tokenizer, as the default
 run does); --data-path PREFIX for other preprocessed data (tokenised with the checkpoint's
 tokenizer); --mock-data for checkpoints trained on mock tokens (NullTokenizer).
 
@@ -52,10 +52,11 @@ def build_parser():
 
 
 def run_from_run_config(cfg, opts, where):
-    """(model fields, run): the checkpoint's model in a TP1/PP1 layout (megatron_delta.model_config) reading
+    """(model fields, run): the checkpoint's model in a TP1/PP1 layout (megatron_delta.checkpoint.model_config) reading
     sequences of --seq-length (default: the checkpoint's) tokens, and the run the forward passes and
-    checkpointing.load_checkpoint read (batch sizes, tokenizer, seed; the model fields as attributes)."""
-    from megatron_delta.conversion import checkpoint_args, eval_in_bf16, model_fields
+    checkpoint/store.py load_checkpoint reads (batch sizes, tokenizer, seed; the model fields as attributes)."""
+    from megatron_delta.checkpoint.run_config import checkpoint_args, model_fields
+    from megatron_delta.evaluation.loaders import eval_in_bf16
 
     seq = opts.seq_length or cfg.get("seq_length") or cfg.get("max_position_embeddings")
     fields = model_fields(cfg, where, seq_length=seq, bf16=eval_in_bf16(cfg, opts.dtype))
@@ -78,7 +79,8 @@ def run_from_run_config(cfg, opts, where):
 
 def datasets_to_report(opts, args, tokenizer):
     """[(name, dataset)] to run through the model."""
-    from megatron_delta.data import build_gpt_datasets, ensure_default_data
+    from megatron_delta.data.corpus import ensure_default_data
+    from megatron_delta.data.datasets import build_gpt_datasets
 
     n = opts.num_batches * args.global_batch_size
 
@@ -194,7 +196,9 @@ def plot_curves(path, title, stats):
 
 def main(argv=None):
     opts = build_parser().parse_args(argv)
-    from megatron_delta.checkpointing import CheckpointError, load_checkpoint, read_run_config, resolve_checkpoint_dir
+    from megatron_delta.checkpoint.errors import CheckpointError
+    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
+    from megatron_delta.checkpoint.store import load_checkpoint
 
     try:
         ckpt_dir, iteration = resolve_checkpoint_dir(opts.load)
@@ -205,7 +209,7 @@ def main(argv=None):
     if cfg.get("residual", BASELINE) == BASELINE:
         print("routing_report.py: error: the checkpoint is --residual baseline: it has no routing", file=sys.stderr)
         return 1
-    from megatron_delta.conversion import ConversionError
+    from megatron_delta.checkpoint.errors import ConversionError
 
     try:
         fields, args = run_from_run_config(cfg, opts, f"--load {ckpt_dir}")
@@ -213,12 +217,12 @@ def main(argv=None):
         print(f"routing_report.py: error: {e}", file=sys.stderr)
         return 1
 
-    from megatron_delta.conversion import as_trained
+    from megatron_delta.evaluation.loaders import as_trained
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.sources import SourcePlan
-    from megatron_delta.cpu_platform import destroy_distributed, initialize_distributed
-    from megatron_delta.data import build_tokenizer
-    from megatron_delta.model_config import model_config
+    from megatron_delta.platform.distributed import destroy_distributed, initialize_distributed
+    from megatron_delta.data.tokenizers import build_tokenizer
+    from megatron_delta.checkpoint.model_config import model_config
     from megatron_delta.trainer.forward_pass import collect_routing_stats
 
     initialize_distributed(1, 1, seed=args.seed)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train a SentencePiece tokenizer for megatron-delta.
 
-  python tools/train_tokenizer.py --input data/sotu.txt.xz --model-prefix runs/tok/sotu_bpe \
+  python tools/train_tokenizer.py --input megatron_delta/data/bundled/sotu.txt.xz --model-prefix runs/tok/sotu_bpe \
       --vocab-size 4096 --model-type bpe
 
 Inputs: .txt (one document per line) or .jsonl (one JSON object per line, text under --json-keys),
@@ -17,9 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_delta.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
 
-from megatron_delta.data import train_sentencepiece  # noqa: E402
+from megatron_delta.data.tokenizers import train_sentencepiece  # noqa: E402
 
 
 @known_warnings_quieted()

@@ -1,13 +1,16 @@
 """The model core: residual routing inside Megatron-Core, and nothing of training.
 
 Modules (one concept each):
-  config   - DeltaTransformerConfig: TransformerConfig + the delta_* fields, validated on construction
-  router   - DepthRouter: softmax over depth (fp32), its fused CPU kernels (cpu_kernels, csrc/) and the
-             GPU kernel adapter (fla_router)
-  sources  - SourcePlan / SourceBuffer: which sources each sublayer reads, per residual mode
-  payload  - the stage payload: one tensor per micro-batch across a pipeline boundary
+  modes        - the residual modes and their rules (what each sublayer reads, commits and forms), checks
+  config       - DeltaTransformerConfig: TransformerConfig + the delta_* fields, validated on construction
+  router       - DepthRouter: softmax over depth (fp32)
+  cpu_kernels  - the router's fused CPU kernels (C sources in csrc/, compiled on first use)
+  fla_router   - the GPU kernel adapter (fla-core's fused_attnres)
+  sources      - SourcePlan / SourceBuffer: which sources each sublayer reads, per residual mode
+  source_cache - the pipeline source cache shared by a rank's virtual-pipeline chunks
+  payload      - the stage payload: one tensor per micro-batch across a pipeline boundary
   layer / block / model / specs / norms - the Megatron-Core integration (subclasses + layer specs)
 
-Nothing here imports the training side (megatron_delta.model_config, .trainer, .data, .checkpointing,
-.conversion, ...) or megatron.training; tests/test_import_direction.py holds that.
+Nothing here imports the training side (megatron_delta.platform, .data, .checkpoint, .evaluation, .convert,
+.trainer) or megatron.training; tests/test_import_direction.py holds that.
 """

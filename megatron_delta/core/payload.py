@@ -69,7 +69,7 @@ class PayloadP2PCommunicator(P2PCommunicator):
 
     Routed payloads differ in length from boundary to boundary, so p2p sends their shapes first
     (`variable_seq_lengths`). Messages between two ranks are matched in posting order.
-    Entry ``p2p_shape_exchange`` of the registry of upstream changes (megatron_delta.patches).
+    Entry ``p2p_shape_exchange`` of the registry of upstream changes (megatron_delta.platform.patches).
     """
 
     # Replaces P2PCommunicator._communicate_shapes: upstream posts [send_prev, recv_prev,

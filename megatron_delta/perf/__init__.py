@@ -11,6 +11,6 @@ Modules (one concept each):
   gpu_check        - the GPU acceptance checks: parity, fused kernel vs PyTorch router, speed, BF16 / FP8 training
 
 It imports megatron_delta.core, megatron.core and the shared training side that builds a model from its fields
-and starts the one-process world (megatron_delta.model_config, megatron_delta.cpu_platform), never the trainer
+and starts the one-process world (megatron_delta.checkpoint.model_config, megatron_delta.platform), never the trainer
 (megatron_delta.trainer) or megatron.training: gpu_check.train takes the routers' optimizer group as an argument.
 """

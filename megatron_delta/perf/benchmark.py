@@ -67,10 +67,10 @@ TARGETS = {DELTA_BLOCK: (1.02, 1.08, 1.05), DELTA: (1.15, 1.3, 1.25)}
 
 
 def mode_config(opts, mode):
-    """(DeltaTransformerConfig, GPTModel options, padded vocabulary) of one mode, from megatron_delta.model_config:
+    """(DeltaTransformerConfig, GPTModel options, padded vocabulary) of one mode, from megatron_delta.checkpoint.model_config:
     --num-layers etc., the rest the small CPU model's (Qwen3-style: GQA 2, SwiGLU 3 x hidden, RoPE, qk-layernorm,
     no biases)."""
-    from megatron_delta.model_config import model_config, resolve_model_fields
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
 
     fields = dict(residual=mode, num_layers=opts.num_layers, hidden_size=opts.hidden_size,
                   num_attention_heads=opts.num_attention_heads, num_query_groups=opts.num_query_groups,
@@ -88,7 +88,7 @@ def mode_config(opts, mode):
 def build_model(opts, mode):
     """(model, config): one TP1/PP1 chunk, fp32, seeded exactly like pretrain_gpt.py."""
     from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.cpu_platform import initialize_distributed
+    from megatron_delta.platform.distributed import initialize_distributed
 
     config, options, vocab = mode_config(opts, mode)
     initialize_distributed(1, 1, seed=opts.seed)  # re-seeds: every mode gets the same backbone
@@ -293,7 +293,8 @@ def finalize(results):
 
 
 def run(opts):
-    from megatron_delta.cpu_platform import destroy_distributed, set_cpu_allocator
+    from megatron_delta.platform.cpu import set_cpu_allocator
+    from megatron_delta.platform.distributed import destroy_distributed
 
     allocator = set_cpu_allocator(opts.delta_cpu_allocator)  # as pretrain_gpt.py does on CPU
     if opts.threads:

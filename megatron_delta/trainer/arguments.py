@@ -50,7 +50,7 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--delta-heldout-data-path", nargs="*", default=None,
                    help="another distribution, evaluated beside validation at every evaluation")
     # Megatron-LM's --verify-integrity (store_true, default False) gets its negation and the default None:
-    # validate_delta_args turns it on for torch_dist checkpoints (trainer/integrity.py)
+    # validate_delta_args turns it on for torch_dist checkpoints (checkpoint/integrity.py)
     g.add_argument("--no-verify-integrity", dest="verify_integrity", action="store_false",
                    help="do not hash checkpoints on save nor verify them on load (default: both, with "
                         "--ckpt-format torch_dist; Megatron-LM's --verify-integrity)")
@@ -171,7 +171,7 @@ def check_paths(args: argparse.Namespace) -> None:
         try:
             float(entry)  # a blend weight
         except ValueError:
-            from megatron_delta.data import validate_indexed_prefix
+            from megatron_delta.data.indexed import validate_indexed_prefix
 
             try:
                 validate_indexed_prefix(entry, "--delta-heldout-data-path")
@@ -202,7 +202,7 @@ def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
     from megatron_delta.core.modes import check_delta_options
     from megatron_delta.core.router import check_kernels
-    from megatron_delta.trainer.integrity import resolve_default
+    from megatron_delta.checkpoint.integrity import resolve_default
 
     check_cpu_switches(args)
     problem = resolve_default(args)

@@ -5,12 +5,12 @@ When is a run the embedded default run? Exactly when its arguments name NO data:
 ``--data-args-path``, ``--per-split-data-args-path`` (Megatron-LM's data flags; ``--delta-heldout-data-path``
 does not count). Then:
 
-- data: the bundled corpus (megatron_delta.data.ensure_default_data, built once under runs/cache):
+- data: the bundled corpus (megatron_delta.data.corpus.ensure_default_data, built once under runs/cache):
   ``--train-data-path`` the SOTU training speeches, ``--valid-data-path`` the SOTU validation speeches,
   ``--delta-heldout-data-path`` the Wikipedia sample, ``--tokenizer-type SentencePieceTokenizer
   --tokenizer-model`` the bundled BPE tokenizer. Giving ``--tokenizer-type``/``--tokenizer-model``/
   ``--vocab-size`` without data is an error (the corpus is tokenized with its own tokenizer).
-- every flag of :data:`EMBEDDED_DEFAULTS` that the arguments do not give is added: the old loop's
+- every flag of :data:`EMBEDDED_DEFAULTS` that the arguments do not give is added: the embedded
   defaults (4 layers, hidden 128, Qwen3-style: RMSNorm, SwiGLU, RoPE base 1e6, qk-layernorm, GQA 4
   heads / 2 groups, no biases; seq 128, MBS 8, 200 iterations, lr 3e-3 cosine to 3e-4, warmup 5 %,
   weight decay 0.1, clip 1, beta2 0.95, eval every 100 iterations over 10 batches, log every 10);
@@ -90,7 +90,7 @@ def embedded_argv(argv: Sequence[str]) -> List[str]:
         raise EmbeddedRunError(
             f"{' '.join(bad)} needs --data-path (data tokenized with that tokenizer: tools/preprocess_data.py) "
             f"or --mock-data; without them the run uses the bundled corpus and its own tokenizer")
-    from megatron_delta.data import ensure_default_data
+    from megatron_delta.data.corpus import ensure_default_data
 
     paths = ensure_default_data(CACHE_DIR)
     extra = ["--train-data-path", *paths["train_data_path"], "--valid-data-path", paths["sotu_valid_data_path"],

@@ -9,33 +9,33 @@ between runs, everything else megatron.training keeps globally is torn down at t
 (training.destroy_global_state, the RNG tracker).
 
 What this adds around ``megatron.training.pretrain`` (each a thin hook, installed for one run and then
-removed; the trainer itself is upstream's; the list is _Run's docstring):
+removed; the trainer itself is upstream's; the list is RunHooks' docstring (trainer/hooks.py)):
 - the router param group (``--delta-router-lr-mult``): get_megatron_optimizer_config returns Megatron's
   standard ``config_overrides``; a routed run adds ParamKey(attr="is_delta_router");
-- ``--delta-metrics-file``: JSON lines in the old loop's format - per iteration {"iteration", "lm_loss",
+- ``--delta-metrics-file``: JSON lines - per iteration {"iteration", "lm_loss",
   "lr", "grad_norm", "tokens_per_sec"}, per evaluation {"iteration", "split", "lm_loss", "ppl"} with
   split "valid" / "heldout" ("test" for upstream's test split), per evaluation of a routed mode
   {"iteration", "routing": {...}}; the lines ` validation[ (final)] [split] at iteration N | lm loss
-  | ppl` and the routing table are printed as the old loop did;
-- ``--delta-heldout-data-path`` and the routing statistics beside every validation (trainer/evaluation.py);
+  | ppl` and the routing table are printed;
+- ``--delta-heldout-data-path`` and the routing statistics beside every validation (evaluation/in_training.py);
 - routed modes with PP > 1: the start-up payload lines and the PayloadP2PCommunicator (shape
   exchange safe for PP=2 + VPP);
 - ``run_config.json`` in every iter_NNNNNNN/ saved, before the tracker names it, and the model-flag
-  check of ``--load`` (trainer/run_config.py);
+  check of ``--load`` (checkpoint/run_config.py);
 - ``--train-iters 0 --save DIR`` writes the initial model (upstream saves only at iteration != 0);
-- the lock of ``--save`` (trainer/save_lock.py), taken before the model is built: one writer per directory;
+- the lock of ``--save`` (checkpoint/save_lock.py), taken before the model is built: one writer per directory;
 - ``--load`` with nothing to load: one warning line with the path; a checkpoint without integrity.json loads
-  unverified with a line (integrity checking is on by default: trainer/integrity.py);
+  unverified with a line (integrity checking is on by default: checkpoint/integrity.py);
 - no data flags: the embedded default run (trainer/embedded.py);
 - data / tokenizer / checkpoint errors after start-up: ``pretrain_gpt.py: error: ...``, exit code 1
-  (trainer/checkpoint_errors: a damaged checkpoint file named by describe_load_failure, a full --save
+  (checkpoint/errors: a damaged checkpoint file named by describe_load_failure, a full --save
   filesystem by describe_save_failure, schedule flags that differ from the checkpoint's by
-  describe_schedule_mismatch; a file failing its integrity hash: trainer/integrity.describe_mismatch);
+  describe_schedule_mismatch; a file failing its integrity hash: checkpoint/integrity.describe_mismatch);
 - argument errors: one line (argparse's after a short usage, not Megatron-LM's usage of every flag), printed
   by the first process of each node only.
 
 These hooks, like every other change of upstream behaviour (the CPU adaptation, the fixes of the distributed
-optimizer over torch's Adam on every device), are entries of the registry megatron_delta.patches
+optimizer over torch's Adam on every device), are entries of the registry megatron_delta.platform.patches
 (``trainer_hooks``, ``checkpoint_hint``, ``p2p_shape_exchange``). Known upstream warnings are silenced only
 around the upstream calls that emit them (patches.known_warnings_quieted); no process-wide filter is added.
 """
@@ -43,15 +43,14 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import sys
 import time
 from typing import Optional, Sequence
 
-from megatron_delta.core.modes import BASELINE
 from megatron_delta.trainer.arguments import (PROG, TrainerArgumentError, add_delta_args, check_paths,
                                               resolve_pp_source_cache, validate_delta_args)
+from megatron_delta.trainer.hooks import RunHooks, torch_rank
 
 # An argparse error, without Megatron-LM's usage of its ~850 flags
 SHORT_USAGE = f"usage: {PROG} [FLAGS ...]   ({PROG} --help lists Megatron-LM's flags and the project's)"
@@ -131,7 +130,7 @@ def _ensure_env():
     if torch.distributed.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        from megatron_delta.cpu_platform import free_port
+        from megatron_delta.platform.distributed import free_port
 
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -140,302 +139,7 @@ def _ensure_env():
         os.environ["MASTER_PORT"] = str(free_port())
 
 
-# ------------------------------------------------------------------------------------------ hooks
-class _Run:
-    """The hooks of one run into megatron.training (module attributes it looks up by name at call time): the
-    registry entry ``trainer_hooks`` of megatron_delta.patches.
-
-    Each replaces or wraps one upstream function for the duration of the run (``with _Run(args)``):
-    training.get_megatron_optimizer_config   + the routers' param group (--delta-router-lr-mult)
-    training.setup_model_and_optimizer       first: the lock of --save (rank 0); keeps model/optimizer; payload
-                                             lines (routed, PP > 1)
-    training.load_checkpoint                 first: the fresh-start line, run_config.json's model flags == the
-                                             run's; no integrity.json: loaded unverified, with a line
-    training.train                           the clock of tokens_per_sec
-    training.training_log                    metrics: iteration, lm_loss, lr, grad_norm, tokens_per_sec
-    training.evaluate                        captures the loss dict of each evaluation
-    training.evaluate_and_print_results      metrics per split (valid / test), then --delta-heldout-data-path
-                                             and the routing statistics beside every validation
-    checkpointing.save_checkpoint (+ training's name for it), checkpointing.get_checkpoint_tracker_filename
-                                             run_config.json into iter_NNNNNNN/ before the tracker names it
-    """
-
-    def __init__(self, args):
-        self.args = args
-        self.model = self.optimizer = self.scheduler = None
-        self.metrics = None
-        self.last_rank = args.rank == args.world_size - 1  # holds the loss (last pipeline stage)
-        self.datasets = {}  # "valid", "heldout": for the extra evaluations
-        self.carried = {}  # HF provenance of a loaded checkpoint, carried into this run's checkpoints
-        self.saving = None  # (iteration, optimizer) while upstream's save_checkpoint runs
-        self.saved = []  # iteration directories written
-        self.results = {}  # split -> last lm loss
-        self.routing = None  # last routing statistics
-        self._captured = []
-        self._clock = None
-        self._saved = []
-        self.lock = None  # save_lock.SaveDirLock of --save (rank 0)
-
-    def _replace(self, module, name, value):
-        self._saved.append((module, name, getattr(module, name)))
-        setattr(module, name, value)
-
-    def __enter__(self):
-        from megatron.training import checkpointing as ckpt
-        from megatron.training import training as mt
-
-        from megatron_delta import patches
-
-        args = self.args
-        written_for, why = patches.applies(patches.entry("trainer_hooks"))
-        if not written_for and args.rank == 0:
-            print(f" warning: the trainer's hooks into megatron.training are untested here: {why}", flush=True)
-        if args.delta_metrics_file and self.last_rank:
-            os.makedirs(os.path.dirname(os.path.abspath(args.delta_metrics_file)), exist_ok=True)
-            self.metrics = args.delta_metrics_file
-        # Replaces training.get_megatron_optimizer_config: Megatron's config and standard overrides,
-        # plus the routers' own group (lr x --delta-router-lr-mult, no weight decay).
-        original_opt_config = mt.get_megatron_optimizer_config
-
-        def get_megatron_optimizer_config(a):
-            config, overrides = original_opt_config(a)
-            return config, router_overrides(a, overrides)
-
-        self._replace(mt, "get_megatron_optimizer_config", get_megatron_optimizer_config)
-        # Wraps training.setup_model_and_optimizer: keeps the model for the iteration-0 save.
-        original_setup = mt.setup_model_and_optimizer
-
-        def setup_model_and_optimizer(*a, **k):
-            if self.args.save:  # one writer per --save directory, before anything is built or loaded
-                from megatron_delta.trainer.save_lock import acquire_on_rank0
-
-                self.lock = acquire_on_rank0(self.args.save)
-                if self.lock is not None and self.lock.message:
-                    print(f" {self.lock.message}", flush=True)
-            self.print_payload()
-            self.model, self.optimizer, self.scheduler = original_setup(*a, **k)
-            from megatron_delta.core.source_cache import link_chunks
-
-            link_chunks(self.model)  # the rank's chunks share one pipeline source cache (interleaved schedule)
-            return self.model, self.optimizer, self.scheduler
-
-        self._replace(mt, "setup_model_and_optimizer", setup_model_and_optimizer)
-        # Wraps training.load_checkpoint: the model-flag check of run_config.json first (one line naming
-        # the flags instead of a shape error deep in dist_checkpointing), the HF provenance to carry on.
-        original_load = mt.load_checkpoint
-
-        def load_checkpoint(*a, **k):
-            from megatron_delta.trainer.integrity import unverified_load
-            from megatron_delta.trainer.run_config import check_load
-
-            self.announce_fresh_start()
-            self.carried = check_load(self.args)
-            unverified = unverified_load(self.args)
-            if unverified is None:
-                return original_load(*a, **k)
-            if torch_rank() == 0:
-                print(f" note: {unverified} has no integrity.json (saved with --no-verify-integrity or by another "
-                      f"tool): loaded without verifying its files", flush=True)
-            self.args.verify_integrity = False  # upstream's load would refuse it; later saves hash again
-            try:
-                return original_load(*a, **k)
-            finally:
-                self.args.verify_integrity = True
-
-        self._replace(mt, "load_checkpoint", load_checkpoint)
-        # Wraps checkpointing.save_checkpoint (and training's import of it) / get_checkpoint_tracker_filename.
-        original_save = ckpt.save_checkpoint
-
-        def save_checkpoint(iteration, model, optimizer, *a, **k):
-            self.saving = (iteration, optimizer)
-            try:
-                return original_save(iteration, model, optimizer, *a, **k)
-            finally:
-                self.saving = None
-
-        self._replace(ckpt, "save_checkpoint", save_checkpoint)
-        self._replace(mt, "save_checkpoint", save_checkpoint)
-        original_tracker = ckpt.get_checkpoint_tracker_filename
-
-        def get_checkpoint_tracker_filename(checkpoints_path):
-            # upstream save_checkpoint asks for it on rank 0 after the data is written and before it
-            # writes the tracker: run_config.json goes in now
-            if self.saving is not None and torch_rank() == 0:
-                iteration, optimizer = self.saving
-                from megatron_delta.trainer.run_config import write_run_config
-
-                self.saved.append(write_run_config(
-                    checkpoints_path, iteration, self.args,
-                    has_optimizer=optimizer is not None and not self.args.no_save_optim, carried=self.carried))
-            return original_tracker(checkpoints_path)
-
-        self._replace(ckpt, "get_checkpoint_tracker_filename", get_checkpoint_tracker_filename)
-        original_train = mt.train
-
-        def train(*a, **k):
-            self._clock = (time.time(), self.args.iteration)
-            return original_train(*a, **k)
-
-        self._replace(mt, "train", train)
-        original_log = mt.training_log
-
-        def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                         report_memory_flag, skipped_iter, grad_norm, *a, **k):
-            if not skipped_iter:
-                self.record_train(loss_dict, learning_rate, iteration, grad_norm)
-            return original_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                                report_memory_flag, skipped_iter, grad_norm, *a, **k)
-
-        self._replace(mt, "training_log", training_log)
-        original_eval = mt.evaluate
-
-        def evaluate(*a, **k):
-            out = original_eval(*a, **k)
-            self._captured.append(out[0])
-            return out
-
-        self._replace(mt, "evaluate", evaluate)
-        original_eapr = mt.evaluate_and_print_results
-
-        def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
-                                       process_non_loss_data_func, config, verbose=False,
-                                       write_to_tensorboard=True, non_loss_data_func=None, pg_collection=None,
-                                       p2p_communicator=None):
-            split = "test" if "on test set" in prefix else "valid"
-            final = "on validation set" in prefix or "on test set" in prefix
-            comm = dict(pg_collection=pg_collection, p2p_communicator=p2p_communicator)
-            self._captured = []
-            original_eapr(prefix, forward_step_func, data_iterator, model, iteration, process_non_loss_data_func,
-                          config, verbose, write_to_tensorboard, non_loss_data_func, **comm)
-            self.record_eval(split, iteration, final)
-            if split != "valid":
-                return
-            consumed_valid = self.args.consumed_valid_samples  # upstream's evaluate counts every sample
-            try:
-                heldout = self.datasets.get("heldout")
-                if heldout is not None:
-                    from megatron_delta.trainer.evaluation import fresh_iterator
-
-                    self._captured = []
-                    where = prefix.replace(" on validation set", "")
-                    original_eapr(f"{where} on heldout set", forward_step_func, fresh_iterator(heldout, len(model)),
-                                  model, iteration, process_non_loss_data_func, config, verbose, False,
-                                  non_loss_data_func, **comm)
-                    self.record_eval("heldout", iteration, final)
-                if self.args.residual != BASELINE and self.datasets.get("valid") is not None:
-                    from megatron_delta.trainer.evaluation import routing_statistics
-
-                    self.record_routing(iteration, routing_statistics(
-                        original_eval, forward_step_func, self.datasets["valid"], model, config, **comm))
-            finally:
-                self.args.consumed_valid_samples = consumed_valid
-
-        self._replace(mt, "evaluate_and_print_results", evaluate_and_print_results)
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, value in reversed(self._saved):
-            setattr(module, name, value)
-        self._saved.clear()
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-    def announce_fresh_start(self):
-        """--load given, nothing there to load: one line on stderr with the path (upstream's two WARNING lines
-        are lost among the start-up output). --save X --load X then starts fresh, as it should."""
-        from megatron_delta.checkpointing import TRACKER
-
-        load = self.args.load
-        if not load or getattr(self.args, "ckpt_step", None) is not None or torch_rank() != 0:
-            return
-        if not os.path.isdir(load):
-            why = "does not exist"
-        elif not os.path.isfile(os.path.join(load, TRACKER)):
-            why = f"holds no checkpoint (no {TRACKER})"
-        else:
-            return
-        print(f"{PROG}: warning: --load {load} {why}: this run STARTS FROM SCRATCH (random weights, iteration 0)",
-              file=sys.stderr, flush=True)
-
-    # ---------------------------------------------------------------- records (last rank writes)
-    def _write(self, record):
-        if self.metrics:
-            with open(self.metrics, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def _print(self, line):
-        if self.last_rank:
-            print(line, flush=True)
-
-    def print_payload(self):
-        """Start-up lines of routed modes with PP > 1: what crosses each pipeline boundary (the old loop's)."""
-        args = self.args
-        if args.residual == BASELINE or args.pipeline_model_parallel_size == 1:
-            return
-        from megatron_delta.core.payload import describe_stage_payloads
-        from megatron_delta.trainer.provider import transformer_config
-
-        for line in describe_stage_payloads(transformer_config(args), args.seq_length, args.micro_batch_size):
-            self._print(line)
-
-    def record_train(self, loss_dict, lr, iteration, grad_norm):
-        loss = loss_dict.get("lm loss")
-        start, first = self._clock or (time.time(), iteration - 1)
-        tokens = self.args.global_batch_size * self.args.seq_length * (iteration - first)
-        self._write({"iteration": int(iteration), "lm_loss": None if loss is None else float(loss),
-                     "lr": None if lr is None else float(lr),
-                     "grad_norm": None if grad_norm is None else float(grad_norm),
-                     "tokens_per_sec": tokens / max(time.time() - start, 1e-9)})
-
-    def record_eval(self, split, iteration, final):
-        import math
-
-        captured = [c for c in self._captured if c]
-        self._captured = []
-        if not captured or "lm loss" not in captured[-1]:
-            return
-        loss = float(captured[-1]["lm loss"])
-        ppl = math.exp(min(loss, 50.0))
-        self.results[split] = loss
-        tag = " (final)" if final else ""
-        self._print(f" validation{tag} [{split}] at iteration {iteration} | lm loss {loss:.4f} | ppl {ppl:.3f}")
-        self._write({"iteration": int(iteration), "split": split, "lm_loss": loss, "ppl": ppl})
-
-    def record_routing(self, iteration, routing):
-        if routing is None:
-            return
-        self.routing = routing["stats"]
-        self._print(routing["text"])
-        self._write({"iteration": int(iteration), "routing": routing["stats"]})
-
-
-def torch_rank() -> int:
-    import torch
-
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def router_overrides(args, overrides):
-    """Megatron's overrides + the routers' param group: lr x --delta-router-lr-mult, no weight decay."""
-    if getattr(args, "residual", BASELINE) == BASELINE:
-        return overrides
-    from megatron.core.optimizer import ParamGroupOverride, ParamKey
-
-    overrides = dict(overrides or {})
-    min_lr = args.min_lr if args.min_lr is not None else 0.0
-    if args.delta_router_lr_mult == 1.0:
-        # The same override as Megatron's no-weight-decay group, so the routers join that group:
-        # two groups with equal settings are confused when an optimizer checkpoint is loaded
-        # (torch's load_state_dict: "parameter group that doesn't match the size").
-        overrides[ParamKey(attr="is_delta_router")] = ParamGroupOverride(wd_mult=0.0)
-    else:
-        overrides[ParamKey(attr="is_delta_router")] = ParamGroupOverride(
-            max_lr=args.lr * args.delta_router_lr_mult, min_lr=min_lr * args.delta_router_lr_mult, wd_mult=0.0)
-    return overrides
-
-
-def _save_initial_model(run: _Run):
+def _save_initial_model(run: RunHooks):
     """`--train-iters 0 --save DIR`: the initial model (upstream pretrain saves only at iteration != 0)."""
     from megatron.training import get_args
     from megatron.training.checkpointing import save_checkpoint
@@ -495,7 +199,7 @@ def reset_global_state():
 
 
 _ATEXIT = []
-LAST_RUN: Optional[_Run] = None
+LAST_RUN: Optional[RunHooks] = None
 
 
 def _destroy_at_exit():
@@ -522,8 +226,8 @@ def run(args) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.global_vars import set_global_variables
 
-    from megatron_delta.cpu_platform import is_cpu_platform, set_cpu_allocator
-    from megatron_delta.patches import known_warnings_quieted
+    from megatron_delta.platform.cpu import is_cpu_platform, set_cpu_allocator
+    from megatron_delta.platform.patches import known_warnings_quieted
     from megatron_delta.trainer.provider import forward_step, model_provider, train_valid_test_datasets_provider
 
     if is_cpu_platform():
@@ -533,13 +237,13 @@ def run(args) -> None:
     _ensure_env()
     try:
         if args.tokenizer_type == "SentencePieceTokenizer":
-            from megatron_delta.data import _check_sentencepiece_model
+            from megatron_delta.data.tokenizers import _check_sentencepiece_model
 
             _check_sentencepiece_model(args.tokenizer_model)  # ValueError naming --tokenizer-model
         set_global_variables(args)  # builds the tokenizer
         with known_warnings_quieted():  # model_config_recommended
             cfg = pretrain_cfg_container_from_args(args)
-        with _Run(args) as hooks:
+        with RunHooks(args) as hooks:
             global LAST_RUN
             LAST_RUN = hooks  # the model and optimizer of the last run (tests look at them)
             store = _elastic_attempt_store(args)
@@ -556,9 +260,9 @@ def run(args) -> None:
         reset_global_state()
 
 
-def _datasets_provider(hooks: _Run, provider):
+def _datasets_provider(hooks: RunHooks, provider):
     """Upstream's datasets provider, keeping the validation dataset and building --delta-heldout-data-path's
-    beside it (every rank, once) for the extra evaluations of _Run."""
+    beside it (every rank, once) for the extra evaluations of RunHooks."""
 
     def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
         train, valid, test = provider(train_val_test_num_samples, vp_stage=vp_stage)
@@ -567,7 +271,7 @@ def _datasets_provider(hooks: _Run, provider):
         if args.delta_heldout_data_path and "heldout" not in hooks.datasets:
             from megatron.training import get_tokenizer
 
-            from megatron_delta.trainer.evaluation import build_heldout_dataset
+            from megatron_delta.evaluation.in_training import build_heldout_dataset
 
             hooks.datasets["heldout"] = build_heldout_dataset(args, get_tokenizer())
         return train, valid, test
@@ -577,8 +281,8 @@ def _datasets_provider(hooks: _Run, provider):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron_delta.cpu_platform import activate_cpu_platform
-    from megatron_delta.patches import import_megatron
+    from megatron_delta.platform.cpu import activate_cpu_platform
+    from megatron_delta.platform.patches import import_megatron
 
     import_megatron(training=True)  # its import-time notices quieted (patches.KNOWN_WARNINGS)
     activate_cpu_platform()  # every-device fixes; on CPU before Megatron's validate_args asks the GPU (TP > 1)
@@ -597,8 +301,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if isinstance(e, ArgparseError):
             print(SHORT_USAGE, file=sys.stderr)
         return _error(str(e), 2)
-    from megatron_delta.trainer.integrity import describe_mismatch, is_integrity_failure
-    from megatron_delta.trainer.save_lock import SaveDirInUse
+    from megatron_delta.checkpoint.integrity import describe_mismatch, is_integrity_failure
+    from megatron_delta.checkpoint.save_lock import SaveDirInUse
 
     try:
         run(args)
@@ -615,8 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             message = describe_mismatch(e, args.load, args.ckpt_step)  # the damaged file, the last good checkpoint
             if message is not None:
                 return _error(message, 1)
-        from megatron_delta.trainer.checkpoint_errors import (describe_load_failure, describe_save_failure,
-                                                              describe_schedule_mismatch)
+        from megatron_delta.checkpoint.errors import (describe_load_failure, describe_save_failure,
+                                                      describe_schedule_mismatch)
 
         message = (describe_load_failure(e, args.load, args.ckpt_step)  # a damaged checkpoint file
                    or describe_save_failure(e, args.save)  # --save's filesystem full
@@ -634,19 +338,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run_errors():
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    from megatron_delta.checkpointing import CheckpointError
+    from megatron_delta.checkpoint.errors import CheckpointError
 
     return (CheckpointError, CheckpointingException, ValueError, FileNotFoundError, OSError)
 
 
 # training/checkpointing.py:2251 (0.19.2): a distributed-optimizer checkpoint loaded into another TP/PP
 # layout; its RuntimeError names --ckpt-fully-parallel-save, which does not choose the loadable format (registry
-# entry checkpoint_hint of megatron_delta.patches)
+# entry checkpoint_hint of megatron_delta.platform.patches)
 _WRONG_HINT = "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving"
 
 
 def run_error_message(e: BaseException) -> str:
-    """One line for the data / tokenizer / checkpoint errors after start-up (the old loop's)."""
+    """One line for the data / tokenizer / checkpoint errors after start-up (``pretrain_gpt.py: error: ...``)."""
     msg = " ".join(str(e).split()) or type(e).__name__
     msg = msg.replace(_WRONG_HINT, "Save the checkpoint with --dist-ckpt-optim-fully-reshardable, or load it "
                                    "with --no-load-optim")

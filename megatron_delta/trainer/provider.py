@@ -56,12 +56,12 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 # ------------------------------------------------------------------------------------------ data
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     """Megatron's BlendedMegatronDatasetBuilder + GPTDataset (MockGPTDataset with --mock-data), through
-    megatron_delta.data.build_gpt_datasets (its checks name the flag), with Megatron's global tokenizer.
+    megatron_delta.data.datasets.build_gpt_datasets (its checks name the flag), with Megatron's global tokenizer.
     Every rank builds (cheap index files; rank 0 first, then the others, as upstream): each rank
     then reads its own micro-batches, so no TP broadcast is needed."""
     from megatron.training import get_args, get_tokenizer, print_rank_0
 
-    from megatron_delta.data import build_gpt_datasets
+    from megatron_delta.data.datasets import build_gpt_datasets
 
     args = get_args()
     blend_valid = args.valid_data_path

@@ -1,0 +1,268 @@
+"""The import / export commands between megatron-delta checkpoints (torch_dist) and Hugging Face transformers.
+
+    export: Megatron checkpoint -> HF directory
+            baseline      -> stock Qwen3ForCausalLM (qk_layernorm) / LlamaForCausalLM (no qk norm),
+                             loadable without remote code
+            routed modes  -> DeltaQwen3ForCausalLM remote code (trust_remote_code=True)
+            + the SentencePiece tokenizer named in run_config.json (tokenizer.json, tokenizer.model)
+    import: HF Qwen3 / Llama directory -> Megatron checkpoint (iteration 0, model weights only) in any
+            residual mode; router parameters get their initial values (zero query, unit key norm,
+            zero null source / gate), so with `--delta-gate scalar` the imported model computes
+            the HF model's function exactly.
+
+Reading a checkpoint: the model is built in this process under TP1/PP1 and loaded with
+checkpoint/store.py's `load_checkpoint` (evaluation/loaders.py); dist_checkpointing reshards, so a checkpoint saved under any
+TP/PP/VPP layout yields full tensors. Writing: torch_dist checkpoints are layout independent
+(loading reshards), so saving under TP1/PP1 is enough for training under any TP/PP later; only the
+vocabulary padding depends on TP (Megatron pads to a multiple of make-vocab-size-divisible-by x TP),
+so `import` pads for the TP size it is given.
+
+The tensors' names and shapes are mapped by convert/state_dict_adapter.py; the HF configuration by
+:func:`hf_config_from_run_config` / :func:`model_config_from_hf` here.
+"""
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from megatron_delta.checkpoint.errors import ConversionError
+from megatron_delta.checkpoint.run_config import HF_TOKENIZER_FILES, true_vocab_size
+from megatron_delta.convert.state_dict_adapter import (SUPPORTED_HF_ARCHS, hf_to_megatron_state_dict,
+                                                       megatron_to_hf_state_dict)
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS
+from megatron_delta.evaluation.loaders import build_megatron_model, load_megatron
+
+
+# =============================================================================================== HF configs
+def hf_config_from_run_config(rc: dict, vocab_size: int):
+    """transformers config for the checkpoint: Qwen3Config / LlamaConfig (baseline) or DeltaQwen3Config."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    kw = dict(vocab_size=vocab_size, hidden_size=rc["hidden_size"], intermediate_size=rc["ffn_hidden_size"],
+              num_hidden_layers=rc["num_layers"], num_attention_heads=rc["num_attention_heads"],
+              num_key_value_heads=rc["num_query_groups"], head_dim=rc["kv_channels"],
+              max_position_embeddings=rc["max_position_embeddings"], rms_norm_eps=rc["norm_epsilon"],
+              rope_theta=float(rc["rotary_base"]), tie_word_embeddings=not rc["untie_embeddings_and_output_weights"],
+              hidden_act="silu", attention_bias=False, attention_dropout=0.0)
+    if rc.get("bos_token_id") is not None:
+        kw["bos_token_id"] = rc["bos_token_id"]
+    if rc.get("eos_token_id") is not None:
+        kw["eos_token_id"] = rc["eos_token_id"]
+    if rc["residual"] == BASELINE:
+        if rc["qk_layernorm"]:
+            cfg = Qwen3Config(**kw)
+            cfg.architectures = ["Qwen3ForCausalLM"]
+        else:
+            cfg = LlamaConfig(mlp_bias=False, **kw)
+            cfg.architectures = ["LlamaForCausalLM"]
+        return cfg
+    from megatron_delta.hf import DeltaQwen3Config
+
+    return DeltaQwen3Config(
+        residual=rc["residual"],
+        delta_num_blocks=rc.get("delta_num_blocks") if rc["residual"] in BLOCK_MODES else None,
+        delta_sources=rc.get("delta_sources") or SOURCE_DEFINITIONS[0], delta_null_source=bool(rc.get("delta_null_source")),
+        delta_gate=rc.get("delta_gate") or GATES[0], delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
+        use_qk_norm=bool(rc["qk_layernorm"]), **kw)
+
+
+def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source=False, delta_gate=GATES[0],
+                         delta_sources=SOURCE_DEFINITIONS[0], delta_router_eps=None) -> dict:
+    """A run_config-like dict (Megatron model flags) for a stock Qwen3 / Llama config."""
+    archs = list(getattr(cfg, "architectures", None) or [])
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in ("qwen3", "llama") or (archs and archs[0] not in SUPPORTED_HF_ARCHS):
+        raise ConversionError(f"unsupported architecture {archs or mtype!r} (model_type {mtype!r}): import "
+                              f"supports {', '.join(SUPPORTED_HF_ARCHS)}")
+    if getattr(cfg, "mlp_bias", False) or getattr(cfg, "attention_bias", False):
+        raise ConversionError("linear biases (attention_bias / mlp_bias) are not supported by the import")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ConversionError(f"hidden_act={cfg.hidden_act!r}: only SwiGLU (silu) MLPs are supported")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConversionError(f"rope scaling {rope.get('rope_type')!r} is not supported (plain RoPE only)")
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    if float(theta) != int(theta):
+        raise ConversionError(f"rope_theta {theta} is not an integer (Megatron's --rotary-base is an int)")
+    if getattr(cfg, "use_sliding_window", False):
+        raise ConversionError("sliding-window attention is not supported")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+                num_attention_heads=cfg.num_attention_heads,
+                num_query_groups=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                kv_channels=head_dim, norm_epsilon=cfg.rms_norm_eps, qk_layernorm=(mtype == "qwen3"),
+                untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, rotary_base=int(theta),
+                max_position_embeddings=cfg.max_position_embeddings, residual=residual,
+                delta_num_blocks=delta_num_blocks, delta_null_source=delta_null_source, delta_gate=delta_gate,
+                delta_sources=delta_sources, delta_router_eps=delta_router_eps)
+
+
+# =============================================================================================== export / import
+def _tmp_sibling(path):
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=os.path.basename(os.path.abspath(path)) + ".tmp-", dir=parent)
+
+
+def _finish(tmp, final):
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) -> str:
+    """Megatron checkpoint -> HF directory (written to a temporary sibling, renamed at the end)."""
+    if dtype not in ("fp32", "bf16"):
+        raise ConversionError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    from megatron_delta.checkpoint.run_config import hf_tokenizer_dir, read_run_config, resolve_checkpoint_dir
+
+    ckpt_dir, _ = resolve_checkpoint_dir(load)
+    rc = read_run_config(ckpt_dir)
+    vocab = true_vocab_size(rc)  # fails early on a missing tokenizer
+    hf_tok = hf_tokenizer_dir(ckpt_dir, rc)
+    if hf_tok is not None and not os.path.isdir(hf_tok):
+        raise ConversionError(f"--load {ckpt_dir}: the HF tokenizer directory {hf_tok} (run_config.json "
+                              f"hf_tokenizer_dir) is missing; restore it or re-import the model")
+    model, _, rc = load_megatron(load)
+    sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()
+          if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    tied = not rc["untie_embeddings_and_output_weights"]
+    hf_sd = megatron_to_hf_state_dict(
+        sd, num_layers=rc["num_layers"], num_attention_heads=rc["num_attention_heads"],
+        num_query_groups=rc["num_query_groups"], kv_channels=rc["kv_channels"], hidden_size=rc["hidden_size"],
+        qk_layernorm=rc["qk_layernorm"], tied=tied, vocab_size=vocab)
+    spm = rc.get("tokenizer_model") if rc.get("tokenizer_type") != "NullTokenizer" else None
+    if spm:
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=spm)
+        rc = dict(rc, bos_token_id=sp.bos_id() if sp.bos_id() >= 0 else None,
+                  eos_token_id=sp.eos_id() if sp.eos_id() >= 0 else None)
+    cfg = hf_config_from_run_config(rc, vocab)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    tmp = _tmp_sibling(output)
+    try:
+        if rc["residual"] == BASELINE:
+            from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+            cls = Qwen3ForCausalLM if rc["qk_layernorm"] else LlamaForCausalLM
+            hf = cls(cfg)
+            missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
+            missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+            if missing or unexpected:
+                raise ConversionError(f"export: missing {missing}, unexpected {unexpected}")
+            if tied:
+                hf.tie_weights()
+            hf.to(torch_dtype).save_pretrained(tmp)
+        else:
+            from megatron_delta.hf import write_remote_code_model
+
+            write_remote_code_model(hf_sd, cfg, tmp, dtype=torch_dtype if dtype == "bf16" else None)
+        if spm:
+            from megatron_delta.hf import export_sentencepiece_tokenizer
+
+            export_sentencepiece_tokenizer(spm, tmp)
+        elif hf_tok:
+            for f in HF_TOKENIZER_FILES:
+                src = os.path.join(hf_tok, f)
+                if os.path.isfile(src) and f != "generation_config.json":
+                    shutil.copyfile(src, os.path.join(tmp, f))
+        else:
+            log(f"[export] no tokenizer exported (tokenizer_type {rc.get('tokenizer_type')}: token ids only)")
+        with open(os.path.join(tmp, "megatron_run_config.json"), "w") as f:
+            json.dump(rc, f, indent=1)
+        _finish(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"[export] {ckpt_dir} ({rc['residual']}) -> {output} ({type(cfg).__name__}, {dtype}, vocab {vocab})")
+    return output
+
+
+def load_hf_model(hf_dir: str):
+    """A stock Qwen3/Llama HF model (fp32) from a directory, with a clear error for anything else."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ConversionError(f"--hf {hf_dir}: no config.json (not a transformers model directory)")
+    try:
+        cfg = AutoConfig.from_pretrained(hf_dir)
+    except (ValueError, KeyError) as e:
+        raise ConversionError(f"--hf {hf_dir}: unsupported architecture ({e}); import supports "
+                              f"{', '.join(SUPPORTED_HF_ARCHS)}") from None
+    model_config_from_hf(cfg, BASELINE)  # raises on unsupported architectures
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+
+def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES[0], delta_num_blocks=None,
+                      delta_null_source=False, delta_gate=GATES[0], delta_sources=SOURCE_DEFINITIONS[0],
+                      tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                      make_vocab_size_divisible_by=128, log=print) -> str:
+    """HF Qwen3/Llama -> Megatron checkpoint `save/iter_0000000` (model only; use `--finetune --load`)."""
+    from megatron_delta.checkpoint.store import save_checkpoint
+    from megatron_delta.checkpoint.model_config import padded_vocab_size
+
+    if isinstance(hf_dir_or_model, str):
+        hf_dir, hf = hf_dir_or_model, load_hf_model(hf_dir_or_model)
+    else:
+        hf_dir, hf = None, hf_dir_or_model
+    mc = model_config_from_hf(hf.config, residual, delta_num_blocks, delta_null_source, delta_gate, delta_sources)
+    if mc["num_layers"] % pipeline_model_parallel_size:
+        raise ConversionError(f"--pipeline-model-parallel-size {pipeline_model_parallel_size} does not divide "
+                              f"the {mc['num_layers']} layers")
+    for name, n in (("num_attention_heads", mc["num_attention_heads"]), ("num_query_groups", mc["num_query_groups"])):
+        if n % tensor_model_parallel_size:
+            raise ConversionError(f"--tensor-model-parallel-size {tensor_model_parallel_size} does not divide "
+                                  f"{name}={n}")
+    vocab = hf.config.vocab_size
+    emb_rows = hf.get_input_embeddings().weight.shape[0]
+    if emb_rows != vocab:
+        raise ConversionError(f"config vocab_size {vocab} != embedding rows {emb_rows}")
+    padded = padded_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size)
+    model, args = build_megatron_model(mc, padded, f"--hf {hf_dir or type(hf).__name__}")
+    tied = not mc["untie_embeddings_and_output_weights"]
+    meg_sd = hf_to_megatron_state_dict(
+        {k: v.detach().float() for k, v in hf.state_dict().items()}, num_layers=mc["num_layers"],
+        num_attention_heads=mc["num_attention_heads"], num_query_groups=mc["num_query_groups"],
+        kv_channels=mc["kv_channels"], hidden_size=mc["hidden_size"], qk_layernorm=mc["qk_layernorm"],
+        tied=tied, padded_vocab_size=padded)
+    target = model.state_dict()
+    new = {}
+    for k, v in target.items():
+        if k.endswith("_extra_state") or not isinstance(v, torch.Tensor):
+            new[k] = v
+        elif k in meg_sd:
+            if tuple(meg_sd[k].shape) != tuple(v.shape):
+                raise ConversionError(f"{k}: HF gives shape {tuple(meg_sd[k].shape)}, Megatron expects {tuple(v.shape)}")
+            new[k] = meg_sd.pop(k).to(v.dtype)
+        elif "_router." in k:
+            new[k] = v  # initial router values (zero query, unit key norm, zero null source / gate)
+        else:
+            raise ConversionError(f"Megatron parameter {k} has no HF counterpart")
+    meg_sd.pop("output_layer.weight", None) if tied else None
+    if meg_sd:
+        raise ConversionError(f"HF tensors left over: {sorted(meg_sd)[:8]}")
+    model.load_state_dict(new)
+    # record the requested layout's vocabulary padding and the HF vocabulary / tokenizer
+    args.vocab_size = vocab  # NullTokenizer semantics (Megatron-Core 0.17+): --vocab-size N gives N tokens
+    args.tokenizer_type, args.tokenizer_model = "NullTokenizer", None
+    args.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+    # the HF tokenizer files are copied into the checkpoint (CKPT/iter_*/hf_tokenizer): fine-tuning runs that
+    # load it carry them on, and export writes them next to the model
+    extra = dict(hf_vocab_size=vocab, imported_from=hf_dir, hf_tokenizer_source=hf_dir,
+                 imported_for_layout=dict(tensor_model_parallel_size=tensor_model_parallel_size,
+                                          pipeline_model_parallel_size=pipeline_model_parallel_size))
+    tmp = _tmp_sibling(save)
+    try:
+        save_checkpoint(tmp, 0, [model], None, None, 0, args, save_optim=False, extra=extra)
+        _finish(tmp, save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"[import] {hf_dir or type(hf).__name__} -> {save} (residual {residual}, vocab {vocab} padded to {padded} "
+        f"for TP{tensor_model_parallel_size}; torch_dist checkpoints load under any TP/PP layout)")
+    return save

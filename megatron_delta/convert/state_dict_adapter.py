@@ -1,0 +1,145 @@
+"""The HF state-dict adapter: Megatron-Core tensor names and shapes <-> Hugging Face ones (Qwen3 / Llama, and
+DeltaQwen3 with its routers), both directions from one table.
+
+Megatron names (GPTModel local spec) <-> HF names: ONE rename table serves both directions (EMBEDDING,
+FINAL_NORM, OUTPUT, LAYER_RENAMES, LAYER_FUSED, ROUTER_RENAMES below): q/k/v are fused per query group
+into linear_qkv, gate/up into linear_fc1; the routers map decoder.layers.i.self_attention_router.* <->
+model.layers.i.attn_router.*, ...mlp_router.*, decoder.final_router.* <-> model.final_router.*.
+
+:func:`megatron_to_hf_state_dict` and :func:`hf_to_megatron_state_dict` take whole-model state dicts (TP1/PP1)
+and split / fuse the tensors that differ in shape; they raise ConversionError naming the missing tensor.
+"""
+import torch
+
+from megatron_delta.checkpoint.errors import ConversionError
+
+ROUTER_FIELDS = ("query", "key_norm_weight", "null_source", "gate")
+SUPPORTED_HF_ARCHS = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+
+
+# =============================================================================================== names
+# ONE rename table serves both directions (export reads it left to right, import right to left).
+# Whole-model tensors: (Megatron name, HF name). The vocabulary rows of the embedding / output layer are
+# stripped on export and zero-padded on import; output_layer <-> lm_head only for untied embeddings.
+EMBEDDING = ("embedding.word_embeddings.weight", "model.embed_tokens.weight")
+FINAL_NORM = ("decoder.final_layernorm.weight", "model.norm.weight")
+OUTPUT = ("output_layer.weight", "lm_head.weight")
+# Per layer i (under decoder.layers.i. / model.layers.i.): (Megatron, HF, present only with qk-layernorm)
+LAYER_RENAMES = (
+    ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", False),
+    ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", True),
+    ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", True),
+    ("input_layernorm.weight", "input_layernorm.weight", False),
+    ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", False),
+    ("mlp.linear_fc2.weight", "mlp.down_proj.weight", False),
+)
+# Per layer, one fused Megatron tensor <-> several HF tensors (split on export, concatenated on import):
+# linear_qkv is [q heads of group g; k_g; v_g] for each query group g, linear_fc1 is [gate; up].
+LAYER_FUSED = (
+    ("self_attention.linear_qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                          "self_attn.v_proj.weight")),
+    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+)
+# Router tensors keep their field names; these prefix / module renames apply in order (reversed for import).
+ROUTER_RENAMES = (("decoder.", "model."), ("self_attention_router", "attn_router"))
+
+
+def _layer_prefixes(i):
+    return f"decoder.layers.{i}.", f"model.layers.{i}."
+
+
+def _layer_renames(num_layers, qk_layernorm):
+    """(Megatron name, HF name) of every one-to-one per-layer tensor."""
+    for i in range(num_layers):
+        p, q = _layer_prefixes(i)
+        for meg, hf, qk_only in LAYER_RENAMES:
+            if qk_layernorm or not qk_only:
+                yield p + meg, q + hf
+
+
+def _router_name(name, to_hf):
+    for meg, hf in (ROUTER_RENAMES if to_hf else ROUTER_RENAMES[::-1]):
+        name = name.replace(meg, hf, 1) if to_hf else name.replace(hf, meg, 1)
+    return name
+
+
+def _split_fused(meg, w, per, num_query_groups, hn, d):
+    """A fused Megatron tensor -> its HF tensors (in LAYER_FUSED order)."""
+    if meg.endswith("linear_qkv.weight"):
+        qkv = w.view(num_query_groups, per + 2, hn, d)
+        return [qkv[:, :per].reshape(-1, d), qkv[:, per].reshape(-1, d), qkv[:, per + 1].reshape(-1, d)]
+    return list(w.chunk(2, dim=0))
+
+
+def _fuse(meg, parts, per, num_query_groups, hn, d):
+    """HF tensors (in LAYER_FUSED order) -> the fused Megatron tensor."""
+    if meg.endswith("linear_qkv.weight"):
+        q, k, v = parts
+        return torch.cat([q.view(num_query_groups, per, hn, d), k.view(num_query_groups, 1, hn, d),
+                          v.view(num_query_groups, 1, hn, d)], dim=1).reshape(-1, d)
+    return torch.cat(parts, dim=0)
+
+
+def megatron_to_hf_state_dict(sd, *, num_layers, num_attention_heads, num_query_groups, kv_channels,
+                              hidden_size, qk_layernorm, tied, vocab_size):
+    """Megatron (TP1, full tensors) state dict -> HF (Qwen3/Llama/DeltaQwen3) state dict."""
+    sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
+    geom = (num_attention_heads // num_query_groups, num_query_groups, kv_channels, hidden_size)
+    emb = sd.pop(EMBEDDING[0])
+    if emb.shape[0] < vocab_size:
+        raise ConversionError(f"embedding has {emb.shape[0]} rows, fewer than the vocabulary ({vocab_size})")
+    out = {EMBEDDING[1]: emb[:vocab_size], FINAL_NORM[1]: sd.pop(FINAL_NORM[0])}
+    if OUTPUT[0] in sd:
+        w = sd.pop(OUTPUT[0])
+        if not tied:
+            out[OUTPUT[1]] = w[:vocab_size]
+    for meg, hf in _layer_renames(num_layers, qk_layernorm):
+        out[hf] = sd.pop(meg)
+    for i in range(num_layers):
+        p, q = _layer_prefixes(i)
+        for meg, hfs in LAYER_FUSED:
+            out.update(zip((q + h for h in hfs), _split_fused(meg, sd.pop(p + meg), *geom)))
+    for name in list(sd):
+        if "_router." in name:
+            out[_router_name(name, to_hf=True)] = sd.pop(name)
+    if sd:
+        raise ConversionError(f"Megatron tensors with no HF counterpart: {sorted(sd)[:8]}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_to_megatron_state_dict(hf, *, num_layers, num_attention_heads, num_query_groups, kv_channels,
+                              hidden_size, qk_layernorm, tied, padded_vocab_size):
+    """HF backbone state dict -> Megatron (TP1) names; vocabulary padded with zero rows."""
+    hf = dict(hf)
+    geom = (num_attention_heads // num_query_groups, num_query_groups, kv_channels, hidden_size)
+
+    def pad(w):
+        if w.shape[0] > padded_vocab_size:
+            raise ConversionError(f"vocabulary {w.shape[0]} exceeds the padded size {padded_vocab_size}")
+        return torch.cat([w, w.new_zeros(padded_vocab_size - w.shape[0], w.shape[1])]) \
+            if w.shape[0] < padded_vocab_size else w
+
+    out = {EMBEDDING[0]: pad(hf.pop(EMBEDDING[1])), FINAL_NORM[0]: hf.pop(FINAL_NORM[1])}
+    head = hf.pop(OUTPUT[1], None)
+    if tied:
+        # Megatron keeps a (tied) output_layer.weight in its state dict on the last stage
+        out[OUTPUT[0]] = out[EMBEDDING[0]]
+    else:
+        if head is None:
+            raise ConversionError(f"untied embeddings but the HF model has no {OUTPUT[1]}")
+        out[OUTPUT[0]] = pad(head)
+    for meg, name in _layer_renames(num_layers, qk_layernorm):
+        out[meg] = hf.pop(name)
+    for i in range(num_layers):
+        p, q = _layer_prefixes(i)
+        for meg, hfs in LAYER_FUSED:
+            out[p + meg] = _fuse(meg, [hf.pop(q + h) for h in hfs], *geom)
+    for name in list(hf):
+        if "_router." in name:
+            out[_router_name(name, to_hf=False)] = hf.pop(name)
+        elif name.endswith("rotary_emb.inv_freq"):
+            hf.pop(name)
+    if hf:
+        raise ConversionError(f"HF tensors with no Megatron counterpart (unsupported architecture "
+                              f"feature?): {sorted(hf)[:8]}")
+    return {k: v.contiguous() for k, v in out.items()}
