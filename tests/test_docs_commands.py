@@ -98,7 +98,24 @@ def doc_commands(doc):
     return out
 
 
+INLINE = re.compile(r"`((?:[A-Z_]+=\S+ )*(?:\.venv/bin/)?(?:python|bash) [^`]+)`")
+
+
+def inline_commands(doc):
+    """Command per inline code span of the prose (outside the fenced blocks) that runs python or bash."""
+    text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+    prose = re.sub(r"^```.*?^```", lambda m: re.sub(r"[^\n]", " ", m.group(0)), text, flags=re.S | re.M)
+    out = []
+    for m in INLINE.finditer(prose):
+        span = re.sub(r"\s+", " ", m.group(1))
+        for argv in _split(span):
+            out.append(Command(doc, prose.count("\n", 0, m.start()) + 1, span, True, argv))
+    return out
+
+
 ALL = [c for d in DOCS for c in doc_commands(d)]
+# inline commands are checked like a template's: program, flags and the venv, not paths
+INLINE_ALL = [c for d in DOCS for c in inline_commands(d)]
 
 
 def _env_stripped(argv):
@@ -289,9 +306,10 @@ def test_docs_have_commands():
     docs = {c.doc for c in ALL}
     assert "README.md" in docs and len(ALL) >= 20, sorted(docs)
     assert any(c.argv == [".", ".venv/bin/activate"] for c in ALL if c.doc == "README.md")
+    assert any(c.argv[:2] == ["python", "tools/benchmark.py"] for c in INLINE_ALL if c.doc == "docs/performance.md")
 
 
-@pytest.mark.parametrize("c", ALL, ids=[f"{c.doc}:{c.line}:{c.argv[0]}" for c in ALL])
+@pytest.mark.parametrize("c", ALL + INLINE_ALL, ids=[f"{c.doc}:{c.line}:{c.argv[0]}" for c in ALL + INLINE_ALL])
 def test_command_runs_as_printed(c):
     errors = command_errors(c)
     _, argv = _env_stripped(c.argv)
@@ -308,7 +326,7 @@ def test_venv_programs_come_after_activation():
     for doc in DOCS:
         text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
         activated_at = text.find(ACTIVATE)
-        for c in (c for c in ALL if c.doc == doc):
+        for c in (c for c in ALL + INLINE_ALL if c.doc == doc):
             head = _env_stripped(c.argv)[1][0]
             if head in ("python", "python3", "torchrun", "pip", "pip3"):
                 line_at = len("\n".join(text.split("\n")[:c.line - 1]))
