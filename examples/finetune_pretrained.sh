@@ -11,7 +11,10 @@
 #   5. tools/convert_checkpoint.py export -> DeltaQwen3ForCausalLM remote-code directory
 #   6. held-out (Wikipedia sample) perplexity in transformers: SmolLM2 before vs the fine-tuned export
 #
-# Usage: examples/finetune_pretrained.sh [WORK_DIR]   (env: ITERS=20 SEQ=256 MBS=2 GBS=8 TP=1 PP=1 NPROC=1)
+# Usage, after `make setup` (the script runs .venv/bin/python; set PY for another interpreter):
+#   bash examples/finetune_pretrained.sh                      # work directory runs/finetune_smollm2
+#   ITERS=5 bash examples/finetune_pretrained.sh runs/ft-5    # another work directory (first argument)
+# (env: ITERS=20 SEQ=256 MBS=2 GBS=8 TP=1 PP=1 NPROC=1)
 # CPU: ~135M parameters, each iteration of GBS x SEQ tokens takes tens of seconds on 2 cores.
 # Note: Q4_1 weights are fine for conversion/fine-tuning checks, not for reproducing published scores.
 set -euo pipefail

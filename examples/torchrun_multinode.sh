@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Launch pretrain_gpt.py on one node of a multi-node job: one torchrun agent per node, static
 # rendezvous at MASTER_ADDR:MASTER_PORT (node 0). Run the same command on every node with its
-# NODE_RANK; everything after the script name goes to pretrain_gpt.py.
+# NODE_RANK; everything after the script name goes to pretrain_gpt.py. PYTHON is the interpreter
+# (default `python`: the venv's after `. .venv/bin/activate`, or set PYTHON=.venv/bin/python; an NGC
+# container's own python needs neither).
 #
+# A template for two nodes (node0 is node 0's host name; the job's flags follow the script, as in
+# examples/slurm/):
 #   node 0: NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 examples/torchrun_multinode.sh --residual delta_block ...
 #   node 1: NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 examples/torchrun_multinode.sh --residual delta_block ...
+# On one machine (CPU too), 20 iterations of the embedded default run over two processes (TP2):
+#   NPROC_PER_NODE=2 PYTHON=.venv/bin/python examples/torchrun_multinode.sh --tensor-model-parallel-size 2 \
+#       --train-iters 20 --save runs/tp2-baseline
 #
 # Under Slurm, examples/slurm/pretrain_qwen3_8b_delta_block.sbatch sets these from SLURM_* variables.
 # RDZV=c10d uses torchrun's c10d rendezvous instead (elastic agents; node ranks are then assigned by it).
