@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup lint test test-fast demo clean
 
 setup: $(STAMP)
 
@@ -24,11 +24,15 @@ $(STAMP): requirements-lock.txt requirements-nodeps.txt pyproject.toml
 	@if $(PY) -c "import apex" 2>/dev/null; then echo "ERROR: a module named 'apex' is importable in $(VENV); uninstall it (Megatron would pick it up on CPU)"; exit 1; fi
 	touch $(STAMP)
 
-test: setup
+# ruff, configured in pyproject.toml (pycodestyle errors, pyflakes, import order, line length 120)
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q --durations=25 tests
 
 # Everything except the tests marked `slow` (CI runs them all through `make test`).
-test-fast: setup
+test-fast: lint
 	$(PY) -m pytest -q -m "not slow" tests
 
 demo: setup

@@ -2,15 +2,15 @@
 # Launch pretrain_gpt.py on one node of a multi-node job: one torchrun agent per node, static
 # rendezvous at MASTER_ADDR:MASTER_PORT (node 0). Run the same command on every node with its
 # NODE_RANK; everything after the script name goes to pretrain_gpt.py. PYTHON is the interpreter
-# (default `python`: the venv's after `. .venv/bin/activate`, or set PYTHON=.venv/bin/python; an NGC
-# container's own python needs neither).
+# (default: the checkout's .venv/bin/python where `make setup` made it, else `python`, e.g. an NGC
+# container's own).
 #
 # A template for two nodes (node0 is node 0's host name; the job's flags follow the script, as in
 # examples/slurm/):
 #   node 0: NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 examples/torchrun_multinode.sh --residual delta_block ...
 #   node 1: NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 examples/torchrun_multinode.sh --residual delta_block ...
 # On one machine (CPU too), 20 iterations of the embedded default run over two processes (TP2):
-#   NPROC_PER_NODE=2 PYTHON=.venv/bin/python examples/torchrun_multinode.sh --tensor-model-parallel-size 2 \
+#   NPROC_PER_NODE=2 examples/torchrun_multinode.sh --tensor-model-parallel-size 2 \
 #       --train-iters 20 --save runs/tp2-baseline
 #
 # Under Slurm, examples/slurm/pretrain_qwen3_8b_delta_block.sbatch sets these from SLURM_* variables.
@@ -25,8 +25,8 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-8}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV=${RDZV:-static}
-PYTHON=${PYTHON:-python}
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON=${PYTHON:-$(if [ -x "$HERE/.venv/bin/python" ]; then echo "$HERE/.venv/bin/python"; else echo python; fi)}
 
 # Megatron-Core: TP communication overlaps compute only with one CUDA work queue.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}

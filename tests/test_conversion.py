@@ -318,6 +318,12 @@ def test_unknown_architecture_is_refused(tmp_path):
     with pytest.raises(errors.ConversionError, match="no config.json"):
         hf_checkpoint.import_checkpoint(str(tmp_path), str(tmp_path / "meg"), "delta")
     assert not os.path.exists(tmp_path / "meg")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("20")
+    with pytest.raises(errors.ConversionError, match=r"^--save .*/run already holds files \(a trained run\?\): the "
+                       r"import would replace them. Pass a new --save directory, or --overwrite to replace it$"):
+        hf_checkpoint.import_checkpoint(str(tmp_path / "gpt2"), str(tmp_path / "run"), "delta")
+    assert os.listdir(tmp_path / "run") == ["latest_checkpointed_iteration.txt"]  # nothing touched
     proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "import", "--hf", str(tmp_path / "gpt2"),
                            "--save", str(tmp_path / "meg"), "--residual", "delta"], cwd=REPO,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)

@@ -50,6 +50,8 @@ def main(argv=None):
     i.add_argument("--tensor-model-parallel-size", type=int, default=1)
     i.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     i.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    i.add_argument("--overwrite", action="store_true",
+                   help="replace a --save directory that already holds files (refused otherwise)")
     a = p.parse_args(argv)
 
     import torch
@@ -67,7 +69,7 @@ def main(argv=None):
         else:
             import_checkpoint(a.hf, a.save, a.residual, a.delta_num_blocks, a.delta_null_source, a.delta_gate,
                               a.delta_sources, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                              a.make_vocab_size_divisible_by)
+                              a.make_vocab_size_divisible_by, overwrite=a.overwrite)
     except (ConversionError, CheckpointError) as err:
         print(f"convert_checkpoint.py {a.cmd}: error: {err}", file=sys.stderr)
         return 2

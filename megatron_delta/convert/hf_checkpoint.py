@@ -201,11 +201,15 @@ def load_hf_model(hf_dir: str):
 def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES[0], delta_num_blocks=None,
                       delta_null_source=False, delta_gate=GATES[0], delta_sources=SOURCE_DEFINITIONS[0],
                       tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                      make_vocab_size_divisible_by=128, log=print) -> str:
-    """HF Qwen3/Llama -> Megatron checkpoint `save/iter_0000000` (model only; use `--finetune --load`)."""
-    from megatron_delta.checkpoint.store import save_checkpoint
+                      make_vocab_size_divisible_by=128, log=print, overwrite=False) -> str:
+    """HF Qwen3/Llama -> Megatron checkpoint `save/iter_0000000` (model only; use `--finetune --load`).
+    A `save` directory that holds anything is refused unless `overwrite`: it may be a trained run."""
     from megatron_delta.checkpoint.model_config import padded_vocab_size
+    from megatron_delta.checkpoint.store import save_checkpoint
 
+    if not overwrite and os.path.isdir(save) and os.listdir(save):
+        raise ConversionError(f"--save {save} already holds files (a trained run?): the import would replace them. "
+                              f"Pass a new --save directory, or --overwrite to replace it")
     if isinstance(hf_dir_or_model, str):
         hf_dir, hf = hf_dir_or_model, load_hf_model(hf_dir_or_model)
     else:
