@@ -28,7 +28,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 PROG = "cloze_eval.py"

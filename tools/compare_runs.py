@@ -26,9 +26,7 @@ import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_delta.core.modes import BASELINE, BLOCK_MODES  # noqa: E402
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES
 
 
 # ---------------------------------------------------------------------------------------- train

@@ -19,14 +19,12 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megatron_delta.core.modes import BASELINE, BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS  # noqa: E402
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 
 
 @known_warnings_quieted()
@@ -58,8 +56,7 @@ def main(argv=None):
 
     torch.set_num_threads(1)
 
-    from megatron_delta.checkpoint.errors import CheckpointError
-    from megatron_delta.checkpoint.errors import ConversionError
+    from megatron_delta.checkpoint.errors import CheckpointError, ConversionError
     from megatron_delta.convert.hf_checkpoint import export_checkpoint, import_checkpoint
     from megatron_delta.platform.distributed import destroy_distributed
 

@@ -30,9 +30,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -104,8 +102,7 @@ def main(argv=None):
 
     torch.set_num_threads(1)
 
-    from megatron_delta.checkpoint.errors import CheckpointError
-    from megatron_delta.checkpoint.errors import ConversionError
+    from megatron_delta.checkpoint.errors import CheckpointError, ConversionError
     from megatron_delta.checkpoint.run_config import true_vocab_size
     from megatron_delta.evaluation.loaders import load_megatron, load_megatron_parallel
     from megatron_delta.platform.distributed import destroy_distributed

@@ -32,9 +32,10 @@ Engine or fla it exits at once with status 2 and says why. The checks: megatron_
 import argparse
 import sys
 
-from megatron_delta.core.modes import BASELINE, RESIDUAL_MODES as MODES
-from megatron_delta.platform.patches import known_warnings_quieted
+from megatron_delta.core.modes import BASELINE
+from megatron_delta.core.modes import RESIDUAL_MODES as MODES
 from megatron_delta.perf import gpu_check as checks
+from megatron_delta.platform.patches import known_warnings_quieted
 
 
 def parse(argv=None):

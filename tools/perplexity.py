@@ -29,9 +29,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
+from megatron_delta.platform.patches import known_warnings_quieted
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -168,10 +166,8 @@ def _run(opts):
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
-    from megatron_delta.checkpoint.errors import CheckpointError
-    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
-    from megatron_delta.checkpoint.errors import ConversionError
-    from megatron_delta.checkpoint.run_config import true_vocab_size
+    from megatron_delta.checkpoint.errors import CheckpointError, ConversionError
+    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir, true_vocab_size
     from megatron_delta.evaluation.loaders import load_megatron, megatron_logits
     from megatron_delta.platform.distributed import destroy_distributed
 

@@ -14,15 +14,11 @@ dataset per JSON key. Both files are written under temporary names and renamed a
 interrupted run leaves no dataset that looks complete.
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
-
-from megatron_delta.data.indexed import preprocess_to_indexed  # noqa: E402
+from megatron_delta.data.indexed import preprocess_to_indexed
 from megatron_delta.data.tokenizers import TOKENIZER_TYPES
+from megatron_delta.platform.patches import known_warnings_quieted
 
 
 @known_warnings_quieted()

@@ -30,9 +30,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_delta.core.modes import BASELINE
 
-from megatron_delta.core.modes import BASELINE  # noqa: E402
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -217,12 +216,12 @@ def main(argv=None):
         print(f"routing_report.py: error: {e}", file=sys.stderr)
         return 1
 
-    from megatron_delta.evaluation.loaders import as_trained
+    from megatron_delta.checkpoint.model_config import model_config
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.sources import SourcePlan
-    from megatron_delta.platform.distributed import destroy_distributed, initialize_distributed
     from megatron_delta.data.tokenizers import build_tokenizer
-    from megatron_delta.checkpoint.model_config import model_config
+    from megatron_delta.evaluation.loaders import as_trained
+    from megatron_delta.platform.distributed import destroy_distributed, initialize_distributed
     from megatron_delta.trainer.forward_pass import collect_routing_stats
 
     initialize_distributed(1, 1, seed=args.seed)

@@ -12,14 +12,10 @@ when done). Special pieces: <unk>=0, <s>=1, </s>=2 (used as end-of-document toke
 Use the model with --tokenizer-type SentencePieceTokenizer --tokenizer-model PREFIX.model.
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_delta.platform.patches import known_warnings_quieted  # noqa: E402
-
-from megatron_delta.data.tokenizers import train_sentencepiece  # noqa: E402
+from megatron_delta.data.tokenizers import train_sentencepiece
+from megatron_delta.platform.patches import known_warnings_quieted
 
 
 @known_warnings_quieted()
