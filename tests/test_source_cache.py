@@ -88,6 +88,65 @@ def test_out_of_order_chunks_are_an_error():
         cache.take(n, ["v0"])
 
 
+def test_cached_tensors_return_their_gradients_to_the_keeping_chunk():
+    """One rank's two chunks (global 0 and 2 of PP2 x VPP2, delta) linked by a SourceCache, run by hand in the
+    interleaved schedule's order for two micro-batches, each chunk its own graph cut at its boundaries: the
+    gradients equal those of the uncached path in one graph, where chunk 2 reads the kept tensors through chunk
+    1 (the other rank). A taken tensor's gradient must go back to chunk 0 (w's), not be dropped."""
+    import torch
+
+    c = chunk_plan("delta", 4, 4, 2, 2, x_from_sources=True)
+    into1, into2, taken, sent = c.payload_names(1), c.payload_names(2), c.taken_names(2), c.sent_names(2)
+    assert taken and sent and c.kept_names(0) == taken
+    f64 = dict(dtype=torch.float64)
+    torch.manual_seed(0)
+    w0, w1 = torch.randn(len(into1), 6, **f64), torch.randn(6, **f64)
+    w2 = torch.randn(len(into2), 6, **f64)
+    inputs = [torch.randn(6, **f64) for _ in range(2)]  # one per micro-batch
+
+    def chunk0(w, x):  # rank 0, global chunk 0: makes every tensor of the payload into chunk 1
+        return {n: torch.tanh(w[i] * x + i) for i, n in enumerate(into1)}
+
+    def chunk1(w, held):  # rank 1, global chunk 1: passes the stable ones on, adds its own outputs
+        made = {n: torch.sin(w * sum(held.values()) + i) for i, n in enumerate(into2) if n not in held}
+        return {**held, **made}
+
+    def chunk2(w, got):  # rank 0, global chunk 2: reads every tensor of its payload
+        return sum(((w[i] * got[n]) ** 2).sum() * (i + 1) for i, n in enumerate(into2))
+
+    def params():
+        return [t.detach().clone().requires_grad_() for t in (w0, w1, w2)]
+
+    ref = params()
+    sum(chunk2(ref[2], chunk1(ref[1], chunk0(ref[0], x))) for x in inputs).backward()
+
+    ours = params()
+    cache = SourceCache(c, pp_rank=0, num_chunks_here=2)
+    fwd = []
+    for x in inputs:  # chunk 0 of both micro-batches, then chunk 1 (other rank), then chunk 2
+        n = cache.begin(0)
+        t0 = chunk0(ours[0], x)
+        out0 = cache.keep(n, 0, torch.stack([t0[k] for k in into1]), {k: t0[k] for k in c.kept_names(0)})
+        recv1 = out0.detach().requires_grad_()
+        t1 = chunk1(ours[1], dict(zip(into1, recv1.unbind(0))))
+        out1 = torch.stack([t1[k] for k in sent])
+        fwd.append([n, out0, recv1, out1])
+    for entry in fwd:
+        n, _, _, out1 = entry
+        assert cache.begin(1) == n
+        recv2 = out1.detach().requires_grad_()
+        got = {**cache.take(n, taken), **dict(zip(sent, recv2.unbind(0)))}
+        entry += [recv2, chunk2(ours[2], got)]
+    assert cache.in_flight == 2
+    for n, out0, recv1, out1, recv2, loss in fwd:  # backward: chunk 2, then 1, then 0 (releases the micro-batch)
+        loss.backward()
+        out1.backward(recv2.grad)
+        out0.backward(recv1.grad)
+    assert cache.in_flight == 0
+    for name, a, b in zip(("chunk 0", "chunk 1", "chunk 2"), ours, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0, msg=f"{name}'s parameter gradient")
+
+
 def test_unlinked_interleaved_chunks_refuse_to_run():
     """A rank's chunks built without link_chunks would misread the cached payloads its neighbours send."""
     from types import SimpleNamespace
