@@ -2,9 +2,9 @@
 
 The plan (which payload tensors a boundary sends, which the receiving rank already holds) is checked against
 an independent count per mode; the flag's start-up rules through pretrain_gpt.py's parser. The slow tests
-train every routed mode through pretrain_gpt.py under PP2+VPP2 and PP2 with three chunks per rank (6 layers),
-alone, with full recompute, with TP2+SP and with DP2 + the distributed optimizer, with --delta-pp-source-cache
-off and on from one initial model:
+train every routed mode through pretrain_gpt.py (tests/rank_runner.py) under PP2+VPP2 and PP2 with three chunks
+per rank (6 layers), alone, with full recompute, with TP2+SP and with DP2 + the distributed optimizer, with
+--delta-pp-source-cache off and on from the TP1 reference's initial model (tests/conftest.py's tp1_reference):
 the losses equal TP1's within 1e-5, the cached run's gradients equal the uncached run's, the bytes each
 boundary received equal the plan's, and no micro-batch is left in a cache. A checkpoint written with the
 cache continues without it and the other way round, with the losses of each other.
@@ -15,8 +15,7 @@ import pytest
 
 from megatron_delta.core.sources import SourcePlan
 from megatron_delta.core.source_cache import SourceCache, SourceCachePlan
-from tests import parity_driver as parity
-from tests import source_cache_driver as driver
+from tests import rank_runner
 from tests.dist_utils import run_distributed
 
 ROUTED = ["delta", "delta_block", "attnres", "full_attnres"]
@@ -170,7 +169,7 @@ def _args(monkeypatch, flags, world=2):
     from megatron_delta.trainer.main import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    return parse_args(parity.COMMON + flags + ["--train-iters", "1"])
+    return parse_args(rank_runner.COMMON + flags + ["--train-iters", "1"])
 
 
 def test_flag_defaults_on_where_it_applies(monkeypatch):
@@ -214,76 +213,66 @@ def test_start_up_lines_give_both_sizes(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ training
-SIX = ["--num-layers", "6"]
 LAUNCHES = {
-    # name: (world, extra model flags, layout, modes, variants)
+    # name: (world, layout, configurations (tests/rank_runner.py specs: "6:" six layers), variants)
     # recompute: in the two launches with three chunks per rank
-    "pp2_vpp2": (2, [], PP2_VPP2, ROUTED + ["delta/authors-code", "delta_block/authors-code", "delta/gate"],
+    "pp2_vpp2": (2, PP2_VPP2, ROUTED + ["delta/authors-code", "delta_block/authors-code", "delta/gate"],
                  ["off", "on"]),
-    "pp2_vpp3": (2, SIX, PP2_VPP2, ROUTED, ["off", "on", "on_recompute"]),
+    "pp2_vpp3": (2, PP2_VPP2, [f"6:{m}" for m in ROUTED], ["off", "on", "on_recompute"]),
     # data parallelism: each replica's ranks keep their own micro-batches (distributed optimizer too)
-    "dp2_distopt_pp2_vpp2": (4, [], ["--use-distributed-optimizer"] + PP2_VPP2, ["delta", "delta_block"],
+    "dp2_distopt_pp2_vpp2": (4, ["--use-distributed-optimizer"] + PP2_VPP2, ["delta", "delta_block"],
                              ["off", "on"]),
     # tensor + sequence parallelism (one launch: three chunks per rank, the cache with and without recompute)
-    "tp2_sp_pp2_vpp3": (4, SIX, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + PP2_VPP2, ROUTED,
-                        ["off", "on", "on_recompute"]),
+    "tp2_sp_pp2_vpp3": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + PP2_VPP2,
+                        [f"6:{m}" for m in ROUTED], ["off", "on", "on_recompute"]),
 }
-
-
-@pytest.fixture(scope="module")
-def tp1_reference(tmp_path_factory):
-    """TP1 losses of every mode on 4 and 6 layers, and the initial models every launch loads."""
-    root = str(tmp_path_factory.mktemp("source-cache"))
-    modes = LAUNCHES["pp2_vpp2"][3]
-    four = run_distributed(driver.compare, 1, root, "l4", [], modes, ["default"], 3, [], timeout=1200)[0]
-    six = run_distributed(driver.compare, 1, root, "l6", [], ROUTED, ["default"], 3, SIX, timeout=1200)[0]
-    return root, {"l4": four, "l6": six}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_cached_training_equals_uncached_and_tp1(tp1_reference, launch):
-    root, ref = tp1_reference
-    world, extra, layout, modes, variants = LAUNCHES[launch]
-    init = "l6" if extra else "l4"
-    results = run_distributed(driver.compare, world, root, launch, layout, modes, variants, 3, extra, init,
+    """Every run starts from the TP1 reference's initial model of its configuration (4 or 6 layers)."""
+    world, layout, specs, variants = LAUNCHES[launch]
+    ref = tp1_reference.runs(specs)
+    results = run_distributed(rank_runner.run_specs, world, tp1_reference.root, launch, layout,
+                              [[s, v] for s in specs for v in variants], kwargs={"collect": ["grads", "cache"]},
                               timeout=1800)
-    num_layers = 6 if extra else 4
     tp = 2 if "tp2" in launch else 1
     seq = 32 // tp if "sp" in launch else 32
-    for mode in modes:
-        name, _, flavour = mode.partition("/")
+    for spec in specs:
+        name, flavour, num_layers = rank_runner.parse_spec(spec)
         blocks = 2 if name in ("delta_block", "attnres") else num_layers
         for v in variants:
-            last = results[-1][mode][v]
-            d = max(abs(a - b) for a, b in zip(last["losses"], ref[init][mode]["default"]["losses"]))
-            assert len(last["losses"]) == 3 and d <= LOSS_TOL, f"{launch} {mode} {v}: losses differ from TP1 by {d}"
+            last = results[-1][spec][v]
+            d = max(abs(a - b) for a, b in zip(last["losses"], ref[spec]["fp32"]["losses"]))
+            assert len(last["losses"]) == rank_runner.ITERS and d <= LOSS_TOL, \
+                f"{launch} {spec} {v}: losses differ from TP1 by {d}"
             cached = v != "off"
             plan = chunk_plan(name, num_layers, blocks, 2, num_layers // 2, cached=cached,
                               sources="authors-code" if flavour == "authors-code" else "exact",
                               x_from_sources=name in ("delta", "delta_block") and not flavour)
             for r, rank in enumerate(results):
-                entry = rank[mode][v]
+                entry = rank[spec][v]
                 pp_rank = r // (world // 2)  # Megatron's rank order: tensor- and data-parallel ranks vary faster
                 # the bytes each boundary received: what the plan sends, per rank sequence and micro-batch
                 expect = {str(first): len(sent) * seq for k, first, sent, _ in plan.boundaries() if k % 2 == pp_rank}
-                assert entry["payloads"] == expect, (launch, mode, v, r, entry["payloads"], expect)
-                assert entry["linked"] == int(cached) and entry["in_flight"] == 0, (launch, mode, v, entry)
+                assert entry["payloads"] == expect, (launch, spec, v, r, entry["payloads"], expect)
+                assert entry["cache"] == {"linked": int(cached), "in_flight": 0}, (launch, spec, v, entry["cache"])
                 if v == "off":
                     continue
-                base = rank[mode]["off"]["grads"]
+                base = rank[spec]["off"]["grads"]
                 assert set(entry["grads"]) == set(base) and base
                 for pname, g in entry["grads"].items():
                     scale = max(abs(x) for x in base[pname]) or 1.0
                     diff = max(abs(a - b) for a, b in zip(g, base[pname]))
-                    assert diff <= GRAD_RTOL * scale, f"{launch} {mode} {v}: gradient of {pname} off by {diff}"
+                    assert diff <= GRAD_RTOL * scale, f"{launch} {spec} {v}: gradient of {pname} off by {diff}"
 
 
 @pytest.mark.slow
 def test_checkpoints_cross_between_cached_and_uncached(tmp_path):
     """Saved half-way with the cache and resumed without it (and the other way): the resumed iterations give
     the straight run's losses (the cache holds no state and writes nothing into a checkpoint)."""
-    res = run_distributed(driver.checkpoint_swap, 2, str(tmp_path), PP2_VPP2, "delta", 4, timeout=1200)[-1]
+    res = run_distributed(rank_runner.checkpoint_swap, 2, str(tmp_path), PP2_VPP2, "delta", 4, timeout=1200)[-1]
     for swap, r in res.items():
         assert len(r["straight"]) == 4 and len(r["resumed"]) == 2, (swap, r)
         d = max(abs(a - b) for a, b in zip(r["straight"][2:], r["resumed"]))
