@@ -69,15 +69,15 @@ TP2_PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-si
 
 @pytest.fixture(scope="session")
 def tp2_pp2_sp_runs(tp1_reference):
-    """One 4-rank TP2+PP2+SP launch of every mode in bf16 (saving the trained model) and fp32, from the TP1
-    reference's initial models: tests/test_parallel_parity.py's tp2_pp2_sp layout and tests/test_bf16.py share it.
-    Returns (root, per-rank results)."""
+    """One 4-rank TP2+PP2+SP launch of every mode from the TP1 reference's initial models: in fp32 (checked by
+    tests/test_parallel_parity.py's tp2_pp2_sp layout), and with the routers at 10x the lr in bf16 (saving the
+    trained model) and fp32 (tests/test_bf16.py). Returns (root, per-rank results)."""
     from megatron_delta.core.modes import RESIDUAL_MODES
     from tests import rank_runner
     from tests.dist_utils import run_distributed
 
-    tp1_reference.runs(RESIDUAL_MODES, ("fp32", "bf16"))
+    tp1_reference.runs(RESIDUAL_MODES)  # the initial models
     ranks = run_distributed(rank_runner.run_specs, 4, tp1_reference.root, "tp2pp2sp", TP2_PP2_SP,
-                            [[m, v] for m in RESIDUAL_MODES for v in ("bf16", "fp32")], 
-                            kwargs={"collect": ["dtypes"], "save": ["bf16"]}, timeout=1800)
+                            [[m, v] for m in RESIDUAL_MODES for v in ("fp32", "bf16_r10", "fp32_r10")],
+                            kwargs={"collect": ["dtypes"], "save": ["bf16_r10"]}, timeout=1800)
     return tp1_reference.root, ranks

@@ -8,9 +8,9 @@ runs, megatron.training's globals are reset after each), launched by tests.dist_
 
 A configuration ("spec") is ``[L:]mode[/flavour]``: ``delta``, ``delta/authors-code`` (--delta-sources
 authors-code), ``delta/gate`` (--delta-gate scalar), ``6:delta`` (6 layers instead of 4). Every spec trains the
-tiny model of tests/flags.py (MODEL); the routed modes with --delta-router-lr-mult 10 (ROUTER_LR). Its initial
-model ROOT/init-SPEC is saved under TP1 (`--train-iters 0 --save`) by the session's TP1 reference
-(tests/conftest.py) and every layout trains ITERS iterations from it (`--load --finetune`).
+tiny model of tests/flags.py (MODEL). Its initial model ROOT/init-SPEC is saved under TP1 (`--train-iters 0
+--save`) by the session's TP1 reference (tests/conftest.py) and every layout trains ITERS iterations from it
+(`--load --finetune`) in one or more variants (VARIANTS: precision, router lr, source cache).
 
 What a run used is recorded by wrapping the real forwards once: the dim-0 size of every payload a chunk received
 from the previous pipeline stage (PAYLOADS), and the dtypes met at the decoder's input and output and the routers'
@@ -31,11 +31,12 @@ ITERS = 4
 # Routers start at zero and, at the model's lr, move too little in a few iterations for their part of the function
 # to stand out from bf16 rounding (logits ~0.03 off with the routers zeroed, against ~0.01 of bf16 rounding); x10
 # moves them ~10x further, so a wrong router (in training, in a layout or in the export) shows.
-ROUTER_LR = ["--delta-router-lr-mult", "10"]
+ROUTER_LR = ["--delta-router-lr-mult", "10"]  # the *_r10 variants; not on baseline (it has no routers)
 
 VARIANTS = {
     "fp32": [],
-    "bf16": ["--bf16"],
+    "fp32_r10": ROUTER_LR,
+    "bf16_r10": ["--bf16"] + ROUTER_LR,
     # the pipeline source cache (tests/test_source_cache.py)
     "off": ["--delta-pp-source-cache", "off"],
     "on": ["--delta-pp-source-cache", "on"],
@@ -158,7 +159,15 @@ def spec_flags(spec: str) -> list[str]:
     mode, flavour, layers = parse_spec(spec)
     model = list(COMMON)
     model[model.index("--num-layers") + 1] = str(layers)
-    return model + mode_flags(mode, layers) + FLAVOURS[flavour] + ([] if mode == "baseline" else ROUTER_LR)
+    return model + mode_flags(mode, layers) + FLAVOURS[flavour]
+
+
+def variant_flags(spec: str, variant: str) -> list[str]:
+    flags = list(VARIANTS[variant])
+    if parse_spec(spec)[0] == "baseline" and ROUTER_LR[0] in flags:
+        i = flags.index(ROUTER_LR[0])
+        del flags[i:i + 2]
+    return flags
 
 
 def init_dir(root: str, spec: str) -> str:
@@ -257,7 +266,7 @@ def run_specs(root: str, tag: str, layout: list[str], runs: list[list[str]], ite
             train(spec_flags(spec) + ["--train-iters", "0", "--save", init])
         name = spec.replace("/", "-").replace(":", "L")
         saving = ["--save", os.path.join(root, f"ckpt-{tag}-{variant}-{name}")] if variant in save else []
-        r = train(spec_flags(spec) + layout + VARIANTS[variant] + saving +
+        r = train(spec_flags(spec) + layout + variant_flags(spec, variant) + saving +
                   ["--train-iters", str(iters), "--load", init, "--finetune"],
                   os.path.join(root, f"{tag}-{variant}-{name}.jsonl"))
         entry = {k: r[k] for k in ("losses", "lr", "iterations", "valid")}

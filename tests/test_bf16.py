@@ -22,7 +22,7 @@ What they must show:
       loaded by transformers in bf16 (routers kept fp32) gives Megatron's bf16 forward of the same checkpoint
       (the trained model in Float16Module, TP1) within BF16_EXPORT, where an fp32 export of the same
       checkpoint matches it only to the bf16 rounding of the activations.
-The routed modes train with --delta-router-lr-mult 10 (rank_runner.ROUTER_LR) so the routers' part of the function
+The routed modes train with --delta-router-lr-mult 10 (rank_runner's *_r10 variants) so the routers' part of the function
 stands out from bf16 rounding. CPU, one thread per rank, offline.
 """
 import math
@@ -60,11 +60,13 @@ pytestmark = pytest.mark.usefixtures("offline_single_thread", "distributed_teard
 
 @pytest.fixture(scope="module")
 def runs(tp1_reference, tp2_pp2_sp_runs):
-    """(root, TP1 {mode: {fp32, bf16}}, per rank TP2+PP2+SP {mode: {bf16, fp32}}); the bf16 TP2+PP2+SP checkpoints
-    are ROOT/ckpt-tp2pp2sp-bf16-MODE."""
-    tp1 = tp1_reference.runs(MODES, ("fp32", "bf16"))
+    """(root, TP1 {mode: {fp32, bf16}}, per rank TP2+PP2+SP {mode: {bf16, fp32}}): the runs with the routers at 10x
+    the lr; the bf16 TP2+PP2+SP checkpoints are ROOT/ckpt-tp2pp2sp-bf16_r10-MODE."""
+    def r10(by_mode):
+        return {m: {"fp32": by_mode[m]["fp32_r10"], "bf16": by_mode[m]["bf16_r10"]} for m in MODES}
+
     root, par = tp2_pp2_sp_runs
-    return root, tp1, par
+    return root, r10(tp1_reference.runs(MODES, ("fp32_r10", "bf16_r10"))), [r10(rank) for rank in par]
 
 
 def _gap(a, b):
@@ -177,7 +179,7 @@ def test_bf16_export_matches_megatron_bf16(runs, tmp_path):
     root, _, _ = runs
     gaps = {}
     for mode in MODES:
-        gaps[mode], argmax_equal = export_gaps(os.path.join(root, f"ckpt-tp2pp2sp-bf16-{mode}"),
+        gaps[mode], argmax_equal = export_gaps(os.path.join(root, f"ckpt-tp2pp2sp-bf16_r10-{mode}"),
                                                str(tmp_path / f"hf-{mode}"))
         assert argmax_equal, mode
     print(f"[HF export vs Megatron bf16 forward, max |logits diff|] {gaps}")
@@ -225,7 +227,7 @@ def test_evaluate_computes_as_trained(runs, tmp_path):
     root, _, _ = runs
     gaps = {}
     for mode in MODES:
-        ckpt = os.path.join(root, f"ckpt-tp2pp2sp-bf16-{mode}")
+        ckpt = os.path.join(root, f"ckpt-tp2pp2sp-bf16_r10-{mode}")
         auto, auto_logits = _evaluate(tmp_path, ckpt, f"{mode}-auto")
         fp32, fp32_logits = _evaluate(tmp_path, ckpt, f"{mode}-fp32", "--dtype", "fp32")
         assert (auto["dtype"], fp32["dtype"]) == ("bf16", "fp32"), mode
@@ -237,7 +239,7 @@ def test_evaluate_computes_as_trained(runs, tmp_path):
         assert 0 < gap <= BF16_EXPORT, (mode, gap)
         gaps[mode] = (gap, abs(auto["total_nll"] - fp32["total_nll"]))
     print(f"[evaluate of the bf16 checkpoints: bf16 vs fp32 compute, max |logits diff|, |total NLL diff|] {gaps}")
-    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta")
+    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16_r10-delta")
     tp1, tp1_logits = _evaluate(tmp_path, ckpt, "delta-tp1")
     run_distributed(os.path.join("tools", "evaluate.py"), 4, "--load", ckpt, "--tokens-file", str(tmp_path / "toks.json"),
                     "--output", str(tmp_path / "par.json"), "--logits-file", str(tmp_path / "par.pt"),
@@ -260,7 +262,7 @@ def test_routing_report_computes_as_trained(runs, tmp_path):
 
     tool = _tool("routing_report")
     root, _, _ = runs
-    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta_block")
+    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16_r10-delta_block")
     reports = {}
     for dtype, flags in (("bf16", []), ("fp32", ["--dtype", "fp32"])):
         out = tmp_path / dtype
@@ -297,7 +299,7 @@ def test_perplexity_computes_as_trained(runs, tmp_path):
     b.finalize(prefix + ".idx")
     tool = _tool("perplexity")
     root, _, _ = runs
-    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta")
+    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16_r10-delta")
     got = {}
     for dtype, flags in (("bf16", []), ("fp32", ["--dtype", "fp32"])):
         out = tmp_path / f"ppl-{dtype}.json"
