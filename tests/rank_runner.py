@@ -291,11 +291,12 @@ def run_specs(root: str, tag: str, layout: list[str], runs: list[list[str]], ite
 
 
 # ----------------------------------------------------------------------------------------- other launches
+_FULL = ["--recompute-granularity", "full", "--recompute-method"]
 RECOMPUTE_VARIANTS = {
     "none": [],
-    "full_uniform_2": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
-    "full_uniform_1": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-    "full_block_3": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
+    "full_uniform_2": _FULL + ["uniform", "--recompute-num-layers", "2"],
+    "full_uniform_1": _FULL + ["uniform", "--recompute-num-layers", "1"],
+    "full_block_3": _FULL + ["block", "--recompute-num-layers", "3"],
     "selective": ["--recompute-granularity", "selective"],
 }
 

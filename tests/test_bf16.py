@@ -22,8 +22,8 @@ What they must show:
       loaded by transformers in bf16 (routers kept fp32) gives Megatron's bf16 forward of the same checkpoint
       (the trained model in Float16Module, TP1) within BF16_EXPORT, where an fp32 export of the same
       checkpoint matches it only to the bf16 rounding of the activations.
-The routed modes train with --delta-router-lr-mult 10 (rank_runner's *_r10 variants) so the routers' part of the function
-stands out from bf16 rounding. CPU, one thread per rank, offline.
+The routed modes train with --delta-router-lr-mult 10 (rank_runner's *_r10 variants) so the routers' part of the
+function stands out from bf16 rounding. CPU, one thread per rank, offline.
 """
 import math
 import os

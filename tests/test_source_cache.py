@@ -21,6 +21,7 @@ from tests.dist_utils import run_distributed
 ROUTED = ["delta", "delta_block", "attnres", "full_attnres"]
 LOSS_TOL = 1e-5  # against TP1 (the parity tests' tolerance)
 GRAD_RTOL = 1e-5  # cached vs uncached gradients: the same sums in another order (observed <= 3e-8 absolute)
+GRAD_ATOL = 1e-9  # ... and for a gradient near zero: 5.7e-10 measured on a 4e-5 gate gradient at iteration 4
 
 
 def chunk_plan(mode, num_layers, num_blocks, pp, vpp, cached=True, **plan_kw) -> SourceCachePlan:
@@ -265,7 +266,8 @@ def test_cached_training_equals_uncached_and_tp1(tp1_reference, launch):
                 for pname, g in entry["grads"].items():
                     scale = max(abs(x) for x in base[pname]) or 1.0
                     diff = max(abs(a - b) for a, b in zip(g, base[pname]))
-                    assert diff <= GRAD_RTOL * scale, f"{launch} {spec} {v}: gradient of {pname} off by {diff}"
+                    assert diff <= GRAD_RTOL * scale + GRAD_ATOL, \
+                        f"{launch} {spec} {v}: gradient of {pname} off by {diff}"
 
 
 @pytest.mark.slow
