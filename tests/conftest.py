@@ -31,3 +31,53 @@ def distributed_teardown():
         from megatron_delta.platform.distributed import destroy_distributed
 
         destroy_distributed()
+
+
+# ------------------------------------------------------------------------------ the session's TP1 reference
+class TP1Reference:
+    """TP1 (one process) runs of tests/rank_runner.py's configurations, launched when first asked for and kept
+    for the session: the parity, bf16 and source-cache tests compare their layouts with the same runs, and every
+    layout trains from the initial models these runs save (ROOT/init-SPEC)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self._runs: dict = {}  # (spec, variant) -> entry
+
+    def runs(self, specs, variants=("fp32",)) -> dict:
+        """{spec: {variant: entry}} (rank_runner.run_specs' entries, routers and dtypes collected)."""
+        from tests import rank_runner
+        from tests.dist_utils import run_distributed
+
+        missing = [[s, v] for s in specs for v in variants if (s, v) not in self._runs]
+        if missing:
+            got = run_distributed(rank_runner.run_specs, 1, self.root, "tp1", [], missing,
+                                  kwargs={"collect": ["routers", "dtypes"]}, timeout=1800)[0]
+            for spec, by_variant in got.items():
+                for variant, entry in by_variant.items():
+                    assert len(entry["losses"]) == rank_runner.ITERS, (spec, variant, entry)
+                    self._runs[(spec, variant)] = entry
+        return {s: {v: self._runs[(s, v)] for v in variants} for s in specs}
+
+
+@pytest.fixture(scope="session")
+def tp1_reference(tmp_path_factory):
+    return TP1Reference(str(tmp_path_factory.mktemp("tp1-reference")))
+
+
+TP2_PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.fixture(scope="session")
+def tp2_pp2_sp_runs(tp1_reference):
+    """One 4-rank TP2+PP2+SP launch of every mode from the TP1 reference's initial models: in fp32 (checked by
+    tests/test_parallel_parity.py's tp2_pp2_sp layout), and with the routers at 10x the lr in bf16 (saving the
+    trained model) and fp32 (tests/test_bf16.py). Returns (root, per-rank results)."""
+    from megatron_delta.core.modes import RESIDUAL_MODES
+    from tests import rank_runner
+    from tests.dist_utils import run_distributed
+
+    tp1_reference.runs(RESIDUAL_MODES)  # the initial models
+    ranks = run_distributed(rank_runner.run_specs, 4, tp1_reference.root, "tp2pp2sp", TP2_PP2_SP,
+                            [[m, v] for m in RESIDUAL_MODES for v in ("fp32", "bf16_r10", "fp32_r10")],
+                            kwargs={"collect": ["dtypes"], "save": ["bf16_r10"]}, timeout=1800)
+    return tp1_reference.root, ranks

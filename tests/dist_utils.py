@@ -16,12 +16,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Callable, List, Optional, Sequence, Union
+
+from megatron_delta.platform.distributed import free_port  # noqa: F401  (tests import it from here too)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TAIL = 6000  # characters of a failing rank's stderr shown in the error
@@ -34,13 +35,6 @@ class DistributedRunError(RuntimeError):
         super().__init__(message)
         self.returncodes = list(returncodes)
         self.stderrs = list(stderrs)
-
-
-def free_port() -> int:
-    """A free TCP port on localhost (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _target_of(fn: Callable) -> str:

@@ -1,28 +1,29 @@
 """bf16 end to end on CPU (issue 19, item 3): every residual mode trains with `--bf16` under TP2+PP2+SP.
 
-Two launches (tests/bf16_driver.py, tests/parity_driver.py's tiny model: 4 layers, hidden 64, 4 heads in 2
-query groups, seq 32, mbs 2, gbs 8, mock data, lr 1e-2, 4 iterations):
-  TP1, one process: one fp32 initial model per mode (`--train-iters 0 --save`), then the same 4 iterations
-      from it (`--load --finetune`) in fp32 and in bf16;
-  TP2+PP2+SP, 4 gloo ranks: the same runs from the same initial models, bf16 (saving the trained model)
-      and fp32.
+The runs (tests/rank_runner.py's tiny model: 4 layers, hidden 64, 4 heads in 2 query groups, seq 32, mbs 2, gbs 8,
+mock data, lr 1e-2, ITERS iterations), from the session's fixtures (tests/conftest.py):
+  TP1, one process (tp1_reference): one fp32 initial model per mode (`--train-iters 0 --save`), then the same
+      iterations from it (`--load --finetune`) in fp32 and in bf16;
+  TP2+PP2+SP, 4 gloo ranks (tp2_pp2_sp_runs, shared with tests/test_parallel_parity.py): the same runs from the
+      same initial models, bf16 (saving the trained model) and fp32.
 What they must show:
   (1) bf16 under TP2+PP2+SP: finite, falling loss, within BF16_VS_FP32 of the same run in fp32 (and so under
       TP1); the fp32 runs of the two layouts agree to FP32_PARITY (tests/test_parallel_parity.py's 1e-5),
       so a gap below is bf16 rounding, not a layout bug;
   (2) precision: the optimizer's main params - the values Adam updates and checkpoints - are fp32 for every
-      parameter, routers included (docs/design.md section 2.5; the router math on bf16 sources is
-      tests/test_router.py's test_bf16_sources_fp32_math); Megatron's Float16Module holds the model copy in bf16, routers included (fp32 router
-      params in a bf16 model break megatron-core 0.19.2's optimizer checkpoints: both optimizers'
-      sharded_state_dict assume one dtype). The activations - the decoder's input and output, the payload
-      received from the previous pipeline stage, every router's output - are bf16;
+      parameter, routers included (docs/design.md section 2.5; the router math on bf16 sources and with bf16
+      parameters is tests/test_router.py's test_bf16_sources_fp32_math and test_bf16_parameters_fp32_math);
+      Megatron's Float16Module holds the model copy in bf16, routers included (fp32 router params in a bf16 model
+      break megatron-core 0.19.2's optimizer checkpoints: both optimizers' sharded_state_dict assume one dtype).
+      The activations - the decoder's input and output, the payload received from the previous pipeline stage,
+      every router's output - are bf16;
   (3) layout parity at bf16 tolerance: the bf16 losses under TP2+PP2+SP equal TP1's within BF16_LAYOUTS;
   (4) the bf16-trained TP2+PP2+SP checkpoint exported with `--dtype bf16` (megatron_delta.convert) and
       loaded by transformers in bf16 (routers kept fp32) gives Megatron's bf16 forward of the same checkpoint
       (the trained model in Float16Module, TP1) within BF16_EXPORT, where an fp32 export of the same
       checkpoint matches it only to the bf16 rounding of the activations.
-The routed modes train with --delta-router-lr-mult 10 (bf16_driver.ROUTED_EXTRA) so the routers' part of
-the function stands out from bf16 rounding. CPU, one thread per rank, offline; ~4.5 minutes on 2 cores.
+The routed modes train with --delta-router-lr-mult 10 (rank_runner's *_r10 variants) so the routers' part of the
+function stands out from bf16 rounding. CPU, one thread per rank, offline.
 """
 import math
 import os
@@ -32,15 +33,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from tests import bf16_driver
+from megatron_delta.core.modes import RESIDUAL_MODES, ROUTED_MODES
 from tests.dist_utils import run_distributed
+from tests.rank_runner import ITERS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODES = ["baseline", "delta", "delta_block", "attnres", "full_attnres"]
-ROUTED = MODES[1:]
-ITERS = 4
-TP2_PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+MODES = list(RESIDUAL_MODES)
+ROUTED = list(ROUTED_MODES)
 
 # Tolerances: ~3x the worst gap measured over the 5 modes (2-core CPU, torch 2.13, megatron-core 0.19.2).
 # Per-iteration LM loss (nats; the loss falls ~0.5 in the 4 iterations, 0.27 for full_attnres, whose x10 router
@@ -59,13 +59,14 @@ pytestmark = pytest.mark.usefixtures("offline_single_thread", "distributed_teard
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("bf16"))
-    tp1 = run_distributed(bf16_driver.run_modes, 1, root, "tp1", [], MODES, ITERS, ["fp32", "bf16"], True,
-                          timeout=900)[0]
-    par = run_distributed(bf16_driver.run_modes, 4, root, "tp2pp2sp", TP2_PP2_SP, MODES, ITERS, ["bf16", "fp32"],
-                          False, ["bf16"], timeout=1500)
-    return root, tp1, par
+def runs(tp1_reference, tp2_pp2_sp_runs):
+    """(root, TP1 {mode: {fp32, bf16}}, per rank TP2+PP2+SP {mode: {bf16, fp32}}): the runs with the routers at 10x
+    the lr; the bf16 TP2+PP2+SP checkpoints are ROOT/ckpt-tp2pp2sp-bf16_r10-MODE."""
+    def r10(by_mode):
+        return {m: {"fp32": by_mode[m]["fp32_r10"], "bf16": by_mode[m]["bf16_r10"]} for m in MODES}
+
+    root, par = tp2_pp2_sp_runs
+    return root, r10(tp1_reference.runs(MODES, ("fp32_r10", "bf16_r10"))), [r10(rank) for rank in par]
 
 
 def _gap(a, b):
@@ -180,7 +181,7 @@ def test_bf16_export_matches_megatron_bf16(runs, tmp_path):
     root, _, _ = runs
     gaps = {}
     for mode in MODES:
-        gaps[mode], argmax_equal = export_gaps(os.path.join(root, f"ckpt-tp2pp2sp-bf16-{mode}"),
+        gaps[mode], argmax_equal = export_gaps(os.path.join(root, f"ckpt-tp2pp2sp-bf16_r10-{mode}"),
                                                str(tmp_path / f"hf-{mode}"))
         assert argmax_equal, mode
     print(f"[HF export vs Megatron bf16 forward, max |logits diff|] {gaps}")
@@ -229,7 +230,7 @@ def test_evaluate_computes_as_trained(runs, tmp_path):
     root, _, _ = runs
     gaps = {}
     for mode in MODES:
-        ckpt = os.path.join(root, f"ckpt-tp2pp2sp-bf16-{mode}")
+        ckpt = os.path.join(root, f"ckpt-tp2pp2sp-bf16_r10-{mode}")
         auto, auto_logits = _evaluate(tmp_path, ckpt, f"{mode}-auto")
         fp32, fp32_logits = _evaluate(tmp_path, ckpt, f"{mode}-fp32", "--dtype", "fp32")
         assert (auto["dtype"], fp32["dtype"]) == ("bf16", "fp32"), mode
@@ -241,7 +242,7 @@ def test_evaluate_computes_as_trained(runs, tmp_path):
         assert 0 < gap <= BF16_EXPORT, (mode, gap)
         gaps[mode] = (gap, abs(auto["total_nll"] - fp32["total_nll"]))
     print(f"[evaluate of the bf16 checkpoints: bf16 vs fp32 compute, max |logits diff|, |total NLL diff|] {gaps}")
-    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta")
+    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16_r10-delta")
     tp1, tp1_logits = _evaluate(tmp_path, ckpt, "delta-tp1")
     run_distributed(os.path.join("tools", "evaluate.py"), 4, "--load", ckpt, "--tokens-file", str(tmp_path / "toks.json"),
                     "--output", str(tmp_path / "par.json"), "--logits-file", str(tmp_path / "par.pt"),
@@ -264,7 +265,7 @@ def test_routing_report_computes_as_trained(runs, tmp_path):
 
     tool = _tool("routing_report")
     root, _, _ = runs
-    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta_block")
+    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16_r10-delta_block")
     reports = {}
     for dtype, flags in (("bf16", []), ("fp32", ["--dtype", "fp32"])):
         out = tmp_path / dtype
@@ -301,7 +302,7 @@ def test_perplexity_computes_as_trained(runs, tmp_path):
     b.finalize(prefix + ".idx")
     tool = _tool("perplexity")
     root, _, _ = runs
-    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16-delta")
+    ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16_r10-delta")
     got = {}
     for dtype, flags in (("bf16", []), ("fp32", ["--dtype", "fp32"])):
         out = tmp_path / f"ppl-{dtype}.json"

@@ -1,7 +1,7 @@
 """Checkpoint conversion (tools/convert_checkpoint.py, tools/evaluate.py, megatron_delta.convert, megatron_delta.evaluation.loaders).
 
 (a) every residual mode: pretrain_gpt trains a tiny model 3 iterations under TP2+PP2 (4 gloo ranks, ONE
-    launch trains all modes in sequence: tests/conversion_driver.py) -> export (resharded to one
+    launch trains all modes in sequence: tests/rank_runner.py train_all) -> export (resharded to one
     process) -> transformers logits == Megatron logits (tools/evaluate.py code), fp32, <= EXPORT_TOL (5e-6:
     fp32 round-off, measured 6e-7 .. 1.2e-6; a router query exported x1.0001 would pass 1e-4);
 (b) HF -> Megatron -> HF is lossless (tiny Qwen3 and tied Llama, built offline);
@@ -34,7 +34,7 @@ from megatron_delta.convert import hf_checkpoint, state_dict_adapter  # noqa: E4
 from megatron_delta.evaluation import loaders  # noqa: E402
 from megatron_delta.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_delta.checkpoint.store import load_checkpoint  # noqa: E402
-from tests import conversion_driver  # noqa: E402
+from tests import rank_runner  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +88,7 @@ def trained(tmp_path_factory):
                else ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256"])  # 256 tokens, EOD = 255
         common = [a for a in COMMON if a != "--qk-layernorm"] if name == "baseline_llama" else COMMON
         argvs.append(common + flags + tok + ["--save", runs[name]])
-    results = run_distributed(conversion_driver.train_all, 4, argvs, timeout=900)
+    results = run_distributed(rank_runner.train_all, 4, argvs, timeout=900)
     assert [r["iteration"] for r in results[-1]] == [3] * len(argvs)
     for name, ckpt in runs.items():  # really saved under the TP2+PP2 layout
         rc = json.load(open(os.path.join(ckpt, "iter_0000003", "run_config.json")))

@@ -1,4 +1,5 @@
-"""Issue 3: every residual mode trains (30 iterations of a tiny model on the bundled corpus).
+"""Issue 3: every residual mode trains (30 iterations of a tiny model on the bundled corpus); the five modes' routers
+train in an optimizer group of their own (--delta-router-lr-mult 2: twice the lr, no weight decay).
 
 One subprocess runs pretrain_gpt.py's `megatron_delta.trainer.main.main` for every configuration in turn (one import of
 Megatron instead of seven; each run initialises and tears down its own one-rank world). The bundled corpus
@@ -15,16 +16,15 @@ import textwrap
 
 import pytest
 
+from megatron_delta.core.modes import ROUTED_MODES
 from tests.flags import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+ROUTER_LR = ["--delta-router-lr-mult", "2"]
 CONFIGS = {
     "baseline": ["--residual", "baseline"],
-    "delta": ["--residual", "delta"],
-    "delta_block": ["--residual", "delta_block"],
-    "attnres": ["--residual", "attnres"],
-    "full_attnres": ["--residual", "full_attnres"],
+    **{m: ["--residual", m] + ROUTER_LR for m in ROUTED_MODES},
     "delta_block-authors-code": ["--residual", "delta_block", "--delta-sources", "authors-code"],
     "delta-gate-null": ["--residual", "delta", "--delta-gate", "scalar", "--delta-null-source"],
 }
@@ -47,16 +47,20 @@ def runs(tmp_path_factory):
         import json, sys, traceback
         import torch
         torch.set_num_threads(1)
-        from megatron_delta.trainer.main import main
+        from megatron_delta.trainer import main as trainer
         jobs = json.loads(sys.argv[1])
-        status = {}
+        status, groups = {}, {}
         for name, argv in jobs.items():
             try:
-                status[name] = main(argv)
+                status[name] = trainer.main(argv)
+                # (max_lr, wd_mult, router params, params) of each optimizer param group
+                groups[name] = [[g.get("max_lr"), g.get("wd_mult"),
+                                 sum(1 for p in g["params"] if getattr(p, "is_delta_router", False)), len(g["params"])]
+                                for g in trainer.LAST_RUN.optimizer.param_groups]
             except BaseException as e:  # noqa: BLE001 - reported per configuration
                 traceback.print_exc()
                 status[name] = repr(e)
-        print("STATUS " + json.dumps(status, default=str))
+        print("STATUS " + json.dumps({"status": status, "groups": groups}, default=str))
     """)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
@@ -64,15 +68,21 @@ def runs(tmp_path_factory):
                           capture_output=True, text=True, timeout=1500)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("STATUS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    status = json.loads(lines[-1][len("STATUS "):])
-    return out, status, proc.stdout + proc.stderr
+    report = json.loads(lines[-1][len("STATUS "):])
+    return out, report["status"], report["groups"], proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_mode_trains(runs, name):
-    out, status, log = runs
+    out, status, groups, log = runs
     assert status[name] in (0, None), f"{name}: {status[name]}\n{log[-4000:]}"
+    routed = [g for g in groups[name] if g[2] > 0]
+    if name == "baseline":
+        assert not routed, groups[name]
+    elif ROUTER_LR[0] in CONFIGS[name]:  # the routers' own group: lr x 2, no weight decay, routers only
+        assert len(routed) == 1 and routed[0][0] == pytest.approx(2 * 3e-3) and routed[0][1] == 0.0, groups[name]
+        assert routed[0][2] == routed[0][3], groups[name]
     records = [json.loads(l) for l in (out / f"{name}.jsonl").read_text().splitlines()]
     train = [r for r in records if "lm_loss" in r and "split" not in r]
     assert [r["iteration"] for r in train] == list(range(1, 31))

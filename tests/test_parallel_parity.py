@@ -1,21 +1,25 @@
 """Parallel layouts reproduce TP1 training, for every residual mode (issue 4).
 
-One initial model per mode is saved under TP1 (`--train-iters 0 --save`); every layout then trains 5
-iterations from it (`--load --finetune`) and its per-iteration losses (`--delta-metrics-file`) must equal
-TP1's within 1e-5. One launch per layout runs all five modes in-process (tests/parity_driver.py).
-Tiny model: 4 layers, hidden 64, 4 heads / 2 query groups, seq 32, mbs 2, gbs 8, mock data.
-delta_block and attnres use K=2 blocks of 2 layers: under PP4 and PP2+VPP2 (one layer per chunk)
-every block straddles a chunk boundary.
+Every layout trains tests/rank_runner.py's tiny model (4 layers, hidden 64, 4 heads / 2 query groups, seq 32, mbs 2,
+gbs 8, mock data; the routers at 10x the lr) ITERS iterations from the TP1 reference's initial model of each mode
+(`--load --finetune`; the session's tp1_reference fixture, tests/conftest.py); its per-iteration losses
+(`--delta-metrics-file`) must equal TP1's within 1e-5 and its learning rates TP1's. One launch per layout runs
+all five modes in-process. delta_block and attnres use K=2 blocks of 2 layers: under PP4 and PP2+VPP2 (one layer
+per chunk) every block straddles a chunk boundary. The TP2+PP2+SP launch is shared with tests/test_bf16.py
+(the tp2_pp2_sp_runs fixture: its fp32 runs are checked here).
 """
 import json
 import os
 
 import pytest
 
-from tests import parity_driver as driver
+from megatron_delta.core.modes import BLOCK_MODES, RESIDUAL_MODES
+from tests import rank_runner
 from tests.dist_utils import run_distributed
+from tests.flags import mode_flags
 
-MODES = list(driver.MODES)
+MODES = list(RESIDUAL_MODES)
+ROUTED = MODES[1:]
 TOL = 1e-5
 
 LAYOUTS = {
@@ -36,12 +40,12 @@ REPORT = os.environ.get("PARITY_REPORT")  # optional: append measured max |loss 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("parity"))
-    res = run_distributed(driver.run_layout, 1, root, "tp1", [], MODES, 5, True, True, timeout=1200)[0]
+def reference(tp1_reference):
+    res = tp1_reference.runs(MODES)
     for mode in MODES:
-        assert len(res[mode]["losses"]) == 5, (mode, res[mode])
-    return root, res
+        losses = res[mode]["fp32"]["losses"]
+        assert losses[-1] < losses[0], (mode, losses)  # it trains
+    return tp1_reference.root, {m: res[m]["fp32"] for m in MODES}
 
 
 def _max_diff(a, b):
@@ -51,20 +55,26 @@ def _max_diff(a, b):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_tp1(reference, layout):
+def test_layout_matches_tp1(reference, layout, request):
     root, ref = reference
     world, flags = LAYOUTS[layout]
     collect = layout == "tp2_sp"
-    modes = MODES
-    results = run_distributed(driver.run_layout, world, root, layout, flags, modes, 5, False, collect,
-                              timeout=1500)
+    if layout == "tp2_pp2_sp":
+        _, results = request.getfixturevalue("tp2_pp2_sp_runs")
+    else:
+        results = run_distributed(rank_runner.run_specs, world, root, layout, flags, [[m, "fp32"] for m in MODES],
+                                  kwargs={"collect": ["routers"] if collect else []}, timeout=1500)
+    results = [{m: r[m]["fp32"] for m in MODES} for r in results]
     res = results[-1]
-    diffs = {m: _max_diff(res[m]["losses"], ref[m]["losses"]) for m in modes}
+    diffs = {m: _max_diff(res[m]["losses"], ref[m]["losses"]) for m in MODES}
     if REPORT:
         with open(REPORT, "a") as f:
             f.write(json.dumps({"layout": layout, "max_abs_loss_diff": diffs}) + "\n")
     bad = {m: d for m, d in diffs.items() if not d <= TOL}
     assert not bad, f"{layout}: losses differ from TP1 by {bad}"
+    for m in MODES:
+        assert res[m]["lr"] == pytest.approx(ref[m]["lr"], rel=1e-12), (layout, m)
+        assert res[m]["iterations"] == list(range(1, rank_runner.ITERS + 1)), (layout, m)
 
     # Payload sizes actually received equal the plan's tensors x per-rank sequence (issue 6): every payload
     # name, or under the interleaved schedule what the source cache sends (on by default).
@@ -74,21 +84,21 @@ def test_layout_matches_tp1(reference, layout):
     tp = 2 if "tp2" in layout else 1
     seq = 32 // tp if "sp" in layout else 32
     for r in results:
-        for m in modes[1:]:
+        for m in ROUTED:
             # no gate: the additive modes keep x as their sources, and x does not travel
-            plan = SourcePlan(mode=m, num_layers=4, num_blocks=2 if m in ("delta_block", "attnres") else 4,
+            plan = SourcePlan(mode=m, num_layers=4, num_blocks=2 if m in BLOCK_MODES else 4,
                               sources="exact", x_from_sources=m in ("delta", "delta_block"))
             pp = 4 if "pp4" in layout else 2 if "pp2" in layout else 1
             chunks = SourceCachePlan.even(plan, pp, 2 if "vpp2" in layout else 1)
             sent = {first: names for _, first, names, _ in chunks.boundaries()}
             for first, size in r[m]["payloads"].items():
                 assert size == len(sent[int(first)]) * seq, (layout, m, first, size)
-    if "pp" in layout and "delta" in modes:
+    if "pp" in layout:
         assert any(r["delta"]["payloads"] for r in results), "no pipeline payload was received"
 
     if collect:
         # SP router gradients: TP replicas bitwise equal, and equal to TP1's (issue 4, item 2).
-        for m in MODES[1:]:
+        for m in ROUTED:
             r0, r1 = results[0][m]["routers"], results[1][m]["routers"]
             assert r0["params"] == r1["params"], f"{m}: TP replicas of router parameters differ"
             assert r0["grads"] == r1["grads"], f"{m}: TP replicas of router gradients differ"
@@ -109,9 +119,8 @@ RECOMPUTE_TOL = 1e-6
 
 @pytest.mark.slow
 def test_recompute_same_losses_and_grads(tmp_path):
-    variants = list(driver.RECOMPUTE_VARIANTS)
-    res = run_distributed(driver.recompute_compare, 1, str(tmp_path), list(driver.MODES), variants,
-                          timeout=1800)[0]
+    variants = list(rank_runner.RECOMPUTE_VARIANTS)
+    res = run_distributed(rank_runner.recompute_compare, 1, str(tmp_path), MODES, variants, timeout=1800)[0]
     bad = []
     for mode, by_v in res.items():
         ref = by_v["none"]["losses"]
@@ -143,7 +152,7 @@ def test_payload_holds_only_usable_sources(mode, L, K):
     if mode in ("delta", "delta_block"):
         variants += [("exact", True), ("authors-code", False)]
     for sources, x_from_sources in variants:
-        plan = SourcePlan(mode=mode, num_layers=L, num_blocks=K if mode in ("delta_block", "attnres") else L,
+        plan = SourcePlan(mode=mode, num_layers=L, num_blocks=K if mode in BLOCK_MODES else L,
                           sources=sources, x_from_sources=x_from_sources)
         for f in range(1, L):
             names = plan.payload_names(f)
@@ -163,7 +172,7 @@ def test_describe_stage_payloads_one_line_per_boundary(monkeypatch):
         for layout, chunks in ((["--pipeline-model-parallel-size", "2"], 2),
                                (["--pipeline-model-parallel-size", "4"], 4),
                                ):
-            args = parse_args(driver.COMMON + driver.mode_flags(mode) + layout + ["--train-iters", "1"])
+            args = parse_args(rank_runner.COMMON + mode_flags(mode) + layout + ["--train-iters", "1"])
             lines = describe_stage_payloads(transformer_config(args), args.seq_length, args.micro_batch_size)
             assert len(lines) == chunks - 1, lines
             plan = __import__("megatron_delta.core.block", fromlist=["source_plan"]).SourcePlan.from_config(args)

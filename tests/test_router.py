@@ -142,6 +142,40 @@ def test_bf16_sources_fp32_math():
     assert make_source(vals[0], EPS).inv_rms.dtype == torch.float32
 
 
+def test_bf16_parameters_fp32_math():
+    """--bf16: Megatron-Core's Float16Module makes the router parameters bf16; q = w * g and the null source's
+    logit are still formed in fp32 (design.md 2.5). Against a router holding the same (bf16-representable)
+    values in fp32: q equal (a product of two bf16 values is exact in fp32), the weights equal to fp32
+    rounding; q rounded to bf16 moves the weights by ~1e-3."""
+    torch.manual_seed(5)
+    d = 64
+    router32 = DepthRouter(d, null_source=True, gate=True, eps=EPS)
+    with torch.no_grad():
+        router32.query.normal_(std=2.0)
+        router32.key_norm_weight.copy_(1 + 0.3 * torch.randn(d))
+        router32.null_source.normal_()
+        router32.gate.fill_(0.5)
+        for p in router32.parameters():
+            p.copy_(p.bfloat16().float())  # values a bf16 parameter holds exactly
+    router16 = DepthRouter(d, null_source=True, gate=True, eps=EPS)
+    router16.load_state_dict(router32.state_dict())
+    router16.bfloat16()  # as Float16Module does
+    assert {p.dtype for p in router16.parameters()} == {torch.bfloat16}
+    q16, q32 = router16.query_vector(), router32.query_vector()
+    assert q16.dtype == torch.float32 and torch.equal(q16, q32)
+    vals = [torch.randn(5, 2, d).bfloat16() for _ in range(3)]
+    r16, a16 = router16([make_source(v, EPS) for v in vals], True)
+    r32, a32 = router32([make_source(v, EPS) for v in vals], True)
+    assert a16.dtype == torch.float32 and a16.shape[-1] == 4  # the null source last
+    torch.testing.assert_close(a16, a32, rtol=0, atol=2e-6)
+    torch.testing.assert_close(r16.float(), r32.float(), rtol=0, atol=0)
+    # the null source alone (no sources): its logit is fp32 too, r is z itself
+    like = torch.zeros(2, 1, d, dtype=torch.bfloat16)
+    z16, w16 = router16([], True, like=like)
+    z32, w32 = router32([], True, like=like)
+    assert torch.equal(z16, z32) and torch.equal(w16, w32)
+
+
 def test_like_sets_output_dtype():
     router = DepthRouter(8, null_source=False, gate=True, eps=EPS)
     vals = [torch.randn(3, 1, 8).bfloat16() for _ in range(2)]

@@ -1,96 +1,24 @@
-"""Rank functions for tests/test_trainer_*.py: runs of megatron_delta.trainer.main (Megatron-LM's
-trainer) in one launch, one after another in the same process.
+"""Rank functions for tests/test_trainer_*.py: runs of megatron_delta.trainer.main (Megatron-LM's trainer) in one
+launch, one after another in the same process, through tests/rank_runner.py's runner (train) and metrics reader.
 
-TINY is tests/parity_driver.py's COMMON model in Megatron-LM's flags (4 layers, hidden 64, 4 heads in 2
-query groups, seq 32, MBS 2, GBS 8, NullTokenizer 256 tokens (eod 255; Megatron-Core 0.17+), mock data) with the project's
-Qwen3-style defaults spelled out and the CPU switches (local transformer, gloo, no fusions).
+COMMON is tests/flags.py's tiny MODEL (4 layers, hidden 64, 4 heads in 2 query groups, seq 32, MBS 2, GBS 8,
+NullTokenizer 256 tokens, mock data, the Qwen3-style defaults and the CPU switches) logging every iteration and
+without a save interval (the tests give theirs).
 """
 from __future__ import annotations
 
-import json
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.flags import CPU  # noqa: E402  (Megatron-LM's GPU defaults off)
+from tests.flags import CPU, MODEL, mode_flags  # noqa: E402
+from tests.rank_runner import is_last_rank, read_metrics, read_records, train  # noqa: E402,F401
 
-TINY = ("--num-layers 4 --hidden-size 64 --ffn-hidden-size 192 --num-attention-heads 4 --group-query-attention "
-        "--num-query-groups 2 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
-        "--global-batch-size 8 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 --lr 1e-2 "
-        "--min-lr 1e-3 --lr-warmup-iters 1 --lr-decay-iters 20 --lr-decay-style cosine --eval-iters 1 "
-        "--eval-interval 1000 --log-interval 1 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
-        "--qk-layernorm --disable-bias-linear --position-embedding-type rope --rotary-base 1000000 "
-        "--weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --init-method-std 0.02 --hidden-dropout 0 "
-        "--attention-dropout 0 --seed 1234").split()
-COMMON = TINY + CPU
-MODES = ("baseline", "delta", "delta_block", "attnres", "full_attnres")
+COMMON = MODEL + ["--log-interval", "1"]
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
-    "pp2_vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-    "dp2_distopt": ["--use-distributed-optimizer"],
 }
-
-
-def mode_flags(mode: str) -> list[str]:
-    flags = ["--residual", mode]
-    if mode in ("delta_block", "attnres"):
-        flags += ["--delta-num-blocks", "2"]
-    return flags
-
-
-def is_last_rank() -> bool:
-    return int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
-
-
-def read(path: str, key: str = "lm_loss", split=None) -> list:
-    if not os.path.exists(path):
-        return []
-    out = []
-    for line in open(path):
-        r = json.loads(line)
-        if r.get("split") == split and "lm_loss" in r and key in r:  # not the routing records
-            out.append(r[key])
-    return out
-
-
-def train(argv: list[str], metrics: str) -> dict:
-    from megatron_delta.trainer.main import main
-
-    if is_last_rank() and os.path.exists(metrics):
-        os.remove(metrics)
-    code = main(argv + ["--delta-metrics-file", metrics])
-    assert code == 0, (code, argv)
-    return {"losses": read(metrics), "lr": read(metrics, "lr"), "iterations": read(metrics, "iteration"),
-            "valid": read(metrics, split="valid")}
-
-
-def save_initial(root: str, modes: list[str]) -> None:
-    """`--train-iters 0 --save ROOT/init-MODE`: one initial model per mode (one process)."""
-    from megatron_delta.trainer.main import main
-
-    for mode in modes:
-        assert main(COMMON + mode_flags(mode) + ["--train-iters", "0", "--save", os.path.join(root, f"init-{mode}"),
-                                                 "--save-interval", "1000"]) == 0
-
-
-def run_from_initial(root: str, tag: str, layout: list[str], modes: list[str], iters: int = 4) -> dict:
-    out = {}
-    for mode in modes:
-        out[mode] = train(COMMON + mode_flags(mode) + layout +
-                          ["--train-iters", str(iters), "--load", os.path.join(root, f"init-{mode}"), "--finetune"],
-                          os.path.join(root, f"{tag}-{mode}.jsonl"))
-    return out
-
-
-def rank_reference(root: str, modes: list[str], iters: int = 4) -> dict:
-    """One process: save every mode's initial model, then train it (TP1 PP1 DP1)."""
-    save_initial(root, modes)
-    return run_from_initial(root, "ref", [], modes, iters)
-
-
-def rank_layouts(root: str, layouts: list[str], modes: list[str], iters: int = 4) -> dict:
-    return {name: run_from_initial(root, name, LAYOUTS[name], modes, iters) for name in layouts}
 
 
 def rank_resume(root: str, modes: list[str], layout: list[str], tag: str, iters: int = 20, split_at: int = 10) -> dict:
@@ -158,29 +86,7 @@ def rank_cli(root: str) -> dict:
     return out
 
 
-def rank_all_modes(root: str, iters: int = 6) -> dict:
-    """One process trains every mode (with --delta-router-lr-mult on the routed ones) from scratch."""
-    out = {}
-    for mode in MODES:
-        extra = [] if mode == "baseline" else ["--delta-router-lr-mult", "2"]
-        out[mode] = train(COMMON + mode_flags(mode) + extra + ["--train-iters", str(iters)],
-                          os.path.join(root, f"mode-{mode}.jsonl"))
-        out[mode]["groups"] = _param_groups()
-    return out
-
-
-def _param_groups() -> list:
-    """(max_lr, wd_mult, number of router params, number of params) of each optimizer param group."""
-    from megatron_delta.trainer import main as trainer_main
-
-    groups = []
-    for g in trainer_main.LAST_RUN.optimizer.param_groups:
-        routers = sum(1 for p in g["params"] if getattr(p, "is_delta_router", False))
-        groups.append([g.get("max_lr"), g.get("wd_mult"), routers, len(g["params"])])
-    return groups
-
-
-# ------------------------------------------------------------------------- the features around pretrain
+# ------------------------------------------------------------------------------ trainer features
 # The bundled corpus (SentencePiece BPE 4096): real text for --valid-data-path / --delta-heldout-data-path.
 def bundled_data() -> dict:
     from megatron_delta.data.corpus import ensure_default_data
@@ -211,11 +117,7 @@ def _no_data(argv: list[str]) -> list[str]:
     return out
 
 
-MODEL = _no_data(COMMON)
-
-
-def read_records(path: str) -> list[dict]:
-    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+NO_DATA = _no_data(COMMON)
 
 
 def captured_main(argv: list[str]) -> dict:
@@ -237,7 +139,7 @@ def rank_features(root: str) -> dict:
     `--train-iters 0 --save` (the fresh optimizer's save, run_config.json at iteration 0)."""
     out = {}
     tp2 = os.path.join(root, "tp2")
-    r = captured_main(MODEL + mode_flags("delta_block") + bundled_flags() + LAYOUTS["tp2"] + [
+    r = captured_main(NO_DATA + mode_flags("delta_block") + bundled_flags() + LAYOUTS["tp2"] + [
         "--train-iters", "4", "--eval-interval", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--delta-metrics-file", os.path.join(tp2, "metrics.jsonl"), "--save", os.path.join(tp2, "ckpt"),
         "--save-interval", "2"])
@@ -259,9 +161,9 @@ def rank_load_one_process(ckpt_root: str, eval_samples: int) -> dict:
     import torch
 
     from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
-    from megatron_delta.evaluation.loaders import load_megatron, megatron_logits
     from megatron_delta.data.datasets import build_gpt_datasets
     from megatron_delta.data.tokenizers import build_tokenizer
+    from megatron_delta.evaluation.loaders import load_megatron, megatron_logits
 
     ckpt, iteration = resolve_checkpoint_dir(ckpt_root)
     rc = read_run_config(ckpt)
@@ -289,7 +191,7 @@ def rank_errors(root: str) -> dict:
 
     p = bundled_data()
     out = {}
-    tiny = MODEL + ["--train-iters", "1"]
+    tiny = NO_DATA + ["--train-iters", "1"]
     null_tok = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "4096"]
     missing = os.path.join(root, "missing", "corpus_text_document")
     out["missing_data"] = captured_main(tiny + null_tok + ["--data-path", missing])
@@ -334,16 +236,20 @@ def rank_embedded(root: str) -> dict:
 RESHARD_FLAGS = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable", "--hidden-dropout", "0"]
 
 
-def rank_train_and_save(root: str, mode: str, layout: list[str], tag: str, iters: int = 20, split_at: int = 10) -> dict:
-    """`iters` iterations under `layout` with the distributed optimizer, saving (fully reshardable) at `split_at`."""
-    flags = COMMON + mode_flags(mode) + layout + RESHARD_FLAGS + ["--train-iters", str(iters)]
-    return train(flags + ["--save", os.path.join(root, f"reshard-{tag}-{mode}"), "--save-interval", str(split_at)],
-                 os.path.join(root, f"reshard-straight-{tag}-{mode}.jsonl"))
-
-
-def rank_resume_in_layout(root: str, mode: str, src_tag: str, layout: list[str], tag: str, iters: int = 20,
-                          split_at: int = 10) -> dict:
-    """Resume SRC_TAG's iteration-`split_at` checkpoint (model, optimizer, scheduler) under `layout`."""
-    flags = COMMON + mode_flags(mode) + layout + RESHARD_FLAGS + ["--train-iters", str(iters)]
-    return train(flags + ["--load", os.path.join(root, f"reshard-{src_tag}-{mode}"), "--ckpt-step", str(split_at),
-                          "--no-load-rng"], os.path.join(root, f"reshard-resumed-{src_tag}-in-{tag}-{mode}.jsonl"))
+def rank_reshard(root: str, modes: list[str], layout: list[str], tag: str, straight: bool = True,
+                 resume_from: str | None = None, iters: int = 12, split_at: int = 6) -> dict:
+    """Under `layout` with the distributed optimizer, per mode: (straight) `iters` iterations saving (fully
+    reshardable) ROOT/reshard-TAG-MODE at `split_at`; (resume_from) RESUME_FROM's iteration-`split_at`
+    checkpoint (model, optimizer, scheduler) resumed to `iters`. {"straight"|"resumed": {mode: metrics}}."""
+    out = {"straight": {}, "resumed": {}}
+    for mode in modes:
+        flags = COMMON + mode_flags(mode) + layout + RESHARD_FLAGS + ["--train-iters", str(iters)]
+        if straight:
+            out["straight"][mode] = train(flags + ["--save", os.path.join(root, f"reshard-{tag}-{mode}"),
+                                                   "--save-interval", str(split_at)],
+                                          os.path.join(root, f"reshard-straight-{tag}-{mode}.jsonl"))
+        if resume_from:
+            out["resumed"][mode] = train(flags + ["--load", os.path.join(root, f"reshard-{resume_from}-{mode}"),
+                                                  "--ckpt-step", str(split_at), "--no-load-rng"],
+                                         os.path.join(root, f"reshard-resumed-{resume_from}-in-{tag}-{mode}.jsonl"))
+    return out
