@@ -11,8 +11,11 @@
 """
 
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec, get_gpt_mtp_block_spec,
-                                                      get_gpt_mtp_block_spec_for_backend)
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+    get_gpt_mtp_block_spec_for_backend,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
