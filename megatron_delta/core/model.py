@@ -17,7 +17,7 @@ from megatron_delta.core.config import DeltaTransformerConfig
 from megatron_delta.core.norms import LocalNorm
 from megatron_delta.core.source_cache import link_chunks
 from megatron_delta.core.specs import (decoder_block_spec, get_gpt_layer_local_spec_sp, get_gpt_layer_with_delta_spec,
-                                       get_gpt_layer_with_delta_te_spec)
+                                       get_gpt_layer_with_delta_te_spec, mtp_block_spec)
 
 
 def layer_spec_for(config: DeltaTransformerConfig, transformer_impl: str = "local"):
@@ -45,12 +45,15 @@ def final_norm_for(transformer_impl: str):
 def gpt_model(config: DeltaTransformerConfig, vocab_size: int, *, pre_process: bool, post_process: bool,
               vp_stage=None, transformer_impl: str = "local", **gpt_kwargs) -> GPTModel:
     """One pipeline chunk: Megatron-Core's GPTModel (baseline) or DeltaGPTModel (routed modes).
-    ``gpt_kwargs`` are GPTModel's own (max_sequence_length, position_embedding_type, rotary_base, ...)."""
-    block_spec = decoder_block_spec(config, layer_spec_for(config, transformer_impl), vp_stage,
-                                    final_norm_for(transformer_impl))
+    ``gpt_kwargs`` are GPTModel's own (max_sequence_length, position_embedding_type, rotary_base, ...).
+    With config.mtp_num_layers (baseline only; the routed modes refuse it) the chunk that holds the MTP
+    block gets it, each depth built from the decoder's layer spec as Megatron-LM's gpt_builders.py does."""
+    layer_spec = layer_spec_for(config, transformer_impl)
+    block_spec = decoder_block_spec(config, layer_spec, vp_stage, final_norm_for(transformer_impl))
     model_cls = DeltaGPTModel if config.routed else GPTModel
     return model_cls(config=config, transformer_layer_spec=block_spec, vocab_size=vocab_size,
                      pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                     mtp_block_spec=mtp_block_spec(config, layer_spec, vp_stage, transformer_impl),
                      parallel_output=True, **gpt_kwargs)
 
 

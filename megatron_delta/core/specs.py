@@ -6,9 +6,16 @@
 - `get_gpt_layer_with_delta_te_spec`: the Transformer Engine variant (input norms fused into
   linear_qkv / linear_fc1, so the routed input `u` is what enters the fused linear). Imported lazily.
 - `decoder_block_spec`: the block-level spec (layers of this pipeline chunk + the final norm).
+- `mtp_block_spec`: Megatron's multi-token prediction block for `--mtp-num-layers` (baseline), built from
+  the decoder's layer spec as Megatron-LM's gpt_builders.py builds it.
 """
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+    get_gpt_mtp_block_spec_for_backend,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -67,3 +74,23 @@ def decoder_block_spec(config, layer_spec: ModuleSpec, vp_stage=None, final_norm
     """The layers this (virtual) pipeline chunk builds, and the final norm."""
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=final_norm)
+
+
+class LocalNormSpecProvider(LocalSpecProvider):
+    """Megatron's local backend with LocalNorm for the norms it chooses (the MTP layer's enorm, hnorm and
+    final norm): the same function as its WrappedTorchNorm, which refuses sequence parallelism."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        return LocalNorm
+
+
+def mtp_block_spec(config, layer_spec: ModuleSpec, vp_stage=None, transformer_impl: str = "local"):
+    """The MTP block this pipeline chunk builds (None without --mtp-num-layers, or off the chunk that holds
+    it). Each MTP depth's transformer layer is the decoder's layer spec, as in Megatron-LM's gpt_builders.py.
+    GPTModel computes the MTP loss whenever config.mtp_num_layers is set, so a model built with that
+    config and no MTP block splits its decoder output in two and fails in the cross entropy."""
+    if not config.mtp_num_layers:
+        return None
+    if transformer_impl == "transformer_engine":
+        return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=True, vp_stage=vp_stage)
+    return get_gpt_mtp_block_spec_for_backend(config, layer_spec, LocalNormSpecProvider(), vp_stage=vp_stage)

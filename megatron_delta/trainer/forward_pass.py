@@ -31,13 +31,12 @@ class PretrainingBatches:
 
 
 def _forward_step(data_iterator, model):
-    from megatron_delta.trainer.provider import loss_func
+    from megatron_delta.trainer.provider import loss_func, model_output
 
     batch = next(data_iterator)
     if torch.cuda.is_available():
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return model_output(model, batch), partial(loss_func, batch["loss_mask"])
 
 
 def run_forward(args, model, data_iterator):

@@ -106,5 +106,12 @@ def forward_step(data_iterator, model):
     timers("batch-generator", log_level=2).start()
     batch = get_batch(data_iterator)
     timers("batch-generator").stop()
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return model_output(model, batch), partial(loss_func, batch["loss_mask"])
+
+
+def model_output(model, batch):
+    """One micro-batch through the model, called as Megatron-LM's pretrain_gpt.py calls it: with the labels
+    (per-token losses come back) and the loss mask, which the MTP loss (--mtp-num-layers) applies, rolled
+    with the labels at each depth, as the main loss applies it in loss_func."""
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                 loss_mask=batch["loss_mask"])
