@@ -19,23 +19,28 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
-
-from tests.flags import CPU, tiny
-import torch
-
-import transformers  # noqa: E402  (required: pinned in requirements-lock.txt)
 import safetensors  # noqa: E402,F401
-
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel,  # noqa: E402
-                          LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+import torch
+import transformers  # noqa: E402,F401  (imported to fail early: required, pinned in requirements-lock.txt)
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from megatron_delta.checkpoint import errors, run_config  # noqa: E402
-from megatron_delta.convert import hf_checkpoint, state_dict_adapter  # noqa: E402
-from megatron_delta.evaluation import loaders  # noqa: E402
 from megatron_delta.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_delta.checkpoint.store import load_checkpoint  # noqa: E402
+from megatron_delta.convert import hf_checkpoint, state_dict_adapter  # noqa: E402
+from megatron_delta.evaluation import loaders  # noqa: E402
 from tests import rank_runner  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
+from tests.flags import CPU, tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4
@@ -410,14 +415,13 @@ def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
     """The model conversion and the tools build from a checkpoint's run_config.json (megatron_delta.checkpoint.model_config)
     has the config the trainer built from its flags, field by field (NOT_THE_FUNCTION aside), and the trainer's
     GPTModel options; under the layout of the trained checkpoints (TP2 x PP2), as load_megatron_parallel builds."""
-    from megatron_delta.platform.cpu import activate_cpu_platform
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
     from megatron_delta.checkpoint.model_config import model_config, padded_vocab_size
-    from megatron_delta.checkpoint.run_config import run_config_fields
+    from megatron_delta.checkpoint.run_config import recorded_config, run_config_fields
+    from megatron_delta.platform.cpu import activate_cpu_platform
     from megatron_delta.trainer.main import parse_args
     from megatron_delta.trainer.provider import transformer_config
-    from megatron_delta.checkpoint.run_config import recorded_config
 
     activate_cpu_platform()  # Megatron-LM's validate_args asks the GPU its architecture under TP > 1
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -336,9 +336,9 @@ def dist():
 def _model(mode, null, gate, kernels):
     from megatron.core import tensor_parallel
 
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.modes import BLOCK_MODES
-    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
 
     fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, seq_length=S,
                   vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,

@@ -48,8 +48,8 @@ def _flags(mode, L, h, heads, groups, s, b, V):
 def measured_saved_bytes(mode, L, h, heads, groups, s, b, V):
     from megatron.core import tensor_parallel
 
-    from megatron_delta.core.model import build_model_chunks
     from megatron_delta.checkpoint.model_config import model_config
+    from megatron_delta.core.model import build_model_chunks
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)

@@ -130,8 +130,8 @@ def test_patches_suspended_knows_only_installable_entries():
 
 # ------------------------------------------------------------------------------------------ the pointers
 def test_pointing_entries_point_at_the_code_that_makes_the_change():
-    from megatron_delta.platform import patches
     from megatron_delta.core import payload
+    from megatron_delta.platform import patches
 
     cls = payload.PayloadP2PCommunicator
     assert "_communicate_shapes" in cls.__dict__  # the override of p2p_shape_exchange
@@ -253,9 +253,8 @@ def rank_trainer_warnings(root: str) -> dict:
     shown = []
     warnings.showwarning = lambda message, category, *a, **k: shown.append(f"{category.__name__}: {message}")
     before = [repr(f) for f in warnings.filters]
-    from tests.trainer_driver import COMMON, mode_flags
-
     from megatron_delta.trainer.main import main
+    from tests.trainer_driver import COMMON, mode_flags
 
     code = main(COMMON + mode_flags("delta_block") + ["--train-iters", "1", "--save", os.path.join(root, "ckpt"),
                                                       "--save-interval", "1"])
@@ -288,11 +287,11 @@ def rank_optimizer_round_trip(root: str, delta_router_lr_mult: float) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
+    from megatron_delta.checkpoint.run_config import checkpoint_args
     from megatron_delta.checkpoint.store import load_checkpoint, save_checkpoint
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.platform.distributed import destroy_distributed, initialize_distributed
-    from megatron_delta.checkpoint.run_config import checkpoint_args
-    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
     from megatron_delta.trainer.hooks import router_overrides
 
     vocab = 64

@@ -4,8 +4,6 @@ plus layout cross-checks against Megatron-Core's own modules (CPU, single rank).
 Fast (seconds). Imports nothing from megatron_delta.
 """
 
-import math
-import os
 import socket
 
 import pytest
@@ -14,7 +12,6 @@ import torch.nn.functional as F
 
 from tests.reference_delta import (
     ADDITIVE_MODES,
-    MODES,
     RefConfig,
     apply_rope,
     attention,

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from megatron_delta.core.router import DepthRouter, Source, make_source
+from megatron_delta.core.router import DepthRouter, make_source
 
 EPS = 1e-6
 

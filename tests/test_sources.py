@@ -7,8 +7,8 @@ import torch
 
 from megatron_delta.core.payload import pack_stage_payload, payload_seq_length, unpack_stage_payload
 from megatron_delta.core.router import DepthRouter
-from megatron_delta.evaluation.routing_stats import RoutingStatsAccumulator, routing_stats
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
+from megatron_delta.evaluation.routing_stats import RoutingStatsAccumulator, routing_stats
 
 EPS = 1e-6
 

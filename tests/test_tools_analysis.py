@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from tests.flags import tiny
-
 from tests.dist_utils import REPO_ROOT, run_distributed
+from tests.flags import tiny
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 

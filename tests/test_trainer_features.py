@@ -49,8 +49,7 @@ def test_embedded_argv_fills_what_is_not_given():
 def test_recorded_config_uses_the_old_flag_names():
     import types
 
-    from megatron_delta.checkpoint.run_config import RECORDED_FLAGS
-    from megatron_delta.checkpoint.run_config import recorded_config
+    from megatron_delta.checkpoint.run_config import RECORDED_FLAGS, recorded_config
 
     args = types.SimpleNamespace(layernorm_epsilon=1e-6, add_bias_linear=False, num_layers=4)
     rc = recorded_config(args)

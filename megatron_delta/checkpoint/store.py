@@ -16,15 +16,23 @@ import shutil
 
 import numpy as np
 import torch
-
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import StrictHandling
 
 from megatron_delta.checkpoint.errors import CheckpointError
-from megatron_delta.checkpoint.run_config import (HF_TOKENIZER_SUBDIR, LAYOUT_FLAGS, RECORDED_FLAGS, RUN_CONFIG,
-                                                  TRACKER, check_model_flags, copy_hf_tokenizer, iteration_dir,
-                                                  read_run_config, resolve_checkpoint_dir)
+from megatron_delta.checkpoint.run_config import (
+    HF_TOKENIZER_SUBDIR,
+    LAYOUT_FLAGS,
+    RECORDED_FLAGS,
+    RUN_CONFIG,
+    TRACKER,
+    check_model_flags,
+    copy_hf_tokenizer,
+    iteration_dir,
+    read_run_config,
+    resolve_checkpoint_dir,
+)
 
 
 def _rank0() -> bool:

@@ -29,8 +29,11 @@ import torch
 
 from megatron_delta.checkpoint.errors import ConversionError
 from megatron_delta.checkpoint.run_config import HF_TOKENIZER_FILES, true_vocab_size
-from megatron_delta.convert.state_dict_adapter import (SUPPORTED_HF_ARCHS, hf_to_megatron_state_dict,
-                                                       megatron_to_hf_state_dict)
+from megatron_delta.convert.state_dict_adapter import (
+    SUPPORTED_HF_ARCHS,
+    hf_to_megatron_state_dict,
+    megatron_to_hf_state_dict,
+)
 from megatron_delta.core.modes import BASELINE, BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 from megatron_delta.evaluation.loaders import build_megatron_model, load_megatron
 

@@ -11,13 +11,12 @@ checkpoints groups of layers whose inputs are the buffer's tensors, passed expli
 from contextlib import nullcontext
 
 import torch
-
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, deprecate_inference_params, make_viewless_tensor
 
-from megatron_delta.core.modes import REPLACEMENT_MODES
 from megatron_delta.core.layer import build_router
+from megatron_delta.core.modes import REPLACEMENT_MODES
 from megatron_delta.core.payload import pack_stage_payload, unpack_stage_payload
 from megatron_delta.core.router import DepthRouter
 from megatron_delta.core.source_cache import cache_applies

@@ -56,8 +56,15 @@ import time
 
 import torch
 
-from megatron_delta.core.modes import (ADDITIVE_MODES, BASELINE, BLOCK_MODES, DELTA, DELTA_BLOCK,
-                                       RESIDUAL_MODES, ROUTED_MODES)
+from megatron_delta.core.modes import (
+    ADDITIVE_MODES,
+    BASELINE,
+    BLOCK_MODES,
+    DELTA,
+    DELTA_BLOCK,
+    RESIDUAL_MODES,
+    ROUTED_MODES,
+)
 from megatron_delta.perf.machine_rates import op_costs
 from megatron_delta.perf.router_breakdown import STAND_INS, fused_router_passes, stand_ins
 

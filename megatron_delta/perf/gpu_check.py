@@ -129,8 +129,8 @@ def build(env, fields, kernels="fla"):
     import torch
     from megatron.core import tensor_parallel
 
-    from megatron_delta.core.model import build_model_chunks
     from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
+    from megatron_delta.core.model import build_model_chunks
 
     fields = resolve_model_fields(fields)
     over = {} if fields["residual"] == BASELINE else {"delta_router_kernels": kernels}
