@@ -1,4 +1,5 @@
-"""Checkpoint conversion (tools/convert_checkpoint.py, tools/evaluate.py, megatron_delta.convert, megatron_delta.evaluation.loaders).
+"""Checkpoint conversion (tools/convert_checkpoint.py, tools/evaluate.py, megatron_delta.convert,
+megatron_delta.evaluation.loaders).
 
 (a) every residual mode: pretrain_gpt trains a tiny model 3 iterations under TP2+PP2 (4 gloo ranks, ONE
     launch trains all modes in sequence: tests/rank_runner.py train_all) -> export (resharded to one
@@ -248,7 +249,8 @@ def test_one_rename_table_inverts_itself(qk_layernorm, tied):
               "self_attn.v_proj.weight": (ng * hn, d), "self_attn.o_proj.weight": (d, nh * hn),
               "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
               "mlp.gate_proj.weight": (ffn, d), "mlp.up_proj.weight": (ffn, d), "mlp.down_proj.weight": (d, ffn),
-              **{f"{r}.{field}": shape for r in ("attn_router", "mlp_router") for field, shape in ROUTER_FIELDS.items()}}
+              **{f"{r}.{field}": shape
+                 for r in ("attn_router", "mlp_router") for field, shape in ROUTER_FIELDS.items()}}
     if qk_layernorm:
         shapes.update({"self_attn.q_norm.weight": (hn,), "self_attn.k_norm.weight": (hn,)})
     hf = {f"model.layers.{i}.{k}": torch.randn(*v, generator=g) for i in range(L) for k, v in shapes.items()}
@@ -268,7 +270,8 @@ def test_one_rename_table_inverts_itself(qk_layernorm, tied):
     want |= {f"decoder.layers.{i}.{r}.{field}" for i in range(L) for r in ("self_attention_router", "mlp_router")
              for field in ROUTER_FIELDS}
     assert set(meg) == want
-    assert meg[state_dict_adapter.EMBEDDING[0]].shape == (128, d) and not meg[state_dict_adapter.EMBEDDING[0]][vocab:].any()
+    assert (meg[state_dict_adapter.EMBEDDING[0]].shape == (128, d)
+            and not meg[state_dict_adapter.EMBEDDING[0]][vocab:].any())
     back = state_dict_adapter.megatron_to_hf_state_dict(meg, vocab_size=vocab, **kw)
     assert set(back) == set(hf)
     for k in hf:
@@ -412,9 +415,10 @@ def _same(a, b):
 
 @pytest.mark.parametrize("name", list(MODES) + ["delta_without_gqa"])
 def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
-    """The model conversion and the tools build from a checkpoint's run_config.json (megatron_delta.checkpoint.model_config)
-    has the config the trainer built from its flags, field by field (NOT_THE_FUNCTION aside), and the trainer's
-    GPTModel options; under the layout of the trained checkpoints (TP2 x PP2), as load_megatron_parallel builds."""
+    """The model conversion and the tools build from a checkpoint's run_config.json
+    (megatron_delta.checkpoint.model_config) has the config the trainer built from its flags, field by field
+    (NOT_THE_FUNCTION aside), and the trainer's GPTModel options; under the layout of the trained checkpoints
+    (TP2 x PP2), as load_megatron_parallel builds."""
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
     from megatron_delta.checkpoint.model_config import model_config, padded_vocab_size
@@ -481,8 +485,9 @@ def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
     hf.save_pretrained(tmp_path / "src")
     export_sentencepiece_tokenizer(spm, str(tmp_path / "src"))
     src_tok = AutoTokenizer.from_pretrained(str(tmp_path / "src"))
-    hf_checkpoint.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "imported"), "delta_block", delta_num_blocks=2,
-                                 delta_gate="scalar", delta_null_source=True, log=lambda *a: None)
+    hf_checkpoint.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "imported"), "delta_block",
+                                    delta_num_blocks=2, delta_gate="scalar", delta_null_source=True,
+                                    log=lambda *a: None)
     rc0 = json.load(open(tmp_path / "imported" / "iter_0000000" / "run_config.json"))
     assert rc0["hf_tokenizer_dir"] == "hf_tokenizer"  # copied into the checkpoint, not a path to the source
     out = _finetune(str(tmp_path / "imported"), str(tmp_path / "ft"))

@@ -1,5 +1,5 @@
-"""Tests of megatron_delta.platform (cpu, distributed) and the CPU-only entries of megatron_delta.platform.patches: each patch is
-needed (suspended, upstream fails as its registry entry says), and Megatron-Core trains on CPU. Also the
+"""Tests of megatron_delta.platform (cpu, distributed) and the CPU-only entries of megatron_delta.platform.patches: each
+patch is needed (suspended, upstream fails as its registry entry says), and Megatron-Core trains on CPU. Also the
 every-device entries (the distributed optimizer over torch Adam saves and resumes exactly).
 
 The functions without a ``test_`` prefix run inside rank subprocesses (tests/dist_utils.py); the
@@ -561,8 +561,9 @@ def test_check_p2p_config_refuses_vpp_with_batched_p2p(pp2_checks):
 
 
 CPU_ENTRIES = ["current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads",
-               "tensor_type_checks", "checkpoint_without_output_fp8", "training_module_torch", "initialize_allow_no_cuda",
-               "initialize_model_parallel", "compile_helpers", "device_arch_version", "loader_generator"]
+               "tensor_type_checks", "checkpoint_without_output_fp8", "training_module_torch",
+               "initialize_allow_no_cuda", "initialize_model_parallel", "compile_helpers", "device_arch_version",
+               "loader_generator"]
 
 
 def test_patch_registry_names_the_cpu_failures(single_checks):

@@ -1,9 +1,9 @@
 """The memory and cost models (megatron_delta/perf/memory_model.py, cost_model.py) and tools/memory_plan.py:
 the activation estimate against the bytes autograd really saves (CPU, local spec).
 
-The model is built in-process (megatron_delta.checkpoint.model_config + initialize_distributed(1, 1) + build_model_chunks); one
-forward with labels runs under torch.autograd.graph.saved_tensors_hooks, and the unique storages of
-the saved tensors that are not parameters are summed."""
+The model is built in-process (megatron_delta.checkpoint.model_config + initialize_distributed(1, 1) +
+build_model_chunks); one forward with labels runs under torch.autograd.graph.saved_tensors_hooks, and the unique
+storages of the saved tensors that are not parameters are summed."""
 import importlib.util
 import os
 

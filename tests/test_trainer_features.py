@@ -159,7 +159,7 @@ def test_errors_after_start_up_are_one_line(tmp_path):
     assert r["save"]["code"] == 0
     for name, words in expected.items():
         v = r[name]
-        lines = [l for l in v["err"].splitlines() if l.strip()]
+        lines = [line for line in v["err"].splitlines() if line.strip()]
         assert v["code"] == 1, (name, v)
         assert "Traceback" not in v["err"], (name, v["err"])
         assert lines[-1].startswith("pretrain_gpt.py: error: "), (name, lines)

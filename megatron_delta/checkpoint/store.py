@@ -125,7 +125,8 @@ def load_checkpoint(path, model, optimizer, scheduler, args, load_optim=True, lo
     check_model_flags(saved, args, ckpt_dir)
     same_layout = all(saved.get(k) == getattr(args, k, None) for k in LAYOUT_FLAGS)
     load_optim = load_optim and optimizer is not None and saved.get("has_optimizer", False)
-    if load_optim and not same_layout and not (saved.get("use_distributed_optimizer") == args.use_distributed_optimizer):
+    if (load_optim and not same_layout
+            and not (saved.get("use_distributed_optimizer") == args.use_distributed_optimizer)):
         raise CheckpointError(f"--load {ckpt_dir}: the optimizer state was saved with --use-distributed-optimizer="
                               f"{saved.get('use_distributed_optimizer')}; pass the same, or --no-load-optim")
 

@@ -3,8 +3,8 @@
 The decoder of one (virtual) pipeline chunk holds the SourceBuffer of the micro-batch it is running:
 it starts it from the embedding output (first chunk) or unpacks it from the one tensor the previous
 stage sent (under the interleaved schedule, plus the sources its rank already holds: the pipeline
-source cache, core/source_cache.py), runs its layers, and either packs what the next stage needs into one tensor or (last
-chunk) applies the final router of the replacement modes and the final norm. Activation recompute
+source cache, core/source_cache.py), runs its layers, and either packs what the next stage needs into one tensor or
+(last chunk) applies the final router of the replacement modes and the final norm. Activation recompute
 checkpoints groups of layers whose inputs are the buffer's tensors, passed explicitly.
 """
 
