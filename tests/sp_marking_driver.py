@@ -8,11 +8,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def router_param_marks(mode: str) -> dict:
     """Build a TP2+SP model of `mode` on this rank; {router parameter: [sequence_parallel, tensor_model_parallel]}."""
+    from megatron_delta.checkpoint.model_config import model_config
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.modes import ADDITIVE_MODES
     from megatron_delta.platform.cpu import activate_cpu_platform
     from megatron_delta.platform.distributed import initialize_distributed
-    from megatron_delta.checkpoint.model_config import model_config
 
     activate_cpu_platform()
     initialize_distributed(2, 1, seed=1234)

@@ -244,7 +244,8 @@ def test_evaluate_computes_as_trained(runs, tmp_path):
     print(f"[evaluate of the bf16 checkpoints: bf16 vs fp32 compute, max |logits diff|, |total NLL diff|] {gaps}")
     ckpt = os.path.join(root, "ckpt-tp2pp2sp-bf16_r10-delta")
     tp1, tp1_logits = _evaluate(tmp_path, ckpt, "delta-tp1")
-    run_distributed(os.path.join("tools", "evaluate.py"), 4, "--load", ckpt, "--tokens-file", str(tmp_path / "toks.json"),
+    run_distributed(os.path.join("tools", "evaluate.py"), 4, "--load", ckpt,
+                    "--tokens-file", str(tmp_path / "toks.json"),
                     "--output", str(tmp_path / "par.json"), "--logits-file", str(tmp_path / "par.pt"),
                     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", timeout=600)
     par = json.loads((tmp_path / "par.json").read_text())
@@ -314,7 +315,8 @@ def test_perplexity_computes_as_trained(runs, tmp_path):
     # the same windows through tools/evaluate.py (32 tokens, overlapping by one; the model has 32 positions)
     toks = tmp_path / "windows.json"
     toks.write_text(json.dumps([stream[0:32], stream[31:63], stream[62:64]]))
-    assert _tool("evaluate").main(["--load", ckpt, "--tokens-file", str(toks), "--output", str(tmp_path / "ev.json")]) == 0
+    assert _tool("evaluate").main(["--load", ckpt, "--tokens-file", str(toks),
+                                   "--output", str(tmp_path / "ev.json")]) == 0
     ev = json.loads((tmp_path / "ev.json").read_text())
     print(f"[perplexity of the bf16 delta checkpoint] NLL bf16 {got['bf16']:.5f}, fp32 {got['fp32']:.5f}, "
           f"evaluate.py bf16 {ev['total_nll']:.5f}")

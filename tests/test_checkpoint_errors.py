@@ -11,7 +11,6 @@ import json
 import os
 import warnings
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 

@@ -72,7 +72,8 @@ def test_cpu_without_the_cpu_switches(capsys):
     _no_traceback(err)
     line = err.strip().splitlines()[-1]
     assert line.startswith("pretrain_gpt.py: error: no CUDA device: Megatron-LM's GPU defaults need "
-                           "--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion"), line
+                           "--transformer-impl local --distributed-backend gloo "
+                           "--no-gradient-accumulation-fusion"), line
     assert "--no-rope-fusion on CPU" not in line and "--use-cpu-initialization" in line, line
 
 

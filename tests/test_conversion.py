@@ -1,4 +1,5 @@
-"""Checkpoint conversion (tools/convert_checkpoint.py, tools/evaluate.py, megatron_delta.convert, megatron_delta.evaluation.loaders).
+"""Checkpoint conversion (tools/convert_checkpoint.py, tools/evaluate.py, megatron_delta.convert,
+megatron_delta.evaluation.loaders).
 
 (a) every residual mode: pretrain_gpt trains a tiny model 3 iterations under TP2+PP2 (4 gloo ranks, ONE
     launch trains all modes in sequence: tests/rank_runner.py train_all) -> export (resharded to one
@@ -19,23 +20,28 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
-
-from tests.flags import CPU, tiny
-import torch
-
-import transformers  # noqa: E402  (required: pinned in requirements-lock.txt)
 import safetensors  # noqa: E402,F401
-
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel,  # noqa: E402
-                          LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+import torch
+import transformers  # noqa: E402,F401  (imported to fail early: required, pinned in requirements-lock.txt)
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from megatron_delta.checkpoint import errors, run_config  # noqa: E402
-from megatron_delta.convert import hf_checkpoint, state_dict_adapter  # noqa: E402
-from megatron_delta.evaluation import loaders  # noqa: E402
 from megatron_delta.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_delta.checkpoint.store import load_checkpoint  # noqa: E402
+from megatron_delta.convert import hf_checkpoint, state_dict_adapter  # noqa: E402
+from megatron_delta.evaluation import loaders  # noqa: E402
 from tests import rank_runner  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
+from tests.flags import CPU, tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4
@@ -243,7 +249,8 @@ def test_one_rename_table_inverts_itself(qk_layernorm, tied):
               "self_attn.v_proj.weight": (ng * hn, d), "self_attn.o_proj.weight": (d, nh * hn),
               "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
               "mlp.gate_proj.weight": (ffn, d), "mlp.up_proj.weight": (ffn, d), "mlp.down_proj.weight": (d, ffn),
-              **{f"{r}.{field}": shape for r in ("attn_router", "mlp_router") for field, shape in ROUTER_FIELDS.items()}}
+              **{f"{r}.{field}": shape
+                 for r in ("attn_router", "mlp_router") for field, shape in ROUTER_FIELDS.items()}}
     if qk_layernorm:
         shapes.update({"self_attn.q_norm.weight": (hn,), "self_attn.k_norm.weight": (hn,)})
     hf = {f"model.layers.{i}.{k}": torch.randn(*v, generator=g) for i in range(L) for k, v in shapes.items()}
@@ -263,7 +270,8 @@ def test_one_rename_table_inverts_itself(qk_layernorm, tied):
     want |= {f"decoder.layers.{i}.{r}.{field}" for i in range(L) for r in ("self_attention_router", "mlp_router")
              for field in ROUTER_FIELDS}
     assert set(meg) == want
-    assert meg[state_dict_adapter.EMBEDDING[0]].shape == (128, d) and not meg[state_dict_adapter.EMBEDDING[0]][vocab:].any()
+    assert (meg[state_dict_adapter.EMBEDDING[0]].shape == (128, d)
+            and not meg[state_dict_adapter.EMBEDDING[0]][vocab:].any())
     back = state_dict_adapter.megatron_to_hf_state_dict(meg, vocab_size=vocab, **kw)
     assert set(back) == set(hf)
     for k in hf:
@@ -407,17 +415,17 @@ def _same(a, b):
 
 @pytest.mark.parametrize("name", list(MODES) + ["delta_without_gqa"])
 def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
-    """The model conversion and the tools build from a checkpoint's run_config.json (megatron_delta.checkpoint.model_config)
-    has the config the trainer built from its flags, field by field (NOT_THE_FUNCTION aside), and the trainer's
-    GPTModel options; under the layout of the trained checkpoints (TP2 x PP2), as load_megatron_parallel builds."""
-    from megatron_delta.platform.cpu import activate_cpu_platform
+    """The model conversion and the tools build from a checkpoint's run_config.json
+    (megatron_delta.checkpoint.model_config) has the config the trainer built from its flags, field by field
+    (NOT_THE_FUNCTION aside), and the trainer's GPTModel options; under the layout of the trained checkpoints
+    (TP2 x PP2), as load_megatron_parallel builds."""
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
     from megatron_delta.checkpoint.model_config import model_config, padded_vocab_size
-    from megatron_delta.checkpoint.run_config import run_config_fields
+    from megatron_delta.checkpoint.run_config import recorded_config, run_config_fields
+    from megatron_delta.platform.cpu import activate_cpu_platform
     from megatron_delta.trainer.main import parse_args
     from megatron_delta.trainer.provider import transformer_config
-    from megatron_delta.checkpoint.run_config import recorded_config
 
     activate_cpu_platform()  # Megatron-LM's validate_args asks the GPU its architecture under TP > 1
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -477,8 +485,9 @@ def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
     hf.save_pretrained(tmp_path / "src")
     export_sentencepiece_tokenizer(spm, str(tmp_path / "src"))
     src_tok = AutoTokenizer.from_pretrained(str(tmp_path / "src"))
-    hf_checkpoint.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "imported"), "delta_block", delta_num_blocks=2,
-                                 delta_gate="scalar", delta_null_source=True, log=lambda *a: None)
+    hf_checkpoint.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "imported"), "delta_block",
+                                    delta_num_blocks=2, delta_gate="scalar", delta_null_source=True,
+                                    log=lambda *a: None)
     rc0 = json.load(open(tmp_path / "imported" / "iter_0000000" / "run_config.json"))
     assert rc0["hf_tokenizer_dir"] == "hf_tokenizer"  # copied into the checkpoint, not a path to the source
     out = _finetune(str(tmp_path / "imported"), str(tmp_path / "ft"))

@@ -1,5 +1,5 @@
-"""Tests of megatron_delta.platform (cpu, distributed) and the CPU-only entries of megatron_delta.platform.patches: each patch is
-needed (suspended, upstream fails as its registry entry says), and Megatron-Core trains on CPU. Also the
+"""Tests of megatron_delta.platform (cpu, distributed) and the CPU-only entries of megatron_delta.platform.patches: each
+patch is needed (suspended, upstream fails as its registry entry says), and Megatron-Core trains on CPU. Also the
 every-device entries (the distributed optimizer over torch Adam saves and resumes exactly).
 
 The functions without a ``test_`` prefix run inside rank subprocesses (tests/dist_utils.py); the
@@ -146,7 +146,6 @@ def _train(chunks_fn, config, steps, num_microbatches, dist_opt, first_mb=0, cli
            lr=1e-2):
     """Wrap in DDP, build the Megatron optimizer, run `steps` training steps -> per-step losses
     (mean over this rank's micro-batches; None on non-last pipeline stages) and grad norms."""
-    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -209,6 +208,7 @@ def _train(chunks_fn, config, steps, num_microbatches, dist_opt, first_mb=0, cli
 def rank_reference(weights_dir, steps, num_microbatches):
     """TP1/PP1 on one rank: save the initial weights (2- and 4-layer models), train, return losses."""
     import torch
+
     from megatron_delta.platform import distributed
 
     distributed.initialize_distributed(seed=1234)
@@ -228,6 +228,7 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
     """Train the same model from the same weights in several parallel layouts (2 ranks)."""
     import torch
     from megatron.core import parallel_state as ps
+
     from megatron_delta.platform import distributed, patches
 
     results = {}
@@ -262,6 +263,7 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
 def rank_patch_checks_single():
     """One rank: each patch's upstream failure (suspended) and its fix (active)."""
     import torch
+
     from megatron_delta.platform import cpu, distributed
     from megatron_delta.platform.patches import patches_suspended
 
@@ -280,12 +282,12 @@ def rank_patch_checks_single():
 
     out["world"] = [dist.get_world_size(), dist.get_backend()]
     from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer import clip_grads as clip_mod
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     # 1. torch.cuda.current_device() as a device (RotaryEmbedding without CPU initialisation)
     def rope():
@@ -403,6 +405,7 @@ def _recompute_matches():
 def rank_patch_checks_pp2():
     """Two ranks, PP2: synchronize after batched p2p (2), tied embeddings .cuda() (3), TP RNG."""
     import torch
+
     from megatron_delta.platform import distributed
     from megatron_delta.platform.patches import patches_suspended
 
@@ -558,8 +561,9 @@ def test_check_p2p_config_refuses_vpp_with_batched_p2p(pp2_checks):
 
 
 CPU_ENTRIES = ["current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads",
-               "tensor_type_checks", "checkpoint_without_output_fp8", "training_module_torch", "initialize_allow_no_cuda",
-               "initialize_model_parallel", "compile_helpers", "device_arch_version", "loader_generator"]
+               "tensor_type_checks", "checkpoint_without_output_fp8", "training_module_torch",
+               "initialize_allow_no_cuda", "initialize_model_parallel", "compile_helpers", "device_arch_version",
+               "loader_generator"]
 
 
 def test_patch_registry_names_the_cpu_failures(single_checks):
@@ -576,6 +580,7 @@ def test_patch_registry_names_the_cpu_failures(single_checks):
 
 def test_activate_is_a_no_op_with_cuda(monkeypatch):
     import torch
+
     from megatron_delta.platform import cpu
 
     current_device = torch.cuda.current_device
@@ -709,6 +714,7 @@ def rank_training_patch_checks():
     import types
 
     import torch
+
     from megatron_delta.platform import distributed
     from megatron_delta.platform.patches import patches_suspended
 
@@ -865,8 +871,8 @@ def _adam_steps(optimizer):
 def rank_distopt_fix_checks(root):
     """One rank: save the DistributedOptimizer after 3 steps (dp_reshardable, Megatron-LM's default, and
     fully_reshardable), resume, 2 more steps == 5 straight; each fix suspended shows its failure."""
-    import torch
     from megatron.core import dist_checkpointing
+
     from megatron_delta.platform import distributed
     from megatron_delta.platform.patches import patches_suspended
 

@@ -16,10 +16,9 @@ import sys
 
 import pytest
 
-from tests.flags import tiny
-
 from megatron_delta.data.corpus import BUNDLED_DATA_DIR
 from tests.dist_utils import REPO_ROOT
+from tests.flags import tiny
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 

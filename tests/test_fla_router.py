@@ -129,7 +129,8 @@ def test_matches_reference_and_torch_path(kernel, null, gate, base, shared):
             if gr is None:
                 continue
             scale = scales[kinds[i]] if kinds[i] != "value" else gr.abs().max().item()
-            torch.testing.assert_close(g.double(), gr.double(), rtol=1e-4, atol=1e-5 * scale, msg=lambda m, name=name, i=i: f"{name} grad {i}: {m}")
+            torch.testing.assert_close(g.double(), gr.double(), rtol=1e-4, atol=1e-5 * scale,
+                                       msg=lambda m, name=name, i=i: f"{name} grad {i}: {m}")
     # and the two paths agree with each other to fp32 round-off
     for g, gt, kind in zip(got[2], torch_path[2], kinds, strict=True):
         if g is not None:
@@ -336,12 +337,12 @@ def dist():
 def _model(mode, null, gate, kernels):
     from megatron.core import tensor_parallel
 
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.modes import BLOCK_MODES
-    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
 
-    fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, seq_length=S,
-                  vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,
+    fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
+                  seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,
                   delta_gate="scalar" if gate else "none", delta_num_blocks=2 if mode in BLOCK_MODES else None))
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)

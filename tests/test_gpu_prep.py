@@ -194,7 +194,8 @@ def test_gpu_check_dry_run():
     assert {"query", "key_norm_weight", "null_source", "gate", "x", "s0", "out"} <= set().union(
         *(x["errors"] for x in r["router"]))
     speed = {(x["shape"], x["mode"], x["kernels"]) for x in r["speed"]}
-    assert {("8B", "delta_block", "fla"), ("8B", "delta", "torch"), ("1B", "delta", "fla"), ("1B", "baseline", "-")} <= speed
+    assert {("8B", "delta_block", "fla"), ("8B", "delta", "torch"), ("1B", "delta", "fla"),
+            ("1B", "baseline", "-")} <= speed
     assert all(0 < x["predicted_ratio"] <= 1 for x in r["speed"])
     assert all(x["ok"] and x["losses"][-1] < x["losses"][0] for x in r["train"]) and len(r["train"]) == 5
 
@@ -275,9 +276,9 @@ def test_cross_entropy_loss_fusion_leaves_routing_untouched(dist, mode):
     vocab-parallel cross entropy, compiled by torch.compile, CPU included) replaces only the loss after the
     output layer. The same routed model (null source, gate, router queries off zero) gives bitwise the same
     logits with it as without, the same losses to fp32 round-off, and the same gradients of every parameter,
-    routers included (measured: bitwise), once the unfused loss's gradient is rounded to bf16 as the fused one hands it back (Megatron-Core's
-    calculate_gradients ends in `.to(torch.bfloat16)`; without the rounding router gradients move by up to
-    30 % of their largest entry in this fp32 model, every other gradient by about 0.2 %)."""
+    routers included (measured: bitwise), once the unfused loss's gradient is rounded to bf16 as the fused one hands
+    it back (Megatron-Core's calculate_gradients ends in `.to(torch.bfloat16)`; without the rounding router gradients
+    move by up to 30 % of their largest entry in this fp32 model, every other gradient by about 0.2 %)."""
     from megatron.core import tensor_parallel
 
     from megatron_delta.core.model import build_model_chunks

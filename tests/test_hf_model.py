@@ -9,17 +9,28 @@ import random
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
-import torch
-
-import transformers  # noqa: E402  (required: pinned in requirements-lock.txt)
 import safetensors  # noqa: E402,F401
-
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,  # noqa: E402
-                          Qwen3Config, Qwen3ForCausalLM)
+import torch
+import transformers  # noqa: E402,F401  (imported to fail early: required, pinned in requirements-lock.txt)
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import megatron_delta  # noqa: E402
-from megatron_delta.hf import (AUTO_MAP, REMOTE_CODE_FILES, DeltaQwen3Config, DeltaQwen3ForCausalLM,  # noqa: E402
-                               DeltaRouter, export_sentencepiece_tokenizer, write_remote_code_model)
+from megatron_delta.hf import (  # noqa: E402
+    AUTO_MAP,
+    REMOTE_CODE_FILES,
+    DeltaQwen3Config,
+    DeltaQwen3ForCausalLM,
+    DeltaRouter,
+    export_sentencepiece_tokenizer,
+    write_remote_code_model,
+)
 from tests import reference_delta as ref  # noqa: E402
 
 L, D, NH, NG, HN, FFN, V = 4, 64, 4, 2, 16, 96, 64

@@ -50,7 +50,8 @@ def core_may_import(mod: str) -> bool:
 def hf_may_import(mod: str) -> bool:
     """The HF side may read the mode rules (core/modes.py, which imports nothing) and nothing else of Megatron."""
     if mod.startswith("megatron"):
-        return mod in ("megatron_delta.core.modes",) or mod == "megatron_delta.hf" or mod.startswith("megatron_delta.hf.")
+        return (mod in ("megatron_delta.core.modes",) or mod == "megatron_delta.hf"
+                or mod.startswith("megatron_delta.hf."))
     return True
 
 

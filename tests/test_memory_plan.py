@@ -1,9 +1,9 @@
 """The memory and cost models (megatron_delta/perf/memory_model.py, cost_model.py) and tools/memory_plan.py:
 the activation estimate against the bytes autograd really saves (CPU, local spec).
 
-The model is built in-process (megatron_delta.checkpoint.model_config + initialize_distributed(1, 1) + build_model_chunks); one
-forward with labels runs under torch.autograd.graph.saved_tensors_hooks, and the unique storages of
-the saved tensors that are not parameters are summed."""
+The model is built in-process (megatron_delta.checkpoint.model_config + initialize_distributed(1, 1) +
+build_model_chunks); one forward with labels runs under torch.autograd.graph.saved_tensors_hooks, and the unique
+storages of the saved tensors that are not parameters are summed."""
 import importlib.util
 import os
 
@@ -48,8 +48,8 @@ def _flags(mode, L, h, heads, groups, s, b, V):
 def measured_saved_bytes(mode, L, h, heads, groups, s, b, V):
     from megatron.core import tensor_parallel
 
-    from megatron_delta.core.model import build_model_chunks
     from megatron_delta.checkpoint.model_config import model_config
+    from megatron_delta.core.model import build_model_chunks
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_delta.core.modes import ADDITIVE_MODES, BLOCK_MODES, REPLACEMENT_MODES
 from megatron_delta.checkpoint.model_config import ModelConfigError, resolve_model_fields
+from megatron_delta.core.modes import ADDITIVE_MODES, BLOCK_MODES, REPLACEMENT_MODES
 from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
 
 torch.set_num_threads(1)
@@ -56,8 +56,8 @@ def build(mode, sources="exact", null=False, gate=False, num_layers=4, num_block
     build_model_chunks with a freshly seeded RNG, so the same seed gives the same backbone in every mode."""
     from megatron.core import tensor_parallel
 
-    from megatron_delta.core.model import build_model_chunks
     from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
+    from megatron_delta.core.model import build_model_chunks
 
     fields = resolve_model_fields(_fields(mode, sources, null, gate, num_layers, num_blocks, extra))
     torch.manual_seed(SEED)  # what initialize_distributed(seed=...) does on one rank

@@ -3,8 +3,8 @@ train in an optimizer group of their own (--delta-router-lr-mult 2: twice the lr
 
 One subprocess runs pretrain_gpt.py's `megatron_delta.trainer.main.main` for every configuration in turn (one import of
 Megatron instead of seven; each run initialises and tears down its own one-rank world). The bundled corpus
-and its tokenizer are built once under runs/cache (the embedded default's data). Measured: ~15-25 s per configuration on a
-shared 2-core machine, so the whole module is marked slow.
+and its tokenizer are built once under runs/cache (the embedded default's data). Measured: ~15-25 s per configuration
+on a shared 2-core machine, so the whole module is marked slow.
 """
 
 import json
@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
                OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", driver, json.dumps(jobs)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1500)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("STATUS ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("STATUS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(lines[-1][len("STATUS "):])
     return out, report["status"], report["groups"], proc.stdout + proc.stderr
@@ -83,7 +83,7 @@ def test_mode_trains(runs, name):
     elif ROUTER_LR[0] in CONFIGS[name]:  # the routers' own group: lr x 2, no weight decay, routers only
         assert len(routed) == 1 and routed[0][0] == pytest.approx(2 * 3e-3) and routed[0][1] == 0.0, groups[name]
         assert routed[0][2] == routed[0][3], groups[name]
-    records = [json.loads(l) for l in (out / f"{name}.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
     train = [r for r in records if "lm_loss" in r and "split" not in r]
     assert [r["iteration"] for r in train] == list(range(1, 31))
     losses = [r["lm_loss"] for r in train]

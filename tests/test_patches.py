@@ -21,10 +21,11 @@ from tests.dist_utils import run_distributed
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ENTRIES = [
     "current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads", "tensor_type_checks",
-    "checkpoint_without_output_fp8", "training_module_torch", "initialize_allow_no_cuda", "initialize_model_parallel", "compile_helpers",
-    "device_arch_version", "loader_generator",
+    "checkpoint_without_output_fp8", "training_module_torch", "initialize_allow_no_cuda", "initialize_model_parallel",
+    "compile_helpers", "device_arch_version", "loader_generator",
     "distopt_fresh_state_dict", "distopt_step_per_param", "distopt_load_no_grad", "distopt_missing_state_key",
-    "ckpt_writer_manager_exits_with_rank", "p2p_shape_exchange", "vpp_pp2_batched_p2p", "trainer_hooks", "checkpoint_hint",
+    "ckpt_writer_manager_exits_with_rank", "p2p_shape_exchange", "vpp_pp2_batched_p2p", "trainer_hooks",
+    "checkpoint_hint",
     "verify_integrity_default",
 ]
 CPU_ENTRIES = ENTRIES[:14]  # the CPU adaptation
@@ -130,8 +131,8 @@ def test_patches_suspended_knows_only_installable_entries():
 
 # ------------------------------------------------------------------------------------------ the pointers
 def test_pointing_entries_point_at_the_code_that_makes_the_change():
-    from megatron_delta.platform import patches
     from megatron_delta.core import payload
+    from megatron_delta.platform import patches
 
     cls = payload.PayloadP2PCommunicator
     assert "_communicate_shapes" in cls.__dict__  # the override of p2p_shape_exchange
@@ -253,9 +254,8 @@ def rank_trainer_warnings(root: str) -> dict:
     shown = []
     warnings.showwarning = lambda message, category, *a, **k: shown.append(f"{category.__name__}: {message}")
     before = [repr(f) for f in warnings.filters]
-    from tests.trainer_driver import COMMON, mode_flags
-
     from megatron_delta.trainer.main import main
+    from tests.trainer_driver import COMMON, mode_flags
 
     code = main(COMMON + mode_flags("delta_block") + ["--train-iters", "1", "--save", os.path.join(root, "ckpt"),
                                                       "--save-interval", "1"])
@@ -288,11 +288,11 @@ def rank_optimizer_round_trip(root: str, delta_router_lr_mult: float) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
+    from megatron_delta.checkpoint.run_config import checkpoint_args
     from megatron_delta.checkpoint.store import load_checkpoint, save_checkpoint
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.platform.distributed import destroy_distributed, initialize_distributed
-    from megatron_delta.checkpoint.run_config import checkpoint_args
-    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
     from megatron_delta.trainer.hooks import router_overrides
 
     vocab = 64
@@ -307,8 +307,8 @@ def rank_optimizer_round_trip(root: str, delta_router_lr_mult: float) -> dict:
         (chunk,) = build_model_chunks(chunk_config, vocab, **options)
         model = DistributedDataParallel(config=chunk.config, ddp_config=DistributedDataParallelConfig(), module=chunk)
         config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=0.1)
-        optimizer = get_megatron_optimizer(config, [model],
-                                           config_overrides=router_overrides(args, get_standard_config_overrides(config)))
+        optimizer = get_megatron_optimizer(
+            config, [model], config_overrides=router_overrides(args, get_standard_config_overrides(config)))
         scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
                                             lr_warmup_steps=1, lr_decay_steps=10, lr_decay_style="cosine",
                                             start_wd=0.1, end_wd=0.1, wd_incr_steps=10, wd_incr_style="constant")

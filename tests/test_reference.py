@@ -4,8 +4,6 @@ plus layout cross-checks against Megatron-Core's own modules (CPU, single rank).
 Fast (seconds). Imports nothing from megatron_delta.
 """
 
-import math
-import os
 import socket
 
 import pytest
@@ -14,7 +12,6 @@ import torch.nn.functional as F
 
 from tests.reference_delta import (
     ADDITIVE_MODES,
-    MODES,
     RefConfig,
     apply_rope,
     attention,
@@ -271,7 +268,7 @@ def test_exact_delta_block_source_structure():
 def test_authors_code_delta_block_alternating_sums():
     cfg = RefConfig(**{**CFG.__dict__, "num_layers": 6})
     recs = _collect("delta_block", "authors-code", cfg=cfg, num_blocks=3)
-    H = [recs[2 * l]["x"] for l in (0, 2, 4)]  # stream before each block's first attention
+    H = [recs[2 * layer]["x"] for layer in (0, 2, 4)]  # stream before each block's first attention
     assert recs[0]["sources"] == []  # layer 0's attention reads nothing
     last = recs[-1]["sources"]
     assert len(last) == 3

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from megatron_delta.core.router import DepthRouter, Source, make_source
+from megatron_delta.core.router import DepthRouter, make_source
 
 EPS = 1e-6
 
@@ -405,7 +405,8 @@ def test_base_sums_rebuilds_the_local_source(fallback, monkeypatch):
     for base_sums in (True, False):
         for g, gr in zip(run(torch.float32, base_sums), ref, strict=True):
             scale = gr.abs().max().item()
-            torch.testing.assert_close(g.double(), gr.double(), rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"base_sums={base_sums}: {m}")
+            torch.testing.assert_close(g.double(), gr.double(), rtol=1e-4, atol=2e-5 * scale,
+                                       msg=lambda m: f"base_sums={base_sums}: {m}")
 
 
 @pytest.mark.parametrize("kernels", ["c", "torch"])
@@ -432,7 +433,8 @@ def test_base_formed_from_the_sources(kernels, null, gate):
     vals = [v.clone().requires_grad_() for v in vals64]
     rr, _ = naive_route(vals, p["query"], p["key_norm_weight"], p.get("null_source"), p.get("gate"), EPS)
     ref_out = sum(vals) + rr
-    ref = [ref_out.detach()] + list(torch.autograd.grad((ref_out * weights).sum(), vals + [p[n] for n, _ in r.named_parameters()]))
+    ref = [ref_out.detach()] + list(torch.autograd.grad((ref_out * weights).sum(),
+                                                        vals + [p[n] for n, _ in r.named_parameters()]))
 
     vals = [v.float().requires_grad_() for v in vals64]
     srcs = [make_source(v, EPS, [r]) for v in vals[:2]] + [make_source(vals[2], EPS)]  # last: local

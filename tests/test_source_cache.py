@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_delta.core.sources import SourcePlan
 from megatron_delta.core.source_cache import SourceCache, SourceCachePlan
+from megatron_delta.core.sources import SourcePlan
 from tests import rank_runner
 from tests.dist_utils import run_distributed
 

@@ -7,8 +7,8 @@ import torch
 
 from megatron_delta.core.payload import pack_stage_payload, payload_seq_length, unpack_stage_payload
 from megatron_delta.core.router import DepthRouter
-from megatron_delta.evaluation.routing_stats import RoutingStatsAccumulator, routing_stats
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
+from megatron_delta.evaluation.routing_stats import RoutingStatsAccumulator, routing_stats
 
 EPS = 1e-6
 
@@ -30,7 +30,8 @@ PLANS = [
 
 
 def _id(plan):
-    return f"{plan.mode}-L{plan.num_layers}-K{plan.num_blocks}-{plan.sources}" + ("-xsum" if plan.x_from_sources else "")
+    return (f"{plan.mode}-L{plan.num_layers}-K{plan.num_blocks}-{plan.sources}"
+            + ("-xsum" if plan.x_from_sources else ""))
 
 
 # --------------------------------------------------------------------------- toy model
@@ -482,7 +483,7 @@ def _naive_delta(h0, toy):
 
 
 def _quadratic_fit(ls, ys):
-    a = torch.tensor([[1.0, l, l * l] for l in ls], dtype=torch.float64)
+    a = torch.tensor([[1.0, depth, depth * depth] for depth in ls], dtype=torch.float64)
     return torch.linalg.solve(a, torch.tensor(ys, dtype=torch.float64)).tolist()
 
 

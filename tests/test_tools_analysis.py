@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from tests.flags import tiny
-
 from tests.dist_utils import REPO_ROOT, run_distributed
+from tests.flags import tiny
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 
@@ -140,7 +139,8 @@ def pp2_run(tmp_path_factory):
     """A 5-iteration delta_block run on mock tokens, saved under PP2 (reloaded as PP1 by the report)."""
     d = tmp_path_factory.mktemp("pp2run")
     run_distributed(os.path.join(REPO_ROOT, "pretrain_gpt.py"), 2, "--residual", "delta_block",
-                    "--delta-num-blocks", "2", "--delta-null-source", *TINY_TRAIN, "--pipeline-model-parallel-size", "2",
+                    "--delta-num-blocks", "2", "--delta-null-source", *TINY_TRAIN,
+                    "--pipeline-model-parallel-size", "2",
                     "--train-iters", "5", "--eval-iters", "1", "--eval-interval", "5",
                     "--save", str(d / "ckpt"), "--delta-metrics-file", str(d / "metrics.jsonl"), timeout=600)
     return d

@@ -37,7 +37,7 @@ def test_help_lists_megatron_and_delta_flags(cli):
 def test_errors_are_one_line_naming_the_flag(cli, name, flag):
     r = cli["errors"][name]
     assert r["code"] == 2, r
-    lines = [l for l in r["stderr"].splitlines() if l.strip()]
+    lines = [line for line in r["stderr"].splitlines() if line.strip()]
     assert "Traceback" not in r["stderr"], r["stderr"]
     assert lines[-1].startswith("pretrain_gpt.py: error: ") and flag in lines[-1], lines
 

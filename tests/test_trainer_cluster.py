@@ -409,7 +409,8 @@ def test_truncated_shard_is_one_error_line(straight, tmp_path):
 
     # The advice works: --ckpt-step 9 resumes from iteration 9 as the uninterrupted run.
     metrics = str(tmp_path / "m.jsonl")
-    job = _run(_trainer(*ITERS, "--load", ckpt, "--ckpt-step", "9", "--exit-interval", "10", "--delta-metrics-file", metrics),
+    job = _run(_trainer(*ITERS, "--load", ckpt, "--ckpt-step", "9", "--exit-interval", "10",
+                        "--delta-metrics-file", metrics),
                str(tmp_path / "advice"))
     assert job.proc.returncode == 0, job.tail()
     resumed = _metrics(metrics)

@@ -49,8 +49,7 @@ def test_embedded_argv_fills_what_is_not_given():
 def test_recorded_config_uses_the_old_flag_names():
     import types
 
-    from megatron_delta.checkpoint.run_config import RECORDED_FLAGS
-    from megatron_delta.checkpoint.run_config import recorded_config
+    from megatron_delta.checkpoint.run_config import RECORDED_FLAGS, recorded_config
 
     args = types.SimpleNamespace(layernorm_epsilon=1e-6, add_bias_linear=False, num_layers=4)
     rc = recorded_config(args)
@@ -160,7 +159,7 @@ def test_errors_after_start_up_are_one_line(tmp_path):
     assert r["save"]["code"] == 0
     for name, words in expected.items():
         v = r[name]
-        lines = [l for l in v["err"].splitlines() if l.strip()]
+        lines = [line for line in v["err"].splitlines() if line.strip()]
         assert v["code"] == 1, (name, v)
         assert "Traceback" not in v["err"], (name, v["err"])
         assert lines[-1].startswith("pretrain_gpt.py: error: "), (name, lines)

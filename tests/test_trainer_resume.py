@@ -4,8 +4,8 @@ Exact resume with dropout on: 20 iterations straight (saving at 10) == 10 + save
 `--load --ckpt-step 10` (data position, optimizer, scheduler and RNG restored): the same iterations, losses and
 learning rates, bitwise, for baseline and delta_block, with and without the distributed optimizer (DP2; also in
 its fully reshardable checkpoint format, --dist-ckpt-optim-fully-reshardable). Without the every-device entries of
-megatron_delta.platform.patches (distopt_*) the distributed optimizer's resume fails or drifts (tests/test_cpu_platform.py
-shows each fix's failure).
+megatron_delta.platform.patches (distopt_*) the distributed optimizer's resume fails or drifts
+(tests/test_cpu_platform.py shows each fix's failure).
 
 Resharding: a distributed-optimizer checkpoint saved under TP2+PP2 resumes under TP1 and one saved under TP1 resumes
 under TP2+PP2, model and optimizer, for baseline, delta and delta_block (three launches)."""

@@ -30,7 +30,8 @@ def rank_resume(root: str, modes: list[str], layout: list[str], tag: str, iters:
         ckpt = os.path.join(root, f"resume-{tag}-{mode}")
         straight = train(flags + ["--save", ckpt, "--save-interval", str(split_at)],
                          os.path.join(root, f"straight-{tag}-{mode}.jsonl"))
-        resumed = train(flags + ["--load", ckpt, "--ckpt-step", str(split_at)], os.path.join(root, f"resumed-{tag}-{mode}.jsonl"))
+        resumed = train(flags + ["--load", ckpt, "--ckpt-step", str(split_at)],
+                        os.path.join(root, f"resumed-{tag}-{mode}.jsonl"))
         out[mode] = {"straight": straight, "resumed": resumed}
     return out
 
@@ -91,7 +92,8 @@ def rank_cli(root: str) -> dict:
 def bundled_data() -> dict:
     from megatron_delta.data.corpus import ensure_default_data
 
-    return ensure_default_data(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "cache"))
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return ensure_default_data(os.path.join(repo_root, "runs", "cache"))
 
 
 def bundled_flags(heldout: bool = True) -> list[str]:
@@ -143,11 +145,12 @@ def rank_features(root: str) -> dict:
         "--train-iters", "4", "--eval-interval", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--delta-metrics-file", os.path.join(tp2, "metrics.jsonl"), "--save", os.path.join(tp2, "ckpt"),
         "--save-interval", "2"])
-    out["tp2"] = {"code": r["code"], "out": r["out"][-20000:], "records": read_records(os.path.join(tp2, "metrics.jsonl"))}
+    out["tp2"] = {"code": r["code"], "out": r["out"][-20000:],
+                  "records": read_records(os.path.join(tp2, "metrics.jsonl"))}
     pp2 = os.path.join(root, "pp2")
     r = captured_main(COMMON + mode_flags("delta_block") + LAYOUTS["pp2"] + [
         "--train-iters", "1", "--delta-metrics-file", os.path.join(pp2, "metrics.jsonl")])
-    out["pp2"] = {"code": r["code"], "payload": [l for l in r["out"].splitlines() if "pipeline payload" in l]}
+    out["pp2"] = {"code": r["code"], "payload": [line for line in r["out"].splitlines() if "pipeline payload" in line]}
     init = os.path.join(root, "init-distopt")
     r = captured_main(COMMON + mode_flags("full_attnres") + ["--use-distributed-optimizer", "--train-iters", "0",
                                                              "--save", init, "--save-interval", "1000"])
@@ -156,8 +159,8 @@ def rank_features(root: str) -> dict:
 
 
 def rank_load_one_process(ckpt_root: str, eval_samples: int) -> dict:
-    """The tools' path (megatron_delta.evaluation.loaders.load_megatron -> checkpoint/store.py load_checkpoint, model only)
-    on a checkpoint written by the new trainer: its held-out loss over the first `eval_samples` samples."""
+    """The tools' path (megatron_delta.evaluation.loaders.load_megatron -> checkpoint/store.py load_checkpoint, model
+    only) on a checkpoint written by the new trainer: its held-out loss over the first `eval_samples` samples."""
     import torch
 
     from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
@@ -229,7 +232,8 @@ def rank_embedded(root: str) -> dict:
     full = embedded_argv(argv)
     r = captured_main(argv)
     return {"argv": full, "code": r["code"], "out": r["out"][-20000:], "err": r["err"][-3000:],
-            "records": read_records(os.path.join(root, "emb.jsonl")), "saved": sorted(os.listdir(os.path.join(root, "emb")))}
+            "records": read_records(os.path.join(root, "emb.jsonl")),
+            "saved": sorted(os.listdir(os.path.join(root, "emb")))}
 
 
 # ------------------------------------------------------------------- resharding with optimizer state

@@ -51,8 +51,8 @@ def build_parser():
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the profiler peak-memory step")
     p.add_argument("--routing-breakdown", action="store_true",
-                   help="split the routing alone into the routers' fused passes, shared source projections and the rest "
-                        "(stand-in kernels), and print what a router touching each tensor once would cost")
+                   help="split the routing alone into the routers' fused passes, shared source projections and the "
+                        "rest (stand-in kernels), and print what a router touching each tensor once would cost")
     p.add_argument("--model-breakdown", action="store_true",
                    help="also time each routed model with the router's kernels replaced by stand-ins (as "
                         "--routing-breakdown does for the routing alone) and split its CPU-time ratio")
@@ -88,7 +88,8 @@ def format_table(report):
         else:
             tgt = verdict = "-"
         lines.append(
-            f"| {mode} | {r['max_sources']} | {r['added_parameters']:,} | {r['time_s']:.3f} | {_ratio(r['time_ratio'])} "
+            f"| {mode} | {r['max_sources']} | {r['added_parameters']:,} | {r['time_s']:.3f} "
+            f"| {_ratio(r['time_ratio'])} "
             f"| {_ratio(r.get('time_min_ratio'))} | {_ratio(r.get('cpu_ratio'))} "
             f"| {_mib(r['saved_bytes'])} | {_ratio(r['saved_ratio'])} | {_mib(r['peak_bytes'])} "
             f"| {_ratio(r['peak_ratio'])} | {_mib(maxp)} | {_ratio(r['max_payload_ratio'])} | {tgt} | {verdict} |")
@@ -107,8 +108,9 @@ def format_table(report):
         out.append("\n".join(blines))
     alone = [(m, r) for m, r in res.items() if r.get("routing_alone_ms") is not None]
     if alone:
-        out.append("\nRouting alone (stand-in sublayers, median), as a share of the baseline model's step: " + ", ".join(
-            f"{m} {r['routing_alone_ms']:.1f} ms = {100 * r['routing_alone_share']:.1f} %" for m, r in alone))
+        out.append("\nRouting alone (stand-in sublayers, median), as a share of the baseline model's step: "
+                   + ", ".join(f"{m} {r['routing_alone_ms']:.1f} ms = {100 * r['routing_alone_share']:.1f} %"
+                               for m, r in alone))
     split = [(m, r) for m, r in alone if r.get("routing_breakdown_ms")]
     if split:
         pass_ms = cfg["op_ms"]["in-place multiply-add"] / 3  # read a, read c, write c

@@ -93,7 +93,8 @@ def format_table(plan):
             f"{' dist-opt' if c['use_distributed_optimizer'] else ''} | "
             f"{'fp8-' + c['fp8_format'] if c['fp8_format'] else 'bf16' if c['bf16'] else 'fp32'} "
             f"{c['transformer_impl']}")
-    cols = ["stage", "params (M)", "weights", "grads", "optimizer", "activations", "(payload)", "in flight", "total GiB"]
+    cols = ["stage", "params (M)", "weights", "grads", "optimizer", "activations", "(payload)", "in flight",
+            "total GiB"]
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for s in plan["stages"]:
         lines.append("| " + " | ".join([

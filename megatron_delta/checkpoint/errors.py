@@ -212,7 +212,8 @@ def _named_in_messages(exc: BaseException, load_dir: str) -> List[Tuple[str, str
     return out
 
 
-def describe_load_failure(exc: BaseException, load_dir: Optional[str], ckpt_step: Optional[int] = None) -> Optional[str]:
+def describe_load_failure(exc: BaseException, load_dir: Optional[str],
+                          ckpt_step: Optional[int] = None) -> Optional[str]:
     """One line for a checkpoint load that failed on a damaged file, or None (not such a failure).
 
     ``load_dir`` and ``ckpt_step`` are the run's ``--load`` and ``--ckpt-step``. Note that
@@ -229,7 +230,8 @@ def describe_load_failure(exc: BaseException, load_dir: Optional[str], ckpt_step
     ckpt_dir = iteration_dir(load_dir, iteration)
     found = damaged_files(ckpt_dir)
     if not found:
-        found = [(p if os.path.isabs(p) else os.path.join(ckpt_dir, p), why) for p, why in _named_in_messages(exc, load_dir)]
+        found = [(p if os.path.isabs(p) else os.path.join(ckpt_dir, p), why)
+                 for p, why in _named_in_messages(exc, load_dir)]
     if not found:
         return None
     path, why = found[0]

@@ -121,9 +121,7 @@ def describe_mismatch(exc: BaseException, load_dir: Optional[str], ckpt_step: Op
     if previous is None:
         line += f"No earlier checkpoint in {load_dir} verifies: --load another directory or start from scratch"
     else:
-        from megatron_delta.checkpoint.run_config import iteration_dir
-
-        from megatron_delta.checkpoint.run_config import TRACKER
+        from megatron_delta.checkpoint.run_config import TRACKER, iteration_dir
 
         line += (f"The last checkpoint that verifies is iteration {previous} ({iteration_dir(load_dir, previous)}): "
                  f"resume from it with --ckpt-step {previous}, or delete {ckpt_dir} and write {previous} into "

@@ -206,8 +206,8 @@ def model_config(fields: Mapping, **config_overrides):
     import torch
     import torch.nn.functional as F
 
-    from megatron_delta.platform import patches
     from megatron_delta.core.config import DeltaTransformerConfig
+    from megatron_delta.platform import patches
 
     f = resolve_model_fields(fields)
     dtype = torch.bfloat16 if f["bf16"] else torch.float32

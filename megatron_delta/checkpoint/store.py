@@ -16,15 +16,23 @@ import shutil
 
 import numpy as np
 import torch
-
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import StrictHandling
 
 from megatron_delta.checkpoint.errors import CheckpointError
-from megatron_delta.checkpoint.run_config import (HF_TOKENIZER_SUBDIR, LAYOUT_FLAGS, RECORDED_FLAGS, RUN_CONFIG,
-                                                  TRACKER, check_model_flags, copy_hf_tokenizer, iteration_dir,
-                                                  read_run_config, resolve_checkpoint_dir)
+from megatron_delta.checkpoint.run_config import (
+    HF_TOKENIZER_SUBDIR,
+    LAYOUT_FLAGS,
+    RECORDED_FLAGS,
+    RUN_CONFIG,
+    TRACKER,
+    check_model_flags,
+    copy_hf_tokenizer,
+    iteration_dir,
+    read_run_config,
+    resolve_checkpoint_dir,
+)
 
 
 def _rank0() -> bool:
@@ -117,7 +125,8 @@ def load_checkpoint(path, model, optimizer, scheduler, args, load_optim=True, lo
     check_model_flags(saved, args, ckpt_dir)
     same_layout = all(saved.get(k) == getattr(args, k, None) for k in LAYOUT_FLAGS)
     load_optim = load_optim and optimizer is not None and saved.get("has_optimizer", False)
-    if load_optim and not same_layout and not (saved.get("use_distributed_optimizer") == args.use_distributed_optimizer):
+    if (load_optim and not same_layout
+            and not (saved.get("use_distributed_optimizer") == args.use_distributed_optimizer)):
         raise CheckpointError(f"--load {ckpt_dir}: the optimizer state was saved with --use-distributed-optimizer="
                               f"{saved.get('use_distributed_optimizer')}; pass the same, or --no-load-optim")
 

@@ -11,8 +11,8 @@
             the HF model's function exactly.
 
 Reading a checkpoint: the model is built in this process under TP1/PP1 and loaded with
-checkpoint/store.py's `load_checkpoint` (evaluation/loaders.py); dist_checkpointing reshards, so a checkpoint saved under any
-TP/PP/VPP layout yields full tensors. Writing: torch_dist checkpoints are layout independent
+checkpoint/store.py's `load_checkpoint` (evaluation/loaders.py); dist_checkpointing reshards, so a checkpoint saved
+under any TP/PP/VPP layout yields full tensors. Writing: torch_dist checkpoints are layout independent
 (loading reshards), so saving under TP1/PP1 is enough for training under any TP/PP later; only the
 vocabulary padding depends on TP (Megatron pads to a multiple of make-vocab-size-divisible-by x TP),
 so `import` pads for the TP size it is given.
@@ -29,8 +29,11 @@ import torch
 
 from megatron_delta.checkpoint.errors import ConversionError
 from megatron_delta.checkpoint.run_config import HF_TOKENIZER_FILES, true_vocab_size
-from megatron_delta.convert.state_dict_adapter import (SUPPORTED_HF_ARCHS, hf_to_megatron_state_dict,
-                                                       megatron_to_hf_state_dict)
+from megatron_delta.convert.state_dict_adapter import (
+    SUPPORTED_HF_ARCHS,
+    hf_to_megatron_state_dict,
+    megatron_to_hf_state_dict,
+)
 from megatron_delta.core.modes import BASELINE, BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 from megatron_delta.evaluation.loaders import build_megatron_model, load_megatron
 
@@ -63,8 +66,10 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
     return DeltaQwen3Config(
         residual=rc["residual"],
         delta_num_blocks=rc.get("delta_num_blocks") if rc["residual"] in BLOCK_MODES else None,
-        delta_sources=rc.get("delta_sources") or SOURCE_DEFINITIONS[0], delta_null_source=bool(rc.get("delta_null_source")),
-        delta_gate=rc.get("delta_gate") or GATES[0], delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
+        delta_sources=rc.get("delta_sources") or SOURCE_DEFINITIONS[0],
+        delta_null_source=bool(rc.get("delta_null_source")),
+        delta_gate=rc.get("delta_gate") or GATES[0],
+        delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
         use_qk_norm=bool(rc["qk_layernorm"]), **kw)
 
 
@@ -241,7 +246,8 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES
             new[k] = v
         elif k in meg_sd:
             if tuple(meg_sd[k].shape) != tuple(v.shape):
-                raise ConversionError(f"{k}: HF gives shape {tuple(meg_sd[k].shape)}, Megatron expects {tuple(v.shape)}")
+                raise ConversionError(f"{k}: HF gives shape {tuple(meg_sd[k].shape)}, "
+                                      f"Megatron expects {tuple(v.shape)}")
             new[k] = meg_sd.pop(k).to(v.dtype)
         elif "_router." in k:
             new[k] = v  # initial router values (zero query, unit key norm, zero null source / gate)

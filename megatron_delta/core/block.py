@@ -3,21 +3,20 @@
 The decoder of one (virtual) pipeline chunk holds the SourceBuffer of the micro-batch it is running:
 it starts it from the embedding output (first chunk) or unpacks it from the one tensor the previous
 stage sent (under the interleaved schedule, plus the sources its rank already holds: the pipeline
-source cache, core/source_cache.py), runs its layers, and either packs what the next stage needs into one tensor or (last
-chunk) applies the final router of the replacement modes and the final norm. Activation recompute
+source cache, core/source_cache.py), runs its layers, and either packs what the next stage needs into one tensor or
+(last chunk) applies the final router of the replacement modes and the final norm. Activation recompute
 checkpoints groups of layers whose inputs are the buffer's tensors, passed explicitly.
 """
 
 from contextlib import nullcontext
 
 import torch
-
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, deprecate_inference_params, make_viewless_tensor
 
-from megatron_delta.core.modes import REPLACEMENT_MODES
 from megatron_delta.core.layer import build_router
+from megatron_delta.core.modes import REPLACEMENT_MODES
 from megatron_delta.core.payload import pack_stage_payload, unpack_stage_payload
 from megatron_delta.core.router import DepthRouter
 from megatron_delta.core.source_cache import cache_applies

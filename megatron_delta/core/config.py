@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_delta.core.router import KERNEL_CHOICES
 from megatron_delta.core.modes import BASELINE, check_delta_options
+from megatron_delta.core.router import KERNEL_CHOICES
 
 # Megatron-Core fusions that fold the residual add into another kernel. A routed layer
 # (DeltaTransformerLayer.forward) adds nothing to a residual inside Megatron's modules: its norms get the

@@ -170,8 +170,8 @@ def route_forward(lib, values: Sequence[Tensor], cols: Sequence[Optional[Tensor]
         raise ValueError("route_forward: unit=True forms the base from the values; pass base=None")
     lib.delta_route_forward(rows, d, n, _ptrs(values), _ptrs(cols), _ptr(query), eps, int(has_null),
                             float(null_logit) if has_null else 0.0, _ptr(null_value), gate, _ptr(base),
-                            int(unit), alpha.data_ptr(), _ptrs([p and p[0] for p in proj]), _ptrs([p and p[1] for p in proj]),
-                            out.data_ptr(), torch.get_num_threads())
+                            int(unit), alpha.data_ptr(), _ptrs([p and p[0] for p in proj]),
+                            _ptrs([p and p[1] for p in proj]), out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
-
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules

@@ -6,18 +6,26 @@ routers consume no random numbers, so one `--seed` gives the same backbone weigh
 """
 
 import torch
-
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage, is_vp_first_stage,
-                                                   is_vp_last_stage)
+from megatron.core.pipeline_parallel.utils import (
+    is_pp_first_stage,
+    is_pp_last_stage,
+    is_vp_first_stage,
+    is_vp_last_stage,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_delta.core.block import DeltaTransformerBlock
 from megatron_delta.core.config import DeltaTransformerConfig
 from megatron_delta.core.norms import LocalNorm
 from megatron_delta.core.source_cache import link_chunks
-from megatron_delta.core.specs import (decoder_block_spec, get_gpt_layer_local_spec_sp, get_gpt_layer_with_delta_spec,
-                                       get_gpt_layer_with_delta_te_spec, mtp_block_spec)
+from megatron_delta.core.specs import (
+    decoder_block_spec,
+    get_gpt_layer_local_spec_sp,
+    get_gpt_layer_with_delta_spec,
+    get_gpt_layer_with_delta_te_spec,
+    mtp_block_spec,
+)
 
 
 def layer_spec_for(config: DeltaTransformerConfig, transformer_impl: str = "local"):

@@ -6,7 +6,6 @@ finalize_model_grads sums their partial gradients over the TP group, exactly as 
 """
 
 import torch
-
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 

@@ -254,8 +254,8 @@ class _RouteFunction(torch.autograd.Function):
     1 + w_P >= 1/2 (no gate, or gate >= -1/2), so the division cannot amplify the round-off more than
     twice; bf16 outputs would round u far more, so the PyTorch path always keeps P. Every [T, d]
     tensor is touched one source at a time: the transient memory is O(1) tensors of [T, d] (an fp32
-    copy of one bf16 source at a time), never O(N). With ``lib`` and fp32 CPU tensors each direction is one C loop over the tokens
-    (logits of the local sources, softmax over depth, weighted sum; dot products, softmax derivative,
+    copy of one bf16 source at a time), never O(N). With ``lib`` and fp32 CPU tensors each direction is one C loop over
+    the tokens (logits of the local sources, softmax over depth, weighted sum; dot products, softmax derivative,
     every source's gradient); otherwise PyTorch ops compute the same function.
     """
 

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 from megatron_delta.data.indexed import _PREPROCESS_HINT, validate_indexed_prefix
 
+
 # =============================================================================== datasets
 def _flatten_paths(paths) -> Optional[list[str]]:
     if paths is None:
@@ -111,8 +112,7 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
     attention_mask.
     """
     import torch
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     if not isinstance(seq_length, int) or seq_length <= 0:

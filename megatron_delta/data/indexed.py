@@ -65,8 +65,8 @@ def preprocess_to_indexed(input_path: str, output_prefix: str, tokenizer_type: s
     tokens are skipped. Outputs are written under temporary names and renamed at the very end
     (.bin first, .idx last), so an interrupted run leaves no dataset that looks complete.
     Returns {key: prefix}. `_fail_after_docs` exists for tests (simulated crash)."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     _check_input_file(input_path)
     json_keys = list(json_keys) or ["text"]
@@ -164,6 +164,7 @@ def _check_idx_header(idx_path: str) -> Optional[str]:
     """Check the .idx header and size before Megatron's reader sees it (its reader asserts, and a
     half-built IndexedDataset also raises again in __del__). Returns a problem or None."""
     import struct
+
     from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
     size = os.path.getsize(idx_path)

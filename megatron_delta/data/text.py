@@ -11,6 +11,7 @@ import os
 import re
 from typing import Iterator, Sequence
 
+
 def print_flush(msg: str) -> None:
     print(msg, flush=True)
 

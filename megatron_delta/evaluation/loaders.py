@@ -37,10 +37,10 @@ def build_megatron_model(run_config: dict, padded_vocab_size: int, where: str = 
     """One GPT model (TP1/PP1, this process; fp32, or bf16 in Float16Module) for the model keys of a
     run_config-like dict. Returns (model, args): args as checkpoint/store.py load / save read them (see
     checkpoint_args)."""
+    from megatron_delta.checkpoint.model_config import model_config
+    from megatron_delta.core.model import build_model_chunks
     from megatron_delta.platform.cpu import activate_cpu_platform
     from megatron_delta.platform.distributed import initialize_distributed
-    from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.checkpoint.model_config import model_config
 
     fields = model_fields(run_config, where, padded_vocab_size=padded_vocab_size, bf16=bf16)
     args = checkpoint_args(fields)
@@ -72,12 +72,12 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
     """Load a checkpoint (saved under any layout) split over TP x PP ranks of this torch.distributed world
     (torchrun's WORLD_SIZE; the remaining factor is data parallel), as training would hold it, computing in
     ``dtype`` (EVAL_DTYPES). Returns (model chunks of this rank, args, run_config)."""
+    from megatron_delta.checkpoint.model_config import model_config
     from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
     from megatron_delta.checkpoint.store import load_checkpoint
+    from megatron_delta.core.model import build_model_chunks
     from megatron_delta.platform.cpu import activate_cpu_platform
     from megatron_delta.platform.distributed import initialize_distributed
-    from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.checkpoint.model_config import model_config
 
     tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -15,12 +15,35 @@ The extra fields follow docs/design.md section 1 (the Megatron flags ``--residua
 from transformers import Qwen3Config
 
 try:  # an exported model: the copy of core/modes.py next to this file (hf.write_remote_code_model)
-    from .modes import (ATTNRES, AUTHORS_CODE, BASELINE, DELTA, DELTA_BLOCK, EXACT, FULL_ATTNRES, HF_FIELDS,
-                        REPLACEMENT_MODES, RoutedMode, check_delta_options, routed_mode_class)
+    from .modes import (
+        ATTNRES,
+        AUTHORS_CODE,
+        BASELINE,
+        DELTA,
+        DELTA_BLOCK,
+        EXACT,
+        FULL_ATTNRES,
+        HF_FIELDS,
+        REPLACEMENT_MODES,
+        RoutedMode,
+        check_delta_options,
+        routed_mode_class,
+    )
 except ModuleNotFoundError:  # inside the megatron_delta package
-    from megatron_delta.core.modes import (ATTNRES, AUTHORS_CODE, BASELINE, DELTA, DELTA_BLOCK, EXACT,
-                                           FULL_ATTNRES, HF_FIELDS, REPLACEMENT_MODES, RoutedMode,
-                                           check_delta_options, routed_mode_class)
+    from megatron_delta.core.modes import (
+        ATTNRES,
+        AUTHORS_CODE,
+        BASELINE,
+        DELTA,
+        DELTA_BLOCK,
+        EXACT,
+        FULL_ATTNRES,
+        HF_FIELDS,
+        REPLACEMENT_MODES,
+        RoutedMode,
+        check_delta_options,
+        routed_mode_class,
+    )
 
 
 class DeltaQwen3Config(Qwen3Config):

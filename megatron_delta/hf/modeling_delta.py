@@ -32,7 +32,6 @@ computed from the new tokens alone: ``generate()`` with the default DynamicCache
 """
 import torch
 from torch import nn
-
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask

@@ -56,8 +56,15 @@ import time
 
 import torch
 
-from megatron_delta.core.modes import (ADDITIVE_MODES, BASELINE, BLOCK_MODES, DELTA, DELTA_BLOCK,
-                                       RESIDUAL_MODES, ROUTED_MODES)
+from megatron_delta.core.modes import (
+    ADDITIVE_MODES,
+    BASELINE,
+    BLOCK_MODES,
+    DELTA,
+    DELTA_BLOCK,
+    RESIDUAL_MODES,
+    ROUTED_MODES,
+)
 from megatron_delta.perf.machine_rates import op_costs
 from megatron_delta.perf.router_breakdown import STAND_INS, fused_router_passes, stand_ins
 
@@ -67,9 +74,9 @@ TARGETS = {DELTA_BLOCK: (1.02, 1.08, 1.05), DELTA: (1.15, 1.3, 1.25)}
 
 
 def mode_config(opts, mode):
-    """(DeltaTransformerConfig, GPTModel options, padded vocabulary) of one mode, from megatron_delta.checkpoint.model_config:
-    --num-layers etc., the rest the small CPU model's (Qwen3-style: GQA 2, SwiGLU 3 x hidden, RoPE, qk-layernorm,
-    no biases)."""
+    """(DeltaTransformerConfig, GPTModel options, padded vocabulary) of one mode, from
+    megatron_delta.checkpoint.model_config: --num-layers etc., the rest the small CPU model's (Qwen3-style: GQA 2,
+    SwiGLU 3 x hidden, RoPE, qk-layernorm, no biases)."""
     from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
 
     fields = dict(residual=mode, num_layers=opts.num_layers, hidden_size=opts.hidden_size,
@@ -363,7 +370,7 @@ def run(opts):
     meta = {k: v for k, v in vars(opts).items()}
     costs = op_costs(opts)
     meta.update(stream_gbps=costs.pop("stream_gbps"), memory_gbps=costs.pop("memory_gbps"),
-                memory_rotation_bytes=costs.pop("memory_rotation_bytes"), op_ms=costs, torch=torch.__version__, allocator=allocator,
-                threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
+                memory_rotation_bytes=costs.pop("memory_rotation_bytes"), op_ms=costs, torch=torch.__version__,
+                allocator=allocator, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                 loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
     return {"config": meta, "modes": results, "profile": profile_text}

@@ -112,8 +112,8 @@ ADAM = dict(weight_decay=0.1, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95)
 
 
 def model_fields(opts, env, mode, *, shape, impl=None, fp8=None):
-    """The model fields (megatron_delta.checkpoint.model_config) of one run: ``shape``, the GPU's backend in BF16 (the dry
-    run: local, fp32), and FP8 with the recipe ``fp8`` (delayed / tensorwise) when given."""
+    """The model fields (megatron_delta.checkpoint.model_config) of one run: ``shape``, the GPU's backend in BF16 (the
+    dry run: local, fp32), and FP8 with the recipe ``fp8`` (delayed / tensorwise) when given."""
     s = shape
     fields = dict(residual=mode, transformer_impl=impl or env.impl, vocab_size=opts.vocab_size,
                   num_layers=s["layers"], hidden_size=s["hidden"], ffn_hidden_size=s["ffn"],
@@ -129,8 +129,8 @@ def build(env, fields, kernels="fla"):
     import torch
     from megatron.core import tensor_parallel
 
-    from megatron_delta.core.model import build_model_chunks
     from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
+    from megatron_delta.core.model import build_model_chunks
 
     fields = resolve_model_fields(fields)
     over = {} if fields["residual"] == BASELINE else {"delta_router_kernels": kernels}

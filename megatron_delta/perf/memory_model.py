@@ -101,7 +101,8 @@ def source_plan(a):
 
 # ----------------------------------------------------------------------------------- parameters
 def layer_params(a):
-    h, q, kv, f = a.hidden_size, a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels, a.ffn_hidden_size
+    h, q, kv, f = (a.hidden_size, a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels,
+                   a.ffn_hidden_size)
     tp_split = h * (q + 2 * kv) + q * h + h * 2 * f + f * h  # divided by TP
     replicated = 2 * h + 2 * a.kv_channels  # input norms, q/k norms
     if a.residual != BASELINE:
@@ -148,7 +149,8 @@ def layer_activation_bytes(a, first_layer, num_layers):
         per_layer = 4 * 4 * dh * s + s * s              # rope cos/sin (fp32, per position), causal mask
     else:
         per_token = (2 * h / sp * (act + gemm_in)      # LayerNormLinear: input + ln_out, twice
-                     + act * (3 * q + 3 * kv + (q + 2 * kv) + 4 * f) + gemm_in * (q + f)  # qk-norm/rope, qkv, SwiGLU, proj/fc2 inputs
+                     # qk-norm/rope, qkv, SwiGLU, proj/fc2 inputs
+                     + act * (3 * q + 3 * kv + (q + 2 * kv) + 4 * f) + gemm_in * (q + f)
                      + 4 * (2 / sp + heads + groups + heads))  # rsigma, q/k-norm stats, flash lse
         per_layer = 4 * 4 * dh * s
     total = num_layers * (per_token * T + per_layer)

@@ -99,7 +99,8 @@ def fused_router_passes(mode, config):
     base = 1 if plan.additive and not plan.x_from_sources else 0  # a router that reads x
     route = sum((nj + base - 1) + (3 * nj + 1) for nj in counts if nj)
     # The sources made, as SourceBuffer makes them (tiny tensors): which are projected for several readers.
-    readers = {j: DepthRouter(1, null_source=False, gate=False, eps=1e-6) for j in [*range(plan.num_sublayers), "final"]}
+    readers = {j: DepthRouter(1, null_source=False, gate=False, eps=1e-6)
+               for j in [*range(plan.num_sublayers), "final"]}
     buf = SourceBuffer.start(plan, torch.zeros(1, 1, 1), 1e-6, readers=readers)
     shared = {}
     with torch.no_grad():

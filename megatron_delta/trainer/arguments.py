@@ -115,8 +115,12 @@ def check_routed_features(args: argparse.Namespace) -> None:
     """What DeltaTransformerConfig refuses for the routed modes (core.config RESIDUAL_FUSIONS and
     UNSUPPORTED_FEATURES, the same rules and messages), checked on Megatron-LM's args before the distributed
     start-up (the config is built after it). Fields Megatron-LM has no flag for are absent from args: skipped."""
-    from megatron_delta.core.config import (RESIDUAL_FUSIONS, UNSUPPORTED_FEATURES, check_residual_fusions,
-                                            check_unsupported_features)
+    from megatron_delta.core.config import (
+        RESIDUAL_FUSIONS,
+        UNSUPPORTED_FEATURES,
+        check_residual_fusions,
+        check_unsupported_features,
+    )
 
     def values(table):
         return {field: getattr(args, CONFIG_FIELD_ARGS.get(field, field), None) for field in table}
@@ -200,9 +204,9 @@ def _check_writable_dir(flag: str, path: str, of: Optional[str] = None) -> None:
 
 def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
+    from megatron_delta.checkpoint.integrity import resolve_default
     from megatron_delta.core.modes import check_delta_options
     from megatron_delta.core.router import check_kernels
-    from megatron_delta.checkpoint.integrity import resolve_default
 
     check_cpu_switches(args)
     problem = resolve_default(args)

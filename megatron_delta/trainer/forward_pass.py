@@ -58,8 +58,8 @@ def collect_routing_stats(args, model, dataset, num_batches=1):
     """Routing statistics over `num_batches` global batches of `dataset`, gathered from every rank."""
     from megatron.core import parallel_state
 
-    from megatron_delta.evaluation.routing_stats import RoutingStatsAccumulator
     from megatron_delta.evaluation.in_training import delta_blocks
+    from megatron_delta.evaluation.routing_stats import RoutingStatsAccumulator
 
     blocks = list(delta_blocks(model))
     for b in blocks:

@@ -130,7 +130,8 @@ class RunHooks:
 
         self._replace(ckpt, "save_checkpoint", save_checkpoint)
         self._replace(mt, "save_checkpoint", save_checkpoint)
-        # Wraps checkpointing.get_checkpoint_tracker_filename: run_config.json goes in before the tracker names the save.
+        # Wraps checkpointing.get_checkpoint_tracker_filename: run_config.json goes in before the tracker names the
+        # save.
         original_tracker = ckpt.get_checkpoint_tracker_filename
 
         def get_checkpoint_tracker_filename(checkpoints_path):
@@ -174,7 +175,8 @@ class RunHooks:
             return out
 
         self._replace(mt, "evaluate", evaluate)
-        # Wraps training.evaluate_and_print_results: metrics per split, then the held-out set and the routing statistics.
+        # Wraps training.evaluate_and_print_results: metrics per split, then the held-out set and the routing
+        # statistics.
         original_eapr = mt.evaluate_and_print_results
 
         def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,

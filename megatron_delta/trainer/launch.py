@@ -1,4 +1,5 @@
-"""torchrun for preemptible jobs: ``python -m megatron_delta.trainer.launch [torchrun flags] -m megatron_delta.trainer ...``
+"""torchrun for preemptible jobs:
+``python -m megatron_delta.trainer.launch [torchrun flags] -m megatron_delta.trainer ...``
 
 The flags are torchrun's (torch.distributed.run), unchanged; only SIGTERM is handled differently.
 

@@ -48,8 +48,14 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from megatron_delta.trainer.arguments import (PROG, TrainerArgumentError, add_delta_args, check_paths,
-                                              resolve_pp_source_cache, validate_delta_args)
+from megatron_delta.trainer.arguments import (
+    PROG,
+    TrainerArgumentError,
+    add_delta_args,
+    check_paths,
+    resolve_pp_source_cache,
+    validate_delta_args,
+)
 from megatron_delta.trainer.hooks import RunHooks, torch_rank
 
 # An argparse error, without Megatron-LM's usage of its ~850 flags
@@ -319,8 +325,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             message = describe_mismatch(e, args.load, args.ckpt_step)  # the damaged file, the last good checkpoint
             if message is not None:
                 return _error(message, 1)
-        from megatron_delta.checkpoint.errors import (describe_load_failure, describe_save_failure,
-                                                      describe_schedule_mismatch)
+        from megatron_delta.checkpoint.errors import (
+            describe_load_failure,
+            describe_save_failure,
+            describe_schedule_mismatch,
+        )
 
         message = (describe_load_failure(e, args.load, args.ckpt_step)  # a damaged checkpoint file
                    or describe_save_failure(e, args.save)  # --save's filesystem full

@@ -248,10 +248,10 @@ REGISTRY: Tuple[Patch, ...] = (
               "training_log", "evaluate", "evaluate_and_print_results", "save_checkpoint"))
           + ("megatron.training.checkpointing.save_checkpoint",
              "megatron.training.checkpointing.get_checkpoint_tracker_filename"),
-          "upstream's pretrain() has no hook for the routers' param group (--delta-router-lr-mult), --delta-metrics-file, "
-          "--delta-heldout-data-path and routing statistics, run_config.json in each checkpoint, the iteration-0 save, "
-          "the lock of --save (two runs overwrite each other's checkpoints), the line of a --load that starts from "
-          "scratch, the load of a checkpoint without integrity.json",
+          "upstream's pretrain() has no hook for the routers' param group (--delta-router-lr-mult), "
+          "--delta-metrics-file, --delta-heldout-data-path and routing statistics, run_config.json in each checkpoint, "
+          "the iteration-0 save, the lock of --save (two runs overwrite each other's checkpoints), the line of a "
+          "--load that starts from scratch, the load of a checkpoint without integrity.json",
           V019, EVERY_DEVICE,
           made_by="megatron_delta/trainer/hooks.py RunHooks: each function wrapped for one run "
                   "(with RunHooks(args)), the originals back when it ends"),

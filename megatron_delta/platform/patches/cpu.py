@@ -434,7 +434,8 @@ def patch_initialize_model_parallel() -> None:
 
             _check_model_parallel_initialized(
                 kwargs.get("skip_mpu_initialization", False), kwargs.get("skip_model_parallel_init", False),
-                lazy=getattr(get_args(), "lazy_mpu_init", False), skip_random_seed=kwargs.get("skip_random_seed", False))
+                lazy=getattr(get_args(), "lazy_mpu_init", False),
+                skip_random_seed=kwargs.get("skip_random_seed", False))
             return out
 
         return initialize_megatron

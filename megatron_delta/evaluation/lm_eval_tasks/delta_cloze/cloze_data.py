@@ -19,7 +19,8 @@ def load(source, cloze_data_dir=None, **_):
 
     path = os.path.join(cloze_data_dir or _default_dir(), f"{source}.jsonl")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"cloze data {path} is missing: build it with `python tools/cloze_eval.py --build-only`")
+        raise FileNotFoundError(f"cloze data {path} is missing: "
+                                "build it with `python tools/cloze_eval.py --build-only`")
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return {"test": datasets.Dataset.from_list(rows)}
