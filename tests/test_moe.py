@@ -2,7 +2,8 @@
 
 Fast (one in-process rank): the trainer's parse_args + model provider build Megatron-Core's MoELayer (router
 weight, one expert MLP per expert, shared experts) in the layers --moe-layer-freq names and the dense MLP
-elsewhere; --moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is refused by name.
+elsewhere; --moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is refused by name;
+on CPU the alltoall dispatcher's split sizes reach the all-to-all as upstream's numpy arrays (moe_splits_to_host).
 Slow (one launch of pretrain_gpt.py, 2 gloo ranks, expert parallelism 2): the alltoall dispatcher trains and
 Megatron logs the load-balancing loss in each iteration line.
 """
@@ -79,6 +80,34 @@ def test_grouped_gemm_on_the_local_backend_is_refused_by_name(capsys):
         "--moe-grouped-gemm needs --transformer-impl transformer_engine: Megatron-Core's local backend has no "
         "grouped GEMM and would build one MLP per expert (SequentialMLP). Drop --moe-grouped-gemm, or use "
         "Transformer Engine on a GPU")
+
+
+@pytest.mark.usefixtures("distributed_teardown")
+def test_cpu_alltoall_split_sizes_reach_the_collective_as_numpy():
+    """moe_splits_to_host: the alltoall dispatcher's split sizes, in the all_to_all_single call upstream's
+    all-to-all (tensor_parallel.mappings._AllToAll) makes under expert parallelism."""
+    import numpy as np
+    import torch
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from megatron_delta.platform.distributed import initialize_distributed
+    from megatron_delta.platform.patches import patches_suspended
+
+    initialize_distributed()
+    tokens, splits = torch.arange(6.0).view(3, 2), torch.tensor([3])
+
+    def exchange():
+        host = token_dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True)
+        out = torch.empty_like(tokens)
+        torch.distributed.all_to_all_single(out, tokens, output_split_sizes=host, input_split_sizes=host)
+        return host, out
+
+    with patches_suspended("moe_splits_to_host"):
+        with pytest.raises(TypeError, match="all_to_all_single"):
+            exchange()
+    host, out = exchange()
+    assert isinstance(host, np.ndarray) and host.tolist() == [3] and torch.equal(out, tokens)
+    assert token_dispatcher.maybe_move_tensor_to_cpu(splits) is splits  # without as_numpy: upstream's
 
 
 @pytest.mark.slow
