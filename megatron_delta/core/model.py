@@ -24,21 +24,24 @@ from megatron_delta.core.specs import (
     get_gpt_layer_local_spec_sp,
     get_gpt_layer_with_delta_spec,
     get_gpt_layer_with_delta_te_spec,
+    moe_decoder_block_spec,
     mtp_block_spec,
 )
 
 
 def layer_spec_for(config: DeltaTransformerConfig, transformer_impl: str = "local"):
-    """Megatron's GPT layer spec for `baseline`, the Delta layer spec otherwise (local or TE backend)."""
+    """Megatron's GPT layer spec for `baseline` (an MoE layer with --num-experts), the Delta layer spec
+    otherwise (local or TE backend)."""
     kw = dict(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if transformer_impl == "transformer_engine":
         if not config.routed:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
         return get_gpt_layer_with_delta_te_spec(**kw)
     if not config.routed:
-        return get_gpt_layer_local_spec_sp(**kw)
+        return get_gpt_layer_local_spec_sp(**kw, **moe)
     return get_gpt_layer_with_delta_spec(**kw)
 
 
@@ -57,7 +60,14 @@ def gpt_model(config: DeltaTransformerConfig, vocab_size: int, *, pre_process: b
     With config.mtp_num_layers (baseline only; the routed modes refuse it) the chunk that holds the MTP
     block gets it, each depth built from the decoder's layer spec as Megatron-LM's gpt_builders.py does."""
     layer_spec = layer_spec_for(config, transformer_impl)
-    block_spec = decoder_block_spec(config, layer_spec, vp_stage, final_norm_for(transformer_impl))
+    if config.num_moe_experts and not config.routed:
+        # Megatron-LM's gpt_builders.py: the MoE block spec; MTP reads its last layer's spec, or the MoE
+        # layer spec on a chunk with no decoder layers.
+        block_spec = moe_decoder_block_spec(config, vp_stage, transformer_impl)
+        if block_spec.layer_specs:
+            layer_spec = block_spec
+    else:
+        block_spec = decoder_block_spec(config, layer_spec, vp_stage, final_norm_for(transformer_impl))
     model_cls = DeltaGPTModel if config.routed else GPTModel
     return model_cls(config=config, transformer_layer_spec=block_spec, vocab_size=vocab_size,
                      pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,

@@ -6,12 +6,15 @@
 - `get_gpt_layer_with_delta_te_spec`: the Transformer Engine variant (input norms fused into
   linear_qkv / linear_fc1, so the routed input `u` is what enters the fused linear). Imported lazily.
 - `decoder_block_spec`: the block-level spec (layers of this pipeline chunk + the final norm).
+- `moe_decoder_block_spec`: baseline with `--num-experts`: Megatron's own MoE/dense block spec
+  (`--moe-layer-freq`), as Megatron-LM's gpt_builders.py builds it.
 - `mtp_block_spec`: Megatron's multi-token prediction block for `--mtp-num-layers` (baseline), built from
   the decoder's layer spec as Megatron-LM's gpt_builders.py builds it.
 """
 
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_mtp_block_spec,
     get_gpt_mtp_block_spec_for_backend,
@@ -33,9 +36,11 @@ def _replace_norms(submodules, norm):
     return submodules
 
 
-def get_gpt_layer_local_spec_sp(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
-    """Megatron's local GPT layer spec, with sequence-parallel-capable norms."""
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+def get_gpt_layer_local_spec_sp(qk_layernorm: bool = True, normalization: str = "RMSNorm",
+                                **megatron_kwargs) -> ModuleSpec:
+    """Megatron's local GPT layer spec, with sequence-parallel-capable norms (``megatron_kwargs``: the rest
+    of get_gpt_layer_local_spec's, e.g. num_experts and moe_grouped_gemm)."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization, **megatron_kwargs)
     _replace_norms(spec.submodules, LocalNorm)
     return spec
 
@@ -74,6 +79,29 @@ def decoder_block_spec(config, layer_spec: ModuleSpec, vp_stage=None, final_norm
     """The layers this (virtual) pipeline chunk builds, and the final norm."""
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=final_norm)
+
+
+def moe_decoder_block_spec(config, vp_stage=None, transformer_impl: str = "local"):
+    """Baseline with --num-experts: Megatron's get_gpt_decoder_block_spec, as Megatron-LM's gpt_builders.py
+    calls it (MoE layers where --moe-layer-freq puts them, dense ones elsewhere, this chunk's slice); on the
+    local backend its norms are LocalNorm, as in get_gpt_layer_local_spec_sp."""
+    use_te = transformer_impl == "transformer_engine"
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=config.normalization,
+                                      qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
+    if not use_te:
+        for layer_spec in spec.layer_specs:
+            _replace_norms(layer_spec.submodules, LocalNorm)
+        spec.layer_norm = LocalNorm
+    return spec
+
+
+def check_moe_backend(transformer_impl: str, num_experts, moe_grouped_gemm: bool) -> None:
+    """Megatron's local backend builds its experts as SequentialMLP whatever --moe-grouped-gemm says
+    (LocalSpecProvider.grouped_mlp_modules): refuse the flag there rather than ignore it."""
+    if num_experts and moe_grouped_gemm and transformer_impl != "transformer_engine":
+        raise ValueError(f"--moe-grouped-gemm needs --transformer-impl transformer_engine: Megatron-Core's "
+                         f"{transformer_impl} backend has no grouped GEMM and would build one MLP per expert "
+                         f"(SequentialMLP). Drop --moe-grouped-gemm, or use Transformer Engine on a GPU")
 
 
 class LocalNormSpecProvider(LocalSpecProvider):

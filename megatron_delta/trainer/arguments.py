@@ -207,6 +207,7 @@ def validate_delta_args(args: argparse.Namespace) -> None:
     from megatron_delta.checkpoint.integrity import resolve_default
     from megatron_delta.core.modes import check_delta_options
     from megatron_delta.core.router import check_kernels
+    from megatron_delta.core.specs import check_moe_backend
 
     check_cpu_switches(args)
     problem = resolve_default(args)
@@ -224,6 +225,7 @@ def validate_delta_args(args: argparse.Namespace) -> None:
             args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
             args.delta_gate, args.delta_sources, args.delta_router_lr_mult, args.delta_router_kernels)
         check_routed_features(args)
+        check_moe_backend(args.transformer_impl, args.num_experts, args.moe_grouped_gemm)
         check_tensor_parallel_split(args)
         if args.residual != BASELINE:
             check_kernels(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1

@@ -94,6 +94,14 @@ PATCHED_MODULES: Tuple[str, ...] = (
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.transformer_block",
     "megatron.core.transformer.mlp",
+    # baseline --num-experts: the router's and dispatchers' device='cuda' tensors, the alltoall dispatcher's
+    # class-level torch.cuda.Stream(), the aux-loss tracker's reductions
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_logging",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.models.common.embeddings.language_model_embedding",
     "megatron.core.models.common.language_module.language_module",
@@ -197,6 +205,10 @@ REGISTRY: Tuple[Patch, ...] = (
           "on CPU dropout's generator is the default one, from which each DataLoader iterator draws a seed: a "
           "resumed run's dropout masks differ from the uninterrupted run's",
           V019, CPU_ONLY, _apply("cpu", "patch_loader_generator")),
+    Patch("moe_splits_to_host", ("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",),
+          "the alltoall MoE dispatcher makes its split sizes numpy arrays only when they are on CUDA (moe_utils.py:"
+          "1184): on CPU all_to_all_single gets tensors, a TypeError",
+          CORE, CPU_ONLY, _apply("cpu", "patch_moe_splits_to_host")),
     # ---------------------------------------------------------------- distributed optimizer over torch Adam
     Patch("distopt_fresh_state_dict", ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",),
           "state_dict of an optimizer that has not stepped (a resume's load, --train-iters 0 --save) asserts one "

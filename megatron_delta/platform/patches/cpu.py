@@ -485,6 +485,24 @@ def patch_device_arch_version() -> None:
         replace(utils_pkg, "get_device_arch_version", cpu_arch)
 
 
+# moe_splits_to_host (0.19.2; moe/token_dispatcher.py:930 -> moe_utils.py:1184): the alltoall dispatcher
+# asks maybe_move_tensor_to_cpu(..., as_numpy=True) for the split sizes all_to_all_single takes, which
+# converts only a CUDA tensor; a CPU tensor comes back as a tensor, which the c10d binding refuses
+# ("all_to_all_single(): incompatible function arguments") -> on CPU, as_numpy converts it too.
+def patch_moe_splits_to_host() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+
 # loader_generator (0.19.2; datasets/data_samplers.py:19 via training.py:4569): on CPU the
 # "CUDA" RNG (dropout) is the default CPU generator, from which torch's DataLoader also draws a seed
 # whenever an iterator starts. A resumed run starts its loaders after loading the RNG state, so from
