@@ -51,6 +51,19 @@ def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     assert err.strip().splitlines()[-1].startswith("pretrain_gpt.py: error: "), err
 
 
+@pytest.mark.parametrize("residual", ["delta_block", "attnres"])
+def test_block_mode_without_blocks_that_divide(residual, capsys):
+    """A block mode on 30 layers without --delta-num-blocks: the default, 4 blocks, does not divide 30 and no
+    other K is chosen silently. One line, before the distributed start-up, naming the flag and every K."""
+    rc = main(TINY + MOCK + ["--num-layers", "30", "--residual", residual])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    _no_traceback(err)
+    assert err.strip().splitlines()[-1] == (
+        f"pretrain_gpt.py: error: --residual {residual} with --num-layers 30 needs --delta-num-blocks K with K "
+        f"dividing 30 (1, 2, 3, 5, 6, 10, 15, 30); the default, 4 blocks, does not divide 30")
+
+
 def test_train_iters_without_eval_interval(capsys):
     """megatron.training sizes the validation set from --eval-interval and fails with a TypeError without it."""
     argv = [a for a in TINY]
