@@ -38,7 +38,8 @@ def test_benchmark_refuses_a_block_mode_without_blocks_that_divide():
     has no default K (4 does not divide 6), one line naming the flag before any model is built."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools/benchmark.py"), *TINY, "--num-layers", "6",
-                        "--modes", "baseline,attnres"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+                        "--modes", "baseline,attnres"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1] == (
         "benchmark.py: error: --residual attnres with --num-layers 6 needs --delta-num-blocks K with K dividing 6 "
