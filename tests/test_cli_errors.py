@@ -64,6 +64,18 @@ def test_block_mode_without_blocks_that_divide(residual, capsys):
         f"dividing 30 (1, 2, 3, 5, 6, 10, 15, 30); the default, 4 blocks, does not divide 30")
 
 
+@pytest.mark.parametrize("layers,blocks", [("8", 4), ("36", 4), ("3", 3)])
+def test_the_resolved_number_of_blocks_is_printed(layers, blocks, capsys):
+    """Without --delta-num-blocks the resolved K (4, or L for L <= 4) is in the arguments pretrain_gpt.py
+    prints at start-up (and so in run_config.json, which records the parsed arguments)."""
+    from megatron_delta.trainer.main import parse_args
+
+    args = parse_args(TINY + MOCK + ["--num-layers", layers, "--residual", "attnres"])
+    assert args.delta_num_blocks == blocks
+    printed = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == ["delta_num_blocks"]]
+    assert len(printed) == 1 and printed[0][-1] == str(blocks), printed
+
+
 def test_train_iters_without_eval_interval(capsys):
     """megatron.training sizes the validation set from --eval-interval and fails with a TypeError without it."""
     argv = [a for a in TINY]
