@@ -31,8 +31,7 @@ from megatron_delta.checkpoint.errors import ConversionError
 from megatron_delta.checkpoint.run_config import HF_TOKENIZER_FILES, true_vocab_size
 from megatron_delta.convert.state_dict_adapter import (SUPPORTED_HF_ARCHS, hf_to_megatron_state_dict,
                                                        megatron_to_hf_state_dict)
-from megatron_delta.core.modes import (BASELINE, BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS,
-                                       check_delta_options)
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES, GATES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 from megatron_delta.evaluation.loaders import build_megatron_model, load_megatron
 
 
@@ -213,6 +212,7 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES
     A `save` directory that holds anything is refused unless `overwrite`: it may be a trained run."""
     from megatron_delta.checkpoint.model_config import padded_vocab_size
     from megatron_delta.checkpoint.store import save_checkpoint
+    from megatron_delta.core.modes import check_delta_options
 
     if not overwrite and os.path.isdir(save) and os.listdir(save):
         raise ConversionError(f"--save {save} already holds files (a trained run?): the import would replace them. "
