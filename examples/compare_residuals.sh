@@ -25,6 +25,11 @@ MBS=${MBS:-8}
 SEED=${SEED:-1234}
 MOCK=${MOCK:-0}
 EVAL_ITERS=${EVAL_ITERS:-4}
+if (( LAYERS > 4 && LAYERS % 4 )); then  # pretrain_gpt.py would refuse the delta_block / attnres rows below
+  echo "compare_residuals.sh: LAYERS=$LAYERS: delta_block and attnres run with the default K = 4 blocks, which" \
+       "must divide the layers; choose a multiple of 4" >&2
+  exit 2
+fi
 
 if [[ "$MOCK" == 1 ]]; then
   DATA=(--mock-data --tokenizer-type NullTokenizer --vocab-size 4096)

@@ -51,6 +51,31 @@ def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     assert err.strip().splitlines()[-1].startswith("pretrain_gpt.py: error: "), err
 
 
+@pytest.mark.parametrize("residual", ["delta_block", "attnres"])
+def test_block_mode_without_blocks_that_divide(residual, capsys):
+    """A block mode on 30 layers without --delta-num-blocks: the default, 4 blocks, does not divide 30 and no
+    other K is chosen silently. One line, before the distributed start-up, naming the flag and every K."""
+    rc = main(TINY + MOCK + ["--num-layers", "30", "--residual", residual])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    _no_traceback(err)
+    assert err.strip().splitlines()[-1] == (
+        f"pretrain_gpt.py: error: --residual {residual} with --num-layers 30 needs --delta-num-blocks K with K "
+        f"dividing 30 (1, 2, 3, 5, 6, 10, 15, 30); the default, 4 blocks, does not divide 30")
+
+
+@pytest.mark.parametrize("layers,blocks", [("8", 4), ("36", 4), ("3", 3)])
+def test_the_resolved_number_of_blocks_is_printed(layers, blocks, capsys):
+    """Without --delta-num-blocks the resolved K (4, or L for L <= 4) is in the arguments pretrain_gpt.py
+    prints at start-up (and so in run_config.json, which records the parsed arguments)."""
+    from megatron_delta.trainer.main import parse_args
+
+    args = parse_args(TINY + MOCK + ["--num-layers", layers, "--residual", "attnres"])
+    assert args.delta_num_blocks == blocks
+    printed = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == ["delta_num_blocks"]]
+    assert len(printed) == 1 and printed[0][-1] == str(blocks), printed
+
+
 def test_train_iters_without_eval_interval(capsys):
     """megatron.training sizes the validation set from --eval-interval and fails with a TypeError without it."""
     argv = [a for a in TINY]

@@ -338,6 +338,28 @@ def test_unknown_architecture_is_refused(tmp_path):
     assert proc.returncode == 2 and "unsupported architecture" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_import_of_a_block_mode_without_blocks_that_divide_is_refused(tmp_path):
+    """A block mode on an HF model of 6 layers without --delta-num-blocks: the default, 4 blocks, does not
+    divide 6 and no other K is chosen silently. Refused naming the flag and every K, before any weight is read
+    (the directory holds only config.json) and without writing --save; the tool says it in one line."""
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, architectures=["Qwen3ForCausalLM"])
+    config.save_pretrained(tmp_path / "src")
+    assert os.listdir(tmp_path / "src") == ["config.json"]
+    message = ("--residual attnres with --num-layers 6 needs --delta-num-blocks K with K dividing 6 (1, 2, 3, 6); "
+               "the default, 4 blocks, does not divide 6")
+    with pytest.raises(errors.ConversionError) as err:
+        hf_checkpoint.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "meg"), "attnres")
+    assert str(err.value) == f"--hf {tmp_path / 'src'}: {message}"
+    assert not os.path.exists(tmp_path / "meg")
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "import", "--hf", str(tmp_path / "src"),
+                           "--save", str(tmp_path / "meg"), "--residual", "attnres"], cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"convert_checkpoint.py import: error: --hf {tmp_path / 'src'}: " \
+                                                   f"{message}"
+
+
 def test_mode_and_vocab_mismatch_are_refused(tmp_path):
     hf = _tiny("qwen3")
     hf_checkpoint.import_checkpoint(hf, str(tmp_path / "meg"), "delta", delta_gate="scalar", log=lambda *a: None)

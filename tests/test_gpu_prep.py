@@ -2,6 +2,7 @@
 and tools/gpu_check.py refusing to run without CUDA. Transformer Engine is never imported here: where a
 test needs its FP8 autocast, a stand-in module records how it was entered."""
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -197,7 +198,45 @@ def test_gpu_check_dry_run():
     assert {("8B", "delta_block", "fla"), ("8B", "delta", "torch"), ("1B", "delta", "fla"),
             ("1B", "baseline", "-")} <= speed
     assert all(0 < x["predicted_ratio"] <= 1 for x in r["speed"])
+    assert all(x["num_blocks"] == (4 if x["mode"] in ("delta_block", "attnres") else None)
+               for x in r["speed"] + r["train"])  # K = 4, passed explicitly
     assert all(x["ok"] and x["losses"][-1] < x["losses"][0] for x in r["train"]) and len(r["train"]) == 5
+
+
+@pytest.mark.parametrize("total_bytes,fit,layers", [(85_520_809_984, 13, 12),  # an 80 GB H100
+                                                   (150_754_820_096, 25, 24)])  # an H200
+def test_gpu_check_8b_slice_is_a_multiple_of_four_blocks(total_bytes, fit, layers, capsys):
+    """(c)'s 8B slice takes as many layers as the memory plan fits (13 on an 80 GB H100, 25 on an H200), rounded
+    down to a multiple of K = 4, and every block-mode run passes K = 4 explicitly (no default K in play)."""
+    from megatron_delta.perf import gpu_check, memory_model
+
+    shape = gpu_check.SHAPES["8B"]
+
+    def need(L):  # the memory plan of delta (the hungriest mode) with 15 % headroom, in 80 % of the GPU
+        a = memory_model.plan_config(num_layers=L, hidden_size=shape["hidden"], ffn_hidden_size=shape["ffn"],
+                                     num_attention_heads=shape["heads"], num_query_groups=shape["groups"],
+                                     seq_length=shape["seq"], residual="delta", bf16=True,
+                                     transformer_impl="transformer_engine", untie_embeddings_and_output_weights=True)
+        return memory_model.memory_plan(a)["stages"][0]["total"] * 1.15 / 0.8
+
+    assert need(fit) <= total_bytes < need(fit + 1)
+    assert gpu_check.layers_that_fit(shape, total_bytes) == layers == fit - fit % 4
+    assert gpu_check.layers_that_fit(shape, 1) == 4  # the least it runs (and then reports the failure)
+    opts, env = types.SimpleNamespace(vocab_size=32000), types.SimpleNamespace(impl="local", dry=True)
+    for mode in ("delta_block", "attnres", "delta", "baseline"):
+        fields = resolve_model_fields(gpu_check.model_fields(opts, env, mode, shape=dict(shape, layers=layers)))
+        assert fields["num_layers"] == layers
+        assert fields["delta_num_blocks"] == (4 if mode in ("delta_block", "attnres") else None)
+    tool_spec = importlib.util.spec_from_file_location("_gpu_check_tool", os.path.join(REPO, "tools", "gpu_check.py"))
+    tool = importlib.util.module_from_spec(tool_spec)
+    tool_spec.loader.exec_module(tool)
+    assert tool.parse(["--num-layers-8b", str(layers)]).num_layers_8b == layers
+    with pytest.raises(SystemExit) as e:
+        tool.parse(["--num-layers-8b", str(fit)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"error: --num-layers-8b {fit} must be a positive multiple of 4: the block modes run with "
+        f"--delta-num-blocks 4 (the targets' K)")
 
 
 @pytest.mark.parametrize("field,flag", [("fused_residual_rmsnorm", "--fused-residual-rmsnorm"),

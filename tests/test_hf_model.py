@@ -96,12 +96,15 @@ def test_config_validation():
         (dict(residual="delta", delta_gate="vector"), "delta_gate='vector' is not one of none, scalar"),
         (dict(residual="delta", delta_null_source=1), "delta_null_source must be a bool, got 1"),
         (dict(residual="delta", delta_router_eps=0.0), "delta_router_eps must be a positive float, got 0.0"),
+        (dict(residual="attnres", num_hidden_layers=30),
+         "residual=attnres with num_hidden_layers=30 needs delta_num_blocks K with K dividing 30 (1, 2, 3, 5, 6, 10, "
+         "15, 30); the default, 4 blocks, does not divide 30"),
     ]
     for kwargs, message in bad:
         with pytest.raises(ValueError) as err:
             DeltaQwen3Config(**kwargs)
         assert message in str(err.value), (kwargs, str(err.value))
-    # a block mode without delta_num_blocks gets the command line's default K (4, or L below 4 layers)
+    # a block mode without delta_num_blocks gets the command line's default K (4, or L for at most 4 layers)
     assert DeltaQwen3Config(residual="delta_block", num_hidden_layers=8).delta_num_blocks == 4
     assert DeltaQwen3Config(residual="attnres", num_hidden_layers=3).delta_num_blocks == 3
     cfg = DeltaQwen3Config(residual="delta_block", delta_num_blocks=2, delta_sources="authors-code",

@@ -127,6 +127,30 @@ def test_qwen3_8b_preset_prints_table(capsys):
     assert "delta_block" in out and "| 0 |" in out and '"stages"' in out
 
 
+def test_block_mode_without_blocks_that_divide_is_refused(capsys):
+    """memory_plan.py and the cost model resolve K as pretrain_gpt.py does (modes.default_num_blocks): 4 blocks
+    by default, a layer count 4 does not divide refused in one line naming the flag, a given K kept."""
+    def message(L, divisors):
+        return (f"--residual delta_block with --num-layers {L} needs --delta-num-blocks K with K dividing {L} "
+                f"({divisors}); the default, 4 blocks, does not divide {L}")
+
+    with pytest.raises(SystemExit) as e:
+        memory_plan.main(["--num-layers", "30", "--residual", "delta_block"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        ": error: " + message(30, "1, 2, 3, 5, 6, 10, 15, 30"))
+    flags = ["--num-layers", "30", "--residual", "delta_block", "--delta-num-blocks", "5"]
+    assert memory_plan.parse(flags).delta_num_blocks == 5
+    assert memory_plan.parse(["--num-layers", "36", "--residual", "attnres"]).delta_num_blocks == 4
+    # the cost model (gpu_check's predictions): a 13-layer slice of the 8B shape has no default K
+    with pytest.raises(ValueError) as err:
+        cost_model.router_share("H100", "8B", "delta_block", num_layers=13)
+    assert str(err.value) == message(13, "1, 13")
+    default = cost_model.router_share("H100", "8B", "delta_block")  # 36 layers
+    assert default == cost_model.router_share("H100", "8B", "delta_block", num_blocks=4)
+    assert default["router_ms"] < cost_model.router_share("H100", "8B", "delta_block", num_blocks=36)["router_ms"]
+
+
 # ------------------------------------------------------------------ the router's share of a step (issue 19)
 def test_router_share_predictions():
     """Every routed mode on both shapes: the fused kernel moves fewer bytes than the PyTorch path;

@@ -57,6 +57,9 @@ RULES = [
      "--delta-sources authors-code is defined for --residual delta and delta_block only"),
     (dict(residual="delta_block", num_layers=6, num_blocks=4),
      "--delta-num-blocks 4 must be a positive divisor of --num-layers 6 (each block holds L/K consecutive layers)"),
+    (dict(residual="delta_block", num_layers=30),
+     "--residual delta_block with --num-layers 30 needs --delta-num-blocks K with K dividing 30 (1, 2, 3, 5, 6, 10, "
+     "15, 30); the default, 4 blocks, does not divide 30"),
     (dict(residual="attnres", num_blocks=0),
      "--delta-num-blocks 0 must be a positive divisor of --num-layers 4 (each block holds L/K consecutive layers)"),
     (dict(residual="delta", num_blocks=2),
@@ -67,6 +70,9 @@ RULES = [
     (dict(residual="attnres", num_blocks=3, spell=HF_FIELDS),
      "delta_num_blocks=3 must be a positive divisor of num_hidden_layers=4 (each block holds L/K consecutive "
      "layers)"),
+    (dict(residual="attnres", num_layers=6, spell=HF_FIELDS),
+     "residual=attnres with num_hidden_layers=6 needs delta_num_blocks K with K dividing 6 (1, 2, 3, 6); the "
+     "default, 4 blocks, does not divide 6"),
 ]
 
 
@@ -80,10 +86,50 @@ def test_each_rule_raises_its_message(kwargs, message):
 def test_accepted_options_resolve_the_number_of_blocks():
     assert options(residual="baseline") is None and options(residual="delta") is None
     assert options(residual="delta_block", num_layers=8) == 4  # the paper's K
-    assert options(residual="attnres", num_layers=6) == 6  # L when 4 does not divide it
-    assert options(residual="attnres", num_layers=2) == 2
+    assert options(residual="attnres", num_layers=4) == 4
+    assert options(residual="attnres", num_layers=2) == 2  # L for a model of at most 4 layers
     assert options(residual="delta_block", num_layers=6, num_blocks=3, gate="scalar", null_source=True,
                    sources="authors-code", delta_router_lr_mult=10.0, router_kernels="torch") == 3
+
+
+@pytest.mark.parametrize("residual", modes.BLOCK_MODES)
+def test_the_default_number_of_blocks_is_at_most_four(residual):
+    """Without --delta-num-blocks a block mode never has more than 4 blocks, for L = 1..64: K = min(L, 4) where
+    that divides L; otherwise refused, naming the flag and every K that divides L. A SourcePlan built from a
+    config without K (the perf models' way) resolves the same K, or refuses with the same line."""
+    def plan(L):
+        cfg = SimpleNamespace(residual=residual, num_layers=L, delta_num_blocks=None, delta_sources="exact")
+        return SourcePlan.from_config(cfg)
+
+    accepted = []
+    for L in range(1, 65):
+        if L > 4 and L % 4:
+            divisors = ", ".join(str(k) for k in range(1, L + 1) if L % k == 0)
+            message = (f"--residual {residual} with --num-layers {L} needs --delta-num-blocks K with K dividing {L} "
+                       f"({divisors}); the default, 4 blocks, does not divide {L}")
+            for resolve in (lambda: options(residual=residual, num_layers=L), lambda: plan(L)):
+                with pytest.raises(ValueError) as err:
+                    resolve()
+                assert str(err.value) == message
+            continue
+        k = options(residual=residual, num_layers=L)
+        assert k == min(L, 4) and L % k == 0 and plan(L).num_blocks == k
+        accepted.append(L)
+    assert accepted == [1, 2, 3, 4] + list(range(8, 65, 4))
+
+
+def test_the_model_config_resolves_the_number_of_blocks_or_refuses():
+    """DeltaTransformerConfig (pretrain_gpt.py's model, the tools' models) applies the same default in its
+    __post_init__: refused for 30 layers without K, the given K kept, 4 for 36 layers."""
+    from megatron_delta.core.config import DeltaTransformerConfig
+
+    kw = dict(hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    with pytest.raises(ValueError) as err:
+        DeltaTransformerConfig(residual="delta_block", num_layers=30, **kw)
+    assert str(err.value) == ("--residual delta_block with --num-layers 30 needs --delta-num-blocks K with K dividing "
+                              "30 (1, 2, 3, 5, 6, 10, 15, 30); the default, 4 blocks, does not divide 30")
+    assert DeltaTransformerConfig(residual="attnres", num_layers=30, delta_num_blocks=5, **kw).delta_num_blocks == 5
+    assert DeltaTransformerConfig(residual="attnres", num_layers=36, **kw).delta_num_blocks == 4
 
 
 PLAN_RULES = [

@@ -32,6 +32,19 @@ def _run(script, *argv, timeout=600):
 
 
 # ------------------------------------------------------------------------------------ benchmark
+def test_benchmark_refuses_a_block_mode_without_blocks_that_divide():
+    """benchmark.py builds its models from flags as pretrain_gpt.py does: 6 layers without --delta-num-blocks
+    has no default K (4 does not divide 6), one line naming the flag before any model is built."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools/benchmark.py"), *TINY, "--num-layers", "6",
+                        "--modes", "baseline,attnres"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        "benchmark.py: error: --residual attnres with --num-layers 6 needs --delta-num-blocks K with K dividing 6 "
+        "(1, 2, 3, 6); the default, 4 blocks, does not divide 6")
+
+
 def test_benchmark_smoke(tmp_path):
     out = tmp_path / "bench.json"
     text = _run("tools/benchmark.py", *TINY, "--modes", "baseline,delta_block,delta,full_attnres",

@@ -36,7 +36,8 @@ def build_parser():
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=1024, help="mock tokens' vocabulary")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--delta-num-blocks", type=int, default=None, help=f"K for {' / '.join(BLOCK_MODES)} (default 4)")
+    p.add_argument("--delta-num-blocks", type=int, default=None,
+                   help=f"K for {' / '.join(BLOCK_MODES)} (default 4, L when L <= 4; needed when 4 does not divide L)")
     p.add_argument("--delta-gate", choices=GATES, default=GATES[0],
                    help=f"as pretrain_gpt.py's flag, for {' and '.join(ADDITIVE_MODES)} (scalar: they also hold "
                         "the residual stream x, see README)")

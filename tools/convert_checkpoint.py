@@ -43,7 +43,8 @@ def main(argv=None):
     i.add_argument("--delta-gate", choices=GATES, default=GATES[0])
     i.add_argument("--delta-null-source", action="store_true")
     i.add_argument("--delta-num-blocks", type=int, default=None,
-                   help=f"K blocks of L/K layers ({', '.join(BLOCK_MODES)}); default 4 (or L if L < 4)")
+                   help=f"K blocks of L/K layers ({', '.join(BLOCK_MODES)}); default 4 (L when L <= 4); "
+                        "needed when 4 does not divide L")
     i.add_argument("--delta-sources", choices=SOURCE_DEFINITIONS, default=SOURCE_DEFINITIONS[0])
     i.add_argument("--tensor-model-parallel-size", type=int, default=1)
     i.add_argument("--pipeline-model-parallel-size", type=int, default=1)

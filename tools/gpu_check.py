@@ -14,11 +14,12 @@ Prints a table per part and writes JSON (rewritten after every part: a timeout s
     source, gate and x: the output and every gradient (sources, x, query, key-norm weight, null, gate),
     errors relative to each tensor's scale (--router-tol).
 (c) speed and memory: tokens/s and peak memory (torch.cuda.max_memory_allocated) against the baseline, at
-    an 8B layer slice (hidden 4096, FFN 12288, 32 heads / 8 groups, seq 2048, as many layers as fit; the
-    memory plan picks them) and at the paper's 1B width (Qwen3-1.7B shape), for delta_block and delta, both
-    router backends; beside each, tools/memory_plan.py's PREDICTED ratio (router bytes vs GEMM FLOPs on
-    this GPU). Targets: delta_block >= 0.95x tokens/s and <= 1.10x peak memory at the 8B slice, delta
-    >= 0.85x at 1B (both with the fused kernel).
+    an 8B layer slice (hidden 4096, FFN 12288, 32 heads / 8 groups, seq 2048, as many layers as fit, a
+    multiple of 4; the memory plan picks them) and at the paper's 1B width (Qwen3-1.7B shape), for
+    delta_block and delta, both router backends; beside each, tools/memory_plan.py's PREDICTED ratio
+    (router bytes vs GEMM FLOPs on this GPU). The block modes run with --delta-num-blocks 4 throughout.
+    Targets: delta_block >= 0.95x tokens/s and <= 1.10x peak memory at the 8B slice, delta >= 0.85x at 1B
+    (both with the fused kernel).
 (d) training: every mode trains --iters iterations in BF16 and FP8 (hybrid; delayed scaling, and current
     scaling - recipe `tensorwise` - where the installed TE has it), TE spec, routers on the fused kernel;
     the loss must be finite and fall.
@@ -52,11 +53,16 @@ def parse(argv=None):
     p.add_argument("--parity-seq-length", type=int, default=None, help="default 512 (dry 16)")
     p.add_argument("--parity-tol", type=float, default=2e-2, help="max relative L2 error of BF16 logits")
     p.add_argument("--router-tol", type=float, default=None, help="(b): default 2e-2 in bf16 (fp32: 1e-4)")
-    p.add_argument("--num-layers-8b", type=int, default=None, help="(c): default as many as fit (memory plan)")
+    p.add_argument("--num-layers-8b", type=int, default=None,
+                   help=f"(c): a multiple of {checks.NUM_BLOCKS} (the block modes' K); default as many as fit "
+                        "(memory plan)")
     p.add_argument("--skip", nargs="*", default=[], choices=["parity", "router", "speed", "train"])
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--time-budget-s", type=float, default=450, help="skip the remaining runs after this")
     o = p.parse_args(argv)
+    if o.num_layers_8b is not None and (o.num_layers_8b < 1 or o.num_layers_8b % checks.NUM_BLOCKS):
+        p.error(f"--num-layers-8b {o.num_layers_8b} must be a positive multiple of {checks.NUM_BLOCKS}: the block "
+                f"modes run with --delta-num-blocks {checks.NUM_BLOCKS} (the targets' K)")
     dry = o.dry_run
     for name, full, small in (("vocab_size", 32000, 64), ("speed_iters", 12, 4), ("warmup", 4, 1),
                               ("lr", 3e-4, 3e-3), ("parity_hidden_size", 1024, 32), ("parity_seq_length", 512, 16)):

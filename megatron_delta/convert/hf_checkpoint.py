@@ -186,8 +186,8 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
     return output
 
 
-def load_hf_model(hf_dir: str):
-    """A stock Qwen3/Llama HF model (fp32) from a directory, with a clear error for anything else."""
+def load_hf_config(hf_dir: str):
+    """A stock Qwen3/Llama HF configuration from a directory, with a clear error for anything else."""
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -198,6 +198,12 @@ def load_hf_model(hf_dir: str):
         raise ConversionError(f"--hf {hf_dir}: unsupported architecture ({e}); import supports "
                               f"{', '.join(SUPPORTED_HF_ARCHS)}") from None
     model_config_from_hf(cfg, BASELINE)  # raises on unsupported architectures
+    return cfg
+
+
+def load_hf_model(hf_dir: str):
+    """A stock Qwen3/Llama HF model (fp32) from a directory, with a clear error for anything else."""
+    load_hf_config(hf_dir)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -211,15 +217,21 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES
     A `save` directory that holds anything is refused unless `overwrite`: it may be a trained run."""
     from megatron_delta.checkpoint.model_config import padded_vocab_size
     from megatron_delta.checkpoint.store import save_checkpoint
+    from megatron_delta.core.modes import check_delta_options
 
     if not overwrite and os.path.isdir(save) and os.listdir(save):
         raise ConversionError(f"--save {save} already holds files (a trained run?): the import would replace them. "
                               f"Pass a new --save directory, or --overwrite to replace it")
-    if isinstance(hf_dir_or_model, str):
-        hf_dir, hf = hf_dir_or_model, load_hf_model(hf_dir_or_model)
-    else:
-        hf_dir, hf = None, hf_dir_or_model
-    mc = model_config_from_hf(hf.config, residual, delta_num_blocks, delta_null_source, delta_gate, delta_sources)
+    hf_dir = hf_dir_or_model if isinstance(hf_dir_or_model, str) else None
+    where = f"--hf {hf_dir or type(hf_dir_or_model).__name__}"
+    hf_config = load_hf_config(hf_dir) if hf_dir else hf_dir_or_model.config
+    mc = model_config_from_hf(hf_config, residual, delta_num_blocks, delta_null_source, delta_gate, delta_sources)
+    try:  # the residual options against the HF model's layers, before its weights; K as pretrain_gpt.py resolves it
+        mc["delta_num_blocks"] = check_delta_options(residual, mc["num_layers"], delta_num_blocks, delta_null_source,
+                                                     delta_gate, delta_sources)
+    except ValueError as e:
+        raise ConversionError(f"{where}: {e}") from None
+    hf = load_hf_model(hf_dir) if hf_dir else hf_dir_or_model
     if mc["num_layers"] % pipeline_model_parallel_size:
         raise ConversionError(f"--pipeline-model-parallel-size {pipeline_model_parallel_size} does not divide "
                               f"the {mc['num_layers']} layers")
@@ -232,7 +244,7 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES
     if emb_rows != vocab:
         raise ConversionError(f"config vocab_size {vocab} != embedding rows {emb_rows}")
     padded = padded_vocab_size(vocab, make_vocab_size_divisible_by, tensor_model_parallel_size)
-    model, args = build_megatron_model(mc, padded, f"--hf {hf_dir or type(hf).__name__}")
+    model, args = build_megatron_model(mc, padded, where)
     tied = not mc["untie_embeddings_and_output_weights"]
     meg_sd = hf_to_megatron_state_dict(
         {k: v.detach().float() for k, v in hf.state_dict().items()}, num_layers=mc["num_layers"],
@@ -273,6 +285,7 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"[import] {hf_dir or type(hf).__name__} -> {save} (residual {residual}, vocab {vocab} padded to {padded} "
-        f"for TP{tensor_model_parallel_size}; torch_dist checkpoints load under any TP/PP layout)")
+    blocks = f", {mc['delta_num_blocks']} blocks" if mc["delta_num_blocks"] is not None else ""
+    log(f"[import] {hf_dir or type(hf).__name__} -> {save} (residual {residual}{blocks}, vocab {vocab} padded to "
+        f"{padded} for TP{tensor_model_parallel_size}; torch_dist checkpoints load under any TP/PP layout)")
     return save

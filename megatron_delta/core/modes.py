@@ -409,12 +409,25 @@ def routed_mode(residual: str, num_layers: int, num_blocks: int, sources: str = 
     return routed_mode_class(residual, sources)(num_layers, num_blocks, x_from_sources)
 
 
-def default_num_blocks(residual: str, num_layers: int) -> int | None:
-    """K = 4 for the block modes (the paper's choice), L for a model with fewer than 4 layers."""
+DEFAULT_NUM_BLOCKS = 4  # the paper's K
+
+
+def default_num_blocks(residual: str, num_layers: int, spell: Spelling = FLAGS) -> int | None:
+    """K of a block mode given no number of blocks: 4 (the paper's choice), L for a model of at most 4 layers;
+    None outside the block modes. Never more than 4 blocks: blocks are equal (L/K layers each), so a model of
+    more than 4 layers that 4 does not divide has no default, and the ValueError names the option and the
+    values that divide L. Every path that resolves K (configs, conversion, the perf models) comes here."""
     cls = ROUTED_MODE_CLASSES.get(residual)
     if cls is None or not cls.blocked:
         return None
-    return 4 if num_layers % 4 == 0 and num_layers >= 4 else num_layers
+    if not isinstance(num_layers, int) or num_layers <= DEFAULT_NUM_BLOCKS:
+        return num_layers  # a bad L: refused by the caller's divisor check, which names both options
+    if num_layers % DEFAULT_NUM_BLOCKS == 0:
+        return DEFAULT_NUM_BLOCKS
+    divisors = ", ".join(str(k) for k in range(1, num_layers + 1) if num_layers % k == 0)
+    raise ValueError(f"{spell('residual', residual)} with {spell('num_layers', num_layers)} needs "
+                     f"{spell('num_blocks')} K with K dividing {num_layers} ({divisors}); the default, "
+                     f"{DEFAULT_NUM_BLOCKS} blocks, does not divide {num_layers}")
 
 
 def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, null_source: bool,
@@ -444,7 +457,7 @@ def check_delta_options(residual: str, num_layers: int, num_blocks: int | None, 
     _check_defined(residual, sources, spell)
     if mode.blocked:
         if num_blocks is None:
-            num_blocks = default_num_blocks(residual, num_layers)
+            num_blocks = default_num_blocks(residual, num_layers, spell)
         _check_num_blocks(num_layers, num_blocks, spell)
     elif num_blocks is not None:
         raise ValueError(f"{spell('num_blocks')} applies to {spell('residual')} {_listing(BLOCK_MODES)}, "

@@ -25,7 +25,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from megatron_delta.core.modes import RoutedMode, routed_mode, routed_mode_class
+from megatron_delta.core.modes import RoutedMode, default_num_blocks, routed_mode, routed_mode_class
 from megatron_delta.core.router import DepthRouter, Source, make_source
 
 __all__ = ["SourcePlan", "SourceBuffer"]
@@ -50,7 +50,11 @@ class SourcePlan:
         except where the routers run on fla's fused kernel, which cannot fold x = sum of the sources into
         its pass (fla_router.plan_keeps_x; objects without ``delta_router_kernels`` count as not)."""
         mode = mode or cfg.residual
-        return cls(mode=mode, num_layers=cfg.num_layers, num_blocks=cfg.delta_num_blocks or cfg.num_layers,
+        num_blocks = cfg.delta_num_blocks
+        if num_blocks is None:  # the block modes' default (refused where 4 does not divide L > 4)
+            num_blocks = default_num_blocks(mode, cfg.num_layers)
+        return cls(mode=mode, num_layers=cfg.num_layers,
+                   num_blocks=cfg.num_layers if num_blocks is None else num_blocks,  # outside the block modes: unused
                    sources=cfg.delta_sources,
                    x_from_sources=(routed_mode_class(mode, cfg.delta_sources).sources_sum_to_x
                                    and getattr(cfg, "delta_gate", "none") == "none"

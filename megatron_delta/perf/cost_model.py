@@ -95,13 +95,14 @@ def layer_gemm_flops(shape, tokens, micro_batch=1):
     return 6 * tokens * params + attn
 
 
-def router_share(gpu, shape_name, mode, backend="torch", num_blocks=4, null_source=False, gate=False,
+def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_source=False, gate=False,
                  micro_batch=1, act_bytes=2, num_layers=None):
     """Predicted router time against the layers' GEMM time for one training step (one micro-batch):
     router bytes / (HBM x HBM_EFFICIENCY) vs GEMM FLOPs / (peak x GEMM_EFFICIENCY). Returns a dict with
     both times, the share of the step (router / (GEMM + router)) and the predicted tokens/s ratio to the
     baseline (GEMM / (GEMM + router): the baseline's step taken as its GEMMs). ``num_layers`` overrides
-    the shape's (gpu_check's layer slice)."""
+    the shape's (gpu_check's layer slice); ``num_blocks``: the block modes' K (default: the command line's,
+    modes.default_num_blocks, which refuses a layer count it cannot split into at most 4 blocks)."""
     from types import SimpleNamespace
 
     from megatron_delta.core.sources import SourcePlan
@@ -115,7 +116,7 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=4, null_sour
     gemm_s = L * layer_gemm_flops(shape, tokens, micro_batch) / (flops * GEMM_EFFICIENCY)
     router_s = 0.0
     if mode != BASELINE:
-        kb = num_blocks if mode in BLOCK_MODES and L % num_blocks == 0 else L
+        kb = num_blocks if mode in BLOCK_MODES else None  # None: the block modes' default K (SourcePlan)
         cfg = SimpleNamespace(residual=mode, num_layers=L, delta_num_blocks=kb, delta_sources="exact",
                               delta_gate="scalar" if gate else "none",
                               delta_router_kernels="fla" if backend == "fla" else "torch")

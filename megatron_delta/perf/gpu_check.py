@@ -14,12 +14,15 @@ import os
 import time
 import types
 
-from megatron_delta.core.modes import ADDITIVE_MODES, BASELINE, DELTA, DELTA_BLOCK
+from megatron_delta.core.modes import ADDITIVE_MODES, BASELINE, BLOCK_MODES, DELTA, DELTA_BLOCK
 from megatron_delta.perf import cost_model, memory_model
 from megatron_delta.perf.shapes import SHAPES as MODEL_SHAPES
 
 NO_GPU_EXIT = 2
 TARGETS = {("8B", DELTA_BLOCK): (0.95, 1.10), ("1B", DELTA): (0.85, None)}
+# K of every block-mode run, passed explicitly: the targets are the paper's K = 4, so every layer count here
+# (the 8B slice's, the 1B shape's 28, the parity and training models' 4) is a multiple of it.
+NUM_BLOCKS = 4
 
 # Local-spec parameter names -> TE-spec names (TE fuses the sublayer input norms into the linears).
 FUSED_NORM_NAMES = {
@@ -29,7 +32,8 @@ FUSED_NORM_NAMES = {
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
 
-# (c)'s shapes (perf.shapes; the 8B slice takes as many layers as fit unless --num-layers-8b); the dry run's
+# (c)'s shapes (perf.shapes; the 8B slice takes as many layers as fit, a multiple of NUM_BLOCKS, unless
+# --num-layers-8b); the dry run's
 # are tiny stand-ins with the same roles.
 SHAPES = {name: dict(hidden=s["hidden_size"], ffn=s["ffn_hidden_size"], heads=s["num_attention_heads"],
                      groups=s["num_query_groups"], seq=s["seq_length"],
@@ -119,6 +123,8 @@ def model_fields(opts, env, mode, *, shape, impl=None, fp8=None):
                   num_layers=s["layers"], hidden_size=s["hidden"], ffn_hidden_size=s["ffn"],
                   num_attention_heads=s["heads"], num_query_groups=s["groups"], seq_length=s["seq"],
                   bf16=not env.dry)
+    if mode in BLOCK_MODES:
+        fields["delta_num_blocks"] = NUM_BLOCKS
     if fp8:
         fields.update(fp8_format="hybrid", fp8_recipe=fp8, fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
     return fields
@@ -315,26 +321,25 @@ def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=N
         losses.append(float(reports[0]["lm loss"]))
     timed = times[warmup:] or times
     out = {"mode": mode, "kernels": kernels if mode != BASELINE else "-", "precision": fp8 and f"fp8-hybrid-{fp8}"
-           or ("fp32" if env.dry else "bf16"), "num_layers": fields["num_layers"], "losses": losses,
+           or ("fp32" if env.dry else "bf16"), "num_layers": fields["num_layers"],
+           "num_blocks": fields["delta_num_blocks"], "losses": losses,
            "tokens_per_sec": s * b * len(timed) / sum(timed), "peak_mem_gib": env.peak_gib(),
            "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]}
     free(env, ddp, optimizer, chunk)
     return out
 
 
-def layers_that_fit(env, shape, frac=0.8):
-    """(c): the most layers (<= 36) of the 8B slice whose memory plan (delta, the hungriest mode, TE, bf16)
-    fits in ``frac`` of this GPU's memory."""
-    import torch
-
-    total = torch.cuda.get_device_properties(0).total_memory
-    best = 1
-    for L in range(1, 37):
+def layers_that_fit(shape, total_bytes, frac=0.8):
+    """(c): the most layers of the 8B slice, a multiple of NUM_BLOCKS up to its 36, whose memory plan (delta,
+    the hungriest mode, TE, bf16) fits in ``frac`` of ``total_bytes`` (this GPU's memory); NUM_BLOCKS at the
+    least (the run then fails and says so where even that does not fit)."""
+    best = NUM_BLOCKS
+    for L in range(NUM_BLOCKS, MODEL_SHAPES["8B"]["num_layers"] + 1, NUM_BLOCKS):
         a = memory_model.plan_config(num_layers=L, hidden_size=shape["hidden"], ffn_hidden_size=shape["ffn"],
                                      num_attention_heads=shape["heads"], num_query_groups=shape["groups"],
                                      seq_length=shape["seq"], residual=DELTA, bf16=True,
                                      transformer_impl="transformer_engine", untie_embeddings_and_output_weights=True)
-        if memory_model.memory_plan(a)["stages"][0]["total"] * 1.15 <= frac * total:
+        if memory_model.memory_plan(a)["stages"][0]["total"] * 1.15 <= frac * total_bytes:
             best = L
     return best
 
@@ -343,7 +348,12 @@ def speed_shape(opts, env, shape_name):
     """(c)'s shape ``shape_name`` on this machine, its layer count settled (--num-layers-8b, else as many as fit)."""
     shape = dict(env.shapes[shape_name])
     if shape["layers"] is None:
-        shape["layers"] = opts.num_layers_8b or layers_that_fit(env, shape)
+        if opts.num_layers_8b:
+            shape["layers"] = opts.num_layers_8b
+        else:
+            import torch
+
+            shape["layers"] = layers_that_fit(shape, torch.cuda.get_device_properties(0).total_memory)
     return shape
 
 
@@ -351,7 +361,8 @@ def predicted(env, shape_name, mode, kernels, num_layers):
     """The cost model's tokens/s ratio to the baseline for this run on this GPU (perf.cost_model.router_share)."""
     if mode == BASELINE:
         return 1.0
-    r = cost_model.router_share(env.gpu_kind(), shape_name, mode, kernels, num_layers=num_layers)
+    r = cost_model.router_share(env.gpu_kind(), shape_name, mode, kernels, num_layers=num_layers,
+                                num_blocks=NUM_BLOCKS if mode in BLOCK_MODES else None)
     return r["tokens_per_sec_ratio"]
 
 

@@ -37,7 +37,14 @@ Model of the activations (bytes saved for backward per micro-batch, counted as u
 """
 from types import SimpleNamespace
 
-from megatron_delta.core.modes import BASELINE, REPLACEMENT_MODES, SOURCE_DEFINITIONS, default_num_blocks
+from megatron_delta.core.modes import (
+    BASELINE,
+    BLOCK_MODES,
+    GATES,
+    REPLACEMENT_MODES,
+    SOURCE_DEFINITIONS,
+    check_delta_options,
+)
 
 GiB = 2**30
 
@@ -52,12 +59,12 @@ PLAN_DEFAULTS = dict(
 
 
 class PlanError(ValueError):
-    """A plan config whose parallel layout does not divide (the message names the flags)."""
+    """A plan config whose parallel layout or blocks do not divide (the message names the flags)."""
 
 
 def resolve_plan_config(a):
     """Derive a plan config's implied fields in place (FFN 3 x hidden, head width, backend, DP size, global
-    batch, micro-batches, virtual stages, K) and return it; PlanError where the layout does not divide."""
+    batch, micro-batches, virtual stages, K) and return it; PlanError where the layout or the blocks do not divide."""
     if a.ffn_hidden_size is None:
         a.ffn_hidden_size = 3 * a.hidden_size
     if a.kv_channels is None:
@@ -78,8 +85,12 @@ def resolve_plan_config(a):
         a.vpp = a.num_layers // pp // a.num_layers_per_virtual_pipeline_stage
     if a.tensor_model_parallel_size == 1:
         a.sequence_parallel = False
-    if a.delta_num_blocks is None:
-        a.delta_num_blocks = default_num_blocks(a.residual, a.num_layers)
+    if a.residual in BLOCK_MODES:  # K as pretrain_gpt.py resolves it: given, or the default (at most 4 blocks)
+        try:
+            a.delta_num_blocks = check_delta_options(a.residual, a.num_layers, a.delta_num_blocks, False,
+                                                     GATES[0], a.delta_sources)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
     return a
 
 

@@ -27,7 +27,8 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--residual", choices=RESIDUAL_MODES, default=BASELINE,
                    help="depth routing of the residual stream (default: baseline, Megatron's own layer)")
     g.add_argument("--delta-num-blocks", type=int, default=None,
-                   help=f"K blocks of L/K layers ({', '.join(BLOCK_MODES)}); default 4 (or L if L < 4)")
+                   help=f"K blocks of L/K layers ({', '.join(BLOCK_MODES)}); default 4 (L when L <= 4); "
+                        "needed when 4 does not divide L")
     g.add_argument("--delta-null-source", action="store_true",
                    help="each router also reads a learnable zero-initialised null source")
     g.add_argument("--delta-gate", choices=["none", "scalar"], default="none",

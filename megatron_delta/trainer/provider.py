@@ -43,7 +43,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     if config is None:
         config = transformer_config(args)
-    print_rank_0(f"building GPT model (--residual {args.residual}) ...")
+    blocks = f", --delta-num-blocks {args.delta_num_blocks}" if args.delta_num_blocks is not None else ""
+    print_rank_0(f"building GPT model (--residual {args.residual}{blocks}) ...")
     return gpt_model(
         config, args.padded_vocab_size, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
         transformer_impl=args.transformer_impl, max_sequence_length=args.max_position_embeddings,
