@@ -114,7 +114,7 @@ def test_perplexity_tool_matches_transformers_on_raw_text(tiny, tmp_path):
 
 
 def test_perplexity_windows_predict_every_token_once():
-    from perplexity import windows
+    from megatron_delta.evaluation.perplexity import windows
 
     for n, s in ((2, 4), (5, 4), (9, 4), (10, 4), (100, 7)):
         spans = windows(n, s)

@@ -1,60 +1,21 @@
-#!/usr/bin/env python
-"""Held-out perplexity of a megatron-delta checkpoint: SOTU validation speeches and the Wikipedia sample.
+"""Held-out perplexity of a checkpoint over fixed, contiguous token streams (tools/perplexity.py parses its flags).
 
-    python tools/perplexity.py --load runs/default-delta_block [--output ppl.json]
-        [--data-path [NAME=]PREFIX ...] [--max-tokens 65536] [--seq-length S] [--batch-size 8]
-
-By default it reads the two held-out sets of the bundled corpus (megatron_delta.data.corpus.ensure_default_data,
-built once under --cache-dir): `sotu_valid` (every 10th State of the Union speech, never trained on) and
-`wiki` (the Wikipedia sample, another distribution). `--data-path` takes other preprocessed prefixes
-(tokenised with the checkpoint's tokenizer), optionally named `NAME=PREFIX`.
-
-What is measured: each dataset's documents are concatenated in file order (EOD after each document, as
-preprocessing wrote them) and the first --max-tokens tokens (0 = all) are cut into consecutive windows of
---seq-length + 1 tokens that overlap by one token, so every token after the first is predicted exactly
-once, with up to --seq-length tokens of context from its own window. The perplexity is
-exp(sum of next-token NLL / number of predicted tokens) over the tokenizer's vocabulary (the padding rows
-of Megatron's embedding are dropped, as in the exported Hugging Face model). Unlike the validation that
-pretrain_gpt.py prints (the first --eval-iters batches of Megatron's shuffled GPTDataset), this covers a
-fixed, contiguous prefix of each set, the same for every checkpoint, so runs compare directly.
-
-The checkpoint (any TP/PP/VPP layout) is read resharded into one TP1/PP1 model in this process. With
---dtype auto (the default) it computes in the precision it was trained in (a `--bf16` run's model in bf16,
-routers in fp32, as in training); --dtype fp32 computes with the same weights in fp32.
+Each dataset's documents are concatenated in file order (read_token_stream: EOD after each document, as
+preprocessing wrote them) and the first max_tokens tokens (0 = all) are cut into consecutive windows of
+seq_length + 1 tokens that overlap by one token (windows), so every token after the first is predicted exactly
+once, with up to seq_length tokens of context from its own window. The perplexity is exp(sum of next-token NLL /
+number of predicted tokens) over the tokenizer's vocabulary (stream_nll; the padding rows of Megatron's embedding
+are dropped, as in the exported Hugging Face model). The default sets are the bundled corpus' held-out ones
+(datasets_to_measure); measure_perplexity loads the checkpoint (any TP/PP/VPP layout) as one TP1/PP1 model and
+measures each set.
 """
-import argparse
-import json
 import math
 import os
-import sys
 import time
-
-from megatron_delta.platform.patches import known_warnings_quieted
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-PROG = "perplexity.py"
 
 
 class PerplexityError(ValueError):
     """Bad input; the message names the flag or file."""
-
-
-def build_parser():
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--load", required=True, help="a run directory (its latest checkpoint) or an iter_* directory")
-    p.add_argument("--output", default=None, help="write the figures as JSON here")
-    p.add_argument("--data-path", nargs="+", default=None, metavar="[NAME=]PREFIX",
-                   help="preprocessed data prefixes (default: the bundled SOTU validation split and Wikipedia sample)")
-    p.add_argument("--max-tokens", type=int, default=65536, help="tokens read per dataset (0 = all; default 65536)")
-    p.add_argument("--seq-length", type=int, default=None,
-                   help="tokens of context per window (default: the checkpoint's --seq-length)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
-                   help="precision of the forward: auto = as the checkpoint was trained (run_config.json bf16)")
-    p.add_argument("--cache-dir", default=os.path.join("runs", "cache"), help="where the default data is built")
-    return p
 
 
 def read_token_stream(prefix, max_tokens, flag="--data-path"):
@@ -143,28 +104,12 @@ def _same_file(a, b):
         return fa.read() == fb.read()
 
 
-def main(argv=None):
-    opts = build_parser().parse_args(argv)
-    try:
-        if opts.max_tokens < 0:
-            raise PerplexityError(f"--max-tokens must be >= 0 (0 = all), got {opts.max_tokens}")
-        if opts.batch_size < 1:
-            raise PerplexityError(f"--batch-size must be >= 1, got {opts.batch_size}")
-        if opts.seq_length is not None and opts.seq_length < 1:
-            raise PerplexityError(f"--seq-length must be >= 1, got {opts.seq_length}")
-        if not os.path.exists(opts.load):  # before the slow imports
-            raise PerplexityError(f"--load: {opts.load} does not exist")
-        return _run(opts)
-    except PerplexityError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+def measure_perplexity(opts, log=print) -> dict:
+    """The perplexity of checkpoint opts.load on each dataset, as tools/perplexity.py writes it to --output.
 
-
-@known_warnings_quieted()
-def _run(opts):
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    opts carries the tool's flags (load, data_path, max_tokens, seq_length, batch_size, dtype, cache_dir); log
+    prints one line on loading and one per dataset. Bad input raises PerplexityError naming the flag or file."""
+    import torch.distributed as dist
 
     from megatron_delta.checkpoint.errors import CheckpointError, ConversionError
     from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir, true_vocab_size
@@ -190,8 +135,8 @@ def _run(opts):
         vocab = true_vocab_size(rc)
         result = {"checkpoint": os.path.abspath(ckpt_dir), "iteration": iteration, "residual": rc.get("residual"),
                   "seq_length": seq, "max_tokens": opts.max_tokens, "dtype": dtype, "datasets": {}}
-        print(f" loaded {ckpt_dir} (iteration {iteration}, --residual {rc.get('residual')}); windows of {seq} "
-              f"tokens of context; computing in {dtype}")
+        log(f" loaded {ckpt_dir} (iteration {iteration}, --residual {rc.get('residual')}); windows of {seq} "
+            f"tokens of context; computing in {dtype}")
         for name, prefix, stream in streams:
             bad = stream[(stream < 0) | (stream >= vocab)]
             if len(bad):
@@ -205,22 +150,11 @@ def _run(opts):
             result["datasets"][name] = {"data_path": prefix, "num_tokens": int(len(stream)),
                                         "predicted_tokens": count, "windows": len(windows(len(stream), seq)),
                                         "nll": nll, "mean_nll": mean, "ppl": math.exp(min(mean, 50.0))}
-            print(f" [{name}] {count:,} predicted tokens | mean NLL {mean:.4f} | ppl {math.exp(min(mean, 50.0)):.3f}"
-                  f" | {time.time() - t0:.1f} s")
+            log(f" [{name}] {count:,} predicted tokens | mean NLL {mean:.4f} | ppl {math.exp(min(mean, 50.0)):.3f}"
+                f" | {time.time() - t0:.1f} s")
     except (ConversionError, CheckpointError) as err:
         raise PerplexityError(str(err)) from err
     finally:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             destroy_distributed()
-    if opts.output:
-        os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
-        with open(opts.output, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f" wrote {opts.output}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result
