@@ -2,7 +2,7 @@
 
 (a) every residual mode: pretrain_gpt trains a tiny model 3 iterations under TP2+PP2 (4 gloo ranks, ONE
     launch trains all modes in sequence: tests/conversion_driver.py) -> export (resharded to one
-    process) -> transformers logits == Megatron logits (tools/evaluate.py code), fp32, <= EXPORT_TOL (5e-6:
+    process) -> transformers logits == Megatron logits (megatron_delta.evaluation.token_nll), fp32, <= EXPORT_TOL (5e-6:
     fp32 round-off, measured 6e-7 .. 1.2e-6; a router query exported x1.0001 would pass 1e-4);
 (b) HF -> Megatron -> HF is lossless (tiny Qwen3 and tied Llama, built offline);
 (c) importing with the scalar gate reproduces the HF logits in Megatron;
@@ -32,6 +32,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 from megatron_delta.checkpoint import errors, run_config  # noqa: E402
 from megatron_delta.convert import hf_checkpoint, state_dict_adapter  # noqa: E402
 from megatron_delta.evaluation import loaders  # noqa: E402
+from megatron_delta.evaluation.token_nll import evaluate_tokens  # noqa: E402
 from megatron_delta.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_delta.checkpoint.store import load_checkpoint  # noqa: E402
 from tests import conversion_driver  # noqa: E402
@@ -96,15 +97,6 @@ def trained(tmp_path_factory):
     return runs, spm, tmp
 
 
-def _evaluate_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_evaluate_tool", os.path.join(REPO, "tools", "evaluate.py"))
-    evaluate_tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate_tool)
-    return evaluate_tool
-
-
 def _hf_logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
@@ -113,8 +105,6 @@ def _hf_logits(model, ids):
 # ---------------------------------------------------------------------------------------------- (a)
 @pytest.mark.slow
 def test_export_every_mode_matches_megatron(trained):
-    evaluate_tokens = _evaluate_tool().evaluate_tokens
-
     runs, spm, tmp = trained
     for name, ckpt in runs.items():
         out = str(tmp / f"hf_{name}")
@@ -183,7 +173,6 @@ def test_evaluate_under_tp2_pp2_matches_tp1(trained, tmp_path):
     ckpt = runs["delta_block"]
     seqs = [[1, 5, 9, 200, 3, 3, 17, 255, 0, 42, 7], [250, 2, 64, 128], [3, 4], [7]]
     (tmp_path / "toks.json").write_text(json.dumps(seqs))
-    evaluate_tokens = _evaluate_tool().evaluate_tokens
     model, _, rc = loaders.load_megatron(ckpt)
     tp1, tp1_logits = evaluate_tokens(model, run_config.true_vocab_size(rc), seqs)
     run_distributed("tools/evaluate.py", 4, "--load", ckpt, "--tokens-file", str(tmp_path / "toks.json"),
