@@ -1,61 +1,24 @@
-#!/usr/bin/env python
-"""Where does each sublayer route? Routing diagnostics of a trained checkpoint on held-out text.
+"""Where each sublayer routes: the routing diagnostics of a trained checkpoint on held-out text, as
+tools/routing_report.py writes them (routing.json, the receiver x source matrix and the per-receiver curves).
 
-    python tools/routing_report.py --load runs/default-delta_block --output runs/report
-        [--data-path PREFIX ...] [--mock-data] [--num-batches 4] [--micro-batch-size 4]
-
-Loads a megatron-delta checkpoint saved under any TP/PP/VPP layout into ONE process (TP1/PP1:
-dist_checkpointing reshards), runs text through it with routing recording on (docs/design.md section 1,
-"Routing diagnostics") and writes to --output:
-
-  routing.json              per dataset: per receiving sublayer (j, or 'final') the number of
-                            sources, their names, mean max weight, mean normalised entropy
-                            H(alpha)/log N and mean weights; plus the receiver x source matrix
-  routing_matrix_<ds>.png   mean routing weight, receiving sublayer x source (blank where the
-                            receiver does not see that source)
-  routing_curves_<ds>.png   per receiver: max weight (with the uniform 1/N reference) and
-                            normalised entropy (uniform routing = 1)
-
-Data: by default the bundled SOTU validation split and the Wikipedia held-out sample
-(megatron_delta.data.corpus.ensure_default_data; the checkpoint must use that tokenizer, as the default
-run does); --data-path PREFIX for other preprocessed data (tokenised with the checkpoint's
-tokenizer); --mock-data for checkpoints trained on mock tokens (NullTokenizer).
-
---dtype auto (the default) computes in the precision the checkpoint was trained in (a --bf16 run's model in
-bf16, the routers in fp32, as in training); --dtype fp32 / bf16 choose.
+The checkpoint, saved under any TP/PP/VPP layout, is read into one process (TP1/PP1: dist_checkpointing reshards)
+computing as trained or in the --dtype asked for (run_from_run_config); each dataset (datasets_to_report) runs
+through it with routing recording on; each receiver's weights are named by the sources it reads
+(source_columns) and aligned into one receiver x source matrix (aligned_matrix), drawn by plot_matrix and
+plot_curves.
 """
-
-import argparse
 import json
 import os
-import sys
-
-from megatron_delta.core.modes import BASELINE
-
-
-def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True, help="a run directory (its latest checkpoint) or an iter_* directory")
-    p.add_argument("--output", required=True, help="directory for routing.json and the PNGs")
-    p.add_argument("--data-path", nargs="+", default=None, help="preprocessed data prefix(es) (Megatron blend)")
-    p.add_argument("--mock-data", action="store_true", help="mock tokens (checkpoints trained with --mock-data)")
-    p.add_argument("--tokenizer-model", default=None, help="default: the checkpoint's")
-    p.add_argument("--num-batches", type=int, default=4, help="batches per dataset")
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's")
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
-                   help="precision of the forward: auto = as the checkpoint was trained (run_config.json bf16)")
-    p.add_argument("--cache-dir", default=os.path.join("runs", "cache"), help="where the default data is built")
-    return p
 
 
 def run_from_run_config(cfg, opts, where):
     """(model fields, run): the checkpoint's model in a TP1/PP1 layout (megatron_delta.checkpoint.model_config) reading
     sequences of --seq-length (default: the checkpoint's) tokens, and the run the forward passes and
-    checkpoint/store.py load_checkpoint reads (batch sizes, tokenizer, seed; the model fields as attributes)."""
+    checkpoint/store.py load_checkpoint reads (batch sizes, tokenizer, seed; the model fields as attributes).
+    A checkpoint whose tokenizer cannot be used raises ConversionError naming the flag to pass."""
+    from megatron_delta.checkpoint.errors import ConversionError
     from megatron_delta.checkpoint.run_config import checkpoint_args, model_fields
-    from megatron_delta.evaluation.loaders import eval_in_bf16
+    from megatron_delta.evaluation.precision import eval_in_bf16
 
     seq = opts.seq_length or cfg.get("seq_length") or cfg.get("max_position_embeddings")
     fields = model_fields(cfg, where, seq_length=seq, bf16=eval_in_bf16(cfg, opts.dtype))
@@ -64,12 +27,11 @@ def run_from_run_config(cfg, opts, where):
         tokenizer = dict(tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_size=vocab or 1024)
     else:
         if tok_type == "NullTokenizer":
-            raise SystemExit("routing_report.py: error: the checkpoint was trained with NullTokenizer (mock tokens); "
-                             "pass --mock-data")
+            raise ConversionError("the checkpoint was trained with NullTokenizer (mock tokens); pass --mock-data")
         model = opts.tokenizer_model or cfg.get("tokenizer_model")
         if not model:
-            raise SystemExit(f"routing_report.py: error: {where} records no tokenizer model (run_config.json "
-                             f"tokenizer_model); pass --tokenizer-model")
+            raise ConversionError(f"{where} records no tokenizer model (run_config.json tokenizer_model); pass "
+                                  f"--tokenizer-model")
         tokenizer = dict(tokenizer_type=tok_type or "SentencePieceTokenizer", tokenizer_model=model, vocab_size=vocab)
     run = checkpoint_args(fields, micro_batch_size=opts.micro_batch_size, global_batch_size=opts.micro_batch_size,
                           seed=cfg.get("seed") or 1234, **tokenizer)
@@ -193,36 +155,33 @@ def plot_curves(path, title, stats):
     plt.close(fig)
 
 
-def main(argv=None):
-    opts = build_parser().parse_args(argv)
-    from megatron_delta.checkpoint.errors import CheckpointError
-    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
-    from megatron_delta.checkpoint.store import load_checkpoint
+def annotate(stats, plan, null_source):
+    """Name each receiver's sources, give its uniform max weight (1/N) and add the aligned receiver x source
+    matrix (stats["columns"], stats["aligned_matrix"]) to RoutingStatsAccumulator.to_dict() statistics."""
+    columns, names_of = source_columns(plan, stats, null_source)
+    for key in stats["order"]:
+        stats["receivers"][key]["source_names"] = names_of[key]
+        n = stats["receivers"][key]["num_sources"]
+        stats["receivers"][key]["uniform_max_weight"] = 1.0 / n if n else None
+    stats["columns"] = columns
+    stats["aligned_matrix"] = aligned_matrix(stats, columns, names_of)
+    return stats
 
-    try:
-        ckpt_dir, iteration = resolve_checkpoint_dir(opts.load)
-        cfg = read_run_config(ckpt_dir)
-    except CheckpointError as e:
-        print(f"routing_report.py: error: {e}", file=sys.stderr)
-        return 1
-    if cfg.get("residual", BASELINE) == BASELINE:
-        print("routing_report.py: error: the checkpoint is --residual baseline: it has no routing", file=sys.stderr)
-        return 1
-    from megatron_delta.checkpoint.errors import ConversionError
 
-    try:
-        fields, args = run_from_run_config(cfg, opts, f"--load {ckpt_dir}")
-    except ConversionError as e:
-        print(f"routing_report.py: error: {e}", file=sys.stderr)
-        return 1
+def write_routing_report(ckpt_dir, iteration, cfg, fields, args, opts, collect, log=print):
+    """Load the checkpoint, run each dataset through it and write routing.json and the PNGs under opts.output;
+    returns the report (routing.json's content).
 
+    collect(args, model, dataset, num_batches) -> {"stats", "text"} runs the forward passes: the trainer's
+    megatron_delta.trainer.forward_pass.collect_routing_stats (Megatron's schedule with the trainer's loss),
+    passed in because evaluation/ sits below trainer/. log prints the loaded checkpoint and each dataset's table."""
     from megatron_delta.checkpoint.model_config import model_config
+    from megatron_delta.checkpoint.store import load_checkpoint
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.sources import SourcePlan
     from megatron_delta.data.tokenizers import build_tokenizer
     from megatron_delta.evaluation.loaders import as_trained
     from megatron_delta.platform.distributed import destroy_distributed, initialize_distributed
-    from megatron_delta.trainer.forward_pass import collect_routing_stats
 
     initialize_distributed(1, 1, seed=args.seed)
     try:
@@ -230,10 +189,10 @@ def main(argv=None):
         config, options = model_config(fields)
         model = as_trained(build_model_chunks(config, fields["padded_vocab_size"], **options), config, fields["bf16"])
         load_checkpoint(ckpt_dir, model, None, None, args, load_optim=False, load_rng=False)
-        print(f" loaded {ckpt_dir} (iteration {iteration}, --residual {args.residual}, saved with TP"
-              f"{cfg.get('tensor_model_parallel_size')} PP{cfg.get('pipeline_model_parallel_size')}"
-              f" VPP{cfg.get('virtual_pipeline_model_parallel_size')}; read as TP1 PP1, computing in "
-              f"{'bf16' if fields['bf16'] else 'fp32'})")
+        log(f" loaded {ckpt_dir} (iteration {iteration}, --residual {args.residual}, saved with TP"
+            f"{cfg.get('tensor_model_parallel_size')} PP{cfg.get('pipeline_model_parallel_size')}"
+            f" VPP{cfg.get('virtual_pipeline_model_parallel_size')}; read as TP1 PP1, computing in "
+            f"{'bf16' if fields['bf16'] else 'fp32'})")
         plan = SourcePlan.from_config(config)
         report = {"checkpoint": os.path.abspath(ckpt_dir), "iteration": iteration, "residual": args.residual,
                   "num_layers": args.num_layers, "delta_num_blocks": args.delta_num_blocks,
@@ -243,28 +202,16 @@ def main(argv=None):
                   * args.seq_length, "datasets": {}}
         os.makedirs(opts.output, exist_ok=True)
         for name, ds in datasets_to_report(opts, args, tokenizer):
-            res = collect_routing_stats(args, model, ds, num_batches=opts.num_batches)
-            stats = res["stats"]
-            columns, names_of = source_columns(plan, stats, bool(args.delta_null_source))
-            for key in stats["order"]:
-                stats["receivers"][key]["source_names"] = names_of[key]
-                n = stats["receivers"][key]["num_sources"]
-                stats["receivers"][key]["uniform_max_weight"] = 1.0 / n if n else None
-            stats["columns"] = columns
-            stats["aligned_matrix"] = aligned_matrix(stats, columns, names_of)
+            res = collect(args, model, ds, num_batches=opts.num_batches)
+            stats = annotate(res["stats"], plan, bool(args.delta_null_source))
             report["datasets"][name] = stats
             title = f"{args.residual} (iteration {iteration}), {name}"
             plot_matrix(os.path.join(opts.output, f"routing_matrix_{name}.png"), title,
-                        stats["aligned_matrix"], columns, stats["order"])
+                        stats["aligned_matrix"], stats["columns"], stats["order"])
             plot_curves(os.path.join(opts.output, f"routing_curves_{name}.png"), title, stats)
-            print(f"\n[{name}]\n{res['text']}")
+            log(f"\n[{name}]\n{res['text']}")
         with open(os.path.join(opts.output, "routing.json"), "w") as f:
             json.dump(report, f, indent=1)
-        print(f"\n wrote {opts.output}/routing.json and routing_*.png")
     finally:
         destroy_distributed()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report
