@@ -21,7 +21,7 @@ from tests.flags import tiny
 from megatron_delta.data.corpus import BUNDLED_DATA_DIR
 from tests.dist_utils import REPO_ROOT
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))  # cloze_eval.main runs in this process
 
 TINY = tiny(num_layers=2, hidden=64, heads=4, groups=2, seq=64, mbs=4, mock=False) + ["--save-interval", "1000"]
 SEQ = 64
