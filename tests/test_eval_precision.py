@@ -38,5 +38,6 @@ def test_every_tool_offers_the_same_choices(tmp_path, tool, required):
                         "--dtype", "fp16"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     choices = ", ".join(repr(d) for d in EVAL_DTYPES)
     assert p.returncode == 2
-    assert p.stderr.splitlines()[-1] == f"{tool}: error: argument --dtype: invalid choice: 'fp16' (choose from {choices})"
+    refusal = f"{tool}: error: argument --dtype: invalid choice: 'fp16' (choose from {choices})"
+    assert p.stderr.splitlines()[-1] == refusal
     assert not [line for line in p.stderr.splitlines() if line.rstrip().endswith("| torch")]
