@@ -2,7 +2,7 @@
 
 (a) every residual mode: pretrain_gpt trains a tiny model 3 iterations under TP2+PP2 (4 gloo ranks, ONE
     launch trains all modes in sequence: tests/conversion_driver.py) -> export (resharded to one
-    process) -> transformers logits == Megatron logits (megatron_delta.evaluation.token_nll), fp32, <= EXPORT_TOL (5e-6:
+    process) -> transformers logits == Megatron logits (tools/evaluate.py code), fp32, <= EXPORT_TOL (5e-6:
     fp32 round-off, measured 6e-7 .. 1.2e-6; a router query exported x1.0001 would pass 1e-4);
 (b) HF -> Megatron -> HF is lossless (tiny Qwen3 and tied Llama, built offline);
 (c) importing with the scalar gate reproduces the HF logits in Megatron;
