@@ -39,6 +39,7 @@ from megatron_delta.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_delta.checkpoint.store import load_checkpoint  # noqa: E402
 from megatron_delta.convert import hf_checkpoint, state_dict_adapter  # noqa: E402
 from megatron_delta.evaluation import loaders  # noqa: E402
+from megatron_delta.evaluation.token_nll import evaluate_tokens  # noqa: E402
 from tests import rank_runner  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.flags import CPU, tiny
@@ -102,15 +103,6 @@ def trained(tmp_path_factory):
     return runs, spm, tmp
 
 
-def _evaluate_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_evaluate_tool", os.path.join(REPO, "tools", "evaluate.py"))
-    evaluate_tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate_tool)
-    return evaluate_tool
-
-
 def _hf_logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
@@ -119,8 +111,6 @@ def _hf_logits(model, ids):
 # ---------------------------------------------------------------------------------------------- (a)
 @pytest.mark.slow
 def test_export_every_mode_matches_megatron(trained):
-    evaluate_tokens = _evaluate_tool().evaluate_tokens
-
     runs, spm, tmp = trained
     for name, ckpt in runs.items():
         out = str(tmp / f"hf_{name}")
@@ -189,7 +179,6 @@ def test_evaluate_under_tp2_pp2_matches_tp1(trained, tmp_path):
     ckpt = runs["delta_block"]
     seqs = [[1, 5, 9, 200, 3, 3, 17, 255, 0, 42, 7], [250, 2, 64, 128], [3, 4], [7]]
     (tmp_path / "toks.json").write_text(json.dumps(seqs))
-    evaluate_tokens = _evaluate_tool().evaluate_tokens
     model, _, rc = loaders.load_megatron(ckpt)
     tp1, tp1_logits = evaluate_tokens(model, run_config.true_vocab_size(rc), seqs)
     run_distributed("tools/evaluate.py", 4, "--load", ckpt, "--tokens-file", str(tmp_path / "toks.json"),

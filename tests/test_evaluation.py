@@ -20,7 +20,7 @@ from megatron_delta.data.corpus import BUNDLED_DATA_DIR
 from tests.dist_utils import REPO_ROOT
 from tests.flags import tiny
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))  # cloze_eval.main runs in this process
 
 TINY = tiny(num_layers=2, hidden=64, heads=4, groups=2, seq=64, mbs=4, mock=False) + ["--save-interval", "1000"]
 SEQ = 64
@@ -113,7 +113,7 @@ def test_perplexity_tool_matches_transformers_on_raw_text(tiny, tmp_path):
 
 
 def test_perplexity_windows_predict_every_token_once():
-    from perplexity import windows
+    from megatron_delta.evaluation.perplexity import windows
 
     for n, s in ((2, 4), (5, 4), (9, 4), (10, 4), (100, 7)):
         spans = windows(n, s)

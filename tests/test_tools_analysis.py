@@ -14,7 +14,7 @@ import pytest
 from tests.dist_utils import REPO_ROOT, run_distributed
 from tests.flags import tiny
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))  # plot_metrics.main runs in this process
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2"]
@@ -208,7 +208,7 @@ def _fake_run(root, name, residual, valid, heldout, tps, params, rss, sources):
 
 
 def test_compare_runs_table(tmp_path):
-    import compare_runs
+    from megatron_delta.evaluation import run_comparison as compare_runs
 
     runs = [compare_runs.read_run(_fake_run(tmp_path, "delta", "delta", math.log(90), math.log(200), 500, 1100,
                                             2 * 2**30, 25)),

@@ -106,7 +106,7 @@ def _run(opts):
     for s, r in summary.items():
         print(f" [{s}] {r['n']} examples | last-word accuracy {r['acc']:.4f} | last-word perplexity {r['ppl']:.2f}")
     print(f" lm-eval {time.time() - t0:.1f} s, data {data_dir}")
-    result = {"hf": os.path.abspath(opts.hf), "data_dir": data_dir, "lm_eval_version": _lm_eval_version(),
+    result = {"hf": os.path.abspath(opts.hf), "data_dir": data_dir, "lm_eval_version": cloze.lm_eval_version(),
               "limit": opts.limit, "sources": summary}
     if opts.output:
         os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
@@ -115,19 +115,10 @@ def _run(opts):
         print(f" wrote {opts.output}")
     if opts.samples_file:
         with open(opts.samples_file, "w") as f:
-            for s, r in summary.items():
-                for smp in sorted(out["results"]["samples"][r["task"]], key=lambda x: x["doc_id"]):
-                    ll, greedy = smp["resps"][0][0]
-                    f.write(json.dumps({"source": s, "id": smp["doc"]["id"], "target": smp["doc"]["target"],
-                                        "loglikelihood": float(ll), "greedy": bool(greedy)}) + "\n")
+            for record in cloze.sample_records(out):
+                f.write(json.dumps(record) + "\n")
         print(f" wrote {opts.samples_file}")
     return 0
-
-
-def _lm_eval_version():
-    from importlib.metadata import version
-
-    return version("lm_eval")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ the passage up to that word; the target is the word (LAMBADA style: the model mu
 covers the corpus files and the settings). `run_cloze_eval(hf_dir, data_dir)` evaluates an exported
 transformers model on them through the local lm-eval task definitions in `lm_eval_tasks/` beside this module (a
 `loglikelihood` task: accuracy = the whole target word is the greedy continuation, perplexity = exp of
-minus the mean log-likelihood of the target word), with the Hugging Face hub and datasets offline.
+minus the mean log-likelihood of the target word), with the Hugging Face hub and datasets offline;
+`sample_records(out)` lists its per-example results (tools/cloze_eval.py --samples-file).
 """
 from __future__ import annotations
 
@@ -226,3 +227,21 @@ def run_cloze_eval(hf_dir: str, data_dir: str, sources=SOURCES, batch_size: int 
         summary[s] = {"acc": r["acc,none"], "ppl": r["perplexity,none"], "n": len(samples),
                       "task": TASK_OF[s]}
     return {"summary": summary, "results": res}
+
+
+def sample_records(out: dict):
+    """run_cloze_eval's per-example results, per source in document order: {"source", "id", "target",
+    "loglikelihood", "greedy"} (lm-eval's log-likelihood of the target word and whether it is the greedy
+    continuation)."""
+    for s, r in out["summary"].items():
+        for smp in sorted(out["results"]["samples"][r["task"]], key=lambda x: x["doc_id"]):
+            ll, greedy = smp["resps"][0][0]
+            yield {"source": s, "id": smp["doc"]["id"], "target": smp["doc"]["target"], "loglikelihood": float(ll),
+                   "greedy": bool(greedy)}
+
+
+def lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+

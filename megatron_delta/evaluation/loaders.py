@@ -1,6 +1,6 @@
 """A Megatron checkpoint loaded for evaluation: one model in this process (load_megatron: TP1/PP1) or under the
 checkpoint's own or another layout (load_megatron_parallel), computing as it was trained (as_trained /
-eval_in_bf16: --dtype auto), and its logits (megatron_logits, megatron_logits_parallel). The tools
+precision.eval_in_bf16: --dtype auto), and its logits (megatron_logits, megatron_logits_parallel). The tools
 (evaluate, perplexity, routing_report, convert_checkpoint export) read checkpoints through these.
 """
 import os
@@ -9,17 +9,7 @@ import torch
 
 from megatron_delta.checkpoint.errors import ConversionError
 from megatron_delta.checkpoint.run_config import _check_supported_run_config, checkpoint_args, model_fields
-
-# How the tools compute with a checkpoint (--dtype): "auto" is the precision it was trained in (run_config.json
-# "bf16"), so evaluation reproduces training's numbers; "fp32" computes with the (possibly bf16) weights in fp32.
-EVAL_DTYPES = ("auto", "fp32", "bf16")
-
-
-def eval_in_bf16(rc: dict, dtype: str, flag: str = "--dtype") -> bool:
-    """Whether a tool computes in bf16 for ``dtype`` (one of EVAL_DTYPES) on a checkpoint of run_config ``rc``."""
-    if dtype not in EVAL_DTYPES:
-        raise ConversionError(f"{flag} must be one of {', '.join(EVAL_DTYPES)}, got {dtype!r}")
-    return bool(rc.get("bf16")) if dtype == "auto" else dtype == "bf16"
+from megatron_delta.evaluation.precision import eval_in_bf16
 
 
 def as_trained(chunks, config, bf16: bool) -> list:
@@ -52,8 +42,8 @@ def build_megatron_model(run_config: dict, padded_vocab_size: int, where: str = 
 
 
 def load_megatron(load: str, dtype: str = "fp32"):
-    """Load a checkpoint (any TP/PP/VPP layout) as one TP1/PP1 model computing in ``dtype`` (EVAL_DTYPES;
-    the export reads weights in fp32). Returns (model, args, run_config)."""
+    """Load a checkpoint (any TP/PP/VPP layout) as one TP1/PP1 model computing in ``dtype``
+    (precision.EVAL_DTYPES; the export reads weights in fp32). Returns (model, args, run_config)."""
     from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
     from megatron_delta.checkpoint.store import load_checkpoint
 
@@ -71,7 +61,7 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
                            dtype: str = "fp32"):
     """Load a checkpoint (saved under any layout) split over TP x PP ranks of this torch.distributed world
     (torchrun's WORLD_SIZE; the remaining factor is data parallel), as training would hold it, computing in
-    ``dtype`` (EVAL_DTYPES). Returns (model chunks of this rank, args, run_config)."""
+    ``dtype`` (precision.EVAL_DTYPES). Returns (model chunks of this rank, args, run_config)."""
     from megatron_delta.checkpoint.model_config import model_config
     from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
     from megatron_delta.checkpoint.store import load_checkpoint
