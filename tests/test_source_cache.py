@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_delta.core.modes import BLOCK_MODES
 from megatron_delta.core.source_cache import SourceCache, SourceCachePlan
 from megatron_delta.core.sources import SourcePlan
 from tests import rank_runner
@@ -242,7 +243,7 @@ def test_cached_training_equals_uncached_and_tp1(tp1_reference, launch):
     seq = 32 // tp if "sp" in launch else 32
     for spec in specs:
         name, flavour, num_layers = rank_runner.parse_spec(spec)
-        blocks = 2 if name in ("delta_block", "attnres") else num_layers
+        blocks = num_layers // 2 if name in BLOCK_MODES else num_layers  # tests/flags.py mode_flags: K = L / 2
         for v in variants:
             last = results[-1][spec][v]
             d = max(abs(a - b) for a, b in zip(last["losses"], ref[spec]["fp32"]["losses"]))
