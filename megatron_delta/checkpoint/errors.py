@@ -60,7 +60,7 @@ _LOAD_FUNCTIONS = {
 }
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
     """exc, its causes and contexts, and the per-rank failures a CheckpointException gathers."""
     seen, stack = set(), [exc]
     while stack:
@@ -94,7 +94,7 @@ def _frames(exc: BaseException) -> Iterator[Tuple[str, str]]:
 
 
 def _from_checkpoint_load(exc: BaseException) -> bool:
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         for filename, function in _frames(e):
             if any(filename.endswith(f) and function == fn for f, fn in _LOAD_FUNCTIONS):
                 return True
@@ -203,7 +203,7 @@ def _named_in_messages(exc: BaseException, load_dir: str) -> List[Tuple[str, str
     """Files under load_dir that the exceptions name themselves (OSError.filename, integrity manifest)."""
     root = os.path.abspath(load_dir)
     out = []
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         name = getattr(e, "filename", None)
         if isinstance(name, str) and os.path.abspath(name).startswith(root):
             out.append((name, f"cannot be read ({type(e).__name__}: {getattr(e, 'strerror', None) or e})"))
@@ -236,7 +236,7 @@ def describe_load_failure(exc: BaseException, load_dir: Optional[str],
         return None
     path, why = found[0]
     more = f" (and {len(found) - 1} more file(s))" if len(found) > 1 else ""
-    cause = next((e for e in _chain(exc) if not type(e).__name__.endswith("CheckpointException")), exc)
+    cause = next((e for e in exception_chain(exc) if not type(e).__name__.endswith("CheckpointException")), exc)
     detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
     tracker = os.path.join(load_dir, TRACKER)
     tracked = _tracker_iteration(load_dir)
@@ -274,7 +274,7 @@ _NEARLY_FULL = 2**20  # bytes: less free space than this counts as a full disk e
 
 
 def _from_checkpoint_save(exc: BaseException) -> bool:
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         for filename, function in _frames(e):
             if any(filename.endswith(f) and function == fn for f, fn in _SAVE_FUNCTIONS):
                 return True
@@ -323,8 +323,8 @@ def describe_save_failure(exc: BaseException, save_dir: Optional[str]) -> Option
     tracked = _tracker_iteration(save_dir)
     previous = iteration_dir(save_dir, tracked) if tracked is not None else None
     needed = _size(previous) if previous else 0
-    full = any(isinstance(e, OSError) and e.errno in _FULL for e in _chain(exc)) or any(
-        "No space left on device" in str(e) or "Disk quota exceeded" in str(e) for e in _chain(exc))
+    full = any(isinstance(e, OSError) and e.errno in _FULL for e in exception_chain(exc)) or any(
+        "No space left on device" in str(e) or "Disk quota exceeded" in str(e) for e in exception_chain(exc))
     if not full and free >= max(needed, _NEARLY_FULL):
         return None
     unfinished = [it for it in _iterations(save_dir) if tracked is None or it > tracked]

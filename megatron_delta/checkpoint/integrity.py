@@ -17,6 +17,8 @@ import os
 import re
 from typing import Optional
 
+from megatron_delta.checkpoint.errors import damaged_files, exception_chain
+
 MANIFEST = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _FAILED = "Checkpoint integrity verification failed"
@@ -88,12 +90,12 @@ def last_verified(load_dir: str, below: int) -> Optional[int]:
 
 def is_integrity_failure(exc: BaseException) -> bool:
     """Upstream's verification on load failed (dist_checkpointing.validation.verify_integrity_manifest)."""
-    return any(_FAILED in str(e) for e in _chain(exc))
+    return any(_FAILED in str(e) for e in exception_chain(exc))
 
 
 def describe_mismatch(exc: BaseException, load_dir: Optional[str], ckpt_step: Optional[int]) -> Optional[str]:
     """One line for upstream's integrity failure on load, or None when exc is not one."""
-    text = next((str(e) for e in _chain(exc) if _FAILED in str(e)), None)
+    text = next((str(e) for e in exception_chain(exc) if _FAILED in str(e)), None)
     if text is None or not load_dir:
         return None
     files = re.findall(r"^\s+(\S+): (hash mismatch|file missing or unreadable)", text, re.M)
@@ -101,8 +103,6 @@ def describe_mismatch(exc: BaseException, load_dir: Optional[str], ckpt_step: Op
     ckpt_dir = where.group(1) if where else load_dir
     m = _ITER_DIR.match(os.path.basename(os.path.normpath(ckpt_dir)))
     iteration = int(m.group(1)) if m else iteration_to_load(load_dir, ckpt_step)
-    from megatron_delta.checkpoint.errors import damaged_files
-
     found = damaged_files(ckpt_dir)  # truncated / missing files, named as the other load errors name them
     if found:
         shard = " ".join(found[0])
@@ -127,17 +127,6 @@ def describe_mismatch(exc: BaseException, load_dir: Optional[str], ckpt_step: Op
                  f"resume from it with --ckpt-step {previous}, or delete {ckpt_dir} and write {previous} into "
                  f"{os.path.join(load_dir, TRACKER)}")
     return line
-
-
-def _chain(exc: BaseException):
-    seen, stack = set(), [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        stack += [e.__cause__, e.__context__]
 
 
 __all__ = ["MANIFEST", "resolve_default", "unverified_load", "verifies", "last_verified", "is_integrity_failure",
