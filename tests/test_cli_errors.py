@@ -194,9 +194,12 @@ def test_argparse_error_without_megatron_usage(capsys):
         "'full_attnres', 'delta', 'delta_block')"], err
 
 
-def test_argument_error_printed_by_the_first_rank_only(monkeypatch, capsys):
-    """Every rank of a launch parses the same flags: the others exit with the status and say nothing."""
-    monkeypatch.setenv("LOCAL_RANK", "1")
+@pytest.mark.parametrize("env", [{"LOCAL_RANK": "1"}, {"RANK": "2", "LOCAL_RANK": "0"}], ids=["local1", "node2"])
+def test_argument_error_printed_by_the_first_rank_only(monkeypatch, capsys, env):
+    """Every rank of a launch parses the same flags: global rank 0 says it once (not the first process of every
+    node); the others exit with the status and say nothing."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     assert main(TINY + MOCK + ["--residual", "bogus"]) == 2
     assert main(TINY + MOCK + ["--load", "run/iter_0000020"]) == 2
     assert capsys.readouterr().err == ""

@@ -32,7 +32,7 @@ removed; the trainer itself is upstream's; the list is RunHooks' docstring (trai
   filesystem by describe_save_failure, schedule flags that differ from the checkpoint's by
   describe_schedule_mismatch; a file failing its integrity hash: checkpoint/integrity.describe_mismatch);
 - argument errors: one line (argparse's after a short usage, not Megatron-LM's usage of every flag), printed
-  by the first process of each node only.
+  once per launch (global rank 0).
 
 These hooks, like every other change of upstream behaviour (the CPU adaptation, the fixes of the distributed
 optimizer over torch's Adam on every device), are entries of the registry megatron_delta.platform.patches
@@ -68,9 +68,9 @@ def _error(msg: str, code: int) -> int:
 
 
 def _prints_start_up_errors() -> bool:
-    """An argument error is the same on every rank of a launch: the first process of each node prints it
-    (LOCAL_RANK, else RANK, 0 or unset), the others only exit with its status."""
-    rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    """An argument error is the same on every rank of a launch: global rank 0 prints it once (RANK, else
+    LOCAL_RANK, 0 or unset), the others only exit with its status."""
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
     return rank.strip() in ("", "0")
 
 
