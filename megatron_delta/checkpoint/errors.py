@@ -93,12 +93,10 @@ def _frames(exc: BaseException) -> Iterator[Tuple[str, str]]:
                     yield str(getattr(fs, "filename", "")).replace(os.sep, "/"), str(getattr(fs, "name", ""))
 
 
-def _from_checkpoint_load(exc: BaseException) -> bool:
-    for e in exception_chain(exc):
-        for filename, function in _frames(e):
-            if any(filename.endswith(f) and function == fn for f, fn in _LOAD_FUNCTIONS):
-                return True
-    return False
+def _raised_in(exc: BaseException, functions) -> bool:
+    """Whether a frame of exc's chain is one of ``functions`` ((file suffix, function name) pairs)."""
+    return any(filename.endswith(f) and function == fn
+               for e in exception_chain(exc) for filename, function in _frames(e) for f, fn in functions)
 
 
 def _iterations(load_dir: str) -> List[int]:
@@ -222,7 +220,7 @@ def describe_load_failure(exc: BaseException, load_dir: Optional[str],
     """
     if not load_dir or isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
         return None
-    if not _from_checkpoint_load(exc):
+    if not _raised_in(exc, _LOAD_FUNCTIONS):
         return None
     iteration = ckpt_step if ckpt_step else _tracker_iteration(load_dir)
     if iteration is None:
@@ -273,14 +271,6 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 _NEARLY_FULL = 2**20  # bytes: less free space than this counts as a full disk even before any checkpoint
 
 
-def _from_checkpoint_save(exc: BaseException) -> bool:
-    for e in exception_chain(exc):
-        for filename, function in _frames(e):
-            if any(filename.endswith(f) and function == fn for f, fn in _SAVE_FUNCTIONS):
-                return True
-    return False
-
-
 def _size(path: str) -> int:
     total = 0
     for root, _, files in os.walk(path):
@@ -312,7 +302,7 @@ def describe_save_failure(exc: BaseException, save_dir: Optional[str]) -> Option
     """
     if not save_dir or isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
         return None
-    if not _from_checkpoint_save(exc):
+    if not _raised_in(exc, _SAVE_FUNCTIONS):
         return None
     import shutil
 
