@@ -1,20 +1,24 @@
 """megatron_delta/checkpoint/errors.py on checkpoint directories made on disk, one process, no Megatron
-run: each damage describe_load_failure recognises gives its exact one line; what it does not recognise gives
-None (the caller re-raises it); main() prints the line and exits 1 instead of raising.
+run: each damage describe_load_failure recognises, and a full disk under describe_save_failure, gives its exact
+one line; what it does not recognise gives None (the caller re-raises it); main() prints the line and exits 1
+instead of raising.
 
 The failures are real: torch.distributed.checkpoint (single-process save/load, as Megatron's torch_dist format
 writes it) and torch.load raise them on the damaged files.
 """
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
+import shutil
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_delta.checkpoint.errors import TRACKER, describe_load_failure
+from megatron_delta.checkpoint.errors import TRACKER, describe_load_failure, describe_save_failure
 
 STATE = {"weight": torch.arange(1000.0), "bias": torch.ones(300)}
 
@@ -262,3 +266,42 @@ def test_main_prints_the_line_and_exits_1(tmp_path, monkeypatch, capsys):
     assert code == 1
     assert err.strip().splitlines()[-1] == "pretrain_gpt.py: error: " + describe_load_failure(exc, root)
     assert "Traceback" not in err and shard in err
+
+
+class _FullDisk(io.RawIOBase):
+    """A file whose every write fails as on a full filesystem."""
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _save_failure(target) -> BaseException:
+    try:
+        torch.save(dict(STATE), target)
+    except Exception as e:  # noqa: BLE001
+        return e
+    raise AssertionError("saved")
+
+
+def test_full_disk_during_a_save_is_one_line_and_names_the_intact_checkpoint(tmp_path, monkeypatch):
+    """describe_save_failure: an ENOSPC raised inside torch.save is a full --save filesystem; the line gives the
+    free space, the size of the last checkpoint, the intact previous checkpoint and the unfinished directory."""
+    root = str(tmp_path)
+    previous = _save(root, 2)
+    _tracker(root, "2")
+    os.makedirs(os.path.join(root, "iter_0000004"))
+    free = 3 * 2**20
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30 - free, free))
+    needed = sum(os.path.getsize(os.path.join(previous, n)) for n in os.listdir(previous))
+    took = f"{needed:.0f} bytes" if needed < 1024 else f"{needed / 1024:.1f} KiB"
+    assert describe_save_failure(_save_failure(_FullDisk()), root) == (
+        f"cannot save the checkpoint of iteration 4 in {root}: no space left on device (3.0 MiB free, the last "
+        f"checkpoint took {took}); the previous checkpoint, iteration 2 ({previous}), is intact and "
+        f"{os.path.join(root, TRACKER)} names it. Delete the unfinished {os.path.join(root, 'iter_0000004')} (it is "
+        f"never loaded), free space or --save to a larger filesystem, and resume with --load {root}")
+    # the same errno raised outside a checkpoint save is not this line, nor is a save that failed otherwise
+    assert describe_save_failure(OSError(errno.ENOSPC, "No space left on device"), root) is None
+    assert describe_save_failure(_save_failure(str(tmp_path / "missing" / "x.pt")), root) is None
