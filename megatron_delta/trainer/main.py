@@ -332,10 +332,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
 
         message = (describe_load_failure(e, args.load, args.ckpt_step)  # a damaged checkpoint file
-                   or describe_save_failure(e, args.save)  # --save's filesystem full
-                   or describe_schedule_mismatch(e, args))  # schedule flags differ from --load's checkpoint
+                   or describe_save_failure(e, args.save))  # --save's filesystem full
         if message is not None:
             return _error(message, 1)
+        message = describe_schedule_mismatch(e, args)  # schedule flags differ from --load's checkpoint
+        if message is not None:  # the same flags on every rank: every rank raised it; rank 0 says it
+            return _error(message, 1) if torch_rank() == 0 else 1
         if isinstance(e, _run_errors()) or _WRONG_HINT in str(e):  # data / tokenizer / checkpoint flags
             return _error(run_error_message(e), 1)
         raise  # anything else keeps its traceback
