@@ -37,6 +37,8 @@ import re
 import zipfile
 from typing import Iterator, List, Optional, Tuple
 
+from megatron_delta.checkpoint.layout import TRACKER, iteration_dir
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used with these flags; the message says why and what to do."""
@@ -46,7 +48,6 @@ class ConversionError(ValueError):
     """A checkpoint or model that cannot be converted; the message says why."""
 
 
-TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # Frames that mean "this exception came out of loading a checkpoint".
 _LOAD_FUNCTIONS = {
@@ -113,10 +114,6 @@ def _tracker_iteration(load_dir: str) -> Optional[int]:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
-
-
-def iteration_dir(load_dir: str, iteration: int) -> str:
-    return os.path.join(load_dir, f"iter_{iteration:07d}")
 
 
 def damaged_files(ckpt_dir: str) -> List[Tuple[str, str]]:

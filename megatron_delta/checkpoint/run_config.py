@@ -3,7 +3,7 @@
 Every iter_NNNNNNN/ that Megatron-LM's trainer saves (or the import tool writes) carries run_config.json
 beside upstream's files, readable without torch:
 
-- the directory layout: :data:`TRACKER`, :func:`iteration_dir`, :func:`read_tracker`,
+- the directory layout: :data:`TRACKER`, :func:`iteration_dir` (from layout.py), :func:`read_tracker`,
   :func:`resolve_checkpoint_dir` (a run directory or one iter_* directory), :func:`read_run_config`;
 - the recorded keys: :data:`MODEL_FLAGS` (define the tensors), :data:`LAYOUT_FLAGS`,
   :data:`RECORDED_FLAGS`, the HF provenance (:data:`PROVENANCE_KEYS`, the hf_tokenizer/ copy);
@@ -28,15 +28,11 @@ import types
 from typing import Mapping, Optional
 
 from megatron_delta.checkpoint.errors import CheckpointError, ConversionError
+from megatron_delta.checkpoint.layout import TRACKER, iteration_dir  # noqa: F401 (part of the contract)
 from megatron_delta.checkpoint.model_config import ModelConfigError, resolve_model_fields
 from megatron_delta.core.modes import BLOCK_MODES, GATES, SOURCE_DEFINITIONS
 
-TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.json"
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def read_tracker(root: str) -> int | None:
