@@ -48,7 +48,8 @@ class SourcePlan:
         """From a DeltaTransformerConfig or parsed flags (same field names); `mode` overrides residual.
         The modes whose sources sum to x keep x as their sources when there is no gate (module docstring),
         except where the routers run on fla's fused kernel, which cannot fold x = sum of the sources into
-        its pass (fla_router.plan_keeps_x; objects without ``delta_router_kernels`` count as not)."""
+        its pass (fla_router.plan_keeps_x; objects without ``delta_router_kernels`` count as not; the Triton
+        kernels fold it)."""
         mode = mode or cfg.residual
         num_blocks = cfg.delta_num_blocks
         if num_blocks is None:  # the block modes' default (refused where 4 does not divide L > 4)
@@ -180,8 +181,14 @@ class SourcePlan:
 
 
 def _kernel_keeps_x(choice: str) -> bool:
+    # The Triton kernels form x from the sources in their pass (triton_router.py); fla's cannot.
     if choice not in ("auto", "fla"):
         return False
+    if choice == "auto" and torch.cuda.is_available():
+        from megatron_delta.core import triton_router
+
+        if triton_router.available():
+            return False
     from megatron_delta.core import fla_router
 
     return fla_router.plan_keeps_x(choice)
@@ -355,8 +362,10 @@ class SourceBuffer:
             if len(readers) <= 1 or any(r.routes_in_kernel(e.value) for r in readers):
                 # One reader here (P<b>, p, or a scope's last reader): its router projects the source in
                 # the pass that routes it (router._RouteFunction, "local" source), no separate pass.
-                # Likewise for routers on fla's kernel, which computes every logit in its own pass.
-                e.source = Source(e.value, None, {}, self.eps, None)
+                # Likewise for routers on a fused GPU kernel, which computes every logit in its own pass;
+                # the Triton kernels add the gradients of a source with several readers into one buffer.
+                sink = readers[0].kernel_sink(e.value) if len(readers) > 1 else None
+                e.source = Source(e.value, None, {}, self.eps, sink)
                 return e.source
             for r in readers:
                 if r not in self._queries:
