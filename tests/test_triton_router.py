@@ -18,7 +18,8 @@ from megatron_delta.core import triton_router
 from megatron_delta.core.router import KERNEL_CHOICES, check_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INTERPRETER_CASES = 20  # tests/triton_cases.py: 12 router cases, the traffic per call, 6 models, the fallbacks
+INTERPRETER_CASES = 21  # tests/triton_cases.py: 12 router cases, the traffic per call, the formed partial sum,
+# 6 models, the fallbacks
 
 
 def test_interpreter_cases():

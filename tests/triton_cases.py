@@ -142,6 +142,40 @@ def test_traffic_per_call_is_call_rows(interpreter):
     assert count.total_rows(rows, act_bytes=4) == sum(want)
 
 
+def test_partial_sum_formed_in_the_pass(interpreter):
+    """A source held as a pending sum P + v (SourceBuffer.hold_sum) whose one reader runs on the kernels is formed
+    in that router's pass: the sum equals P + v bitwise, the output and every gradient (P, v, h0, the router's
+    parameters, the sum's later reader) the PyTorch path's, and the traffic is call_rows with forms_partial."""
+    from megatron_delta.core.router import PendingSum
+
+    d, shape = 24, (5, 2)
+    torch.manual_seed(1)
+    data = [torch.randn(*shape, d) for _ in range(3)]
+    W = torch.randn(*shape, d)
+    results = {}
+    for kind in ("triton", "torch"):
+        (r,) = _routers(kind, 1, d, True, 0.3, 8)
+        h0, p, v = (t.clone().requires_grad_() for t in data)
+        pending = PendingSum(p, v)
+        src = [make_source(h0, EPS), make_source(p, EPS)._replace(pending=pending)]
+        with traffic.counting() as count:
+            out = r(src, apply_gate=True, base_sums=True)
+            formed = pending.value
+            ((out * W).sum() + (formed * formed.detach()).sum()).backward()  # the sum has a later reader
+        assert torch.equal(formed.detach(), data[1] + data[2])
+        results[kind] = [out.detach(), h0.grad, p.grad, v.grad, *(q.grad for q in r.parameters())]
+        calls = _calls(count)
+        if kind == "triton":
+            rows = h0.numel()
+            counted = [count.total_rows(rows, act_bytes=4, phase=ph) for ph in ("forward", "backward")]
+            want = triton_router.call_rows(2, has_base=False, forms_partial=True)
+            assert len(calls) == 2 and counted == [want["forward"], want["backward"]] == [5, 6]
+        else:
+            assert not calls
+    for a, b in zip(results["triton"], results["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
 B, S, V, HIDDEN = 2, 8, 64, 32
 
 
@@ -191,7 +225,9 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
     """Every mode's model (4 layers, K = 2) with its routers on the kernels (delta / delta_block without a gate
     form x from the sources in the kernel's pass, with a gate u = x + a r): the logits and every parameter's
     gradient equal the PyTorch-path model's, and the logits and the routers' gradients the float64 reference's.
-    For delta_block without a gate the counted traffic of the step is the sum of call_rows over its routers."""
+    For delta_block without a gate the counted traffic of the step is the sum of call_rows over its routers
+    (h0 and D0 read by several routers: gradients added in place; P_b formed in the pass of its reader from
+    the third sublayer of a block on)."""
     tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(S)[None].expand(B, S)
     W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
@@ -214,11 +250,13 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
         assert plan.x_from_sources  # the kernels form x from the sources
         reads = [plan.reads(j) for j in range(plan.num_sublayers)]
         readers = {name: sum(name in r for r in reads) for r in reads for name in r if not name.startswith("P")}
-        want = {ph: sum(triton_router.call_rows(len(r), has_base=False)[ph] for r in reads)
-                for ph in ("forward", "backward")}
+        formed = [j >= 2 and not plan.is_block_start(j) and not plan.is_block_start(j - 1)  # P_b = P_b + v_{j-1}
+                  for j in range(plan.num_sublayers)]
+        want = {ph: sum(triton_router.call_rows(len(r), has_base=False, forms_partial=f)[ph]
+                        for r, f in zip(reads, formed)) for ph in ("forward", "backward")}
         want["backward"] += sum(k - 1 for k in readers.values())  # h0 and D0: added in place by all but one
         got = {ph: count.total_rows(B * S * HIDDEN, act_bytes=4, phase=ph) for ph in want}
-        assert got == want == {"forward": 26, "backward": 54}
+        assert sum(formed) == 4 and got == want == {"forward": 34, "backward": 58}
     w = R.weights_from_megatron_state_dict(model.state_dict())
     routers = [k for k in w if "router" in k]
     for k in routers:

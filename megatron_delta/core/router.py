@@ -32,7 +32,7 @@ from torch import Tensor
 
 from megatron_delta.core import cpu_kernels
 
-__all__ = ["KERNEL_CHOICES", "check_kernels", "Source", "GradSink", "make_source", "DepthRouter", "route"]
+__all__ = ["KERNEL_CHOICES", "check_kernels", "Source", "GradSink", "PendingSum", "make_source", "DepthRouter", "route"]
 
 # --delta-router-kernels: 'auto' (C kernels for fp32 CPU tensors, the Triton kernels for CUDA ones - fla's
 # when Triton does not import), 'c', 'torch', 'fla', 'triton'
@@ -83,18 +83,37 @@ class GradSink:
             self.grad.addcmul_(grad, weight)
 
 
+class PendingSum:
+    """A source that is the sum ``base + addend`` (a partial sum P + v, p + f(u)), formed by the first of: the
+    one router that reads it, in its kernel's pass (triton_router: it reads both parts, writes the sum once
+    and routes it), or :meth:`form` (``base + addend``, the PyTorch add the mode would make)."""
+
+    __slots__ = ("base", "addend", "value")
+
+    def __init__(self, base: Tensor, addend: Tensor) -> None:
+        self.base, self.addend = base, addend
+        self.value: Optional[Tensor] = None
+
+    def form(self) -> Tensor:
+        if self.value is None:
+            self.value = self.base + self.addend
+        return self.value
+
+
 class Source(NamedTuple):
     """One routing source: its value, its 1/rms per token and its logit columns per reader.
 
     A router absent from ``logits`` projects the source itself inside its route (a "local" source:
     the right choice for a source with ONE reader, see _RouteFunction); SourceBuffer makes those with
-    ``inv_rms=None``, ``logits={}``, ``sink=None``."""
+    ``inv_rms=None``, ``logits={}``, ``sink=None``. With ``pending`` the source is ``pending.base +
+    pending.addend``, not formed yet (``value`` is the base); its reader forms it (DepthRouter.forward)."""
 
     value: Tensor  # [s, b, d], activation dtype
     inv_rms: Optional[Tensor]  # [s, b], fp32, detached (the differentiable path goes through `logits`)
     logits: Mapping  # DepthRouter -> [s*b] fp32 logit (value . q) * inv_rms, differentiable
     eps: float
     sink: Optional[GradSink]  # where the readers' routers accumulate their gradient w.r.t. value
+    pending: Optional[PendingSum] = None
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -596,6 +615,9 @@ class DepthRouter(torch.nn.Module):
                     if return_weights:
                         alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])
                     return (out, alpha) if return_weights else out
+            if any(s.pending is not None for s in sources):  # the other paths route formed sums
+                sources = [s if s.pending is None else s._replace(value=s.pending.form(), pending=None)
+                           for s in sources]
             if backend == "fla":  # fla's fused kernel (fla_router.py), where it applies
                 from megatron_delta.core import fla_router
 
@@ -661,6 +683,10 @@ class DepthRouter(torch.nn.Module):
 
         return (fla_router.kernel_for(self.kernels, value.device.type) is not None
                 and fla_router.fallback_reason([value], value.dtype) is None)
+
+    def forms_sums_in_kernel(self, value: Tensor) -> bool:
+        """True when this router's kernel forms a partial sum it alone reads (Source.pending) in its own pass."""
+        return self._gpu_backend(value) == "triton" and self.routes_in_kernel(value)
 
     def kernel_sink(self, value: Tensor):
         """A gradient buffer for a source like ``value`` that several routers read, which this router's kernel

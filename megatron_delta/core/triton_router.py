@@ -23,12 +23,18 @@ computed in the pass that reads it for the weighted sum), q = w * g, optional nu
   The query's, the null source's and the gate's gradients are reduced per program into [programs, d]
   partial sums (fp32, small), then over the programs: no [tokens, hidden] fp32 buffer.
 
-Traffic per call (rows of [tokens, hidden], :func:`call_rows`): forward N + (1 with x) + 1, backward
-1 + N + (one write per source gradient) + (one read per gradient added to an existing buffer).
+- the partial sums (delta_block's P_b + v, attnres' p + v; SourceBuffer.hold_sum): where the router that
+  alone reads the sum runs on these kernels, the forward reads the two parts and writes the sum once (no
+  separate add, which read both and wrote the sum for the router to read again); the backward reads the
+  sum's gradient from its later readers, adds this router's share and writes it once, for both parts (no
+  autograd add of two gradients).
 
-Not done here (issue 28 item 3, still open): the partial block sum of delta_block is formed by the mode
-(P + v, one separate add), not written by the kernel; the gradients of the completed block sources are
-accumulated per router, not deferred to one pass per block; the sublayer's own input norm is not fused.
+Traffic per call (rows of [tokens, hidden], :func:`call_rows`): forward N + (1 with x) + 1 (+ 2 forming a
+partial sum), backward 1 + N + (one write per source gradient) + (one read per gradient added to an existing
+buffer) (+ 1 forming a partial sum with later readers).
+
+Not done here (issue 28 item 3, still open): the gradients of the completed block sources are accumulated
+per router, not deferred to one pass per block; the sublayer's own input norm is not fused.
 """
 from __future__ import annotations
 
@@ -123,15 +129,19 @@ def fallback_reason(values: Sequence[Tensor]) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------- traffic
 def call_rows(n_sources: int, *, has_base: bool, grads: Optional[int] = None, accumulated: int = 0,
-              ) -> Dict[str, int]:
+              forms_partial: bool = False, partial_grad: Optional[bool] = None) -> Dict[str, int]:
     """The [tokens, hidden] traffic of one router call, in rows "u" (one tensor of that size read or
     written once, all in one dtype): {'forward': u, 'backward': u}. ``n_sources`` sources (the null
     source is a [hidden] vector: no row), ``has_base``: u = x + a r reads x; ``grads``: how many of the
     sources get a gradient (default all); ``accumulated``: how many of those are added into a gradient
-    buffer an earlier reader made (read + write) rather than written fresh (write)."""
+    buffer an earlier reader made (read + write) rather than written fresh (write); ``forms_partial``: the
+    last source is P + v, formed in the pass (its two parts read, the sum written; in backward the sum is
+    read as a source and its gradient, written once, serves both parts); ``partial_grad`` (default
+    ``forms_partial``): the formed sum has later readers, whose gradient the backward reads."""
     grads = n_sources if grads is None else grads
-    forward = n_sources + int(has_base) + 1  # read each source (and x) once, write u once
-    backward = 1 + n_sources + grads + accumulated  # read grad and each source once; write (+ read) grads
+    partial_grad = forms_partial if partial_grad is None else partial_grad
+    forward = n_sources + int(has_base) + 1 + 2 * int(forms_partial)  # each source (and x) read once, u written
+    backward = 1 + n_sources + grads + accumulated + int(partial_grad)  # grad and each source read once
     return {"forward": forward, "backward": backward}
 
 
@@ -142,9 +152,10 @@ def _build():
 
     @triton.jit
     def _forward(src_ptrs, base_ptr, out_ptr, q_ptr, null_ptr, null_logit_ptr, gate_ptr, logit_ptr, lse_ptr,
-                 inv_ptr, T, d, eps,
+                 inv_ptr, addend_ptr, partial_ptr, T, d, eps,
                  N: tl.constexpr, HAS_BASE: tl.constexpr, UNIT: tl.constexpr, HAS_NULL: tl.constexpr,
-                 HAS_GATE: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                 HAS_GATE: tl.constexpr, FORM: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr,
+                 BD: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
         cols = tl.arange(0, BD)
@@ -166,6 +177,10 @@ def _build():
         for i in tl.static_range(N):
             src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
             v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            if FORM and i == N - 1:  # the last source is P + v: formed here, rounded as a stored tensor, written
+                part = (v + tl.load(addend_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(DT)
+                tl.store(partial_ptr + offs, part, mask=mask)
+                v = part.to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(v * v, 1) / d + eps)
             z = tl.sum(v * q[None, :], 1) * inv
             tl.store(inv_ptr + i * T + rows, inv, mask=rmask)
@@ -190,9 +205,9 @@ def _build():
 
     @triton.jit
     def _backward(grad_ptr, src_ptrs, tgt_ptrs, flag_ptr, alpha_ptr, inv_ptr, logit_ptr, q_ptr, null_ptr,
-                  gate_ptr, part_q_ptr, part_null_ptr, part_scalar_ptr, T, d,
+                  gate_ptr, part_q_ptr, part_null_ptr, part_scalar_ptr, partial_grad_ptr, T, d,
                   N: tl.constexpr, UNIT: tl.constexpr, HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr,
-                  DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                  PARTIAL_GRAD: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
         cols = tl.arange(0, BD)
@@ -234,6 +249,8 @@ def _build():
             if UNIT:
                 w += 1.0
             gv = w[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
+            if PARTIAL_GRAD and i == N - 1:  # the formed partial's gradient from its later readers
+                gv += tl.load(partial_grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
             gv += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
             tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
@@ -309,12 +326,16 @@ class _TritonRoute(torch.autograd.Function):
     """out = B + a * sum_i softmax_i(z_i) v_i (+ the null source), every logit projected in the pass.
 
     Inputs: n, out_dtype, sinks (a KernelSink or None per source), unit, eps, base, gate, null_logit,
-    null_value, query (q = w * g), then n values and n sink tokens (None where the sink is None).
-    A source with a sink gets its gradient through the sink's token; the others directly."""
+    null_value, query (q = w * g), addend, then n values and n sink tokens (None where the sink is None).
+    A source with a sink gets its gradient through the sink's token; the others directly. With ``addend``
+    the last source is ``values[-1] + addend`` (a partial sum, its one reader is this router), formed and
+    written here: the third output (else None). Its gradient (this router's share plus the formed partial's
+    own, from its later readers) is written once and returned for both parts."""
 
     @staticmethod
-    def forward(ctx, n, out_dtype, sinks, unit, eps, base, gate, null_logit, null_value, query, *tensors):
+    def forward(ctx, n, out_dtype, sinks, unit, eps, base, gate, null_logit, null_value, query, addend, *tensors):
         fwd, _ = load()
+        ctx.set_materialize_grads(False)
         values = tensors[:n]
         v0 = values[0]
         d = v0.shape[-1]
@@ -332,36 +353,50 @@ class _TritonRoute(torch.autograd.Function):
         zf = None if null_value is None else null_value.detach().to(torch.float32).contiguous()
         nl = None if null_logit is None else null_logit.detach().to(torch.float32).reshape(1)
         gf = None if gate is None else gate.detach().to(torch.float32).reshape(1)
+        flat_addend = partial = None
+        if addend is not None:
+            flat_addend = addend.reshape(rows, d).contiguous()
+            partial = torch.empty(rows, d, dtype=v0.dtype, device=dev)
         bt, bd = _tile(d)
         ptrs = _pointers(flat, dev)
         fwd[(triton_cdiv(rows, bt),)](
             ptrs, flat_base if flat_base is not None else out, out, q, zf if zf is not None else q,
-            nl if nl is not None else q, gf if gf is not None else q, logits, lse, inv, rows, d, float(eps),
-            N=n, HAS_BASE=flat_base is not None, UNIT=bool(unit), HAS_NULL=has_null, HAS_GATE=gate is not None,
-            DT=_tl_dtype(v0.dtype), BT=bt, BD=bd)
-        traffic.record(KERNEL, "forward", reads=[*flat, flat_base], writes=[out, logits[:n], inv, lse])
+            nl if nl is not None else q, gf if gf is not None else q, logits, lse, inv,
+            flat_addend if flat_addend is not None else out, partial if partial is not None else out, rows, d,
+            float(eps), N=n, HAS_BASE=flat_base is not None, UNIT=bool(unit), HAS_NULL=has_null,
+            HAS_GATE=gate is not None, FORM=addend is not None, DT=_tl_dtype(v0.dtype), BT=bt, BD=bd)
+        traffic.record(KERNEL, "forward", reads=[*flat, flat_base, flat_addend],
+                       writes=[out, partial, logits[:n], inv, lse])
         if has_null:
             logits[n].copy_(nl.expand(rows))
         alpha = torch.exp(logits - lse)  # [M, T]: the softmax over depth, from the kernel's logits and lse
         ctx.n, ctx.unit, ctx.sinks = n, bool(unit), sinks
         ctx.base_dtype = None if base is None else base.dtype
-        ctx.save_for_backward(gate, null_logit, null_value, query, alpha, inv, logits, *values)
+        ctx.formed = addend is not None
+        kept = list(values)
+        if partial is not None:  # backward reads the formed partial (alive: its next reader keeps it), not its parts
+            partial = partial.view(v0.shape)
+            kept[-1] = partial
+        ctx.save_for_backward(gate, null_logit, null_value, query, alpha, inv, logits, *kept)
         ctx.mark_non_differentiable(alpha)
-        return out.view(v0.shape), alpha
+        return out.view(v0.shape), alpha, partial
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_alpha):
+    def backward(ctx, grad_out, _grad_alpha, grad_partial):
         _, bwd = load()
         n = ctx.n
         gate, null_logit, null_value, query, alpha, inv, logits, *values = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        nv = 10  # index of the first value among forward's inputs
+        nv = 11  # index of the first value among forward's inputs
         m, rows = alpha.shape
         d = values[0].shape[-1]
         dev = values[0].device
         dtype = values[0].dtype
         flat = [v.reshape(rows, d) for v in values]
+        if grad_out is None:
+            grad_out = torch.zeros(values[0].shape, dtype=torch.float32, device=dev)
         grad = grad_out.reshape(rows, d).contiguous()
+        flat_gp = None if grad_partial is None or not ctx.formed else grad_partial.reshape(rows, d).contiguous()
         targets: List[Optional[Tensor]] = [None] * n
         flags = [0] * n
         grad_values: List[Optional[Tensor]] = [None] * n
@@ -374,7 +409,7 @@ class _TritonRoute(torch.autograd.Function):
                     flags[i] = 2
                 targets[i] = sink.grad
                 grad_tokens[i] = values[i].new_empty(0)
-            elif needs[nv + i]:
+            elif needs[nv + i] or (ctx.formed and i == n - 1 and needs[10]):
                 grad_values[i] = targets[i] = torch.empty(rows, d, dtype=dtype, device=dev)
                 flags[i] = 1
         has_null = null_value is not None
@@ -389,9 +424,10 @@ class _TritonRoute(torch.autograd.Function):
         bwd[(programs,)](
             grad, _pointers(flat, dev), _pointers(targets, dev), torch.tensor(flags, dtype=torch.int32).to(dev),
             alpha, inv, logits, q, zf if zf is not None else q, gf if gf is not None else q,
-            part_q, part_null, part_scalar, rows, d,
-            N=n, UNIT=ctx.unit, HAS_NULL=has_null, HAS_GATE=gate is not None, DT=_tl_dtype(dtype), BT=bt, BD=bd)
-        traffic.record(KERNEL, "backward", reads=[grad, *flat, *[t for t, f in zip(targets, flags) if f == 2]],
+            part_q, part_null, part_scalar, flat_gp if flat_gp is not None else grad, rows, d,
+            N=n, UNIT=ctx.unit, HAS_NULL=has_null, HAS_GATE=gate is not None, PARTIAL_GRAD=flat_gp is not None,
+            DT=_tl_dtype(dtype), BT=bt, BD=bd)
+        traffic.record(KERNEL, "backward", reads=[grad, *flat, flat_gp, *[t for t, f in zip(targets, flags) if f == 2]],
                        writes=[t for t in targets if t is not None])
         grad_query = part_q.sum(0)[:d].to(query.dtype) if needs[9] else None
         grad_gate = grad_null_logit = grad_null_value = None
@@ -406,8 +442,11 @@ class _TritonRoute(torch.autograd.Function):
         if ctx.base_dtype is not None and needs[5]:
             grad_base = grad_out.to(ctx.base_dtype)
         grad_values = [None if gv is None else gv.view(values[i].shape) for i, gv in enumerate(grad_values)]
+        grad_addend = grad_values[-1] if ctx.formed and needs[10] else None  # P' = P + v: one gradient for both
+        if ctx.formed and not needs[nv + n - 1]:
+            grad_values[-1] = None
         return (None, None, None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, grad_query,
-                *grad_values, *grad_tokens)
+                grad_addend, *grad_values, *grad_tokens)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -417,26 +456,36 @@ def triton_cdiv(a: int, b: int) -> int:
 def route(values: Sequence[Tensor], *, query: Tensor, eps: float, sinks: Optional[Sequence] = None,
           null_logit: Optional[Tensor] = None, null_value: Optional[Tensor] = None, gate: Optional[Tensor] = None,
           base: Optional[Tensor] = None, base_sums: bool = False, out_dtype: Optional[torch.dtype] = None,
-          ) -> Tuple[Tensor, Tensor]:
-    """``B + gate * r`` over ``values`` ([.., d] each, one dtype; see fallback_reason) on the kernels, and
-    alpha [M, T] fp32 (null source last). B: ``base``; with ``base=None, base_sums=True`` the sum of the
-    values (formed in the pass); else 0. ``sinks``: a KernelSink (or None) per value: the value's gradient
-    is accumulated there. Differentiable in every input."""
+          addend: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``B + gate * r`` over ``values`` ([.., d] each, one dtype; see fallback_reason) on the kernels, alpha
+    [M, T] fp32 (null source last) and the formed partial sum (or None). B: ``base``; with ``base=None,
+    base_sums=True`` the sum of the values (formed in the pass); else 0. ``sinks``: a KernelSink (or None) per
+    value: the value's gradient is accumulated there. ``addend``: the last source is ``values[-1] + addend``,
+    formed in the pass and returned (a sum with this router as its one reader: no sink). Differentiable in
+    every input."""
     n = len(values)
     sinks = list(sinks) if sinks is not None else [None] * n
     sinks = [s if isinstance(s, KernelSink) and s.token is not None else None for s in sinks]
+    if addend is not None:
+        sinks[-1] = None
     tokens = [None if s is None else s.token for s in sinks]
     unit = base is None and bool(base_sums)
     return _TritonRoute.apply(n, out_dtype, sinks, unit, float(eps), base, gate, null_logit, null_value, query,
-                              *values, *tokens)
+                              addend, *values, *tokens)
 
 
 def route_router(router, sources, *, base: Optional[Tensor], gate: Optional[Tensor], base_sums: bool,
                  out_dtype: Optional[torch.dtype]) -> Optional[Tuple[Tensor, Tensor]]:
     """DepthRouter.forward's entry (``sources``: router.Source tuples): (out, alpha [M, T]), or None when this
     call falls back to the PyTorch path (fallback_reason, or sources made with different key-norm eps)."""
+    sources = [s if s.pending is None or s.pending.value is None else s._replace(value=s.pending.value, pending=None)
+               for s in sources]
     values = [s.value for s in sources]
-    if fallback_reason(values) is not None:
+    pending = [i for i, s in enumerate(sources) if s.pending is not None]
+    addend = sources[-1].pending.addend if pending else None
+    if pending and (pending != [len(sources) - 1] or addend.shape != values[-1].shape):
+        return None  # only the last source may be formed here (DepthRouter forms the others)
+    if fallback_reason(values + ([addend] if pending else [])) is not None:
         return None
     eps = {float(s.eps) for s in sources}
     if len(eps) > 1:
@@ -445,5 +494,9 @@ def route_router(router, sources, *, base: Optional[Tensor], gate: Optional[Tens
     null_logit = null_value = None
     if router.null_source is not None:
         null_logit, null_value = router._null(q)
-    return route(values, query=q, eps=eps.pop(), sinks=[s.sink for s in sources], null_logit=null_logit,
-                 null_value=null_value, gate=gate, base=base, base_sums=base_sums, out_dtype=out_dtype)
+    out, alpha, partial = route(values, query=q, eps=eps.pop(), sinks=[s.sink for s in sources],
+                                null_logit=null_logit, null_value=null_value, gate=gate, base=base,
+                                base_sums=base_sums, out_dtype=out_dtype, addend=addend)
+    if pending:
+        sources[-1].pending.value = partial
+    return out, alpha
