@@ -53,8 +53,8 @@ __all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check"
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL = "triton_route"  # the name the kernels' calls are recorded under (traffic.py)
-TOKENS_PER_PROGRAM = 16  # BT: the tile is BT tokens x the hidden size (padded to a power of two)
-TILE_ELEMENTS = 16384  # at most BT x BD fp32 values per tile (BT shrinks for large hidden sizes)
+TOKENS_PER_PROGRAM = 16  # BT at most: the tile is BT tokens x the hidden size (padded to a power of two)
+TILE_ELEMENTS = 8192  # at most BT x BD fp32 values per tile (BT shrinks for large hidden sizes)
 
 
 class TritonUnavailable(RuntimeError):
@@ -275,9 +275,11 @@ def _tl_dtype(dtype: torch.dtype):
     return _TL_DTYPES[dtype]
 
 
-def _tile(d: int) -> Tuple[int, int]:
+def _tile(d: int) -> Tuple[int, int, int]:
+    """(tokens per program, padded hidden size, warps). Not tuned on a GPU yet: a tile of at most
+    TILE_ELEMENTS fp32 values per live [tokens, hidden] array, 8 warps for wide rows."""
     bd = 1 << max(0, (d - 1).bit_length())
-    return max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // bd)), bd
+    return max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // bd)), bd, 8 if bd >= 2048 else 4
 
 
 def _pointers(tensors: Sequence[Optional[Tensor]], device) -> Tensor:
@@ -357,14 +359,15 @@ class _TritonRoute(torch.autograd.Function):
         if addend is not None:
             flat_addend = addend.reshape(rows, d).contiguous()
             partial = torch.empty(rows, d, dtype=v0.dtype, device=dev)
-        bt, bd = _tile(d)
+        bt, bd, warps = _tile(d)
         ptrs = _pointers(flat, dev)
         fwd[(triton_cdiv(rows, bt),)](
             ptrs, flat_base if flat_base is not None else out, out, q, zf if zf is not None else q,
             nl if nl is not None else q, gf if gf is not None else q, logits, lse, inv,
             flat_addend if flat_addend is not None else out, partial if partial is not None else out, rows, d,
             float(eps), N=n, HAS_BASE=flat_base is not None, UNIT=bool(unit), HAS_NULL=has_null,
-            HAS_GATE=gate is not None, FORM=addend is not None, DT=_tl_dtype(v0.dtype), BT=bt, BD=bd)
+            HAS_GATE=gate is not None, FORM=addend is not None, DT=_tl_dtype(v0.dtype), BT=bt, BD=bd,
+            num_warps=warps)
         traffic.record(KERNEL, "forward", reads=[*flat, flat_base, flat_addend],
                        writes=[out, partial, logits[:n], inv, lse])
         if has_null:
@@ -413,7 +416,7 @@ class _TritonRoute(torch.autograd.Function):
                 grad_values[i] = targets[i] = torch.empty(rows, d, dtype=dtype, device=dev)
                 flags[i] = 1
         has_null = null_value is not None
-        bt, bd = _tile(d)
+        bt, bd, warps = _tile(d)
         programs = triton_cdiv(rows, bt)
         part_q = torch.empty(programs, bd, dtype=torch.float32, device=dev)
         part_null = torch.empty(programs if has_null else 1, bd, dtype=torch.float32, device=dev)
@@ -426,7 +429,7 @@ class _TritonRoute(torch.autograd.Function):
             alpha, inv, logits, q, zf if zf is not None else q, gf if gf is not None else q,
             part_q, part_null, part_scalar, flat_gp if flat_gp is not None else grad, rows, d,
             N=n, UNIT=ctx.unit, HAS_NULL=has_null, HAS_GATE=gate is not None, PARTIAL_GRAD=flat_gp is not None,
-            DT=_tl_dtype(dtype), BT=bt, BD=bd)
+            DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
         traffic.record(KERNEL, "backward", reads=[grad, *flat, flat_gp, *[t for t, f in zip(targets, flags) if f == 2]],
                        writes=[t for t in targets if t is not None])
         grad_query = part_q.sum(0)[:d].to(query.dtype) if needs[9] else None
