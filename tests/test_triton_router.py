@@ -122,3 +122,22 @@ def test_cuda_kernels_match_torch_path(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in zip(results["triton"], results["torch"], strict=True):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_pretrain_gpt_refuses_triton_without_cuda(monkeypatch, capsys):
+    """pretrain_gpt.py --delta-router-kernels triton on a machine without CUDA (and without the interpreter):
+    exit code 2 and one line naming the flag and what to use, before the distributed start-up."""
+    from megatron_delta.trainer.main import main
+    from tests.flags import tiny
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rc = main(tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, train_iters=1)
+              + ["--residual", "delta_block", "--delta-router-kernels", "triton"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: --delta-router-kernels triton: no CUDA device here, and the Triton kernels run on "
+        "CUDA tensors only (or under TRITON_INTERPRET=1); use --delta-router-kernels auto (C kernels on CPU)")
