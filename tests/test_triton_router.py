@@ -18,8 +18,8 @@ from megatron_delta.core import triton_router
 from megatron_delta.core.router import KERNEL_CHOICES, check_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INTERPRETER_CASES = 21  # tests/triton_cases.py: 12 router cases, the traffic per call, the formed partial sum,
-# 6 models, the fallbacks
+INTERPRETER_CASES = 23  # tests/triton_cases.py: 12 router cases, the traffic per call, the formed partial sum,
+# 6 models, 2 models with full recompute, the fallbacks
 
 
 def test_interpreter_cases():
@@ -124,6 +124,7 @@ def test_cuda_kernels_match_torch_path(dtype):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_pretrain_gpt_refuses_triton_without_cuda(monkeypatch, capsys):
     """pretrain_gpt.py --delta-router-kernels triton on a machine without CUDA (and without the interpreter):

@@ -187,7 +187,7 @@ def dist():
     yield
 
 
-def _model(mode, null, gate, kernels):
+def _model(mode, null, gate, kernels, recompute=False):
     from megatron.core import tensor_parallel
 
     from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
@@ -196,7 +196,9 @@ def _model(mode, null, gate, kernels):
 
     fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
                   seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,
-                  delta_gate="scalar" if gate else "none", delta_num_blocks=2 if mode in BLOCK_MODES else None))
+                  delta_gate="scalar" if gate else "none", delta_num_blocks=2 if mode in BLOCK_MODES else None,
+                  **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                     if recompute else {})))
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config, options = model_config(fields, delta_router_kernels=kernels)
@@ -213,11 +215,34 @@ def _model(mode, null, gate, kernels):
                 p.copy_(0.05 * r)
             elif name.endswith(".gate"):
                 p.copy_(0.5 + 0.1 * r)
-    return model.eval(), SimpleNamespace(**fields)
+    return (model.train() if recompute else model.eval()), SimpleNamespace(**fields)
 
 
 MODEL_CASES = [("delta_block", False, False), ("delta_block", True, True), ("attnres", False, False),
                ("attnres", True, False), ("delta", True, True), ("full_attnres", False, False)]
+
+
+@pytest.mark.parametrize("mode", ["delta_block", "attnres"])
+def test_model_with_recompute_on_the_kernels(interpreter, dist, mode):
+    """Full recompute of every layer (the forward runs once without autograd, again in backward): the logits and
+    every parameter's gradient of the model on the kernels equal the PyTorch path's."""
+    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(S)[None].expand(B, S)
+    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for kind in ("triton", "torch"):
+        model, _ = _model(mode, True, False, kind, recompute=True)
+        with traffic.counting() as count:
+            logits = model(tok, pos, None)
+            (logits * W).sum().backward()
+        assert bool(_calls(count)) == (kind == "triton")
+        results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (lf, gf), (lt, gt) = results["triton"], results["torch"]
+    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
+    for n in gt:
+        assert (gf[n] is None) == (gt[n] is None), n
+        if gt[n] is not None:
+            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
 
 
 @pytest.mark.parametrize("mode,null,gate", MODEL_CASES, ids=["-".join(map(str, c)) for c in MODEL_CASES])
