@@ -18,7 +18,7 @@ from megatron_delta.core import triton_router
 from megatron_delta.core.router import KERNEL_CHOICES, check_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INTERPRETER_CASES = 23  # tests/triton_cases.py: 12 router cases, the traffic per call, the formed partial sum,
+INTERPRETER_CASES = 24  # tests/triton_cases.py: 12 router cases, the traffic per call, strided sources, the formed partial sum,
 # 6 models, 2 models with full recompute, the fallbacks
 
 

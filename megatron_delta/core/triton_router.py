@@ -395,7 +395,7 @@ class _TritonRoute(torch.autograd.Function):
         d = values[0].shape[-1]
         dev = values[0].device
         dtype = values[0].dtype
-        flat = [v.reshape(rows, d) for v in values]
+        flat = [v.reshape(rows, d).contiguous() for v in values]  # the kernel takes row-major rows
         if grad_out is None:
             grad_out = torch.zeros(values[0].shape, dtype=torch.float32, device=dev)
         grad = grad_out.reshape(rows, d).contiguous()
