@@ -14,7 +14,7 @@ import torch
 
 from megatron_delta.core import traffic, triton_router
 from megatron_delta.core.router import DepthRouter, make_source
-from megatron_delta.core.sources import SourceBuffer, SourcePlan
+from megatron_delta.core.sources import SourcePlan
 from tests import reference_delta as R
 
 EPS = 1e-6

@@ -23,9 +23,9 @@ A mode object acts on one micro-batch's SourceBuffer (megatron_delta/core/source
 interface: ``hold(name, value)`` (name ``x``: the residual stream), ``take(name)``, ``value(name)``,
 ``rename(old, new)``, ``held_x``, ``x``, ``add_to_x(v)``, ``hold_sum(name, partial, v)`` (hold partial + v,
 or v without a partial; SourceBuffer lets the sum's one reader form it in its kernel) and ``route(j, router,
-base=, apply_gate=, base_sums=)``; SourceBuffer keeps the protocol, the projections and the tensor bookkeeping. The HF model
-applies the same objects to its DepthSources (megatron_delta/hf/modeling_delta.py), the same interface over a
-dict of tensors. A new mode is a subclass registered here (and its float64 reference in
+base=, apply_gate=, base_sums=)``; SourceBuffer keeps the protocol, the projections and the tensor
+bookkeeping. The HF model applies the same objects to its DepthSources (megatron_delta/hf/modeling_delta.py),
+the same interface over a dict of tensors. A new mode is a subclass registered here (and its float64 reference in
 tests/reference_delta.py): no other production file.
 
 Messages name the command-line flag (``FLAGS``) or, for the HF configuration, its field (``HF_FIELDS``).

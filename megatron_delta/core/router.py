@@ -528,7 +528,7 @@ class DepthRouter(torch.nn.Module):
         super().__init__()
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"DepthRouter: kernels={kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
-        self.kernels = kernels  # fused C kernels for fp32 CPU tensors (cpu_kernels.py) unless "torch"; GPU: Triton / fla
+        self.kernels = kernels  # C kernels for fp32 CPU tensors (cpu_kernels.py) unless "torch"; GPU: Triton / fla
         self.hidden_size = int(hidden_size)
         self.eps = float(eps)
         self.sequence_parallel = bool(sequence_parallel)

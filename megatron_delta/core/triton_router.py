@@ -22,7 +22,6 @@ computed in the pass that reads it for the weighted sum), q = w * g, optional nu
   by the others (:class:`KernelSink`, the GradSink pattern of router.py), so autograd adds nothing.
   The query's, the null source's and the gate's gradients are reduced per program into [programs, d]
   partial sums (fp32, small), then over the programs: no [tokens, hidden] fp32 buffer.
-
 - the partial sums (delta_block's P_b + v, attnres' p + v; SourceBuffer.hold_sum): where the router that
   alone reads the sum runs on these kernels, the forward reads the two parts and writes the sum once (no
   separate add, which read both and wrote the sum for the router to read again); the backward reads the
@@ -33,8 +32,8 @@ Traffic per call (rows of [tokens, hidden], :func:`call_rows`): forward N + (1 w
 partial sum), backward 1 + N + (one write per source gradient) + (one read per gradient added to an existing
 buffer) (+ 1 forming a partial sum with later readers).
 
-Not done here (issue 28 item 3, still open): the gradients of the completed block sources are accumulated
-per router, not deferred to one pass per block; the sublayer's own input norm is not fused.
+Not done here: the gradients of the completed block sources are accumulated per router (in place), not
+deferred to one pass per block; the sublayer's own input norm is not fused.
 """
 from __future__ import annotations
 
@@ -168,7 +167,8 @@ def _build():
             zl = tl.load(null_logit_ptr).to(tl.float32)
             m = tl.zeros((BT,), tl.float32) + zl
             s = tl.zeros((BT,), tl.float32) + 1.0
-            acc = tl.zeros((BT, BD), tl.float32) + tl.load(null_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            zv = tl.load(null_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc = tl.zeros((BT, BD), tl.float32) + zv[None, :]
         else:
             m = tl.full((BT,), float("-inf"), tl.float32)
             s = tl.zeros((BT,), tl.float32)
@@ -361,7 +361,7 @@ class _TritonRoute(torch.autograd.Function):
             partial = torch.empty(rows, d, dtype=v0.dtype, device=dev)
         bt, bd, warps = _tile(d)
         ptrs = _pointers(flat, dev)
-        fwd[(triton_cdiv(rows, bt),)](
+        fwd[(_cdiv(rows, bt),)](
             ptrs, flat_base if flat_base is not None else out, out, q, zf if zf is not None else q,
             nl if nl is not None else q, gf if gf is not None else q, logits, lse, inv,
             flat_addend if flat_addend is not None else out, partial if partial is not None else out, rows, d,
@@ -417,7 +417,7 @@ class _TritonRoute(torch.autograd.Function):
                 flags[i] = 1
         has_null = null_value is not None
         bt, bd, warps = _tile(d)
-        programs = triton_cdiv(rows, bt)
+        programs = _cdiv(rows, bt)
         part_q = torch.empty(programs, bd, dtype=torch.float32, device=dev)
         part_null = torch.empty(programs if has_null else 1, bd, dtype=torch.float32, device=dev)
         part_scalar = torch.zeros(programs, 2, dtype=torch.float32, device=dev)
@@ -452,7 +452,7 @@ class _TritonRoute(torch.autograd.Function):
                 grad_addend, *grad_values, *grad_tokens)
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
