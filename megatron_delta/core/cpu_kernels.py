@@ -9,8 +9,9 @@ and does not depend on the PyTorch version.
 
 `--delta-router-kernels` (config `delta_router_kernels`) chooses: `auto` (default) uses them for
 fp32 CPU tensors and, if they cannot be built, warns once and uses PyTorch ops; `c` makes a failed
-build an error at start-up; `torch` never uses them. `fla` (and `auto` for CUDA tensors) routes
-through fla-core's fused GPU kernel instead: fla_router.py, docs/gpu.md.
+build an error at start-up; `torch` never uses them. `triton` (and `auto` for CUDA tensors, when Triton
+imports) routes through the project's Triton kernels instead (triton_router.py), `fla` through fla-core's
+fused GPU kernel (fla_router.py, docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -123,10 +124,10 @@ def load() -> ctypes.CDLL:
 
 def library(choice: str) -> Optional[ctypes.CDLL]:
     """The library for a router's `kernels` choice, or None for PyTorch ops (`torch`, or `auto` where
-    the kernels cannot be built: then one warning per process says so; `fla`: what its kernel cannot route
-    takes PyTorch ops)."""
+    the kernels cannot be built: then one warning per process says so; `fla` / `triton`: what their kernels
+    cannot route takes PyTorch ops)."""
     global _warned
-    if choice in ("torch", "fla"):
+    if choice in ("torch", "fla", "triton"):
         return None
     try:
         return load()

@@ -187,6 +187,13 @@ def describe(choice: str, cuda: Optional[bool] = None) -> str:
     flag = f"(--delta-router-kernels {choice})"
     if choice == "torch":
         return f"router kernels: PyTorch ops {flag}"
+    if choice == "triton" or (choice == "auto" and cuda):
+        from megatron_delta.core import triton_router
+
+        if choice == "triton" or triton_router.available():
+            where = "CUDA tensors" if cuda else "CPU tensors under TRITON_INTERPRET=1"
+            return (f"router kernels: the project's Triton kernels (triton_router.py) for {where}, PyTorch ops "
+                    f"where they cannot run{', C kernels for fp32 CPU tensors' if choice == 'auto' else ''} {flag}")
     if choice == "c" or not cuda:
         if choice == "fla":
             k = _injected.name if _injected is not None else "none"

@@ -21,10 +21,11 @@ full_attnres        B0 (= h0), B1 (= v0), ..., p (the latest sublayer output)
 
 A mode object acts on one micro-batch's SourceBuffer (megatron_delta/core/sources.py) through its small
 interface: ``hold(name, value)`` (name ``x``: the residual stream), ``take(name)``, ``value(name)``,
-``rename(old, new)``, ``held_x``, ``x``, ``add_to_x(v)`` and ``route(j, router, base=, apply_gate=,
-base_sums=)``; SourceBuffer keeps the protocol, the projections and the tensor bookkeeping. The HF model
-applies the same objects to its DepthSources (megatron_delta/hf/modeling_delta.py), the same interface over a
-dict of tensors. A new mode is a subclass registered here (and its float64 reference in
+``rename(old, new)``, ``held_x``, ``x``, ``add_to_x(v)``, ``hold_sum(name, partial, v)`` (hold partial + v,
+or v without a partial; SourceBuffer lets the sum's one reader form it in its kernel) and ``route(j, router,
+base=, apply_gate=, base_sums=)``; SourceBuffer keeps the protocol, the projections and the tensor
+bookkeeping. The HF model applies the same objects to its DepthSources (megatron_delta/hf/modeling_delta.py),
+the same interface over a dict of tensors. A new mode is a subclass registered here (and its float64 reference in
 tests/reference_delta.py): no other production file.
 
 Messages name the command-line flag (``FLAGS``) or, for the HF configuration, its field (``HF_FIELDS``).
@@ -262,11 +263,10 @@ class DeltaBlockMode(AdditiveMode):
     def keep_output(self, buf, j: int, out) -> None:
         b = self.block_of(j)
         partial = buf.take(f"P{b}")
-        total = out if partial is None else partial + out
         if not self.is_block_end(j):
-            buf.hold(f"P{b}", total)
+            buf.hold_sum(f"P{b}", partial, out)
         elif b + 1 < self.num_blocks or self.x_from_sources:  # the last block's sum: only in x
-            buf.hold(f"D{b}", total)
+            buf.hold_sum(f"D{b}", partial, out)
 
 
 class DeltaBlockAuthorsCodeMode(DeltaBlockMode):
@@ -323,8 +323,7 @@ class ReplacementMode(RoutedMode):
         return u
 
     def commit(self, buf, j: int, out) -> None:
-        partial = buf.take("p")
-        buf.hold("p", out if partial is None else partial + out)
+        buf.hold_sum("p", buf.take("p"), out)
 
     def output(self, buf, final_router):
         if final_router is None:

@@ -32,17 +32,23 @@ from torch import Tensor
 
 from megatron_delta.core import cpu_kernels
 
-__all__ = ["KERNEL_CHOICES", "check_kernels", "Source", "GradSink", "make_source", "DepthRouter", "route"]
+__all__ = ["KERNEL_CHOICES", "check_kernels", "Source", "GradSink", "PendingSum", "make_source", "DepthRouter", "route"]
 
-# --delta-router-kernels: 'auto' (C kernels for fp32 CPU tensors, fla's for CUDA ones), 'c', 'torch', 'fla'
-KERNEL_CHOICES = ("auto", "c", "torch", "fla")
+# --delta-router-kernels: 'auto' (C kernels for fp32 CPU tensors, the Triton kernels for CUDA ones - fla's
+# when Triton does not import), 'c', 'torch', 'fla', 'triton'
+KERNEL_CHOICES = ("auto", "c", "torch", "fla", "triton")
 
 
 def check_kernels(choice: str) -> None:
-    """Start-up check of `--delta-router-kernels`: `c` must build here, `fla` must import (fla_router.check)
-    (raises ValueError if not)."""
+    """Start-up check of `--delta-router-kernels`: `c` must build here, `fla` must import (fla_router.check),
+    `triton` must import and find a CUDA device or the interpreter (triton_router.check) (raises ValueError
+    if not)."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"--delta-router-kernels {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "triton":
+        from megatron_delta.core import triton_router
+
+        triton_router.check(choice)
     if choice == "fla":
         from megatron_delta.core import fla_router
 
@@ -77,18 +83,37 @@ class GradSink:
             self.grad.addcmul_(grad, weight)
 
 
+class PendingSum:
+    """A source that is the sum ``base + addend`` (a partial sum P + v, p + f(u)), formed by the first of: the
+    one router that reads it, in its kernel's pass (triton_router: it reads both parts, writes the sum once
+    and routes it), or :meth:`form` (``base + addend``, the PyTorch add the mode would make)."""
+
+    __slots__ = ("base", "addend", "value")
+
+    def __init__(self, base: Tensor, addend: Tensor) -> None:
+        self.base, self.addend = base, addend
+        self.value: Optional[Tensor] = None
+
+    def form(self) -> Tensor:
+        if self.value is None:
+            self.value = self.base + self.addend
+        return self.value
+
+
 class Source(NamedTuple):
     """One routing source: its value, its 1/rms per token and its logit columns per reader.
 
     A router absent from ``logits`` projects the source itself inside its route (a "local" source:
     the right choice for a source with ONE reader, see _RouteFunction); SourceBuffer makes those with
-    ``inv_rms=None``, ``logits={}``, ``sink=None``."""
+    ``inv_rms=None``, ``logits={}``, ``sink=None``. With ``pending`` the source is ``pending.base +
+    pending.addend``, not formed yet (``value`` is the base); its reader forms it (DepthRouter.forward)."""
 
     value: Tensor  # [s, b, d], activation dtype
     inv_rms: Optional[Tensor]  # [s, b], fp32, detached (the differentiable path goes through `logits`)
     logits: Mapping  # DepthRouter -> [s*b] fp32 logit (value . q) * inv_rms, differentiable
     eps: float
     sink: Optional[GradSink]  # where the readers' routers accumulate their gradient w.r.t. value
+    pending: Optional[PendingSum] = None
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -503,7 +528,7 @@ class DepthRouter(torch.nn.Module):
         super().__init__()
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"DepthRouter: kernels={kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
-        self.kernels = kernels  # fused C kernels for fp32 CPU tensors (cpu_kernels.py) unless "torch"
+        self.kernels = kernels  # C kernels for fp32 CPU tensors (cpu_kernels.py) unless "torch"; GPU: Triton / fla
         self.hidden_size = int(hidden_size)
         self.eps = float(eps)
         self.sequence_parallel = bool(sequence_parallel)
@@ -578,7 +603,22 @@ class DepthRouter(torch.nn.Module):
         ref = sources[0].value if len(sources) else like
         device_type = ref.device.type if ref is not None else "cpu"
         with torch.autocast(device_type=device_type, enabled=False), _outside_fp8(self.outside_fp8):
-            if sources and self._may_use_fla(ref):  # fla's fused kernel (fla_router.py), where it applies
+            backend = self._gpu_backend(ref) if sources else None
+            if backend == "triton":  # the project's Triton kernels (triton_router.py), where they apply
+                from megatron_delta.core import triton_router
+
+                routed = triton_router.route_router(
+                    self, sources, base=base, gate=self.gate if apply_gate else None, base_sums=base_sums,
+                    out_dtype=None if like is None else like.dtype)
+                if routed is not None:
+                    out, alpha = routed
+                    if return_weights:
+                        alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])
+                    return (out, alpha) if return_weights else out
+            if any(s.pending is not None for s in sources):  # the other paths route formed sums
+                sources = [s if s.pending is None else s._replace(value=s.pending.form(), pending=None)
+                           for s in sources]
+            if backend == "fla":  # fla's fused kernel (fla_router.py), where it applies
                 from megatron_delta.core import fla_router
 
                 routed = fla_router.route_router(
@@ -616,20 +656,46 @@ class DepthRouter(torch.nn.Module):
                 alpha = alpha.t().reshape(*sources[0].value.shape[:-1], alpha.shape[0])
         return (out, alpha) if return_weights else out
 
-    def _may_use_fla(self, value: Tensor) -> bool:
-        # cheap test first: fla_router (and fla) is imported only for `fla`, or `auto` on CUDA tensors
-        return self.kernels == "fla" or (self.kernels == "auto" and value.device.type == "cuda")
+    def _gpu_backend(self, value: Tensor) -> Optional[str]:
+        """'triton', 'fla' or None: the fused GPU kernels this router may route tensors like ``value`` through.
+        `auto` on CUDA tensors takes the Triton kernels when Triton imports, else fla's. Cheap test first:
+        triton_router / fla_router (and Triton, fla) are imported only when they may apply."""
+        if self.kernels in ("triton", "fla"):
+            return self.kernels
+        if self.kernels != "auto" or value.device.type != "cuda":
+            return None
+        from megatron_delta.core import triton_router
+
+        return "triton" if triton_router.available() else "fla"
 
     def routes_in_kernel(self, value: Tensor) -> bool:
-        """True when this router routes sources like ``value`` through fla's fused kernel, which computes
-        every logit in its own pass: a shared projection (make_source with readers) would be wasted, so
-        SourceBuffer makes such sources local."""
-        if not self._may_use_fla(value):
+        """True when this router routes sources like ``value`` through a fused GPU kernel (Triton's or fla's),
+        which computes every logit in its own pass: a shared projection (make_source with readers) would be
+        wasted, so SourceBuffer makes such sources local."""
+        backend = self._gpu_backend(value)
+        if backend == "triton":
+            from megatron_delta.core import triton_router
+
+            return triton_router.fallback_reason([value]) is None and triton_router.available()
+        if backend != "fla":
             return False
         from megatron_delta.core import fla_router
 
         return (fla_router.kernel_for(self.kernels, value.device.type) is not None
                 and fla_router.fallback_reason([value], value.dtype) is None)
+
+    def forms_sums_in_kernel(self, value: Tensor) -> bool:
+        """True when this router's kernel forms a partial sum it alone reads (Source.pending) in its own pass."""
+        return self._gpu_backend(value) == "triton" and self.routes_in_kernel(value)
+
+    def kernel_sink(self, value: Tensor):
+        """A gradient buffer for a source like ``value`` that several routers read, which this router's kernel
+        accumulates into in place (triton_router.KernelSink), or None (fla's kernel returns fresh gradients)."""
+        if self._gpu_backend(value) != "triton":
+            return None
+        from megatron_delta.core import triton_router
+
+        return triton_router.make_sink(value)
 
     def _no_sources(self, q, gate, null_logit, null_value, like):
         if like is None:

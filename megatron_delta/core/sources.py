@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from megatron_delta.core.modes import RoutedMode, default_num_blocks, routed_mode, routed_mode_class
-from megatron_delta.core.router import DepthRouter, Source, make_source
+from megatron_delta.core.router import DepthRouter, PendingSum, Source, make_source
 
 __all__ = ["SourcePlan", "SourceBuffer"]
 
@@ -48,7 +48,8 @@ class SourcePlan:
         """From a DeltaTransformerConfig or parsed flags (same field names); `mode` overrides residual.
         The modes whose sources sum to x keep x as their sources when there is no gate (module docstring),
         except where the routers run on fla's fused kernel, which cannot fold x = sum of the sources into
-        its pass (fla_router.plan_keeps_x; objects without ``delta_router_kernels`` count as not)."""
+        its pass (fla_router.plan_keeps_x; objects without ``delta_router_kernels`` count as not; the Triton
+        kernels fold it)."""
         mode = mode or cfg.residual
         num_blocks = cfg.delta_num_blocks
         if num_blocks is None:  # the block modes' default (refused where 4 does not divide L > 4)
@@ -180,21 +181,34 @@ class SourcePlan:
 
 
 def _kernel_keeps_x(choice: str) -> bool:
+    # The Triton kernels form x from the sources in their pass (triton_router.py); fla's cannot.
     if choice not in ("auto", "fla"):
         return False
+    if choice == "auto" and torch.cuda.is_available():
+        from megatron_delta.core import triton_router
+
+        if triton_router.available():
+            return False
     from megatron_delta.core import fla_router
 
     return fla_router.plan_keeps_x(choice)
 
 
 class _Entry:
-    """A held source: its value and (lazily, once) its Source: 1/rms and its readers' logits."""
+    """A held source: its value and (lazily, once) its Source: 1/rms and its readers' logits. A sum held with
+    hold_sum is ``pending`` until its one reader's kernel forms it, or ``value`` is first asked for."""
 
-    __slots__ = ("value", "source")
+    __slots__ = ("_value", "source", "pending")
 
-    def __init__(self, value: Tensor, source: Optional[Source] = None) -> None:
-        self.value = value
+    def __init__(self, value: Optional[Tensor], source: Optional[Source] = None,
+                 pending: Optional[PendingSum] = None) -> None:
+        self._value = value
         self.source = source
+        self.pending = pending
+
+    @property
+    def value(self) -> Tensor:
+        return self.pending.form() if self.pending is not None else self._value
 
 
 class SourceBuffer:
@@ -267,6 +281,15 @@ class SourceBuffer:
             self._x, self._x_own = value, False
         else:
             self._entries[name] = _Entry(value)
+
+    def hold_sum(self, name: str, partial: Optional[Tensor], addend: Tensor) -> None:
+        """Hold ``partial + addend`` as source ``name`` (``addend`` when there is no partial). The sum is formed
+        when first needed: by the kernel of its one reader where that router forms sums in its pass (the Triton
+        kernels: no separate add), else by a PyTorch add, as ``hold(name, partial + addend)``."""
+        if partial is None:
+            self.hold(name, addend)
+        else:
+            self._entries[name] = _Entry(None, pending=PendingSum(partial, addend))
 
     def take(self, name: str) -> Optional[Tensor]:
         """Remove source ``name``; its value, or None if it is not held."""
@@ -352,11 +375,18 @@ class SourceBuffer:
         e = self._entries[name]
         if e.source is None:
             readers = [self.readers[k] for k in self.plan.value_readers(name, j) if k in self.readers]
+            if e.pending is not None and e.pending.value is None:
+                if len(readers) == 1 and readers[0].forms_sums_in_kernel(e.pending.base):
+                    e.source = Source(e.pending.base, None, {}, self.eps, None, e.pending)  # its kernel forms it
+                    return e.source
+                e.pending.form()
             if len(readers) <= 1 or any(r.routes_in_kernel(e.value) for r in readers):
                 # One reader here (P<b>, p, or a scope's last reader): its router projects the source in
                 # the pass that routes it (router._RouteFunction, "local" source), no separate pass.
-                # Likewise for routers on fla's kernel, which computes every logit in its own pass.
-                e.source = Source(e.value, None, {}, self.eps, None)
+                # Likewise for routers on a fused GPU kernel, which computes every logit in its own pass;
+                # the Triton kernels add the gradients of a source with several readers into one buffer.
+                sink = readers[0].kernel_sink(e.value) if len(readers) > 1 else None
+                e.source = Source(e.value, None, {}, self.eps, sink)
                 return e.source
             for r in readers:
                 if r not in self._queries:

@@ -157,6 +157,9 @@ class DepthSources:
         else:
             self.sources[name] = value
 
+    def hold_sum(self, name: str, partial, addend: torch.Tensor):
+        self.hold(name, addend if partial is None else partial + addend)
+
     def take(self, name: str):
         return self.sources.pop(name, None)
 

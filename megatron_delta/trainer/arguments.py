@@ -37,7 +37,10 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--delta-router-eps", type=float, default=None, help="default: --norm-epsilon")
     g.add_argument("--delta-router-kernels", choices=list(KERNEL_CHOICES), default="auto",
                    help="auto: fused C kernels for fp32 CPU tensors, built on first use (PyTorch ops if "
-                        "that fails); c: the same, a failed build is an error; torch: PyTorch ops")
+                        "that fails), the project's Triton kernels for CUDA tensors (fla-core's kernel when "
+                        "Triton does not import); c: the same, a failed build is an error; torch: PyTorch ops; "
+                        "triton: the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1); fla: fla-core's "
+                        "kernel (docs/gpu.md)")
     g.add_argument("--delta-pp-source-cache", choices=["on", "off"], default=None,
                    help="interleaved pipelines (routed modes): each rank keeps the sources its earlier virtual "
                         "chunks held and a boundary sends only what the receiving rank lacks (default: on where "

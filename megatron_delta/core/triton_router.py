@@ -1,0 +1,505 @@
+"""The router on GPUs: the project's own Triton kernels, at the per-router floor of memory traffic
+(docs/gpu.md, issue 28 item 3).
+
+``--delta-router-kernels triton`` routes through them; ``auto`` does so for CUDA tensors when Triton
+imports (fla-core's kernel stays selectable with ``fla``: fla_router.py). Imported lazily: nothing here,
+and nothing of Triton, is imported unless a router asks for it. On CPU the kernels run only under
+Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported): that is how the tests run
+them, in fp32.
+
+The kernels are the C kernels' algorithm (csrc/router_kernels.c) on tiles of ``BT`` tokens x the hidden
+size. Per router call, with sources v_1..v_N (all projected here: each source's 1/rms and logit are
+computed in the pass that reads it for the weighted sum), q = w * g, optional null source z, gate a:
+
+- forward, ONE read of each source: an online softmax over depth (running max, running sum, running
+  weighted sum in fp32), then ``u = B + a * r`` written once, with B = x (``base``), the sum of the
+  sources themselves (``unit``: the additive modes' residual stream kept as its sources, formed in the
+  same pass) or 0. It also writes the logits and the log-sum-exp per token (fp32, [M, T] and [T]: small).
+- backward: per tile, a first loop reads each source for dw_i = <grad, v_i> and the softmax's
+  s = sum_i alpha_i dw_i; a second loop reads the same tile again (just loaded by the same program, so
+  from cache, not from memory) and writes each source's whole gradient (the weighted sum's share and
+  its projection's) IN PLACE into the source's gradient buffer: assigned by its first reader, added
+  by the others (:class:`KernelSink`, the GradSink pattern of router.py), so autograd adds nothing.
+  The query's, the null source's and the gate's gradients are reduced per program into [programs, d]
+  partial sums (fp32, small), then over the programs: no [tokens, hidden] fp32 buffer.
+- the partial sums (delta_block's P_b + v, attnres' p + v; SourceBuffer.hold_sum): where the router that
+  alone reads the sum runs on these kernels, the forward reads the two parts and writes the sum once (no
+  separate add, which read both and wrote the sum for the router to read again); the backward reads the
+  sum's gradient from its later readers, adds this router's share and writes it once, for both parts (no
+  autograd add of two gradients).
+
+Traffic per call (rows of [tokens, hidden], :func:`call_rows`): forward N + (1 with x) + 1 (+ 2 forming a
+partial sum), backward 1 + N + (one write per source gradient) + (one read per gradient added to an existing
+buffer) (+ 1 forming a partial sum with later readers).
+
+Not done here: the gradients of the completed block sources are accumulated per router (in place), not
+deferred to one pass per block; the sublayer's own input norm is not fused.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from megatron_delta.core import traffic
+
+__all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check", "interpreting",
+           "device_ok", "fallback_reason", "KernelSink", "make_sink", "route", "route_router", "call_rows",
+           "TOKENS_PER_PROGRAM"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL = "triton_route"  # the name the kernels' calls are recorded under (traffic.py)
+TOKENS_PER_PROGRAM = 16  # BT at most: the tile is BT tokens x the hidden size (padded to a power of two)
+TILE_ELEMENTS = 8192  # at most BT x BD fp32 values per tile (BT shrinks for large hidden sizes)
+
+
+class TritonUnavailable(RuntimeError):
+    """Triton cannot be imported here, or cannot run on this machine; the message says why."""
+
+
+_lock = threading.Lock()
+_kernels = None  # (forward, backward) jitted kernels
+_error: Optional[str] = None
+
+
+def interpreting() -> bool:
+    """True when Triton's interpreter runs the kernels (CPU tensors, for tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def load():
+    """The two jitted kernels, built on first use. Raises TritonUnavailable."""
+    global _kernels, _error
+    with _lock:
+        if _kernels is None and _error is None:
+            try:
+                _kernels = _build()
+            except Exception as e:  # noqa: BLE001  (ImportError, or a broken Triton install)
+                _error = f"{type(e).__name__}: {e}"
+        if _kernels is None:
+            raise TritonUnavailable(f"triton cannot be imported ({_error}); pip install triton")
+        return _kernels
+
+
+def available() -> bool:
+    """True when Triton imports here."""
+    try:
+        load()
+        return True
+    except TritonUnavailable:
+        return False
+
+
+def device_ok(device_type: str) -> bool:
+    """Whether the kernels run on tensors of ``device_type``: CUDA, or CPU under the interpreter."""
+    return device_type == "cuda" or (device_type == "cpu" and interpreting())
+
+
+def check(choice: str) -> None:
+    """Start-up check of ``--delta-router-kernels triton`` (raises ValueError, one line naming the flag)."""
+    if choice != "triton":
+        return
+    try:
+        load()
+    except TritonUnavailable as e:
+        raise ValueError(f"--delta-router-kernels triton: {e}; or use --delta-router-kernels auto") from None
+    if not torch.cuda.is_available() and not interpreting():
+        raise ValueError("--delta-router-kernels triton: no CUDA device here, and the Triton kernels run on CUDA "
+                         "tensors only (or under TRITON_INTERPRET=1); use --delta-router-kernels auto "
+                         "(C kernels on CPU)")
+
+
+def fallback_reason(values: Sequence[Tensor]) -> Optional[str]:
+    """Why the kernels cannot route these sources (the PyTorch path does), or None."""
+    dtype = values[0].dtype
+    if dtype not in SUPPORTED_DTYPES:
+        return f"sources in {dtype} (the kernels compute in fp32; float64 keeps the PyTorch path)"
+    if any(v.dtype != dtype for v in values):
+        return "sources of mixed dtypes (the kernels take one dtype)"
+    if any(v.device != values[0].device for v in values):
+        return "sources on several devices"
+    if not device_ok(values[0].device.type):
+        return f"{values[0].device.type} tensors (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------- traffic
+def call_rows(n_sources: int, *, has_base: bool, grads: Optional[int] = None, accumulated: int = 0,
+              forms_partial: bool = False, partial_grad: Optional[bool] = None) -> Dict[str, int]:
+    """The [tokens, hidden] traffic of one router call, in rows "u" (one tensor of that size read or
+    written once, all in one dtype): {'forward': u, 'backward': u}. ``n_sources`` sources (the null
+    source is a [hidden] vector: no row), ``has_base``: u = x + a r reads x; ``grads``: how many of the
+    sources get a gradient (default all); ``accumulated``: how many of those are added into a gradient
+    buffer an earlier reader made (read + write) rather than written fresh (write); ``forms_partial``: the
+    last source is P + v, formed in the pass (its two parts read, the sum written; in backward the sum is
+    read as a source and its gradient, written once, serves both parts); ``partial_grad`` (default
+    ``forms_partial``): the formed sum has later readers, whose gradient the backward reads."""
+    grads = n_sources if grads is None else grads
+    partial_grad = forms_partial if partial_grad is None else partial_grad
+    forward = n_sources + int(has_base) + 1 + 2 * int(forms_partial)  # each source (and x) read once, u written
+    backward = 1 + n_sources + grads + accumulated + int(partial_grad)  # grad and each source read once
+    return {"forward": forward, "backward": backward}
+
+
+# ---------------------------------------------------------------------------------------- the kernels
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _forward(src_ptrs, base_ptr, out_ptr, q_ptr, null_ptr, null_logit_ptr, gate_ptr, logit_ptr, lse_ptr,
+                 inv_ptr, addend_ptr, partial_ptr, T, d, eps,
+                 N: tl.constexpr, HAS_BASE: tl.constexpr, UNIT: tl.constexpr, HAS_NULL: tl.constexpr,
+                 HAS_GATE: tl.constexpr, FORM: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr,
+                 BD: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BT + tl.arange(0, BT)
+        cols = tl.arange(0, BD)
+        rmask = rows < T
+        cmask = cols < d
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        q = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_NULL:  # the null source starts the online softmax: max = its logit, sum = 1, mix = z
+            zl = tl.load(null_logit_ptr).to(tl.float32)
+            m = tl.zeros((BT,), tl.float32) + zl
+            s = tl.zeros((BT,), tl.float32) + 1.0
+            zv = tl.load(null_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc = tl.zeros((BT, BD), tl.float32) + zv[None, :]
+        else:
+            m = tl.full((BT,), float("-inf"), tl.float32)
+            s = tl.zeros((BT,), tl.float32)
+            acc = tl.zeros((BT, BD), tl.float32)
+        total = tl.zeros((BT, BD), tl.float32)
+        for i in tl.static_range(N):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            if FORM and i == N - 1:  # the last source is P + v: formed here, rounded as a stored tensor, written
+                part = (v + tl.load(addend_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(DT)
+                tl.store(partial_ptr + offs, part, mask=mask)
+                v = part.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(v * v, 1) / d + eps)
+            z = tl.sum(v * q[None, :], 1) * inv
+            tl.store(inv_ptr + i * T + rows, inv, mask=rmask)
+            tl.store(logit_ptr + i * T + rows, z, mask=rmask)
+            m_new = tl.maximum(m, z)
+            scale = tl.exp(m - m_new)
+            p = tl.exp(z - m_new)
+            acc = acc * scale[:, None] + p[:, None] * v
+            s = s * scale + p
+            m = m_new
+            if UNIT:
+                total += v
+        tl.store(lse_ptr + rows, m + tl.log(s), mask=rmask)
+        res = acc / s[:, None]
+        if HAS_GATE:
+            res = res * tl.load(gate_ptr).to(tl.float32)
+        if HAS_BASE:
+            res += tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if UNIT:
+            res += total
+        tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _backward(grad_ptr, src_ptrs, tgt_ptrs, flag_ptr, alpha_ptr, inv_ptr, logit_ptr, q_ptr, null_ptr,
+                  gate_ptr, part_q_ptr, part_null_ptr, part_scalar_ptr, partial_grad_ptr, T, d,
+                  N: tl.constexpr, UNIT: tl.constexpr, HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr,
+                  PARTIAL_GRAD: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BT + tl.arange(0, BT)
+        cols = tl.arange(0, BD)
+        rmask = rows < T
+        cmask = cols < d
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        a = 1.0
+        if HAS_GATE:
+            a = tl.load(gate_ptr).to(tl.float32)
+        # loop 1: s = sum_i alpha_i <grad, v_i> (the null source's share included)
+        s = tl.zeros((BT,), tl.float32)
+        for i in tl.static_range(N):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            s += tl.load(alpha_ptr + i * T + rows, mask=rmask, other=0.0) * tl.sum(g * v, 1)
+        if HAS_NULL:
+            zv = tl.load(null_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            an = tl.load(alpha_ptr + N * T + rows, mask=rmask, other=0.0)
+            dwn = tl.sum(g * zv[None, :], 1)
+            s += an * dwn
+            dln = an * a * (dwn - s)  # the null logit's gradient per token (s is complete here)
+        # loop 2: each source's gradient, into its buffer; the query's gradient per program
+        dq = tl.zeros((BD,), tl.float32)
+        for i in tl.static_range(N):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            al = tl.load(alpha_ptr + i * T + rows, mask=rmask, other=0.0)
+            iv = tl.load(inv_ptr + i * T + rows, mask=rmask, other=0.0)
+            z = tl.load(logit_ptr + i * T + rows, mask=rmask, other=0.0)
+            dl = al * a * (tl.sum(g * v, 1) - s)
+            c = dl * iv
+            e = -dl * z * iv * iv / d
+            dq += tl.sum(c[:, None] * v, 0)
+            flag = tl.load(flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the buffer
+            w = al * a
+            if UNIT:
+                w += 1.0
+            gv = w[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
+            if PARTIAL_GRAD and i == N - 1:  # the formed partial's gradient from its later readers
+                gv += tl.load(partial_grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
+            gv += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+            tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
+        tl.store(part_q_ptr + pid * BD + cols, dq, mask=cmask)
+        gate_part = tl.sum(s, 0)  # sum_t sum_i alpha_i dw_i: the gate's gradient
+        if HAS_NULL:
+            tl.store(part_null_ptr + pid * BD + cols, tl.sum((an * a)[:, None] * g, 0), mask=cmask)
+            tl.store(part_scalar_ptr + 2 * pid + 1, tl.sum(dln, 0))
+        tl.store(part_scalar_ptr + 2 * pid, gate_part)
+
+    return _forward, _backward
+
+
+_TL_DTYPES = {}
+
+
+def _tl_dtype(dtype: torch.dtype):
+    if not _TL_DTYPES:
+        import triton.language as tl
+
+        _TL_DTYPES.update({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16})
+    return _TL_DTYPES[dtype]
+
+
+def _tile(d: int) -> Tuple[int, int, int]:
+    """(tokens per program, padded hidden size, warps). Not tuned on a GPU yet: a tile of at most
+    TILE_ELEMENTS fp32 values per live [tokens, hidden] array, 8 warps for wide rows."""
+    bd = 1 << max(0, (d - 1).bit_length())
+    return max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // bd)), bd, 8 if bd >= 2048 else 4
+
+
+def _pointers(tensors: Sequence[Optional[Tensor]], device) -> Tensor:
+    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+
+
+# ---------------------------------------------------------------------------------------- gradient sinks
+class KernelSink:
+    """The gradient buffer of one source that every router reading it accumulates into, in place.
+
+    ``token`` is a zero-size tensor made from the source's value by :class:`_SinkToken`; each router that
+    reads the source takes it as an input, so autograd runs the token's backward (which hands the sum to
+    the value's gradient) only after every one of those routers' backward."""
+
+    __slots__ = ("grad", "token")
+
+    def __init__(self) -> None:
+        self.grad: Optional[Tensor] = None
+        self.token: Optional[Tensor] = None
+
+
+class _SinkToken(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, sink):
+        ctx.sink = sink
+        ctx.shape = value.shape
+        return value.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad):
+        acc, ctx.sink.grad = ctx.sink.grad, None
+        return (None if acc is None else acc.view(ctx.shape)), None
+
+
+def make_sink(value: Tensor) -> Optional[KernelSink]:
+    """A sink for a source read by several routers on these kernels (None when the value needs no gradient)."""
+    if not value.requires_grad:
+        return None
+    sink = KernelSink()
+    sink.token = _SinkToken.apply(value, sink)
+    return sink
+
+
+# ---------------------------------------------------------------------------------------- routing
+class _TritonRoute(torch.autograd.Function):
+    """out = B + a * sum_i softmax_i(z_i) v_i (+ the null source), every logit projected in the pass.
+
+    Inputs: n, out_dtype, sinks (a KernelSink or None per source), unit, eps, base, gate, null_logit,
+    null_value, query (q = w * g), addend, then n values and n sink tokens (None where the sink is None).
+    A source with a sink gets its gradient through the sink's token; the others directly. With ``addend``
+    the last source is ``values[-1] + addend`` (a partial sum, its one reader is this router), formed and
+    written here: the third output (else None). Its gradient (this router's share plus the formed partial's
+    own, from its later readers) is written once and returned for both parts."""
+
+    @staticmethod
+    def forward(ctx, n, out_dtype, sinks, unit, eps, base, gate, null_logit, null_value, query, addend, *tensors):
+        fwd, _ = load()
+        ctx.set_materialize_grads(False)
+        values = tensors[:n]
+        v0 = values[0]
+        d = v0.shape[-1]
+        rows = v0.numel() // d
+        flat = [v.reshape(rows, d).contiguous() for v in values]
+        flat_base = None if base is None else base.reshape(rows, d).contiguous()
+        has_null = null_value is not None
+        m = n + int(has_null)
+        dev = v0.device
+        out = torch.empty(rows, d, dtype=out_dtype or v0.dtype, device=dev)
+        logits = torch.empty(m, rows, dtype=torch.float32, device=dev)
+        inv = torch.empty(n, rows, dtype=torch.float32, device=dev)
+        lse = torch.empty(rows, dtype=torch.float32, device=dev)
+        q = query.detach().to(torch.float32).contiguous()
+        zf = None if null_value is None else null_value.detach().to(torch.float32).contiguous()
+        nl = None if null_logit is None else null_logit.detach().to(torch.float32).reshape(1)
+        gf = None if gate is None else gate.detach().to(torch.float32).reshape(1)
+        flat_addend = partial = None
+        if addend is not None:
+            flat_addend = addend.reshape(rows, d).contiguous()
+            partial = torch.empty(rows, d, dtype=v0.dtype, device=dev)
+        bt, bd, warps = _tile(d)
+        ptrs = _pointers(flat, dev)
+        fwd[(_cdiv(rows, bt),)](
+            ptrs, flat_base if flat_base is not None else out, out, q, zf if zf is not None else q,
+            nl if nl is not None else q, gf if gf is not None else q, logits, lse, inv,
+            flat_addend if flat_addend is not None else out, partial if partial is not None else out, rows, d,
+            float(eps), N=n, HAS_BASE=flat_base is not None, UNIT=bool(unit), HAS_NULL=has_null,
+            HAS_GATE=gate is not None, FORM=addend is not None, DT=_tl_dtype(v0.dtype), BT=bt, BD=bd,
+            num_warps=warps)
+        traffic.record(KERNEL, "forward", reads=[*flat, flat_base, flat_addend],
+                       writes=[out, partial, logits[:n], inv, lse])
+        if has_null:
+            logits[n].copy_(nl.expand(rows))
+        alpha = torch.exp(logits - lse)  # [M, T]: the softmax over depth, from the kernel's logits and lse
+        ctx.n, ctx.unit, ctx.sinks = n, bool(unit), sinks
+        ctx.base_dtype = None if base is None else base.dtype
+        ctx.formed = addend is not None
+        kept = list(values)
+        if partial is not None:  # backward reads the formed partial (alive: its next reader keeps it), not its parts
+            partial = partial.view(v0.shape)
+            kept[-1] = partial
+        ctx.save_for_backward(gate, null_logit, null_value, query, alpha, inv, logits, *kept)
+        ctx.mark_non_differentiable(alpha)
+        return out.view(v0.shape), alpha, partial
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_alpha, grad_partial):
+        _, bwd = load()
+        n = ctx.n
+        gate, null_logit, null_value, query, alpha, inv, logits, *values = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        nv = 11  # index of the first value among forward's inputs
+        m, rows = alpha.shape
+        d = values[0].shape[-1]
+        dev = values[0].device
+        dtype = values[0].dtype
+        flat = [v.reshape(rows, d).contiguous() for v in values]  # the kernel takes row-major rows
+        if grad_out is None:
+            grad_out = torch.zeros(values[0].shape, dtype=torch.float32, device=dev)
+        grad = grad_out.reshape(rows, d).contiguous()
+        flat_gp = None if grad_partial is None or not ctx.formed else grad_partial.reshape(rows, d).contiguous()
+        targets: List[Optional[Tensor]] = [None] * n
+        flags = [0] * n
+        grad_values: List[Optional[Tensor]] = [None] * n
+        grad_tokens: List[Optional[Tensor]] = [None] * n
+        for i, sink in enumerate(ctx.sinks):
+            if sink is not None:
+                if sink.grad is None:  # the first reader to reach the sink makes the buffer (assigned)
+                    sink.grad, flags[i] = torch.empty(rows, d, dtype=dtype, device=dev), 1
+                else:
+                    flags[i] = 2
+                targets[i] = sink.grad
+                grad_tokens[i] = values[i].new_empty(0)
+            elif needs[nv + i] or (ctx.formed and i == n - 1 and needs[10]):
+                grad_values[i] = targets[i] = torch.empty(rows, d, dtype=dtype, device=dev)
+                flags[i] = 1
+        has_null = null_value is not None
+        bt, bd, warps = _tile(d)
+        programs = _cdiv(rows, bt)
+        part_q = torch.empty(programs, bd, dtype=torch.float32, device=dev)
+        part_null = torch.empty(programs if has_null else 1, bd, dtype=torch.float32, device=dev)
+        part_scalar = torch.zeros(programs, 2, dtype=torch.float32, device=dev)
+        q = query.detach().to(torch.float32).contiguous()
+        zf = None if null_value is None else null_value.detach().to(torch.float32).contiguous()
+        gf = None if gate is None else gate.detach().to(torch.float32).reshape(1)
+        bwd[(programs,)](
+            grad, _pointers(flat, dev), _pointers(targets, dev), torch.tensor(flags, dtype=torch.int32).to(dev),
+            alpha, inv, logits, q, zf if zf is not None else q, gf if gf is not None else q,
+            part_q, part_null, part_scalar, flat_gp if flat_gp is not None else grad, rows, d,
+            N=n, UNIT=ctx.unit, HAS_NULL=has_null, HAS_GATE=gate is not None, PARTIAL_GRAD=flat_gp is not None,
+            DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
+        traffic.record(KERNEL, "backward", reads=[grad, *flat, flat_gp, *[t for t, f in zip(targets, flags) if f == 2]],
+                       writes=[t for t in targets if t is not None])
+        grad_query = part_q.sum(0)[:d].to(query.dtype) if needs[9] else None
+        grad_gate = grad_null_logit = grad_null_value = None
+        if gate is not None and needs[6]:
+            grad_gate = part_scalar[:, 0].sum().reshape(gate.shape).to(gate.dtype)
+        if has_null:
+            if needs[7]:
+                grad_null_logit = part_scalar[:, 1].sum().reshape(null_logit.shape).to(null_logit.dtype)
+            if needs[8]:
+                grad_null_value = part_null.sum(0)[:d].to(null_value.dtype)
+        grad_base = None
+        if ctx.base_dtype is not None and needs[5]:
+            grad_base = grad_out.to(ctx.base_dtype)
+        grad_values = [None if gv is None else gv.view(values[i].shape) for i, gv in enumerate(grad_values)]
+        grad_addend = grad_values[-1] if ctx.formed and needs[10] else None  # P' = P + v: one gradient for both
+        if ctx.formed and not needs[nv + n - 1]:
+            grad_values[-1] = None
+        return (None, None, None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, grad_query,
+                grad_addend, *grad_values, *grad_tokens)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def route(values: Sequence[Tensor], *, query: Tensor, eps: float, sinks: Optional[Sequence] = None,
+          null_logit: Optional[Tensor] = None, null_value: Optional[Tensor] = None, gate: Optional[Tensor] = None,
+          base: Optional[Tensor] = None, base_sums: bool = False, out_dtype: Optional[torch.dtype] = None,
+          addend: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``B + gate * r`` over ``values`` ([.., d] each, one dtype; see fallback_reason) on the kernels, alpha
+    [M, T] fp32 (null source last) and the formed partial sum (or None). B: ``base``; with ``base=None,
+    base_sums=True`` the sum of the values (formed in the pass); else 0. ``sinks``: a KernelSink (or None) per
+    value: the value's gradient is accumulated there. ``addend``: the last source is ``values[-1] + addend``,
+    formed in the pass and returned (a sum with this router as its one reader: no sink). Differentiable in
+    every input."""
+    n = len(values)
+    sinks = list(sinks) if sinks is not None else [None] * n
+    sinks = [s if isinstance(s, KernelSink) and s.token is not None else None for s in sinks]
+    if addend is not None:
+        sinks[-1] = None
+    tokens = [None if s is None else s.token for s in sinks]
+    unit = base is None and bool(base_sums)
+    return _TritonRoute.apply(n, out_dtype, sinks, unit, float(eps), base, gate, null_logit, null_value, query,
+                              addend, *values, *tokens)
+
+
+def route_router(router, sources, *, base: Optional[Tensor], gate: Optional[Tensor], base_sums: bool,
+                 out_dtype: Optional[torch.dtype]) -> Optional[Tuple[Tensor, Tensor]]:
+    """DepthRouter.forward's entry (``sources``: router.Source tuples): (out, alpha [M, T]), or None when this
+    call falls back to the PyTorch path (fallback_reason, or sources made with different key-norm eps)."""
+    sources = [s if s.pending is None or s.pending.value is None else s._replace(value=s.pending.value, pending=None)
+               for s in sources]
+    values = [s.value for s in sources]
+    pending = [i for i, s in enumerate(sources) if s.pending is not None]
+    addend = sources[-1].pending.addend if pending else None
+    if pending and (pending != [len(sources) - 1] or addend.shape != values[-1].shape):
+        return None  # only the last source may be formed here (DepthRouter forms the others)
+    if fallback_reason(values + ([addend] if pending else [])) is not None:
+        return None
+    eps = {float(s.eps) for s in sources}
+    if len(eps) > 1:
+        return None
+    q = router.query_vector()
+    null_logit = null_value = None
+    if router.null_source is not None:
+        null_logit, null_value = router._null(q)
+    out, alpha, partial = route(values, query=q, eps=eps.pop(), sinks=[s.sink for s in sources],
+                                null_logit=null_logit, null_value=null_value, gate=gate, base=base,
+                                base_sums=base_sums, out_dtype=out_dtype, addend=addend)
+    if pending:
+        sources[-1].pending.value = partial
+    return out, alpha

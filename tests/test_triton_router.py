@@ -1,0 +1,146 @@
+"""Issue 28 item 3: the router on the project's Triton kernels (megatron_delta/core/triton_router.py), on CPU.
+
+The kernels run under Triton's interpreter, which must be switched on (TRITON_INTERPRET=1) before anything
+imports Triton; in a whole-suite pytest process fla's tests import it first, so the interpreter cases
+(tests/triton_cases.py: outputs and every gradient against the PyTorch path and the float64 reference, per
+router call and for each mode's whole model; the counted traffic against triton_router.call_rows) run in a
+fresh pytest process. The start-up check runs here.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_delta.core import triton_router
+from megatron_delta.core.router import KERNEL_CHOICES, check_kernels
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tests/triton_cases.py: 12 router cases, the traffic per call, strided sources, the formed partial sum, 6 models,
+# 2 models with full recompute, the fallbacks
+INTERPRETER_CASES = 24
+
+
+def test_interpreter_cases():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_cases.py"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) == INTERPRETER_CASES and "skipped" not in summary, summary
+
+
+def test_check_and_choices(monkeypatch):
+    """`triton` is a --delta-router-kernels choice; the start-up check passes under the interpreter and refuses
+    in one line, naming the flag, where there is no CUDA device (or Triton does not import)."""
+    assert "triton" in KERNEL_CHOICES
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_kernels("triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError) as e:
+            check_kernels("triton")
+        assert str(e.value) == (
+            "--delta-router-kernels triton: no CUDA device here, and the Triton kernels run on CUDA tensors only "
+            "(or under TRITON_INTERPRET=1); use --delta-router-kernels auto (C kernels on CPU)")
+    monkeypatch.setattr(triton_router, "_kernels", None)
+    monkeypatch.setattr(triton_router, "_error", "ModuleNotFoundError: No module named 'triton'")
+    with pytest.raises(ValueError) as e:
+        check_kernels("triton")
+    assert str(e.value) == ("--delta-router-kernels triton: triton cannot be imported (ModuleNotFoundError: No "
+                            "module named 'triton'); pip install triton; or use --delta-router-kernels auto")
+
+
+def rank_train_on_the_kernels(root: str) -> dict:
+    """Two iterations of pretrain_gpt.py's tiny delta_block model with --delta-router-kernels triton and torch
+    (one rank, TRITON_INTERPRET=1 from its start): the losses, and how many kernel calls the traffic count saw."""
+    from megatron_delta.core import traffic
+    from tests.flags import MODEL, mode_flags
+    from tests.rank_runner import train
+
+    out = {}
+    for kind in ("triton", "torch"):
+        flags = MODEL + ["--log-interval", "1", "--train-iters", "2", "--delta-router-kernels", kind]
+        with traffic.counting() as count:
+            run = train(flags + mode_flags("delta_block"), os.path.join(root, f"{kind}.jsonl"))
+        out[kind] = {"losses": run["losses"], "iteration": run["iteration"],
+                     "calls": sum(c.kernel == triton_router.KERNEL for c in count.calls)}
+    return out
+
+
+@pytest.mark.slow
+def test_training_steps_on_the_kernels(tmp_path):
+    """pretrain_gpt.py trains the tiny delta_block model with --delta-router-kernels triton (under the
+    interpreter): the kernels route every sublayer, and the losses of two iterations equal the PyTorch path's
+    to fp32 round-off."""
+    pytest.importorskip("triton")
+    from tests.dist_utils import run_distributed
+
+    r = run_distributed(rank_train_on_the_kernels, 1, str(tmp_path), timeout=600, env={"TRITON_INTERPRET": "1"})[0]
+    assert r["triton"]["iteration"] == r["torch"]["iteration"] == 2
+    # forward + backward of 8 sublayers, 4 micro-batches, 2 iterations
+    assert r["torch"]["calls"] == 0 and r["triton"]["calls"] >= 2 * 8 * 4 * 2
+    assert len(r["triton"]["losses"]) == 2
+    for a, b in zip(r["triton"]["losses"], r["torch"]["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernels_match_torch_path(dtype):
+    """On a GPU, compiled (not interpreted): three routers over shared sources, one formed partial sum, null
+    source and gate, in fp32 and bf16: the outputs and every gradient equal the PyTorch path's (bf16: to a few
+    bf16 units of the largest entry)."""
+    from megatron_delta.core.router import DepthRouter, PendingSum, make_source
+
+    d, shape = 256, (64, 2)
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randn(*shape, d, generator=gen) for _ in range(4)]
+    W = torch.randn(*shape, d, generator=gen).cuda()
+    results = {}
+    for kind in ("triton", "torch"):
+        rs = [DepthRouter(d, null_source=True, gate=True, eps=1e-6, kernels=kind).cuda() for _ in range(3)]
+        for i, r in enumerate(rs):  # the same parameters for both kinds
+            g = torch.Generator().manual_seed(10 + i)
+            with torch.no_grad():
+                r.query.copy_(torch.randn(d, generator=g) * 0.3)
+                r.null_source.copy_(torch.randn(d, generator=g) * 0.1)
+                r.gate.fill_(0.5 + 0.1 * i)
+        vals = [t.to("cuda", dtype).requires_grad_() for t in data]
+        h0, a, p, v = vals
+        sink = rs[0].kernel_sink(h0)
+        total = 0
+        for k, r in enumerate(rs):
+            srcs = [make_source(h0, 1e-6)._replace(sink=sink), make_source(a, 1e-6)]
+            if k == 2:
+                srcs.append(make_source(p, 1e-6)._replace(pending=PendingSum(p, v)))
+            total = total + (r(srcs, apply_gate=True, base_sums=True).float() * W).sum()
+        total.backward()
+        results[kind] = [total.detach()] + [t.grad.float() for t in vals] + [q.grad for r in rs for q in r.parameters()]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(results["triton"], results["torch"], strict=True):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_pretrain_gpt_refuses_triton_without_cuda(monkeypatch, capsys):
+    """pretrain_gpt.py --delta-router-kernels triton on a machine without CUDA (and without the interpreter):
+    exit code 2 and one line naming the flag and what to use, before the distributed start-up."""
+    from megatron_delta.trainer.main import main
+    from tests.flags import tiny
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rc = main(tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, train_iters=1)
+              + ["--residual", "delta_block", "--delta-router-kernels", "triton"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: --delta-router-kernels triton: no CUDA device here, and the Triton kernels run on "
+        "CUDA tensors only (or under TRITON_INTERPRET=1); use --delta-router-kernels auto (C kernels on CPU)")

@@ -1,0 +1,343 @@
+"""The interpreter cases of tests/test_triton_router.py: the router on the project's Triton kernels
+(megatron_delta/core/triton_router.py), on CPU. Run by that test in a fresh process with TRITON_INTERPRET=1:
+Triton reads the variable when its own functions are jitted, at its import, so it must be set before anything
+imports Triton (in a whole-suite pytest process fla's tests import it first). fp32 only (the interpreter's bf16
+is not trustworthy). Yardsticks: the float64 reference router (tests/reference_delta.route, written from
+docs/design.md alone) and the routers' PyTorch path (kernels='torch'). That the kernels ran is proven by their
+calls in the traffic count (core/traffic.py), which is also checked against triton_router.call_rows.
+"""
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_delta.core import traffic, triton_router
+from megatron_delta.core.router import DepthRouter, make_source
+from megatron_delta.core.sources import SourcePlan
+from tests import reference_delta as R
+
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    if not triton_router.interpreting():
+        pytest.fail("run through tests/test_triton_router.py (it sets TRITON_INTERPRET=1 before Triton is imported)")
+
+
+def _calls(count):
+    return [c for c in count.calls if c.kernel == triton_router.KERNEL]
+
+
+def _routers(kind, n, d, null, gate, seed):
+    g = torch.Generator().manual_seed(seed)
+    rs = [DepthRouter(d, null_source=null, gate=gate is not None, eps=EPS, kernels=kind) for _ in range(n)]
+    with torch.no_grad():
+        for i, r in enumerate(rs):
+            r.query.copy_(torch.randn(d, generator=g))
+            r.key_norm_weight.copy_(torch.empty(d).uniform_(0.5, 1.5, generator=g))
+            if null:
+                r.null_source.copy_(torch.randn(d, generator=g))
+            if gate is not None:
+                r.gate.fill_(gate + 0.2 * i)
+    return rs
+
+
+BASES = ["none", "x", "formed"]  # u = r; x + r; the sum of the sources + r (formed in the kernel's pass)
+
+
+@pytest.mark.parametrize("null,gate,base", list(itertools.product([False, True], [None, 0.4], BASES)))
+def test_routers_match_reference_and_torch_path(interpreter, null, gate, base):
+    """Three routers reading 1, 2, 3 fp32 sources (source 0 has three readers, which add their gradients into
+    one buffer in place; source 2 has one), with and without null source and gate, for every base: the outputs,
+    the routing weights and EVERY gradient (sources, x, query, key-norm weight, null source, gate) equal the
+    PyTorch path's to fp32 round-off and the float64 reference's."""
+    d, shape = 40, (7, 3)  # d not a power of two: the tile's masked columns
+    torch.manual_seed(3)
+    vals64 = [torch.randn(*shape, d, dtype=torch.float64) * (1 + i) for i in range(3)]
+    x64 = torch.randn(*shape, d, dtype=torch.float64)
+    W = torch.randn(*shape, d, dtype=torch.float64)
+    seed = 11 + null + 2 * (gate is not None)
+
+    def run(kind):
+        rs = _routers("torch" if kind == "ref" else kind, 3, d, null, gate, seed)
+        dtype = torch.float64 if kind == "ref" else torch.float32
+        vals = [v.to(dtype).requires_grad_() for v in vals64]
+        params = [p for r in rs for p in r.parameters()]
+        if kind == "triton":  # as SourceBuffer makes them: one gradient buffer for a source with several readers
+            srcs = [make_source(v, EPS)._replace(sink=rs[0].kernel_sink(v) if i < 2 else None)
+                    for i, v in enumerate(vals)]
+            assert all(isinstance(s.sink, triton_router.KernelSink) for s in srcs[:2])
+        else:
+            srcs = [make_source(v, EPS) for v in vals]
+        total, outs, alphas, xs = 0, [], [], []
+        for k, r in enumerate(rs):
+            x = x64.to(dtype, copy=True).requires_grad_() if base == "x" else None
+            xs += [x] if x is not None else []
+            if kind == "ref":
+                p = {n: t.double() for n, t in r.named_parameters()}
+                out, alpha = R.route(vals[: k + 1], p["query"], p["key_norm_weight"], p.get("null_source"), eps=EPS)
+                out = out * p["gate"] if gate is not None else out
+                out = out + (x if x is not None else sum(vals[: k + 1]) if base == "formed" else 0)
+            else:
+                out, alpha = r(srcs[: k + 1], True, apply_gate=True, base=x, base_sums=base == "formed")
+                assert out.dtype == torch.float32 and alpha.dtype == torch.float32
+            outs.append(out.detach().double())
+            alphas.append(alpha.detach().double())
+            total = total + (out.double() * W).sum() * (k + 1)
+        grads = torch.autograd.grad(total, vals + xs + params, allow_unused=True)
+        kinds = ["value"] * len(vals + xs) + [n for r in rs for n, _ in r.named_parameters()]
+        return outs, alphas, grads, kinds
+
+    with traffic.counting() as count:
+        got = run("triton")
+    assert [c.phase for c in _calls(count)] == ["forward"] * 3 + ["backward"] * 3, "the kernels must have run"
+    with traffic.counting() as count:
+        torch_path = run("torch")
+    assert not _calls(count)
+    ref = run("ref")
+    kinds = ref[3]
+    scales = {k: max(g.abs().max().item() for g, kk in zip(ref[2], kinds) if kk == k and g is not None)
+              for k in set(kinds)}
+    for name, cand, tol in (("float64", ref, 1e-5), ("torch", torch_path, 2e-6)):
+        for o, oref in zip(got[0], cand[0], strict=True):
+            torch.testing.assert_close(o, oref, rtol=tol, atol=tol * oref.abs().max().item(), msg=name)
+        for a, aref in zip(got[1], cand[1], strict=True):
+            torch.testing.assert_close(a, aref, rtol=tol, atol=tol, msg=name)
+        for i, (g, gr) in enumerate(zip(got[2], cand[2], strict=True)):
+            assert (g is None) == (gr is None), (name, i)
+            if gr is not None:  # relative to the largest gradient of the same kind (alpha == 1: zero gradients)
+                scale = scales[kinds[i]] if kinds[i] != "value" else gr.abs().max().item()
+                torch.testing.assert_close(g.double(), gr.double(), rtol=10 * tol, atol=10 * tol * scale,
+                                           msg=lambda m, name=name, i=i: f"{name} grad {i} ({kinds[i]}): {m}")
+
+
+def test_traffic_per_call_is_call_rows(interpreter):
+    """The counted [tokens, hidden] traffic of each kernel call is triton_router.call_rows: forward reads each
+    source (and x) once and writes u once; backward reads the output gradient and each source once and writes
+    each source's gradient once, reading the buffer first where an earlier reader's gradient is already in it
+    (three routers over a shared source, backward in reverse order: the last router's call makes the buffer)."""
+    d, shape = 32, (6, 4)
+    torch.manual_seed(0)
+    rs = _routers("triton", 3, d, True, 0.3, 5)
+    h0 = torch.randn(*shape, d, requires_grad=True)
+    mine = [torch.randn(*shape, d, requires_grad=True) for _ in range(3)]
+    x = torch.randn(*shape, d, requires_grad=True)
+    shared = make_source(h0, EPS)._replace(sink=rs[0].kernel_sink(h0))
+    with traffic.counting() as count:
+        total = 0
+        for k, r in enumerate(rs):  # router k reads h0 (shared) and its own source; router 1 adds x
+            out = r([shared, make_source(mine[k], EPS)], apply_gate=True, base=x if k == 1 else None,
+                    base_sums=k == 2)
+            total = total + out.square().sum()
+        total.backward()
+    calls = _calls(count)
+    rows = h0.numel()
+    counted = [(sum(n * e for n, e in c.reads if n >= rows) + sum(n * e for n, e in c.writes if n >= rows))
+               / (rows * 4) for c in calls]
+    want = [triton_router.call_rows(2, has_base=k == 1)["forward"] for k in range(3)]
+    want += [triton_router.call_rows(2, has_base=k == 1, accumulated=int(k < 2))["backward"] for k in (2, 1, 0)]
+    assert counted == want == [3, 4, 3, 5, 6, 6]
+    assert count.total_rows(rows, act_bytes=4) == sum(want)
+
+
+def test_strided_sources(interpreter):
+    """Sources that are strided views (a transposed tensor, a slice of a wider one) route as their contiguous
+    copies would: outputs and gradients equal the PyTorch path's."""
+    d = 16
+    torch.manual_seed(4)
+    base = [torch.randn(d, 3, 4), torch.randn(4, 3, 2 * d)]
+    results = {}
+    for kind in ("triton", "torch"):
+        (r,) = _routers(kind, 1, d, False, 0.2, 3)
+        leaves = [b.clone().requires_grad_() for b in base]
+        vals = [leaves[0].permute(2, 1, 0), leaves[1][..., ::2]]  # [4, 3, d] each, neither contiguous
+        assert not any(v.is_contiguous() for v in vals)
+        out = r([make_source(v, EPS) for v in vals], apply_gate=True)
+        out.square().sum().backward()
+        results[kind] = [out.detach()] + [t.grad for t in leaves] + [p.grad for p in r.parameters()]
+    for a, b in zip(results["triton"], results["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_partial_sum_formed_in_the_pass(interpreter):
+    """A source held as a pending sum P + v (SourceBuffer.hold_sum) whose one reader runs on the kernels is formed
+    in that router's pass: the sum equals P + v bitwise, the output and every gradient (P, v, h0, the router's
+    parameters, the sum's later reader) the PyTorch path's, and the traffic is call_rows with forms_partial."""
+    from megatron_delta.core.router import PendingSum
+
+    d, shape = 24, (5, 2)
+    torch.manual_seed(1)
+    data = [torch.randn(*shape, d) for _ in range(3)]
+    W = torch.randn(*shape, d)
+    results = {}
+    for kind in ("triton", "torch"):
+        (r,) = _routers(kind, 1, d, True, 0.3, 8)
+        h0, p, v = (t.clone().requires_grad_() for t in data)
+        pending = PendingSum(p, v)
+        src = [make_source(h0, EPS), make_source(p, EPS)._replace(pending=pending)]
+        with traffic.counting() as count:
+            out = r(src, apply_gate=True, base_sums=True)
+            formed = pending.value
+            ((out * W).sum() + (formed * formed.detach()).sum()).backward()  # the sum has a later reader
+        assert torch.equal(formed.detach(), data[1] + data[2])
+        results[kind] = [out.detach(), h0.grad, p.grad, v.grad, *(q.grad for q in r.parameters())]
+        calls = _calls(count)
+        if kind == "triton":
+            rows = h0.numel()
+            counted = [count.total_rows(rows, act_bytes=4, phase=ph) for ph in ("forward", "backward")]
+            want = triton_router.call_rows(2, has_base=False, forms_partial=True)
+            assert len(calls) == 2 and counted == [want["forward"], want["backward"]] == [5, 6]
+        else:
+            assert not calls
+    for a, b in zip(results["triton"], results["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+B, S, V, HIDDEN = 2, 8, 64, 32
+
+
+@pytest.fixture(scope="module")
+def dist():
+    from megatron_delta.platform.distributed import initialize_distributed
+
+    initialize_distributed(1, 1, None, 1, seed=1234)
+    yield
+
+
+def _model(mode, null, gate, kernels, recompute=False):
+    from megatron.core import tensor_parallel
+
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
+    from megatron_delta.core.model import build_model_chunks
+    from megatron_delta.core.modes import BLOCK_MODES
+
+    fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
+                  seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,
+                  delta_gate="scalar" if gate else "none", delta_num_blocks=2 if mode in BLOCK_MODES else None,
+                  **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                     if recompute else {})))
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config, options = model_config(fields, delta_router_kernels=kernels)
+    model = build_model_chunks(config, V, **options)[0]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith(".query"):
+                p.copy_(0.3 * r)
+            elif name.endswith(".key_norm_weight"):
+                p.copy_(1 + 0.2 * r)
+            elif name.endswith(".null_source"):
+                p.copy_(0.05 * r)
+            elif name.endswith(".gate"):
+                p.copy_(0.5 + 0.1 * r)
+    return (model.train() if recompute else model.eval()), SimpleNamespace(**fields)
+
+
+MODEL_CASES = [("delta_block", False, False), ("delta_block", True, True), ("attnres", False, False),
+               ("attnres", True, False), ("delta", True, True), ("full_attnres", False, False)]
+
+
+@pytest.mark.parametrize("mode", ["delta_block", "attnres"])
+def test_model_with_recompute_on_the_kernels(interpreter, dist, mode):
+    """Full recompute of every layer (the forward runs once without autograd, again in backward): the logits and
+    every parameter's gradient of the model on the kernels equal the PyTorch path's."""
+    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(S)[None].expand(B, S)
+    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for kind in ("triton", "torch"):
+        model, _ = _model(mode, True, False, kind, recompute=True)
+        with traffic.counting() as count:
+            logits = model(tok, pos, None)
+            (logits * W).sum().backward()
+        assert bool(_calls(count)) == (kind == "triton")
+        results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (lf, gf), (lt, gt) = results["triton"], results["torch"]
+    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
+    for n in gt:
+        assert (gf[n] is None) == (gt[n] is None), n
+        if gt[n] is not None:
+            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
+
+
+@pytest.mark.parametrize("mode,null,gate", MODEL_CASES, ids=["-".join(map(str, c)) for c in MODEL_CASES])
+def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mode, null, gate):
+    """Every mode's model (4 layers, K = 2) with its routers on the kernels (delta / delta_block without a gate
+    form x from the sources in the kernel's pass, with a gate u = x + a r): the logits and every parameter's
+    gradient equal the PyTorch-path model's, and the logits and the routers' gradients the float64 reference's.
+    For delta_block without a gate the counted traffic of the step is the sum of call_rows over its routers
+    (h0 and D0 read by several routers: gradients added in place; P_b formed in the pass of its reader from
+    the third sublayer of a block on)."""
+    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(S)[None].expand(B, S)
+    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for kind in ("triton", "torch"):
+        model, fields = _model(mode, null, gate, kind)
+        with traffic.counting() as count:
+            logits = model(tok, pos, None)
+            (logits * W).sum().backward()
+        assert bool(_calls(count)) == (kind == "triton")
+        results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields, count)
+    (lf, gf, model, fields, count), (lt, gt, _, _, _) = results["triton"], results["torch"]
+    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
+    for n in gt:
+        assert (gf[n] is None) == (gt[n] is None), n
+        if gt[n] is not None:
+            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
+    if mode == "delta_block" and not gate:
+        plan = SourcePlan.from_config(fields)
+        assert plan.x_from_sources  # the kernels form x from the sources
+        reads = [plan.reads(j) for j in range(plan.num_sublayers)]
+        readers = {name: sum(name in r for r in reads) for r in reads for name in r if not name.startswith("P")}
+        formed = [j >= 2 and not plan.is_block_start(j) and not plan.is_block_start(j - 1)  # P_b = P_b + v_{j-1}
+                  for j in range(plan.num_sublayers)]
+        want = {ph: sum(triton_router.call_rows(len(r), has_base=False, forms_partial=f)[ph]
+                        for r, f in zip(reads, formed)) for ph in ("forward", "backward")}
+        want["backward"] += sum(k - 1 for k in readers.values())  # h0 and D0: added in place by all but one
+        got = {ph: count.total_rows(B * S * HIDDEN, act_bytes=4, phase=ph) for ph in want}
+        assert sum(formed) == 4 and got == want == {"forward": 34, "backward": 58}
+    w = R.weights_from_megatron_state_dict(model.state_dict())
+    routers = [k for k in w if "router" in k]
+    for k in routers:
+        w[k].requires_grad_(True)
+    cfg = R.RefConfig(vocab_size=V, hidden_size=HIDDEN, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                      kv_channels=fields.kv_channels, ffn_hidden_size=fields.ffn_hidden_size, norm_eps=1e-6,
+                      rotary_base=float(fields.rotary_base),
+                      share_embeddings_and_output_weights=not fields.untie_embeddings_and_output_weights)
+    ref = R.reference_forward(w, cfg, tok, mode=mode, num_blocks=fields.delta_num_blocks, null_source=null,
+                              gate=gate, eps=fields.delta_router_eps)
+    assert ((lf.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    (ref * W.double()).sum().backward()
+    for kind in {k.rsplit(".", 1)[1] for k in routers}:
+        names = [k for k in routers if k.endswith("." + kind)]
+        scale = max(w[k].grad.abs().max().item() for k in names if w[k].grad is not None)
+        for k in names:
+            want = torch.zeros_like(w[k]) if w[k].grad is None else w[k].grad
+            assert (gf[k].double() - want).abs().max().item() / scale < 1e-4, k
+
+
+def test_fallback_float64_and_auto_on_cpu(interpreter):
+    """float64 sources (the gradchecks) take the PyTorch path with `triton` (the kernels compute in fp32), with
+    the PyTorch path's result exactly; `auto` on CPU tensors never picks the kernels (C kernels), even under the
+    interpreter."""
+    d = 16
+    vals = [torch.randn(3, 2, d, dtype=torch.float64) for _ in range(2)]
+    (rt,), (rp,) = _routers("triton", 1, d, True, 0.3, 2), _routers("torch", 1, d, True, 0.3, 2)
+    outs = []
+    with traffic.counting() as count:
+        for r in (rt.double(), rp.double()):
+            vs = [v.clone().requires_grad_() for v in vals]
+            out = r([make_source(v, EPS) for v in vs], apply_gate=True)
+            out.square().sum().backward()
+            outs.append([out] + [v.grad for v in vs] + [p.grad for p in r.parameters()])
+    assert not _calls(count)
+    assert triton_router.fallback_reason(vals).startswith("sources in torch.float64")
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    auto = DepthRouter(d, null_source=False, gate=False, eps=EPS, kernels="auto")
+    assert not auto.routes_in_kernel(torch.empty(2, d)) and auto.kernel_sink(torch.empty(2, d)) is None
