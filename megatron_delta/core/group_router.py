@@ -88,23 +88,33 @@ def check_group_size(value, residual: str, sources: str = "exact", kernels: str 
     return value
 
 
-def passes(n_routers: int, n_older: int, size: int) -> int:
-    """The counted passes over [T, d] tensors of a scope of ``n_routers`` routers whose first reads ``n_older``
-    sources, with groups of ``size`` (fp32, x_from_sources, no null source; the C kernels): per group g
-    with n_g older sources, forward n_g + S + 1 (the old pass: read the older sources, write each r_k and X)
-    plus, per merge k, 3 + k (read r_k, X and the k in-group sources, write u); backward 3 n_g + S (read
-    each older source and update its gradient, read each G_k) plus, per merge, 2 + 3k (read G and r_k, read
-    each in-group source and update its gradient)."""
+def passes(n_routers: int, n_older: int, size: int, unit: bool = True, base: bool = False) -> int:
+    """The closed form of the group router's counted traffic (core/traffic.py) for a scope of ``n_routers``
+    routers whose first reads ``n_older`` sources, in groups of ``size``: [T, d] tensors read or written, each
+    counted once (fp32 throughout; with bf16 activations r_k, X and the gradients' fp32 tensors count twice).
+    ``unit``: x is the sum of the sources (delta without a gate: the old pass writes X, each merge reads it);
+    ``base``: the merges read the held x (delta with the gate); neither: full_attnres. Per group of s routers
+    with n_g older sources:
+
+    - forward: the old pass reads the n_g sources and writes s partial mixes (+ X); merge k reads r_k (+ X or
+      x) and its k in-group sources and writes u;
+    - backward: merge k reads G_k, r_k and its k in-group sources and updates their k gradients (read + write);
+      the old pass reads the n_g sources and the s G_k and updates the n_g sources' gradients;
+
+    4 n_g + s (6 + unit + base) + unit + 2 s (s - 1) per group, less one per source read with a gradient (its
+    first gradient, the last reader's in forward order, is written, not updated). The null source and the
+    weight tables are [d] and [T]-sized and not counted."""
     total = 0
     for a in range(0, n_routers, size):
         s = min(size, n_routers - a)
         n_g = n_older + a
-        total += 4 * n_g + 2 * s + 1 + 5 * s + 2 * s * (s - 1)
+        total += 4 * n_g + s * (6 + int(unit) + int(base)) + int(unit) + 2 * s * (s - 1)
     return total
 
 
 def auto_group_size(n_routers: int, n_older: int) -> int:
-    """S minimising :func:`passes` for equal groups, 4 n0 n / S + 2 n^2 / S + 2 n S: S = sqrt(n + 2 n0)."""
+    """S of ``auto``: the minimum over S of :func:`passes` for n / S equal groups, 4 n0 n / S + 2 n^2 / S + 2 n S
+    (+ terms linear in n): S = sqrt(n + 2 n0), rounded, within [1, n]."""
     return max(1, min(n_routers, int(round(math.sqrt(n_routers + 2 * n_older)))))
 
 
@@ -438,8 +448,9 @@ class _Merge(torch.autograd.Function):
                 gv = torch.mul(gr, (a[1 + i] * gf + float(unit)).unsqueeze(1))
                 gv.addr_(c, q).addcmul_(vf, e.unsqueeze(1))
                 _sink_add(ctx.sinks[i], gv, values[i].dtype)
-        traffic.record("group_merge", "backward", reads=[grad, r, *flat] + [t for t, f in outs if t is not None and not f],
-                       writes=[t for t, _ in outs if t is not None])
+        needed = [i for i, (t, fresh) in enumerate(targets) if t is not None or fresh]
+        traffic.record("group_merge", "backward", reads=[grad, r, *flat] + [targets[i][0] for i in needed],
+                       writes=[ctx.sinks[i].grad for i in needed])
         ctx.stash.grads[ctx.slot] = (grad_out, a[0] * gf)  # the group's backward reads G and gate * beta
         grad_gate = None
         if g is not None and needs[12]:
@@ -534,7 +545,7 @@ class GroupRouting:
                 p = grp.p[k]
                 n = grp.n_old
                 parts = [p[:n] * w[0], w[1:]] + ([p[n:] * w[0]] if p.shape[0] > n else [])
-                alpha = torch.cat(parts).t().reshape(*values[0].shape[:-1], -1).to(torch.float32)
+                alpha = torch.cat(parts).t().reshape(*values[0].shape[:-1], -1)
         return u, alpha
 
     def _start(self, buf, a: int, b: int, values: List[Tensor], unit: bool) -> None:
