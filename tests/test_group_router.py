@@ -213,3 +213,26 @@ def test_config_and_flag_refuse_a_size_for_another_mode():
     args = parse_args(TINY + MOCK + ["--residual", "full_attnres", "--delta-router-group-size", "2"])
     assert args.delta_router_group_size == 2
     assert parse_args(TINY + MOCK + ["--residual", "delta"]).delta_router_group_size == "auto"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+def test_bf16_activations(config):
+    """bf16 sources (PyTorch ops, fp32 router math, fp32 partial mixes): the float64 function to bf16 round-off,
+    no worse than the per-router path in bf16; a graph kept for a second backward gives the same gradients."""
+    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
+    errors = []
+    for size in (1, 3):
+        toy = _toy(*config, size, torch.bfloat16)
+        for r in toy.routers + ([toy.final] if toy.final else []):
+            r.float()  # as Megatron's --bf16 keeps them trainable in fp32 math (query_vector is fp32)
+        h0 = _h0(torch.bfloat16)
+        out = toy.run(h0, (2,))[0]
+        go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+        leaves = toy.params() + [h0]
+        first = torch.autograd.grad(out, leaves, go, retain_graph=True, allow_unused=True)
+        second = torch.autograd.grad(out, leaves, go, allow_unused=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, second) if a is not None)
+        errors.append(max([(out.double() - ref_out).abs().max().item() / ref_out.abs().max().item()] +
+                          [(g.double() - r).abs().max().item() / max(r.abs().max().item(), 1e-3)
+                           for g, r in zip(first, ref_grads) if r is not None]))
+    assert errors[1] <= max(2 * errors[0], 2e-2), errors

@@ -254,7 +254,7 @@ class _OldPass(torch.autograd.Function):
         n, S, unit, cdt = ctx.n, ctx.S, ctx.unit, ctx.cdt
         inv, z, p, Q, nv, *values = ctx.saved_tensors
         grad_lse = grads[S:2 * S]
-        stash, ctx.stash = ctx.stash.grads, None
+        stash, ctx.stash.grads = ctx.stash.grads, {}  # consumed (a retained graph's next backward refills it)
         m = p.shape[1]
         has_null = nv is not None
         d = values[0].shape[-1]
