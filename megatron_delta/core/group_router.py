@@ -278,7 +278,6 @@ class _OldPass(torch.autograd.Function):
             fresh = ctx.sinks[i].grad is None
             targets.append((ctx.sinks[i].grad, fresh))
         dq = torch.zeros(S, d, dtype=cdt, device=inv.device)
-        dz_null = None
         lib = ctx.lib
         if lib is not None and not all(t.dtype == torch.float32 and t.is_contiguous() for t in G):
             lib = None

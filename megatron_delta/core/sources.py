@@ -227,6 +227,11 @@ class SourceBuffer:
     time a router reads it; so :meth:`from_tensors` is cheap and, inside a recomputed function,
     rebuilds everything as functions of its explicit tensor inputs. A router missing from
     ``readers`` still works (it projects the source itself), at the cost of an extra pass.
+
+    With ``plan.groups_routers`` (delta / full_attnres, ``router_group_size`` not 1) the scope's sublayers
+    route in groups (core/group_router.py): groups of consecutive sublayers of this scope, so they never
+    cross a chunk or recompute boundary; they read the sources' values (:meth:`values_read`), not their
+    projections. The final router routes alone.
     """
 
     def __init__(self, plan: SourcePlan, first_layer: int, eps: float, *,
