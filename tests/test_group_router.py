@@ -236,3 +236,16 @@ def test_bf16_activations(config):
                           [(g.double() - r).abs().max().item() / max(r.abs().max().item(), 1e-3)
                            for g, r in zip(first, ref_grads) if r is not None]))
     assert errors[1] <= max(2 * errors[0], 2e-2), errors
+
+
+@pytest.mark.parametrize("cut,groups", [((), 2), ((2,), 3)])
+def test_auto_resolves_per_scope(cut, groups, group_passes):
+    """auto: S = round(sqrt(n + 2 n0)) per buffer scope: one chunk of 6 routers reading 1 source first -> S = 3
+    (2 groups); chunks of 4 (n0 = 1: S = 2) and 2 routers (n0 = 5: S = 4, clipped to 2) -> 3 groups."""
+    config = ("delta", True, False, True)
+    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
+    out, grads = _forward_backward(_toy(*config, "auto"), _h0(torch.float64), cut)
+    assert group_passes[0] == groups
+    assert (out - ref_out).abs().max().item() <= 1e-12
+    assert all((g - r).abs().max().item() <= 1e-12 * max(1.0, r.abs().max().item())
+               for g, r in zip(grads, ref_grads) if r is not None)
