@@ -61,12 +61,12 @@ def library(choice: str) -> Optional[ctypes.CDLL]:
     except KernelBuildError as e:
         if choice == "c":
             raise
-        if not _warned:
+        if cpu_kernels.library(choice) is not None and not _warned:  # the per-router kernels built, these did not
             _warned = True
             warnings.warn(f"megatron-delta: the group router's CPU kernels cannot be built ({e}); it runs on PyTorch "
-                          f"ops, slower on CPU. Install a C compiler, or pass --delta-router-kernels torch.",
-                          RuntimeWarning, stacklevel=2)
-        return None
+                          f"ops, slower on CPU. Pass --delta-router-group-size 1 to route one router per pass on the "
+                          f"fused kernels.", RuntimeWarning, stacklevel=2)
+        return None  # else cpu_kernels.library said once that the fused CPU kernels cannot be built
 
 
 def _ptrs(tensors: Sequence[Optional[Tensor]]):
