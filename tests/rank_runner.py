@@ -36,6 +36,8 @@ ROUTER_LR = ["--delta-router-lr-mult", "10"]  # the *_r10 variants; not on basel
 VARIANTS = {
     "fp32": [],
     "fp32_r10": ROUTER_LR,
+    # the group router at S = 2 (delta and full_attnres only; tests/test_parallel_parity.py's pp2 launch)
+    "fp32_g2": ["--delta-router-group-size", "2"],
     "bf16_r10": ["--bf16"] + ROUTER_LR,
     # the pipeline source cache (tests/test_source_cache.py)
     "off": ["--delta-pp-source-cache", "off"],

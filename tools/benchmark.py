@@ -43,6 +43,8 @@ def build_parser():
                         "the residual stream x, see README)")
     p.add_argument("--delta-router-kernels", choices=["auto", "c", "torch"], default="auto",
                    help="the routers' kernels, as pretrain_gpt.py's flag (torch: PyTorch ops, for A/B runs)")
+    p.add_argument("--delta-router-group-size", default="auto", metavar="S",
+                   help="as pretrain_gpt.py's flag, for delta and full_attnres (1: one router per pass, for A/B runs)")
     p.add_argument("--delta-cpu-allocator", choices=["cache", "system"], default="cache",
                    help="as pretrain_gpt.py's flag (system: glibc's defaults, for A/B runs)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
@@ -169,7 +171,8 @@ def main(argv=None):
     report = run(opts)
     cfg = report["config"]
     print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "
-          f"{cfg['micro_batch_size']}, fp32, router kernels {cfg['delta_router_kernels']}, gate {cfg['delta_gate']}, "
+          f"{cfg['micro_batch_size']}, fp32, router kernels {cfg['delta_router_kernels']}, router group size "
+          f"{cfg.get('delta_router_group_size', 'auto')}, gate {cfg['delta_gate']}, "
           f"{cfg['repeats']} interleaved rounds (median), {cfg['threads']} "
           f"threads, load average {cfg['loadavg']}, stream rate {cfg['stream_gbps']:.1f} GB/s (in cache), "
           f"memory rate {cfg['memory_gbps']:.1f} GB/s ({cfg['memory_rotation_bytes'] >> 20} MiB in rotation)\n"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_delta.core.group_router import check_group_size
 from megatron_delta.core.modes import BASELINE, check_delta_options
 from megatron_delta.core.router import KERNEL_CHOICES
 
@@ -99,6 +100,10 @@ class DeltaTransformerConfig(TransformerConfig):
     """'auto' / 'c': fused C kernels for fp32 CPU tensors (cpu_kernels.py); 'torch': PyTorch ops;
     'fla' (and 'auto' for CUDA tensors): fla-core's fused GPU kernel (fla_router.py)."""
 
+    delta_router_group_size: int | str = "auto"
+    """delta / full_attnres: routers per group pass over the older sources (core/group_router.py); 'auto' picks
+    S from each chunk's size, 1 is one router per pass."""
+
     delta_pp_source_cache: bool = True
     """Interleaved pipelines: a rank keeps the sources its earlier chunks held, and a boundary sends only
     what the receiving rank lacks (core/source_cache.py). No effect without virtual pipeline stages."""
@@ -112,6 +117,8 @@ class DeltaTransformerConfig(TransformerConfig):
         self.delta_num_blocks = check_delta_options(
             self.residual, self.num_layers, self.delta_num_blocks, self.delta_null_source,
             self.delta_gate, self.delta_sources, router_kernels=self.delta_router_kernels)
+        self.delta_router_group_size = check_group_size(self.delta_router_group_size, self.residual,
+                                                        self.delta_sources, self.delta_router_kernels)
         check_residual_fusions(self.residual, **{f: getattr(self, f, False) for f in RESIDUAL_FUSIONS})
         check_unsupported_features(self.residual, **{f: getattr(self, f) for f in UNSUPPORTED_FEATURES})
         super().__post_init__()

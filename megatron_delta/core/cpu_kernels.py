@@ -65,18 +65,20 @@ def _machine() -> bytes:
     return platform.machine().encode() + flags
 
 
-def _build() -> ctypes.CDLL:
+def compile_library(source: str, stem: str) -> ctypes.CDLL:
+    """Build (once per source, compiler and machine; cached) and load the C file ``source``; KernelBuildError
+    says why not. Shared by the router's kernels and the group router's (group_kernels.py)."""
     cc_text = os.environ.get("CC") or "cc"
     cc = shlex.split(cc_text)  # CC may carry a wrapper or flags ("ccache gcc")
     if not cc or shutil.which(cc[0]) is None:
         raise KernelBuildError(f"no C compiler {cc_text!r} on PATH (set CC, or install gcc)")
-    with open(SOURCE, "rb") as f:
+    with open(source, "rb") as f:
         src = f.read()
     version = subprocess.run([*cc, "--version"], capture_output=True).stdout
     key = hashlib.sha256(b"\0".join([src, cc_text.encode(), " ".join(FLAGS + LIBS).encode(), version,
                                      _machine()])).hexdigest()[:16]
     out_dir = cache_dir()
-    lib_path = os.path.join(out_dir, f"router_kernels-{key}.so")
+    lib_path = os.path.join(out_dir, f"{stem}-{key}.so")
     if not os.path.exists(lib_path):
         try:
             os.makedirs(out_dir, exist_ok=True)
@@ -86,9 +88,9 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
         os.close(fd)
         try:
-            p = subprocess.run([*cc, *FLAGS, SOURCE, "-o", tmp, *LIBS], capture_output=True, text=True)
+            p = subprocess.run([*cc, *FLAGS, source, "-o", tmp, *LIBS], capture_output=True, text=True)
             if p.returncode != 0:
-                raise KernelBuildError(f"{cc_text} {' '.join(FLAGS)} {SOURCE} failed (exit {p.returncode}):\n"
+                raise KernelBuildError(f"{cc_text} {' '.join(FLAGS)} {source} failed (exit {p.returncode}):\n"
                                        f"{p.stderr.strip()[-2000:]}")
             os.replace(tmp, lib_path)
         finally:
@@ -98,6 +100,11 @@ def _build() -> ctypes.CDLL:
         lib = ctypes.CDLL(lib_path)
     except OSError as e:
         raise KernelBuildError(f"cannot load {lib_path}: {e}") from None
+    return lib
+
+
+def _build() -> ctypes.CDLL:
+    lib = compile_library(SOURCE, "router_kernels")
     P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.delta_route_forward.argtypes = [I64, I64, INT, P, P, P, F, INT, F, P, F, P, INT, P, P, P, P, INT]
     lib.delta_route_forward.restype = None

@@ -25,6 +25,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from megatron_delta.core import group_router
 from megatron_delta.core.modes import RoutedMode, default_num_blocks, routed_mode, routed_mode_class
 from megatron_delta.core.router import DepthRouter, PendingSum, Source, make_source
 
@@ -41,6 +42,7 @@ class SourcePlan:
     num_blocks: int
     sources: str = "exact"
     x_from_sources: bool = False  # additive modes, exact sources: x is the sum of the sources, not held
+    router_group_size: Union[int, str] = 1  # delta / full_attnres: routers per group pass (core/group_router.py)
     rules: RoutedMode = field(init=False, repr=False, compare=False)  # the mode object, from the fields above
 
     @classmethod
@@ -59,11 +61,21 @@ class SourcePlan:
                    sources=cfg.delta_sources,
                    x_from_sources=(routed_mode_class(mode, cfg.delta_sources).sources_sum_to_x
                                    and getattr(cfg, "delta_gate", "none") == "none"
-                                   and not _kernel_keeps_x(getattr(cfg, "delta_router_kernels", "torch"))))
+                                   and not _kernel_keeps_x(getattr(cfg, "delta_router_kernels", "torch"))),
+                   router_group_size=getattr(cfg, "delta_router_group_size", 1))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", routed_mode(self.mode, self.num_layers, self.num_blocks, self.sources,
                                                       self.x_from_sources))
+        object.__setattr__(self, "router_group_size", group_router.check_group_size(
+            self.router_group_size, self.mode, self.sources))
+
+    @property
+    def groups_routers(self) -> bool:
+        """The routers of a buffer's scope route in groups (core/group_router.py): a fine-grained mode's exact
+        sources, with a group size other than 1."""
+        return (self.router_group_size != 1 and self.mode in group_router.FINE_GRAINED_MODES
+                and self.sources == "exact")
 
     # ------------------------------------------------------------------ basic facts
     @property
@@ -229,6 +241,11 @@ class SourceBuffer:
     time a router reads it; so :meth:`from_tensors` is cheap and, inside a recomputed function,
     rebuilds everything as functions of its explicit tensor inputs. A router missing from
     ``readers`` still works (it projects the source itself), at the cost of an extra pass.
+
+    With ``plan.groups_routers`` (delta / full_attnres, ``router_group_size`` not 1) the scope's sublayers
+    route in groups (core/group_router.py): groups of consecutive sublayers of this scope, so they never
+    cross a chunk or recompute boundary; they read the sources' values (:meth:`values_read`), not their
+    projections. The final router routes alone.
     """
 
     def __init__(self, plan: SourcePlan, first_layer: int, eps: float, *,
@@ -245,6 +262,9 @@ class SourceBuffer:
         self.routing: Dict[Union[int, str], Tensor] = {}  # j (or 'final') -> alpha [s, b, N(+1)]
         self.readers: Mapping = dict(readers or {})  # j (or 'final') -> DepthRouter
         self._queries: Dict[DepthRouter, Tensor] = {}  # one q = w * g per router, shared by its sources
+        sublayers = [k for k in self.readers if isinstance(k, int)]
+        self._groups = (group_router.GroupRouting(plan.router_group_size, sublayers)
+                        if plan.groups_routers and sublayers else None)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -322,6 +342,13 @@ class SourceBuffer:
         """Receiver ``key`` (j or 'final') routes over the sources it reads: ``base + gated(r)`` with a base
         (base_sums: the base is the sum of those sources; without a base the router forms that sum),
         else r. Records alpha when the buffer records routing."""
+        if self._groups is not None:  # the scope's routers in groups (core/group_router.py)
+            routed = self._groups.route(self, key, router, base=base, apply_gate=apply_gate, base_sums=base_sums,
+                                        record=self.record_routing)
+            if routed is not None:
+                if self.record_routing:
+                    self.routing[key] = routed[1]
+                return routed[0]
         sources = self.read(key)
         if self.record_routing:
             r, alpha = router(sources, True, base=base, apply_gate=apply_gate, base_sums=base_sums)
@@ -389,20 +416,34 @@ class SourceBuffer:
                 e.source = Source(e.value, None, {}, self.eps, sink)
                 return e.source
             for r in readers:
-                if r not in self._queries:
-                    with torch.autocast(device_type=e.value.device.type, enabled=False):
-                        self._queries[r] = r.query_vector()
+                self.query(r)
             e.source = make_source(e.value, self.eps, readers, self._queries)
         return e.source
 
-    def read(self, j: Union[int, str]) -> List[Source]:
-        """The sources receiver j's router reads (sublayer j, or 'final'; null source excluded), in order."""
+    def values_read(self, j: int) -> List[Tensor]:
+        """The values of the sources receiver j reads, in order, unprojected (the group router projects them)."""
+        self.read_names_check(j)
+        return [self._entries[n].value for n in self.plan._reads(j)]
+
+    def query(self, router: DepthRouter) -> Tensor:
+        """The router's q = w * g, made once per buffer and shared by every pass that reads it."""
+        if router not in self._queries:
+            with torch.autocast(device_type=router.query.device.type, enabled=False):
+                self._queries[router] = router.query_vector()
+        return self._queries[router]
+
+    def read_names_check(self, j: Union[int, str]) -> None:
         names = self.plan.final_reads() if j == "final" else self.plan._reads(j)
         missing = [n for n in names if n not in self._entries]
         if missing:
             raise RuntimeError(
                 f"{'the final router' if j == 'final' else f'sublayer {j}'} reads {missing}, which this buffer "
                 f"(holding {self.names}) lacks")
+
+    def read(self, j: Union[int, str]) -> List[Source]:
+        """The sources receiver j's router reads (sublayer j, or 'final'; null source excluded), in order."""
+        self.read_names_check(j)
+        names = self.plan.final_reads() if j == "final" else self.plan._reads(j)
         return [self._source(n, j) for n in names]
 
     def _expect(self, j: int) -> None:

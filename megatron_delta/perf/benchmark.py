@@ -89,7 +89,10 @@ def mode_config(opts, mode):
     if mode in ROUTED_MODES:
         fields["delta_router_kernels"] = opts.delta_router_kernels
     fields = resolve_model_fields(fields)
-    return (*model_config(fields), fields["padded_vocab_size"])
+    overrides = {}
+    if mode in ("delta", "full_attnres"):  # the fine-grained modes' group router (core/group_router.py)
+        overrides["delta_router_group_size"] = getattr(opts, "delta_router_group_size", "auto")
+    return (*model_config(fields, **overrides), fields["padded_vocab_size"])
 
 
 def build_model(opts, mode):

@@ -11,6 +11,7 @@ import os
 import re
 from typing import Optional
 
+from megatron_delta.core.group_router import check_group_size
 from megatron_delta.core.modes import BASELINE, BLOCK_MODES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 from megatron_delta.core.router import KERNEL_CHOICES
 
@@ -41,6 +42,10 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "Triton does not import); c: the same, a failed build is an error; torch: PyTorch ops; "
                         "triton: the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1); fla: fla-core's "
                         "kernel (docs/gpu.md)")
+    g.add_argument("--delta-router-group-size", default="auto", metavar="S",
+                   help="delta and full_attnres: S consecutive routers share one pass over the sources older than "
+                        "their group (core/group_router.py); auto (default): S from each chunk's size; 1: one "
+                        "router per pass")
     g.add_argument("--delta-pp-source-cache", choices=["on", "off"], default=None,
                    help="interleaved pipelines (routed modes): each rank keeps the sources its earlier virtual "
                         "chunks held and a boundary sends only what the receiving rank lacks (default: on where "
@@ -228,6 +233,8 @@ def validate_delta_args(args: argparse.Namespace) -> None:
         args.delta_num_blocks = check_delta_options(
             args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
             args.delta_gate, args.delta_sources, args.delta_router_lr_mult, args.delta_router_kernels)
+        args.delta_router_group_size = check_group_size(args.delta_router_group_size, args.residual,
+                                                        args.delta_sources, args.delta_router_kernels)
         check_routed_features(args)
         check_moe_backend(args.transformer_impl, args.num_experts, args.moe_grouped_gemm)
         check_tensor_parallel_split(args)

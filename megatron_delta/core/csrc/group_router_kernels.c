@@ -1,0 +1,283 @@
+/* Fused CPU kernels of the group router (megatron_delta/core/group_router.py, issue 28 item 4).
+ *
+ * A group of S routers of the fine-grained modes shares one pass over the n sources older than the group
+ * (the old pass), and each router merges its k in-group sources with the old pass's partial mix by an
+ * online-softmax merge. Each function is one loop over the tokens that reads each [T, d] row it needs once
+ * (from memory; a token's rows are re-read from cache). Rows are independent and the query gradients are
+ * summed over fixed blocks of TB tokens, then over the blocks in order: bitwise the same for any number of
+ * threads. fp32, contiguous [T, d] tensors; [S, M, T] / [M, T] weight tables (M = n + null).
+ * Built on first use by megatron_delta/core/group_kernels.py (cc -O3 -march=native -fopenmp).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum { TB = 64 };
+
+static float dot(const float *restrict a, const float *restrict b, int64_t d) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t k = 0; k < d; ++k) acc += a[k] * b[k];
+  return acc;
+}
+
+/* The old pass. Per token t, router k < S, source i < n (M = n + has_null, the null source last):
+ *   inv_i = 1/sqrt(mean(v_i[t]^2) + eps)                    -> inv [n, T]
+ *   z_ki = (v_i[t] . Q_k) inv_i, z_kn = null_logit_k        -> z [S, M, T]
+ *   lse_k = logsumexp_i z_ki, p_ki = exp(z_ki - lse_k)      -> lse [S, T], p [S, M, T]
+ *   r_k[t] = sum_i p_ki v_i[t] + p_kn null_value_k          -> r[k] [T, d]
+ *   x[t] = sum_i v_i[t]                                     (x given: the older part of the residual stream) */
+void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v, const float *restrict Q,
+                       float eps, int has_null, const float *restrict null_logit, const float *restrict null_value,
+                       float *restrict inv, float *restrict z, float *restrict p, float *restrict lse,
+                       float *const *r, float *restrict x, int threads) {
+  const int M = n + (has_null != 0);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < T; ++t) {
+    float zt[S * M];
+    for (int i = 0; i < n; ++i) {
+      const float *restrict vi = v[i] + t * d;
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t c = 0; c < d; ++c) ss += vi[c] * vi[c];
+      const float iv = 1.0f / sqrtf(ss / (float)d + eps);
+      inv[(int64_t)i * T + t] = iv;
+      for (int k = 0; k < S; ++k) zt[k * M + i] = dot(vi, Q + (int64_t)k * d, d) * iv;
+    }
+    if (has_null)
+      for (int k = 0; k < S; ++k) zt[k * M + n] = null_logit[k];
+    for (int k = 0; k < S; ++k) {
+      float *zk = zt + k * M;
+      float mx = zk[0];
+      for (int i = 1; i < M; ++i) mx = zk[i] > mx ? zk[i] : mx;
+      float sum = 0.0f;
+      for (int i = 0; i < M; ++i) sum += expf(zk[i] - mx);
+      const float l = mx + logf(sum);
+      lse[(int64_t)k * T + t] = l;
+      for (int i = 0; i < M; ++i) {
+        const int64_t it = ((int64_t)k * M + i) * T + t;
+        z[it] = zk[i];
+        p[it] = zk[i] = expf(zk[i] - l);  /* zt now holds p */
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      const float *restrict vi = v[i] + t * d;
+      for (int k = 0; k < S; ++k) {
+        float *restrict rk = r[k] + t * d;
+        const float pk = zt[k * M + i];
+        if (i == 0) {
+          for (int64_t c = 0; c < d; ++c) rk[c] = pk * vi[c];
+        } else {
+          for (int64_t c = 0; c < d; ++c) rk[c] += pk * vi[c];
+        }
+      }
+      if (x) {
+        float *restrict xt = x + t * d;
+        if (i == 0) {
+          for (int64_t c = 0; c < d; ++c) xt[c] = vi[c];
+        } else {
+          for (int64_t c = 0; c < d; ++c) xt[c] += vi[c];
+        }
+      }
+    }
+    if (has_null)
+      for (int k = 0; k < S; ++k) {
+        float *restrict rk = r[k] + t * d;
+        const float pk = zt[k * M + n];
+        const float *restrict nk = null_value + (int64_t)k * d;
+        for (int64_t c = 0; c < d; ++c) rk[c] += pk * nk[c];
+      }
+  }
+}
+
+/* Backward of the old pass. G[k] (NULL: router k had no gradient) is router k's output gradient and
+ * w[k, t] = gate beta_k its older sources' share, so d r_k = w_k G_k. Per token:
+ *   dp_ki = w_k <G_k, v_i> (null: <G_k, null_value_k>)
+ *   dz_ki = p_ki (dp_ki - sum_l p_kl dp_kl) + p_ki dlse_k   -> dz [S, M, T]
+ *   c_ki = dz_ki inv_i, e_i = -(sum_k dz_ki z_ki) inv_i^2 / d
+ *   target_i[t] (+)= sum_k w_k p_ki G_k + unit sum_k G_k + sum_k c_ki Q_k + e_i v_i   (assigned where fresh_i)
+ *   dq_k = sum_t sum_i c_ki v_i[t]                           -> dq [S, d] */
+void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *G, const float *restrict w,
+                        const float *restrict dlse, const float *const *v, const float *restrict inv,
+                        const float *restrict z, const float *restrict p, const float *restrict Q, int has_null,
+                        const float *restrict null_value, float *const *target, const int *fresh, int unit,
+                        float *restrict dz_out, float *restrict dq_part, float *restrict dq_out, int threads) {
+  const int M = n + (has_null != 0);
+  const int64_t nblk = (T + TB - 1) / TB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    float *restrict part = dq_part + blk * (int64_t)S * d;
+    for (int64_t c = 0; c < (int64_t)S * d; ++c) part[c] = 0.0f;
+    float dz[S * M];
+    float gsum[unit ? d : 1];
+    const int64_t t1 = (blk + 1) * TB < T ? (blk + 1) * TB : T;
+    for (int64_t t = blk * TB; t < t1; ++t) {
+      for (int k = 0; k < S; ++k) {
+        const float *gk = G[k] ? G[k] + t * d : NULL;
+        const float wk = w[(int64_t)k * T + t];
+        float s = 0.0f;
+        for (int i = 0; i < M; ++i) {
+          float dp = 0.0f;
+          if (gk) dp = wk * (i < n ? dot(gk, v[i] + t * d, d) : dot(gk, null_value + (int64_t)k * d, d));
+          dz[k * M + i] = dp;
+          s += p[((int64_t)k * M + i) * T + t] * dp;
+        }
+        const float dl = dlse[(int64_t)k * T + t];
+        for (int i = 0; i < M; ++i) {
+          const int64_t it = ((int64_t)k * M + i) * T + t;
+          dz[k * M + i] = p[it] * (dz[k * M + i] - s + dl);
+          dz_out[it] = dz[k * M + i];
+        }
+      }
+      if (unit) {
+        for (int64_t c = 0; c < d; ++c) gsum[c] = 0.0f;
+        for (int k = 0; k < S; ++k)
+          if (G[k]) {
+            const float *restrict gk = G[k] + t * d;
+            for (int64_t c = 0; c < d; ++c) gsum[c] += gk[c];
+          }
+      }
+      for (int i = 0; i < n; ++i) {
+        const float *restrict vi = v[i] + t * d;
+        const float iv = inv[(int64_t)i * T + t];
+        float e = 0.0f;
+        for (int k = 0; k < S; ++k) {
+          const float ck = dz[k * M + i] * iv;
+          e += dz[k * M + i] * z[((int64_t)k * M + i) * T + t];
+          float *restrict pk = part + (int64_t)k * d;
+          for (int64_t c = 0; c < d; ++c) pk[c] += ck * vi[c];
+        }
+        e *= -iv * iv / (float)d;
+        float *restrict o = target[i] ? target[i] + t * d : NULL;
+        if (!o) continue;
+        if (fresh[i]) {
+          for (int64_t c = 0; c < d; ++c) o[c] = e * vi[c];
+        } else {
+          for (int64_t c = 0; c < d; ++c) o[c] += e * vi[c];
+        }
+        if (unit)
+          for (int64_t c = 0; c < d; ++c) o[c] += gsum[c];
+        for (int k = 0; k < S; ++k) {
+          const float ck = dz[k * M + i] * iv;
+          const float *restrict qk = Q + (int64_t)k * d;
+          for (int64_t c = 0; c < d; ++c) o[c] += ck * qk[c];
+          if (G[k]) {
+            const float a = w[(int64_t)k * T + t] * p[((int64_t)k * M + i) * T + t];
+            const float *restrict gk = G[k] + t * d;
+            for (int64_t c = 0; c < d; ++c) o[c] += a * gk[c];
+          }
+        }
+      }
+    }
+  }
+  for (int64_t c = 0; c < (int64_t)S * d; ++c) dq_out[c] = 0.0f;
+  for (int64_t blk = 0; blk < nblk; ++blk)
+    for (int64_t c = 0; c < (int64_t)S * d; ++c) dq_out[c] += dq_part[blk * (int64_t)S * d + c];
+}
+
+/* The merge of router k of a group with its k in-group sources. Per token:
+ *   inv_i, z_i = (v_i[t] . q) inv_i                         -> inv [k, T], z [k, T]
+ *   a = softmax(lse[t], z_0, .., z_{k-1})                   -> a [1 + k, T] (a_0 = beta)
+ *   out[t] = base[t] + x[t] + gate a_0 r[t] + sum_i (unit + gate a_{1+i}) v_i[t]   (base, x: when given) */
+void group_merge_forward(int64_t T, int64_t d, int k, const float *restrict r, const float *restrict lse,
+                         const float *restrict x, const float *restrict base, float gate, const float *restrict q,
+                         const float *const *v, float eps, int unit, float *restrict inv, float *restrict z,
+                         float *restrict a, float *restrict out, int threads) {
+  const float one = unit ? 1.0f : 0.0f;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < T; ++t) {
+    float l[k + 1];
+    l[0] = lse[t];
+    for (int i = 0; i < k; ++i) {
+      const float *restrict vi = v[i] + t * d;
+      float ss = 0.0f, vq = 0.0f;
+#pragma omp simd reduction(+ : ss, vq)
+      for (int64_t c = 0; c < d; ++c) {
+        ss += vi[c] * vi[c];
+        vq += vi[c] * q[c];
+      }
+      const float iv = 1.0f / sqrtf(ss / (float)d + eps);
+      inv[(int64_t)i * T + t] = iv;
+      l[1 + i] = z[(int64_t)i * T + t] = vq * iv;
+    }
+    float mx = l[0];
+    for (int i = 1; i <= k; ++i) mx = l[i] > mx ? l[i] : mx;
+    float sum = 0.0f;
+    for (int i = 0; i <= k; ++i) sum += (l[i] = expf(l[i] - mx));
+    const float scale = 1.0f / sum;
+    for (int i = 0; i <= k; ++i) {
+      l[i] *= scale;
+      a[(int64_t)i * T + t] = l[i];
+    }
+    float *restrict o = out + t * d;
+    const float *restrict rt = r + t * d;
+    const float w0 = gate * l[0];
+    for (int64_t c = 0; c < d; ++c) o[c] = w0 * rt[c];
+    if (base) {
+      const float *restrict b = base + t * d;
+      for (int64_t c = 0; c < d; ++c) o[c] += b[c];
+    }
+    if (x) {
+      const float *restrict xt = x + t * d;
+      for (int64_t c = 0; c < d; ++c) o[c] += xt[c];
+    }
+    for (int i = 0; i < k; ++i) {
+      const float wi = one + gate * l[1 + i];
+      const float *restrict vi = v[i] + t * d;
+      for (int64_t c = 0; c < d; ++c) o[c] += wi * vi[c];
+    }
+  }
+}
+
+/* Backward of the merge for the output gradient grad [T, d]. Per token:
+ *   da_0 = <grad, r>, da_{1+i} = <grad, v_i>                 -> da [1 + k, T] (without the gate)
+ *   dlog_j = a_j (gate da_j - sum_l a_l gate da_l)           -> dlog [1 + k, T] (dlog_0: d lse)
+ *   c_i = dlog_{1+i} inv_i, e_i = -dlog_{1+i} z_i inv_i^2 / d
+ *   target_i[t] (+)= (unit + gate a_{1+i}) grad + c_i q + e_i v_i   (assigned where fresh_i)
+ *   dq = sum_t sum_i c_i v_i[t]                              -> dq [d] */
+void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const float *restrict r, float gate,
+                          const float *restrict q, const float *const *v, const float *restrict inv,
+                          const float *restrict z, const float *restrict a, int unit, float *const *target,
+                          const int *fresh, float *restrict da_out, float *restrict dlog_out,
+                          float *restrict dq_part, float *restrict dq_out, int threads) {
+  const float one = unit ? 1.0f : 0.0f;
+  const int64_t nblk = (T + TB - 1) / TB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    float *restrict part = dq_part + blk * d;
+    for (int64_t c = 0; c < d; ++c) part[c] = 0.0f;
+    float dl[k + 1];
+    const int64_t t1 = (blk + 1) * TB < T ? (blk + 1) * TB : T;
+    for (int64_t t = blk * TB; t < t1; ++t) {
+      const float *restrict g = grad + t * d;
+      float s = 0.0f;
+      for (int j = 0; j <= k; ++j) {
+        const float dj = dot(g, j == 0 ? r + t * d : v[j - 1] + t * d, d);
+        da_out[(int64_t)j * T + t] = dj;
+        dl[j] = gate * dj;
+        s += a[(int64_t)j * T + t] * dl[j];
+      }
+      for (int j = 0; j <= k; ++j) {
+        dl[j] = a[(int64_t)j * T + t] * (dl[j] - s);
+        dlog_out[(int64_t)j * T + t] = dl[j];
+      }
+      for (int i = 0; i < k; ++i) {
+        const float *restrict vi = v[i] + t * d;
+        const float iv = inv[(int64_t)i * T + t];
+        const float c = dl[1 + i] * iv, e = -dl[1 + i] * z[(int64_t)i * T + t] * iv * iv / (float)d;
+        for (int64_t cc = 0; cc < d; ++cc) part[cc] += c * vi[cc];
+        float *restrict o = target[i] ? target[i] + t * d : NULL;
+        if (!o) continue;
+        const float wi = one + gate * a[(int64_t)(1 + i) * T + t];
+        if (fresh[i]) {
+          for (int64_t cc = 0; cc < d; ++cc) o[cc] = wi * g[cc] + c * q[cc] + e * vi[cc];
+        } else {
+          for (int64_t cc = 0; cc < d; ++cc) o[cc] += wi * g[cc] + c * q[cc] + e * vi[cc];
+        }
+      }
+    }
+  }
+  for (int64_t c = 0; c < d; ++c) dq_out[c] = 0.0f;
+  for (int64_t blk = 0; blk < nblk; ++blk)
+    for (int64_t c = 0; c < d; ++c) dq_out[c] += dq_part[blk * d + c];
+}

@@ -1,0 +1,138 @@
+"""The group router's fused CPU kernels (csrc/group_router_kernels.c): built with the system C compiler on
+first use, cached, loaded with ctypes, as the per-router kernels (cpu_kernels.py, whose build and
+``--delta-router-kernels`` rules they follow: `auto` warns once and takes PyTorch ops where they cannot be
+built, `c` raises). fp32, contiguous CPU tensors only; group_router.py runs PyTorch ops otherwise.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from megatron_delta.core import cpu_kernels
+from megatron_delta.core.cpu_kernels import KERNEL_TOKEN_BLOCK, KernelBuildError
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "group_router_kernels.c")
+
+_lock = threading.Lock()
+_lib = None
+_error: Optional[str] = None
+_warned = False
+
+
+def _build() -> ctypes.CDLL:
+    lib = cpu_kernels.compile_library(SOURCE, "group_router_kernels")
+    P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.group_old_forward.argtypes = [I64, I64, INT, INT, P, P, F, INT, P, P, P, P, P, P, P, P, INT]
+    lib.group_old_backward.argtypes = [I64, I64, INT, INT, P, P, P, P, P, P, P, P, INT, P, P, P, INT, P, P, P, INT]
+    lib.group_merge_forward.argtypes = [I64, I64, INT, P, P, P, P, F, P, P, F, INT, P, P, P, P, INT]
+    lib.group_merge_backward.argtypes = [I64, I64, INT, P, P, F, P, P, P, P, P, INT, P, P, P, P, P, P, INT]
+    for f in (lib.group_old_forward, lib.group_old_backward, lib.group_merge_forward, lib.group_merge_backward):
+        f.restype = None
+    return lib
+
+
+def load() -> ctypes.CDLL:
+    """The kernel library, built on first use; raises KernelBuildError (tried once per process)."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except KernelBuildError as e:
+                _error = str(e)
+        if _lib is None:
+            raise KernelBuildError(_error)
+        return _lib
+
+
+def library(choice: str) -> Optional[ctypes.CDLL]:
+    """The library for a router's ``kernels`` choice (auto / c), or None for PyTorch ops (see module docstring)."""
+    global _warned
+    if choice not in ("auto", "c"):
+        return None
+    try:
+        return load()
+    except KernelBuildError as e:
+        if choice == "c":
+            raise
+        if cpu_kernels.library(choice) is not None and not _warned:  # the per-router kernels built, these did not
+            _warned = True
+            warnings.warn(f"megatron-delta: the group router's CPU kernels cannot be built ({e}); it runs on PyTorch "
+                          f"ops, slower on CPU. Pass --delta-router-group-size 1 to route one router per pass on the "
+                          f"fused kernels.", RuntimeWarning, stacklevel=2)
+        return None  # else cpu_kernels.library said once that the fused CPU kernels cannot be built
+
+
+def _ptrs(tensors: Sequence[Optional[Tensor]]):
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+
+def _ptr(t: Optional[Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def old_forward(lib, values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Optional[Tensor],
+                null_values: Optional[Tensor], inv: Tensor, z: Tensor, p: Tensor, lse: Tensor, r: Tensor,
+                x: Optional[Tensor]) -> None:
+    """The old pass (csrc: group_old_forward): values n x [T, d], Q [S, d], null [S] and [S, d] (or None);
+    writes inv [n, T], z and p [S, M, T], lse [S, T], r [S, T, d] and x [T, d] (when given)."""
+    T, d = values[0].shape
+    S = Q.shape[0]
+    has_null = null_values is not None
+    nl = null_logits.contiguous() if has_null else None
+    nv = null_values.contiguous() if has_null else None
+    lib.group_old_forward(T, d, len(values), S, _ptrs(values), Q.contiguous().data_ptr(), eps, int(has_null),
+                          _ptr(nl), _ptr(nv), inv.data_ptr(), z.data_ptr(), p.data_ptr(), lse.data_ptr(),
+                          _ptrs(list(r.unbind(0))), _ptr(x), _threads())
+
+
+def old_backward(lib, G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor, values: Sequence[Tensor],
+                 inv: Tensor, z: Tensor, p: Tensor, Q: Tensor, null_values: Optional[Tensor],
+                 targets: List[Tuple[Optional[Tensor], bool]], unit: bool, dz: Tensor, dq: Tensor) -> None:
+    """The old pass's backward (csrc: group_old_backward): G[j] is router ks[j]'s output gradient."""
+    T, d = values[0].shape
+    S = Q.shape[0]
+    grads: List[Optional[Tensor]] = [None] * S
+    for k, g in zip(ks, G):
+        grads[k] = g
+    fresh = (ctypes.c_int * len(values))(*[int(f) for _, f in targets])
+    nblk = -(-T // KERNEL_TOKEN_BLOCK)
+    part = values[0].new_empty(nblk, S, d)
+    nv = null_values.contiguous() if null_values is not None else None
+    lib.group_old_backward(T, d, len(values), S, _ptrs(grads), w.data_ptr(), dlse.data_ptr(), _ptrs(values),
+                           inv.data_ptr(), z.data_ptr(), p.data_ptr(), Q.contiguous().data_ptr(), int(nv is not None),
+                           _ptr(nv), _ptrs([t for t, _ in targets]), fresh, int(unit), dz.data_ptr(), part.data_ptr(),
+                           dq.data_ptr(), _threads())
+
+
+def merge_forward(lib, r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Tensor], gate: float, q: Tensor,
+                  values: Sequence[Tensor], eps: float, unit: bool, inv: Tensor, z: Tensor, a: Tensor,
+                  out: Tensor) -> None:
+    """The merge of one router (csrc: group_merge_forward)."""
+    T, d = r.shape
+    lib.group_merge_forward(T, d, len(values), r.data_ptr(), lse.contiguous().data_ptr(), _ptr(x), _ptr(base),
+                            gate, q.contiguous().data_ptr(), _ptrs(values), eps, int(unit), inv.data_ptr(),
+                            z.data_ptr(), a.data_ptr(), out.data_ptr(), _threads())
+
+
+def merge_backward(lib, grad: Tensor, r: Tensor, gate: float, q: Tensor, values: Sequence[Tensor], inv: Tensor,
+                   z: Tensor, a: Tensor, unit: bool, targets: List[Tuple[Optional[Tensor], bool]], da: Tensor,
+                   dlog: Tensor, dq: Tensor) -> None:
+    """The merge's backward (csrc: group_merge_backward)."""
+    T, d = r.shape
+    fresh = (ctypes.c_int * max(1, len(values)))(*[int(f) for _, f in targets])
+    part = r.new_empty(-(-T // KERNEL_TOKEN_BLOCK), d)
+    lib.group_merge_backward(T, d, len(values), grad.data_ptr(), r.data_ptr(), gate, q.contiguous().data_ptr(),
+                             _ptrs(values), inv.data_ptr(), z.data_ptr(), a.data_ptr(), int(unit),
+                             _ptrs([t for t, _ in targets]), fresh, da.data_ptr(), dlog.data_ptr(), part.data_ptr(),
+                             dq.data_ptr(), _threads())

@@ -1,0 +1,567 @@
+"""The group router of the fine-grained modes (delta, full_attnres): S consecutive routers share one pass
+over the sources older than their group (issue 28, item 4).
+
+Why: in the fine-grained modes router j reads every earlier sublayer output, so the per-router path reads
+source i once per later router, forward and backward: traffic grows as (2L)^2. But a router's query
+q_j = w_j * g_j is a parameter, not a function of the input, so when the group of routers [a, b) starts
+(before sublayer a runs) everything it needs of the OLDER sources (those router a reads: h0, v0..v_{a-1})
+already exists. One pass over them gives each router k of the group
+
+    z_ki  = (s_i . q_k) inv_i                 inv_i = rsqrt(mean(s_i^2) + eps), the null source's logit too
+    lse_k = logsumexp_i z_ki                  [T]
+    r_k   = sum_i softmax_i(z_k)_i s_i        [T, d] in fp32 (compute dtype): the older sources' partial mix
+    X     = sum_i s_i                         [T, d] (x_from_sources only: the older part of x)
+
+and router a + k, when its turn comes, merges the k sources made inside the group (v_a..v_{a+k-1}) by an
+online-softmax merge: the softmax over (lse_k, z_a, .., z_{a+k-1}) gives the old block's weight beta and
+the in-group weights, and
+
+    u = base + [X + sum_in v_i] + gate (beta r_k + sum_in alpha_i v_i)
+
+which equals the per-router path's u in exact arithmetic (beta r_k is the old sources' share of r). In
+backward each merge handles its in-group sources and the old block's logit (d lse), and leaves its output
+gradient G_k with the per-token factor gate * beta in the group's stash (the GradSink pattern: no fp32
+[T, d] gradient of r_k is written); then ONE pass per group over the older sources gives every older
+source's gradient (accumulated in place into its sink) and the group's query and null-source gradients.
+The projection of the older sources (their 1/rms and logits) is part of these passes, so no
+_ProjectSource runs for a grouped router.
+
+Groups are consecutive sublayers of one SourceBuffer's scope (its pipeline chunk, or the layers of one
+recompute chunk), anchored at the scope's first sublayer: they never cross a chunk or recompute boundary.
+The final router of full_attnres routes as before (router.py). Group size: ``--delta-router-group-size``
+(config ``delta_router_group_size``): ``auto``, or S >= 1 (1 = the per-router path). ``auto`` takes
+S = round(sqrt(n + 2 n0)) for a scope of n routers whose first reads n0 sources, the minimum of the
+counted passes (:func:`passes`), and 1 where the routers run on a GPU kernel (Triton's or fla's: one router
+per call; the group router has no GPU kernel yet).
+
+Implementations: PyTorch ops (any device and dtype; the reference) and the fused CPU kernels
+(csrc/group_router_kernels.c, fp32 CPU tensors, --delta-router-kernels auto/c): each pass is one C loop
+over the tokens that reads each [T, d] tensor once. Every call records its traffic (core/traffic.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from megatron_delta.core import traffic
+from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8
+
+__all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_size", "group_spans", "passes",
+           "GroupRouting"]
+
+AUTO = "auto"
+FLAG = "--delta-router-group-size"
+FINE_GRAINED_MODES = ("delta", "full_attnres")
+
+
+# --------------------------------------------------------------------------------------------- the option
+def parse_group_size(text: Union[str, int]) -> Union[str, int]:
+    """``auto`` or a positive integer (the flag's argparse type; ValueError naming the flag)."""
+    if isinstance(text, str) and text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or isinstance(text, bool) or value < 1 or str(value) != str(text).strip():
+        raise ValueError(f"{FLAG} {text!r} is not 'auto' or a positive integer (1 = one router per pass)")
+    return value
+
+
+def check_group_size(value, residual: str, sources: str = "exact", kernels: str = "auto") -> Union[str, int]:
+    """The resolved option: ``auto`` or S >= 1. An explicit S > 1 is refused (ValueError naming the flag)
+    outside the fine-grained modes' exact sources, and with fla's or the Triton kernels (one router per call)."""
+    value = parse_group_size(value)
+    if value == AUTO or value == 1:
+        return value
+    if residual not in FINE_GRAINED_MODES:
+        raise ValueError(f"{FLAG} {value} applies to --residual delta and full_attnres (every sublayer's output "
+                         f"is a source), not {residual}; drop {FLAG} or set it to 1")
+    if sources != "exact":
+        raise ValueError(f"{FLAG} {value} needs --delta-sources exact (the authors' delta starts with a router "
+                         f"that reads no source); drop {FLAG} or set it to 1")
+    if kernels in ("fla", "triton"):  # their kernels route one router per call; no group kernel on GPU yet
+        raise ValueError(f"{FLAG} {value} cannot run on {kernels}'s kernels (--delta-router-kernels {kernels} "
+                         f"routes one router per call); use --delta-router-kernels auto, c or torch, or {FLAG} 1")
+    return value
+
+
+def passes(n_routers: int, n_older: int, size: int, unit: bool = True, base: bool = False) -> int:
+    """The closed form of the group router's counted traffic (core/traffic.py) for a scope of ``n_routers``
+    routers whose first reads ``n_older`` sources, in groups of ``size``: [T, d] tensors read or written, each
+    counted once (fp32 throughout; with bf16 activations r_k, X and the gradients' fp32 tensors count twice).
+    ``unit``: x is the sum of the sources (delta without a gate: the old pass writes X, each merge reads it);
+    ``base``: the merges read the held x (delta with the gate); neither: full_attnres. Per group of s routers
+    with n_g older sources:
+
+    - forward: the old pass reads the n_g sources and writes s partial mixes (+ X); merge k reads r_k (+ X or
+      x) and its k in-group sources and writes u;
+    - backward: merge k reads G_k, r_k and its k in-group sources and updates their k gradients (read + write);
+      the old pass reads the n_g sources and the s G_k and updates the n_g sources' gradients;
+
+    4 n_g + s (6 + unit + base) + unit + 2 s (s - 1) per group, less one per source read with a gradient (its
+    first gradient, the last reader's in forward order, is written, not updated). The null source and the
+    weight tables are [d] and [T]-sized and not counted."""
+    total = 0
+    for a in range(0, n_routers, size):
+        s = min(size, n_routers - a)
+        n_g = n_older + a
+        total += 4 * n_g + s * (6 + int(unit) + int(base)) + int(unit) + 2 * s * (s - 1)
+    return total
+
+
+def auto_group_size(n_routers: int, n_older: int) -> int:
+    """S of ``auto``: the minimum over S of :func:`passes` for n / S equal groups, 4 n0 n / S + 2 n^2 / S + 2 n S
+    (+ terms linear in n): S = sqrt(n + 2 n0), rounded, within [1, n]."""
+    return max(1, min(n_routers, int(round(math.sqrt(n_routers + 2 * n_older)))))
+
+
+def group_spans(sublayers: Sequence[int], size: int) -> Dict[int, Tuple[int, int]]:
+    """Sublayer -> [a, b) of its group: consecutive runs of ``sublayers`` cut into groups of ``size``."""
+    out: Dict[int, Tuple[int, int]] = {}
+    js = sorted(sublayers)
+    start = 0
+    while start < len(js):
+        end = start
+        while end + 1 < len(js) and js[end + 1] == js[end] + 1 and end + 1 - start < size:
+            end += 1
+        span = (js[start], js[end] + 1)
+        for j in js[start:end + 1]:
+            out[j] = span
+        start = end + 1
+    return out
+
+
+# --------------------------------------------------------------------------------------------- autograd
+class _Collect(torch.autograd.Function):
+    """An alias of a source value whose backward hands the gradient its group readers accumulated in its
+    sink to the value (their backwards return None for it and add into the sink in place)."""
+
+    @staticmethod
+    def forward(ctx, value, sink):
+        ctx.set_materialize_grads(False)
+        ctx.sink, ctx.shape = sink, value.shape
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        acc, ctx.sink.grad = ctx.sink.grad, None
+        if acc is None:
+            return grad, None
+        acc = acc.view(ctx.shape)
+        if grad is not None:
+            acc = acc.add_(grad)
+        return acc, None
+
+
+class _Stash:
+    """What the group's merges leave for the group's backward: router k's output gradient G_k and the
+    per-token factor gate * beta_k of its older sources' share (absent: the merge had no gradient)."""
+
+    __slots__ = ("grads",)
+
+    def __init__(self) -> None:
+        self.grads: Dict[int, Tuple[Tensor, Tensor]] = {}
+
+
+def _sink_add(sink: GradSink, grad: Tensor, dtype: torch.dtype) -> None:
+    if sink.grad is None:
+        sink.grad = _as(grad, dtype) if grad.dtype != dtype else grad
+    else:
+        sink.grad.add_(grad)
+
+
+def _kernel_lib(kernels: str, tensors: Sequence[Optional[Tensor]]):
+    """The group kernels' library for fp32 CPU tensors under auto / c, else None (PyTorch ops)."""
+    if kernels not in ("auto", "c"):
+        return None
+    from megatron_delta.core import cpu_kernels
+
+    if not cpu_kernels.eligible(*tensors):
+        return None
+    from megatron_delta.core import group_kernels
+
+    return group_kernels.library(kernels)
+
+
+class _OldPass(torch.autograd.Function):
+    """One pass over the n older sources for the S routers of a group (module docstring).
+
+    Inputs: n, S, eps, unit (also return X = sum of the sources), lib, sinks (one per source), stash, then
+    the n values, the S queries, and (null source) the S null logits (0-dim) and S null values [d].
+    Outputs: S partial mixes r_k [T, d], S log-sum-exps [T] (compute dtype), X [T, d] (or None) and the
+    softmax weights p [S, M, T] (non-differentiable; M = n + null, the null source last).
+    """
+
+    @staticmethod
+    def forward(ctx, n, S, eps, unit, lib, sinks, stash, *tensors):
+        ctx.set_materialize_grads(False)
+        values, queries = tensors[:n], tensors[n:n + S]
+        rest = tensors[n + S:]
+        has_null = len(rest) > 0
+        null_logits, null_values = (rest[:S], rest[S:]) if has_null else ((), ())
+        v0 = values[0]
+        d = v0.shape[-1]
+        T = v0.numel() // d
+        cdt = _compute_dtype(*(v.dtype for v in values), *(q.dtype for q in queries))
+        m = n + int(has_null)
+        flat = [v.reshape(T, d) for v in values]
+        Q = torch.stack([_as(q, cdt) for q in queries])  # [S, d]
+        nv = torch.stack([_as(z, cdt) for z in null_values]) if has_null else None  # [S, d]
+        nl = torch.stack([_as(z, cdt).reshape(()) for z in null_logits]) if has_null else None  # [S]
+        inv = torch.empty(n, T, dtype=cdt, device=v0.device)
+        z = torch.empty(S, m, T, dtype=cdt, device=v0.device)
+        r = torch.empty(S, T, d, dtype=cdt, device=v0.device)
+        x = torch.empty(T, d, dtype=cdt, device=v0.device) if unit else None
+        if lib is not None and cdt == torch.float32:
+            from megatron_delta.core import group_kernels
+
+            p, lse = torch.empty_like(z), torch.empty(S, T, dtype=cdt, device=v0.device)
+            group_kernels.old_forward(lib, flat, Q, eps, nl, nv, inv, z, p, lse, r, x)
+        else:
+            lib = None
+            for i, vf in enumerate(flat):
+                vf = _as(vf, cdt)
+                inv[i] = _inv_rms(vf, eps, cdt)
+                z[:, i] = torch.mm(Q, vf.t()).mul_(inv[i])
+            if has_null:
+                z[:, n] = nl.unsqueeze(1)
+            lse = torch.logsumexp(z, dim=1)  # [S, T]
+            p = torch.exp(z - lse.unsqueeze(1))
+            for k in range(S):
+                rk = r[k]
+                torch.mul(flat[0], p[k, 0].unsqueeze(1), out=rk)
+                for i in range(1, n):
+                    rk.addcmul_(flat[i], p[k, i].unsqueeze(1))
+                if has_null:
+                    rk.addr_(p[k, n], nv[k])
+            if unit:
+                x.copy_(flat[0])
+                for vf in flat[1:]:
+                    x.add_(vf)
+        traffic.record("group_old_pass", "forward", reads=flat, writes=[*r.unbind(0), x])
+        ctx.n, ctx.S, ctx.unit, ctx.lib, ctx.sinks, ctx.stash, ctx.cdt = n, S, unit, lib, sinks, stash, cdt
+        ctx.null_dtypes = [(a.dtype, b.dtype) for a, b in zip(null_logits, null_values)]
+        ctx.save_for_backward(inv, z, p, Q, nv, *values)
+        ctx.query_dtypes = [q.dtype for q in queries]
+        ctx.mark_non_differentiable(p)
+        return (*r.unbind(0), *lse.unbind(0), x, p)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n, S, unit, cdt = ctx.n, ctx.S, ctx.unit, ctx.cdt
+        inv, z, p, Q, nv, *values = ctx.saved_tensors
+        grad_lse = grads[S:2 * S]
+        stash, ctx.stash.grads = ctx.stash.grads, {}  # consumed (a retained graph's next backward refills it)
+        m = p.shape[1]
+        has_null = nv is not None
+        d = values[0].shape[-1]
+        T = inv.shape[1]
+        flat = [v.reshape(T, d) for v in values]
+        ks = sorted(stash)
+        dlse = torch.zeros(S, T, dtype=cdt, device=inv.device)
+        for k, g in enumerate(grad_lse):
+            if g is not None:
+                dlse[k] = g
+        G = [_as(stash[k][0].reshape(T, d), cdt) for k in ks]  # each router's output gradient
+        w = torch.zeros(S, T, dtype=cdt, device=inv.device)  # gate * beta_k (0 where no gradient came)
+        for k in ks:
+            w[k] = stash[k][1]
+        needs_v = [ctx.needs_input_grad[7 + i] and ctx.sinks[i] is not None for i in range(n)]
+        targets = []
+        for i in range(n):  # the first reader to reach a sink creates it
+            if not needs_v[i]:
+                targets.append((None, False))
+                continue
+            fresh = ctx.sinks[i].grad is None
+            targets.append((ctx.sinks[i].grad, fresh))
+        dq = torch.zeros(S, d, dtype=cdt, device=inv.device)
+        lib = ctx.lib
+        if lib is not None and not all(t.dtype == torch.float32 and t.is_contiguous() for t in G):
+            lib = None
+        if lib is not None:
+            from megatron_delta.core import group_kernels
+
+            outs = []
+            for i, (t, fresh) in enumerate(targets):
+                if t is None and needs_v[i]:
+                    t = ctx.sinks[i].grad = torch.empty(T, d, dtype=values[i].dtype, device=inv.device)
+                outs.append((t, fresh))
+            dz = torch.empty_like(z)
+            group_kernels.old_backward(lib, G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq)
+            reads = [*flat, *G] + [t for t, f in outs if t is not None and not f]
+            traffic.record("group_old_pass", "backward", reads=reads, writes=[t for t, _ in outs if t is not None])
+        else:
+            # dp_ki = gate beta_k <G_k, s_i>: the gradient of the old softmax weights
+            dp = torch.zeros(S, m, T, dtype=cdt, device=inv.device)
+            prod = None
+            for i, vf in enumerate(flat):
+                vf = _as(vf, cdt)
+                for k, Gk in zip(ks, G):
+                    prod = torch.mul(Gk, vf, out=prod)
+                    dp[k, i] = prod.sum(-1)
+            if has_null:
+                for k, Gk in zip(ks, G):
+                    dp[k, n] = torch.mv(Gk, nv[k])
+            dp.mul_(w.unsqueeze(1))
+            dz = p * (dp - (p * dp).sum(1, keepdim=True)) + p * dlse.unsqueeze(1)
+            gsum = None
+            if unit and G:
+                gsum = G[0].clone()
+                for Gk in G[1:]:
+                    gsum.add_(Gk)
+            for i, vf in enumerate(flat):
+                vf = _as(vf, cdt)
+                c = dz[:, i] * inv[i]  # [S, T]
+                dq.addmm_(c, vf)
+                if not needs_v[i]:
+                    continue
+                e = -(dz[:, i] * z[:, i]).sum(0) * inv[i].square() / d  # [T]
+                gv = torch.mm(c.t(), Q).addcmul_(vf, e.unsqueeze(1))
+                for k, Gk in zip(ks, G):
+                    gv.addcmul_(Gk, (w[k] * p[k, i]).unsqueeze(1))
+                if gsum is not None:
+                    gv.add_(gsum)
+                _sink_add(ctx.sinks[i], gv, values[i].dtype)
+            reads = [*flat, *G] + [t for t, f in targets if t is not None and not f]
+            traffic.record("group_old_pass", "backward", reads=reads,
+                           writes=[ctx.sinks[i].grad for i in range(n) if needs_v[i]])
+        grad_q = [_as(dq[k], dt) for k, dt in enumerate(ctx.query_dtypes)]
+        grad_nl, grad_nv = [], []
+        if has_null:
+            for k, (ldt, vdt) in enumerate(ctx.null_dtypes):
+                grad_nl.append(dz[k, n].sum().to(ldt))
+                if k in stash:
+                    Gk = G[ks.index(k)]
+                    grad_nv.append(torch.mv(Gk.t(), w[k] * p[k, n]).to(vdt))
+                else:
+                    grad_nv.append(torch.zeros(d, dtype=vdt, device=inv.device))
+        return (None,) * 7 + (None,) * n + (*grad_q, *grad_nl, *grad_nv)
+
+
+class _Merge(torch.autograd.Function):
+    """Router k of a group: the online-softmax merge of its older sources' (r_k, lse_k) with the k sources
+    made inside the group (projected here), and u (module docstring).
+
+    Inputs: k, out_dtype, eps, unit, lib, sinks (of the in-group sources), stash, slot (k), r [T, d], lse [T],
+    x (X or None), base (or None), gate ([1] or None), query [d], then the k in-group values.
+    Outputs: u and the weights [1 + k, T] (beta, then the in-group alphas; non-differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, k, out_dtype, eps, unit, lib, sinks, stash, slot, r, lse, x, base, gate, query, *values):
+        ctx.set_materialize_grads(False)
+        T, d = r.shape
+        cdt = r.dtype
+        flat = [v.reshape(T, d) for v in values]
+        flat_base = None if base is None else base.reshape(T, d)
+        g = None if gate is None else _as(gate, cdt)
+        inv = torch.empty(k, T, dtype=cdt, device=r.device)
+        zin = torch.empty(k, T, dtype=cdt, device=r.device)
+        a = torch.empty(1 + k, T, dtype=cdt, device=r.device)
+        if lib is not None and cdt == torch.float32 and out_dtype == torch.float32:
+            from megatron_delta.core import group_kernels
+
+            out = torch.empty(T, d, dtype=cdt, device=r.device)
+            group_kernels.merge_forward(lib, r, lse, x, flat_base, 1.0 if g is None else float(g), _as(query, cdt),
+                                        flat, eps, unit, inv, zin, a, out)
+        else:
+            lib = None
+            q = _as(query, cdt)
+            for i, vf in enumerate(flat):
+                vf = _as(vf, cdt)
+                inv[i] = _inv_rms(vf, eps, cdt)
+                torch.mv(vf, q, out=zin[i]).mul_(inv[i])
+            torch.softmax(torch.cat([lse.unsqueeze(0), zin]), dim=0, out=a)
+            wa = a if g is None else a * g
+            out = torch.mul(r, wa[0].unsqueeze(1))
+            if flat_base is not None:
+                out.add_(flat_base)
+            if x is not None:
+                out.add_(x)
+            for i, vf in enumerate(flat):
+                out.addcmul_(vf, (wa[1 + i] + float(unit)).unsqueeze(1))
+        traffic.record("group_merge", "forward", reads=[r, x, flat_base, *flat], writes=[out])
+        ctx.k, ctx.unit, ctx.lib, ctx.sinks, ctx.stash, ctx.slot, ctx.cdt = k, unit, lib, sinks, stash, slot, cdt
+        ctx.base_dtype = None if base is None else base.dtype
+        ctx.base_shape = None if base is None else base.shape
+        ctx.save_for_backward(r, gate, query, inv, zin, a, *values)
+        ctx.mark_non_differentiable(a)
+        return _as(out, out_dtype), a
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_a):
+        if grad_out is None:
+            return (None,) * (14 + ctx.k)
+        k, unit, cdt = ctx.k, ctx.unit, ctx.cdt
+        r, gate, query, inv, zin, a, *values = ctx.saved_tensors
+        T, d = r.shape
+        flat = [v.reshape(T, d) for v in values]
+        grad = grad_out.reshape(T, d)
+        g = None if gate is None else _as(gate, cdt)
+        gf = 1.0 if g is None else g
+        needs = ctx.needs_input_grad
+        q = _as(query, cdt)
+        lib = ctx.lib
+        if lib is not None and not (grad.dtype == torch.float32 and grad.is_contiguous()):
+            lib = None
+        targets = []
+        for i in range(k):
+            sink = ctx.sinks[i]
+            if not needs[14 + i] or sink is None:
+                targets.append((None, False))
+            else:
+                targets.append((sink.grad, sink.grad is None))
+        dq = torch.zeros(d, dtype=cdt, device=r.device)
+        if lib is not None:
+            from megatron_delta.core import group_kernels
+
+            outs = []
+            for i, (t, fresh) in enumerate(targets):
+                if fresh:
+                    t = ctx.sinks[i].grad = torch.empty(T, d, dtype=values[i].dtype, device=r.device)
+                outs.append((t, fresh))
+            da = torch.empty_like(a)  # <G, r>, <G, v_i> (without the gate)
+            dlog = torch.empty_like(a)
+            group_kernels.merge_backward(lib, grad, r, 1.0 if g is None else float(g), q, flat, inv, zin, a,
+                                         unit, outs, da, dlog, dq)
+        else:
+            gr = _as(grad, cdt)
+            da = torch.empty(1 + k, T, dtype=cdt, device=r.device)
+            prod = torch.mul(gr, r)
+            torch.sum(prod, -1, out=da[0])
+            for i, vf in enumerate(flat):
+                torch.sum(torch.mul(gr, vf, out=prod), -1, out=da[1 + i])
+            dag = da * gf
+            dlog = a * (dag - (a * dag).sum(0, keepdim=True))
+            outs = targets
+            for i, vf in enumerate(flat):
+                vf = _as(vf, cdt)
+                c = dlog[1 + i] * inv[i]
+                dq.add_(torch.mv(vf.t(), c))
+                if targets[i][0] is None and not targets[i][1]:
+                    continue
+                e = -(dlog[1 + i] * zin[i]) * inv[i].square() / d
+                gv = torch.mul(gr, (a[1 + i] * gf + float(unit)).unsqueeze(1))
+                gv.addr_(c, q).addcmul_(vf, e.unsqueeze(1))
+                _sink_add(ctx.sinks[i], gv, values[i].dtype)
+        needed = [i for i, (t, fresh) in enumerate(targets) if t is not None or fresh]
+        traffic.record("group_merge", "backward", reads=[grad, r, *flat] + [targets[i][0] for i in needed],
+                       writes=[ctx.sinks[i].grad for i in needed])
+        ctx.stash.grads[ctx.slot] = (grad_out, a[0] * gf)  # the group's backward reads G and gate * beta
+        grad_gate = None
+        if g is not None and needs[12]:
+            grad_gate = (a * da).sum().reshape(gate.shape).to(gate.dtype)
+        grad_query = _as(dq, query.dtype) if needs[13] else None
+        grad_base = None
+        if ctx.base_dtype is not None and needs[11]:
+            grad_base = _as(grad_out, ctx.base_dtype).view(ctx.base_shape)
+        return (None,) * 9 + (dlog[0], None, grad_base, grad_gate, grad_query) + (None,) * k
+
+
+# --------------------------------------------------------------------------------------------- the buffer's side
+class _Group:
+    """The live state of one group in a SourceBuffer: its old pass's outputs and stash."""
+
+    __slots__ = ("start", "end", "n_old", "old_values", "r", "lse", "x", "p", "stash")
+
+
+class GroupRouting:
+    """A SourceBuffer's group router: the groups of its scope's sublayers and the collected sources.
+
+    ``size``: S >= 2, or ``auto`` (resolved at the scope's first route from its size and the sources its
+    first router reads). Built by SourceBuffer when the plan's router_group_size is not 1."""
+
+    def __init__(self, size: Union[int, str], sublayers: Sequence[int]) -> None:
+        self.size = size
+        self.sublayers = sorted(sublayers)
+        self.spans: Optional[Dict[int, Tuple[int, int]]] = None
+        self.resolved: Optional[int] = None
+        self._group: Optional[_Group] = None
+        self._collected: Dict[int, Tuple[Tensor, Tensor, GradSink]] = {}  # id(value) -> (value, alias, sink)
+
+    def resolve(self, routers: Sequence, value: Tensor, n_older: int) -> int:
+        if self.spans is None:
+            size = self.size
+            if size == AUTO:
+                if any(r.routes_in_kernel(value) for r in routers):
+                    size = 1  # Triton's or fla's kernel routes one router per call
+                else:
+                    size = auto_group_size(len(self.sublayers), n_older)
+            self.spans = group_spans(self.sublayers, size)
+            self.resolved = size
+        return self.resolved
+
+    def _collect(self, value: Tensor) -> Tuple[Tensor, Optional[GradSink]]:
+        hit = self._collected.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1], hit[2]
+        if not value.requires_grad:
+            self._collected[id(value)] = (value, value, None)
+            return value, None
+        sink = GradSink()
+        alias = _Collect.apply(value, sink)
+        self._collected[id(value)] = (value, alias, sink)
+        return alias, sink
+
+    def route(self, buf, key: int, router, *, base: Optional[Tensor], apply_gate: bool, base_sums: bool,
+              record: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        """u of receiver ``key`` (as SourceBuffer.route) and, with ``record``, alpha [s, b, N(+1)]; None for a
+        receiver this router does not route (the final router, or groups of one: the per-router path)."""
+        if not isinstance(key, int) or key not in self.sublayers:
+            return None
+        values = buf.values_read(key)
+        if self.spans is None:
+            self.resolve([buf.readers[j] for j in self.sublayers], values[0], len(values))
+        if self.resolved == 1:
+            return None
+        a, b = self.spans[key]
+        unit = bool(base_sums and base is None)
+        dev = values[0].device.type
+        with torch.autocast(device_type=dev, enabled=False), _outside_fp8(router.outside_fp8):
+            if key == a:
+                self._start(buf, a, b, values, unit)
+            grp = self._group
+            if grp is None or grp.start != a or any(x is not y for x, y in zip(values, grp.old_values)):
+                raise RuntimeError(f"group router: sublayer {key} routes out of its group [{a}, {b}) (the older "
+                                   f"sources changed, or the group's first router did not route)")
+            k = key - a
+            inside = [self._collect(v) for v in values[grp.n_old:]]
+            gate = router.gate if (apply_gate and router.gate is not None) else None
+            like = base if base is not None else values[0]
+            lib = _kernel_lib(router.kernels, [grp.r[k], *values, base])
+            u, w = _Merge.apply(k, like.dtype, buf.eps, unit, lib, [s for _, s in inside], grp.stash, k, grp.r[k],
+                                grp.lse[k], grp.x if unit else None, base, gate, buf.query(router),
+                                *[v for v, _ in inside])
+        u = u.view(values[0].shape)
+        if key == b - 1:
+            self._group = None
+        alpha = None
+        if record:
+            with torch.no_grad():
+                p = grp.p[k]
+                n = grp.n_old
+                parts = [p[:n] * w[0], w[1:]] + ([p[n:] * w[0]] if p.shape[0] > n else [])
+                alpha = torch.cat(parts).t().reshape(*values[0].shape[:-1], -1)
+        return u, alpha
+
+    def _start(self, buf, a: int, b: int, values: List[Tensor], unit: bool) -> None:
+        routers = [buf.readers[j] for j in range(a, b)]
+        collected = [self._collect(v) for v in values]
+        queries = [buf.query(r) for r in routers]
+        null = []
+        if routers[0].null_source is not None:
+            pairs = [r._null(q) for r, q in zip(routers, queries)]
+            null = [z for z, _ in pairs] + [v for _, v in pairs]
+        lib = _kernel_lib(routers[0].kernels, values)
+        grp = _Group()
+        grp.start, grp.end, grp.n_old, grp.old_values = a, b, len(values), values
+        grp.stash = _Stash()
+        S = b - a
+        out = _OldPass.apply(len(values), S, buf.eps, unit, lib, [s for _, s in collected], grp.stash,
+                             *[v for v, _ in collected], *queries, *null)
+        grp.r, grp.lse, grp.x, grp.p = out[:S], out[S:2 * S], out[2 * S], out[2 * S + 1]
+        self._group = grp

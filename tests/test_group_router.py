@@ -1,0 +1,254 @@
+"""core/group_router.py: the group router of delta and full_attnres equals the per-router path (float64, to
+1e-12, outputs and every gradient) for S in {1, 2, 3, 4, all}, with groups cut by pipeline chunks and by
+recompute chunks; its C kernels compute the same function in fp32; its counted traffic is the closed form
+(group_router.passes); the option is refused outside the fine-grained modes with a line naming the flag."""
+import math
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megatron_delta.core import group_kernels, group_router, traffic
+from megatron_delta.core.group_router import auto_group_size, check_group_size, group_spans, passes
+from megatron_delta.core.sources import SourceBuffer, SourcePlan
+from tests.test_sources import EPS, Toy, sublayer
+
+L, D, SEQ, BATCH = 3, 8, 3, 2
+# (mode, null source, gate, x_from_sources): x kept as the sources (delta without a gate), x held (with the gate)
+CONFIGS = [("delta", False, False, True), ("delta", True, False, True), ("delta", True, True, False),
+           ("full_attnres", False, False, False), ("full_attnres", True, False, False)]
+SIZES = [1, 2, 3, 4, "all"]
+CUTS = {"none": (), "chunks": (1, 2), "chunk": (2,), "recompute": "recompute"}  # layer boundaries
+
+
+def _cid(c):
+    mode, null, gate, xs = c
+    return f"{mode}{'-null' if null else ''}{'-gate' if gate else ''}{'-xsum' if xs else ''}"
+
+
+def _toy(mode, null, gate, xs, size, dtype=torch.float64, kernels="torch"):
+    plan = SourcePlan(mode, L, L, x_from_sources=xs, router_group_size=size)
+    toy = Toy(plan, D, null=null, gate=gate, seed=5, kernels=kernels)
+    toy.weights = [w.detach().to(dtype).requires_grad_() for w in toy.weights]
+    for r in toy.routers + ([toy.final] if toy.final else []):
+        r.to(dtype)
+    return toy
+
+
+def _h0(dtype):
+    h0 = torch.randn(SEQ, BATCH, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    return h0.to(dtype).requires_grad_()
+
+
+def _run_recompute(toy, h0, per):
+    """Full recompute of ``per`` layers at a time (as DeltaTransformerBlock._checkpointed_layers): each
+    checkpointed chunk rebuilds its buffer from explicit tensors, scoped to its layers' routers."""
+    plan = toy.plan
+    bounds = tuple(range(per, L, per))
+    tensors = [h0]
+    for first in range(0, L, per):
+        def fn(*ts, first=first):
+            buf = SourceBuffer.from_tensors(plan, first, ts, EPS, readers=toy.readers(first, bounds))
+            for j in range(2 * first, 2 * min(first + per, L)):
+                buf.commit(j, sublayer(buf.routed_input(j, toy.routers[j]), toy.weights[j]))
+            return tuple(buf.to_tensors())
+        tensors = checkpoint(fn, *tensors, use_reentrant=False)
+    return SourceBuffer.from_tensors(plan, L, tensors, EPS, readers=toy.readers(L, bounds)).output(toy.final)
+
+
+def _forward_backward(toy, h0, cut):
+    out = _run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
+    leaves = toy.params() + [h0]
+    go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    return out, torch.autograd.grad(out, leaves, go, allow_unused=True)
+
+
+def _scopes(cut):
+    """The sublayer runs of the buffers' scopes (chunks, or recompute chunks of 2 layers)."""
+    bounds = [0] + (list(range(2, L, 2)) if cut == "recompute" else list(cut)) + [L]
+    return [2 * (b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.fixture
+def group_passes(monkeypatch):
+    """Counts the old passes (one per group) the group router makes."""
+    count = [0]
+    apply = group_router._OldPass.apply
+
+    def counted(*a):
+        count[0] += 1
+        return apply(*a)
+    monkeypatch.setattr(group_router._OldPass, "apply", counted)
+    return count
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+def test_float64_equals_the_per_router_path(config, size, cut, group_passes):
+    """Every group size and cut computes the per-router path's function: outputs and every gradient (sublayer
+    weights, each router's query, key-norm weight, null source and gate, the embedding output) to 1e-12."""
+    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
+    assert group_passes[0] == 0  # S = 1: today's per-router path
+    S = 2 * L if size == "all" else size
+    out, grads = _forward_backward(_toy(*config, S), _h0(torch.float64), CUTS[cut])
+    expected = sum(math.ceil(n / S) for n in _scopes(CUTS[cut])) if S > 1 else 0
+    assert group_passes[0] == expected * (2 if cut == "recompute" else 1)  # recompute runs each forward twice
+    assert (out - ref_out).abs().max().item() <= 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert (g is None) == (r is None)
+        if r is not None:
+            assert (g - r).abs().max().item() <= 1e-12 * max(1.0, r.abs().max().item())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+def test_routing_weights_recorded_as_the_per_router_path(config):
+    """With routing recorded, each grouped router's alpha (older sources, in-group sources, null source last)
+    is the per-router path's."""
+    h0 = _h0(torch.float64)
+    _, ref_bufs = _toy(*config, 1).run(h0, (), record_routing=True)
+    _, bufs = _toy(*config, 3).run(h0, (), record_routing=True)
+    for j in range(2 * L):
+        a, r = bufs[0].routing[j], ref_bufs[0].routing[j]
+        assert a.shape == r.shape and (a - r).abs().max().item() <= 1e-12
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+def test_c_kernels_in_fp32(config, monkeypatch):
+    """The fused CPU kernels (fp32) compute the float64 function to fp32 round-off, as the PyTorch ops do;
+    each of the four kernels runs."""
+    calls = {}
+    for name in ("old_forward", "old_backward", "merge_forward", "merge_backward"):
+        fn = getattr(group_kernels, name)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(group_kernels, name, counted)
+    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
+    errors = {}
+    for kernels in ("c", "torch"):
+        toy = _toy(*config, 3, torch.float32, kernels)
+        out, grads = _forward_backward(toy, _h0(torch.float32), (2,))
+        err = (out.double() - ref_out).abs().max().item() / ref_out.abs().max().item()
+        gerr = max((g.double() - r).abs().max().item() / max(r.abs().max().item(), 1e-3)
+                   for g, r in zip(grads, ref_grads) if r is not None)
+        errors[kernels] = (err, gerr)
+    assert set(calls) == {"old_forward", "old_backward", "merge_forward", "merge_backward"}, calls
+    assert errors["c"][0] <= 1e-6 and errors["c"][1] <= 1e-5, errors
+    assert errors["torch"][0] <= 1e-6 and errors["torch"][1] <= 1e-5, errors
+
+
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+def test_counted_traffic_is_the_closed_form(config, kernels):
+    """The group router's recorded reads and writes of [T, d] tensors, forward and backward, are
+    group_router.passes (fp32: one pass is one [T, d] fp32 tensor)."""
+    mode, null, gate, xs = config
+    S = 3
+    toy = _toy(*config, S, torch.float32, kernels)
+    with traffic.counting() as count:
+        _forward_backward(toy, _h0(torch.float32), ())
+    rows = count.rows(SEQ * BATCH * D, act_bytes=4)
+    counted = sum(v for (kernel, _), v in rows.items() if kernel.startswith("group_"))
+    n_read = 2 * L - 1 + 1  # h0, v0 .. v_{2L-2}: each source a router reads
+    assert counted == passes(2 * L, 1, S, unit=xs, base=gate) - n_read
+
+
+def test_group_spans_and_auto_size():
+    assert group_spans([0, 1, 2, 3, 4, 5], 4) == {0: (0, 4), 1: (0, 4), 2: (0, 4), 3: (0, 4), 4: (4, 6), 5: (4, 6)}
+    assert group_spans([4, 5, 6], 2) == {4: (4, 6), 5: (4, 6), 6: (6, 7)}
+    assert group_spans([0, 1, 3], 3) == {0: (0, 2), 1: (0, 2), 3: (3, 4)}  # never across a gap
+    # auto: the S minimising the counted passes of equal groups, sqrt(n + 2 n0), within [1, n]
+    assert auto_group_size(24, 1) == 5 and auto_group_size(8, 1) == 3 and auto_group_size(2, 40) == 2
+    for n, n0 in [(24, 1), (8, 1), (12, 13), (48, 1)]:
+        best = min(range(1, n + 1), key=lambda s: passes(n, n0, s))
+        assert passes(n, n0, auto_group_size(n, n0)) <= 1.1 * passes(n, n0, best), (n, n0)
+
+
+@pytest.mark.parametrize("value,residual,sources,kernels,message", [
+    (2, "delta_block", "exact", "auto", "--delta-router-group-size 2 applies to --residual delta and full_attnres "
+     "(every sublayer's output is a source), not delta_block; drop --delta-router-group-size or set it to 1"),
+    (3, "baseline", "exact", "auto", "--delta-router-group-size 3 applies to --residual delta and full_attnres "
+     "(every sublayer's output is a source), not baseline; drop --delta-router-group-size or set it to 1"),
+    (2, "delta", "authors-code", "auto", "--delta-router-group-size 2 needs --delta-sources exact (the authors' "
+     "delta starts with a router that reads no source); drop --delta-router-group-size or set it to 1"),
+    (4, "full_attnres", "exact", "fla", "--delta-router-group-size 4 cannot run on fla's kernels "
+     "(--delta-router-kernels fla routes one router per call); use --delta-router-kernels auto, c or torch, or "
+     "--delta-router-group-size 1"),
+    (2, "delta", "exact", "triton", "--delta-router-group-size 2 cannot run on triton's kernels "
+     "(--delta-router-kernels triton routes one router per call); use --delta-router-kernels auto, c or torch, "
+     "or --delta-router-group-size 1"),
+    ("0", "delta", "exact", "auto", "--delta-router-group-size '0' is not 'auto' or a positive integer (1 = one "
+     "router per pass)"),
+    ("two", "delta", "exact", "auto", "--delta-router-group-size 'two' is not 'auto' or a positive integer (1 = "
+     "one router per pass)"),
+])
+def test_refusals_name_the_flag(value, residual, sources, kernels, message):
+    with pytest.raises(ValueError) as e:
+        check_group_size(value, residual, sources, kernels)
+    assert str(e.value) == message
+
+
+def test_accepted_values():
+    assert check_group_size("auto", "delta_block") == "auto"  # auto and 1 mean the per-router path there
+    assert check_group_size("1", "attnres") == 1
+    assert check_group_size("4", "delta") == 4 and check_group_size(2, "full_attnres", kernels="c") == 2
+    assert not SourcePlan("delta_block", 4, 2, router_group_size="auto").groups_routers
+    assert not SourcePlan("delta", 4, 1, "authors-code", router_group_size="auto").groups_routers
+    assert SourcePlan("delta", 4, 1, router_group_size="auto").groups_routers
+
+
+def test_config_and_flag_refuse_a_size_for_another_mode():
+    from megatron_delta.core.config import DeltaTransformerConfig
+    from megatron_delta.trainer.arguments import TrainerArgumentError
+    from megatron_delta.trainer.main import parse_args
+    from tests.test_cli_errors import MOCK, TINY
+
+    with pytest.raises(ValueError, match="^--delta-router-group-size 2 applies to --residual delta and full_attnres"):
+        DeltaTransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, residual="delta_block",
+                               delta_router_group_size=2)
+    config = DeltaTransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, residual="delta",
+                                    delta_router_group_size="3")
+    assert config.delta_router_group_size == 3
+    with pytest.raises(TrainerArgumentError, match="^--delta-router-group-size 2 applies to --residual delta"):
+        parse_args(TINY + MOCK + ["--residual", "attnres", "--delta-router-group-size", "2"])
+    args = parse_args(TINY + MOCK + ["--residual", "full_attnres", "--delta-router-group-size", "2"])
+    assert args.delta_router_group_size == 2
+    assert parse_args(TINY + MOCK + ["--residual", "delta"]).delta_router_group_size == "auto"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+def test_bf16_activations(config):
+    """bf16 sources (PyTorch ops, fp32 router math, fp32 partial mixes): the float64 function to bf16 round-off,
+    no worse than the per-router path in bf16; a graph kept for a second backward gives the same gradients."""
+    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
+    errors = []
+    for size in (1, 3):
+        toy = _toy(*config, size, torch.bfloat16)
+        for r in toy.routers + ([toy.final] if toy.final else []):
+            r.float()  # as Megatron's --bf16 keeps them trainable in fp32 math (query_vector is fp32)
+        h0 = _h0(torch.bfloat16)
+        out = toy.run(h0, (2,))[0]
+        go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+        leaves = toy.params() + [h0]
+        first = torch.autograd.grad(out, leaves, go, retain_graph=True, allow_unused=True)
+        second = torch.autograd.grad(out, leaves, go, allow_unused=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, second) if a is not None)
+        errors.append(max([(out.double() - ref_out).abs().max().item() / ref_out.abs().max().item()] +
+                          [(g.double() - r).abs().max().item() / max(r.abs().max().item(), 1e-3)
+                           for g, r in zip(first, ref_grads) if r is not None]))
+    assert errors[1] <= max(2 * errors[0], 2e-2), errors
+
+
+@pytest.mark.parametrize("cut,groups", [((), 2), ((2,), 3)])
+def test_auto_resolves_per_scope(cut, groups, group_passes):
+    """auto: S = round(sqrt(n + 2 n0)) per buffer scope: one chunk of 6 routers reading 1 source first -> S = 3
+    (2 groups); chunks of 4 (n0 = 1: S = 2) and 2 routers (n0 = 5: S = 4, clipped to 2) -> 3 groups."""
+    config = ("delta", True, False, True)
+    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
+    out, grads = _forward_backward(_toy(*config, "auto"), _h0(torch.float64), cut)
+    assert group_passes[0] == groups
+    assert (out - ref_out).abs().max().item() <= 1e-12
+    assert all((g - r).abs().max().item() <= 1e-12 * max(1.0, r.abs().max().item())
+               for g, r in zip(grads, ref_grads) if r is not None)
