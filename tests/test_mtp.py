@@ -8,7 +8,7 @@ with two MTP depths against the float64 reference (tests/reference_delta.py): th
 logits, and every router's gradient. The refusal of full recompute with routed MTP depths.
 Slow (two one-process launches of pretrain_gpt.py): baseline trains with MTP, Megatron logs `mtp_1 loss`
 each iteration, and the iteration-1 lm loss is the one of the same run without MTP. One PP2 launch (MTP on
-the last stage) gives the TP1 losses of attnres, full_attnres and delta_block with MTP.
+the last stage) gives the TP1 losses of attnres and delta_block with MTP.
 """
 from __future__ import annotations
 
@@ -236,3 +236,23 @@ def test_baseline_mtp_trains_through_pretrain_gpt(tmp_path):
     # Before any update the main head sees the same weights and data: MTP adds only its own loss.
     assert with_mtp[1] == without[1], (with_mtp, without)
     assert with_mtp[3] != without[3]  # the MTP loss's gradients reach the shared weights
+
+
+MTP_SPECS = ["attnres/mtp", "delta_block/mtp"]  # a replacement and an additive mode (the fast test has all)
+
+
+@pytest.mark.slow
+def test_pp2_with_mtp_on_the_last_stage_gives_the_tp1_losses(tp1_reference):
+    """The MTP block is on the last stage, which receives the decoder's sources in the stage payload: its
+    depths read them (replacement modes) or the final hidden state (additive), and the MTP loss's gradients
+    reach both stages. ITERS iterations from the same initial model give TP1's losses within 1e-5."""
+    from tests import rank_runner
+    from tests.dist_utils import run_distributed
+
+    ref = tp1_reference.runs(MTP_SPECS)
+    got = run_distributed(rank_runner.run_specs, 2, tp1_reference.root, "pp2", ["--pipeline-model-parallel-size", "2"],
+                          [[s, "fp32"] for s in MTP_SPECS], timeout=1500)[-1]
+    for spec in MTP_SPECS:
+        want, have = ref[spec]["fp32"]["losses"], got[spec]["fp32"]["losses"]
+        assert want[-1] < want[0], (spec, want)  # it trains
+        assert len(have) == len(want) and max(abs(a - b) for a, b in zip(have, want)) <= 1e-5, (spec, have, want)

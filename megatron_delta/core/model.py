@@ -144,6 +144,15 @@ class DeltaGPTModel(GPTModel):
     # GPTModel.forward runs the decoder, then _postprocess (MTP, output layer, loss) in the same call: the
     # decoder's final sources (the trunk tuple, core/mtp.py) go to the MTP depths for that call only.
     def _postprocess(self, *args, **kwargs):
+        if not self.mtp_process:
+            return super()._postprocess(*args, **kwargs)
+        rotary = kwargs.get("rotary_pos_emb")
+        if isinstance(rotary, torch.Tensor) and not self.pre_process:
+            # GPTModel sized the rotary table from the stage payload (several tensors x seq), as the decoder
+            # found it (DeltaTransformerBlock.forward): the MTP layers need the positions of one sequence.
+            hidden = kwargs["hidden_states"]
+            kwargs["rotary_pos_emb"] = rotary[:hidden.size(0) * (self.config.tensor_model_parallel_size
+                                                                 if self.config.sequence_parallel else 1)]
         if not self.mtp_reads_sources:
             return super()._postprocess(*args, **kwargs)
         trunk, self.decoder.final_sources = self.decoder.final_sources, None
