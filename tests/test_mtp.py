@@ -209,6 +209,24 @@ def test_routed_mtp_refuses_full_recompute():
             recompute_num_layers=1)
 
 
+def test_trainer_refuses_routed_mtp_with_full_recompute_before_startup(monkeypatch, capsys):
+    from megatron_delta.trainer import main as trainer_main
+
+    def started(args):
+        raise AssertionError("the run started: the flags were not refused at start-up")
+
+    monkeypatch.setattr(trainer_main, "run", started)
+    rc = trainer_main.main(tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, train_iters=1) + [
+        "--residual", "full_attnres", "--mtp-num-layers", "1", "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: --recompute-granularity full cannot be used with --mtp-num-layers and --residual "
+        "full_attnres: each MTP depth reads the decoder's sources, which Megatron's MTP recompute does not take as "
+        "inputs. Use --recompute-granularity selective, or no recompute")
+
+
 # ------------------------------------------------------------------------------- through pretrain_gpt.py
 def _train(tmp_path, name, extra):
     metrics = str(tmp_path / f"{name}.jsonl")
