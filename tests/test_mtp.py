@@ -196,6 +196,22 @@ def test_mtp_depths_match_the_float64_reference(models, mode, null):
         assert (p.grad.double() - want).abs().max().item() <= 1e-4 * want.abs().max().item() + 1e-12, name
 
 
+def test_additive_modes_mtp_layer_is_megatrons_own():
+    """The additive modes' MTP depths are the residual layer baseline builds, also from a routed layer spec (or a
+    block spec of them, as the MoE block spec of a routed mode is): same submodules, Megatron's bias-dropout-add."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_delta.core.mtp import megatron_layer_of
+    from megatron_delta.core.specs import get_gpt_layer_local_spec_sp, get_gpt_layer_with_delta_spec
+
+    plain, routed = get_gpt_layer_local_spec_sp(), get_gpt_layer_with_delta_spec()
+    for spec in (routed, TransformerBlockSubmodules(layer_specs=[plain, routed])):
+        got = megatron_layer_of(spec)
+        assert got.module is TransformerLayer and repr(got.submodules) == repr(plain.submodules)  # (partials: by value)
+    assert megatron_layer_of(plain) is plain
+
+
 def test_routed_mtp_refuses_full_recompute():
     with pytest.raises(ValueError) as e:
         _config(1, num_layers=4, residual="attnres", delta_num_blocks=2, recompute_granularity="full",

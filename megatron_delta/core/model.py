@@ -17,7 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_delta.core.block import DeltaTransformerBlock
 from megatron_delta.core.config import DeltaTransformerConfig
-from megatron_delta.core.mtp import routed_mtp_block_spec, routes_mtp
+from megatron_delta.core.mtp import megatron_layer_of, routed_mtp_block_spec, routes_mtp
 from megatron_delta.core.norms import LocalNorm
 from megatron_delta.core.source_cache import link_chunks
 from megatron_delta.core.specs import (
@@ -59,7 +59,7 @@ def megatron_mtp_layer_spec(config: DeltaTransformerConfig, vp_stage=None, trans
     if config.num_moe_experts:
         block_spec = moe_decoder_block_spec(config, vp_stage, transformer_impl)
         if block_spec.layer_specs:
-            return block_spec
+            return megatron_layer_of(block_spec)  # its last layer, as Megatron's own (routed modes' specs too)
     return megatron_layer_spec(config, transformer_impl)
 
 

@@ -20,11 +20,15 @@ the layer is depends on the mode:
 
 from __future__ import annotations
 
+from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from typing import List, Optional
 
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import deprecate_inference_params
 
 from megatron_delta.core.layer import DeltaTransformerLayer, build_router
@@ -119,6 +123,21 @@ class DeltaMultiTokenPredictionLayer(MultiTokenPredictionLayer):
         if isinstance(hidden_states, MTPDepthSources):
             hidden_states = hidden_states.output(self.final_router)
         return super()._postprocess(hidden_states)
+
+
+def megatron_layer_of(spec):
+    """Megatron's own TransformerLayer spec with ``spec``'s submodules: a DeltaTransformerLayer spec (or a block
+    spec whose last layer is one, as MTP reads it) back to the residual layer, Megatron's bias-dropout-add
+    included; any other spec as given. The additive modes' MTP depths are Megatron's layers (module docstring)."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        spec = spec.layer_specs[-1]
+    if not (isinstance(spec, ModuleSpec) and isinstance(spec.module, type)
+            and issubclass(spec.module, DeltaTransformerLayer)):
+        return spec
+    fields = {f.name: getattr(spec.submodules, f.name) for f in dataclass_fields(TransformerLayerSubmodules)}
+    fields.update(self_attn_bda=get_bias_dropout_add, mlp_bda=get_bias_dropout_add)
+    return ModuleSpec(module=TransformerLayer, params=dict(spec.params),
+                      submodules=TransformerLayerSubmodules(**fields))
 
 
 def routed_mtp_block_spec(block_spec, routed_layer_spec: ModuleSpec):
