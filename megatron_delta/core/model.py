@@ -17,6 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_delta.core.block import DeltaTransformerBlock
 from megatron_delta.core.config import DeltaTransformerConfig
+from megatron_delta.core.layer import DeltaTransformerLayer
 from megatron_delta.core.mtp import megatron_layer_of, routed_mtp_block_spec, routes_mtp
 from megatron_delta.core.norms import LocalNorm
 from megatron_delta.core.source_cache import link_chunks
@@ -72,7 +73,12 @@ def mtp_spec_for(config: DeltaTransformerConfig, vp_stage=None, transformer_impl
     block_spec = mtp_block_spec(config, megatron_mtp_layer_spec(config, vp_stage, transformer_impl), vp_stage,
                                 transformer_impl)
     if routes_mtp(config):
-        block_spec = routed_mtp_block_spec(block_spec, layer_spec_for(config, transformer_impl))
+        routed = layer_spec_for(config, transformer_impl)
+        if config.num_moe_experts:  # the decoder's last layer, MoE or dense (--moe-layer-freq), as it is routed
+            last = moe_decoder_block_spec(config, vp_stage, transformer_impl).layer_specs[-1:]
+            if last and issubclass(last[0].module, DeltaTransformerLayer):
+                routed = last[0]
+        block_spec = routed_mtp_block_spec(block_spec, routed)
     return block_spec
 
 
