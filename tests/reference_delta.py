@@ -46,6 +46,15 @@ Router parameters (names chosen here; map them with ``reference_router_key``)::
     which: query [d] (w), key_norm_weight [d] (g), null_source [d] (z, optional),
            gate [1] (a, optional, additive modes only; any shape broadcastable to a scalar).
 
+Multi-token prediction (``mtp_num_layers`` D > 0; docs/design.md section 1.7), depth k = 0..D-1, named as
+Megatron's MultiTokenPredictionLayer state_dict::
+
+    mtp.layers.{k}.enorm.weight, hnorm.weight, final_layernorm.weight    [d]
+    mtp.layers.{k}.eh_proj.weight                                        [d, 2d]  (input [enorm(e); hnorm(h)])
+    mtp.layers.{k}.mtp_model_layer.<a decoder layer's names>             (its one transformer layer)
+    mtp.layers.{k}.mtp_model_layer.{self_attention,mlp}_router.{which}   (replacement modes)
+    mtp.layers.{k}.final_router.{which}                                  (replacement modes)
+
 Conventions (decided here where docs/design.md is silent)
 ----------------------------------------------------
 * Router rms eps: ``eps`` argument of ``reference_forward``; default ``cfg.norm_eps``.
@@ -177,8 +186,44 @@ def backbone_param_shapes(cfg: RefConfig) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
+def layer_param_shapes(cfg: RefConfig, prefix: str) -> Dict[str, Tuple[int, ...]]:
+    """One transformer layer's weights under ``prefix`` (e.g. ``decoder.layers.0.``)."""
+    d, hn, nh, ng = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
+    shapes = {prefix + "input_layernorm.weight": (d,),
+              prefix + "self_attention.linear_qkv.weight": ((nh + 2 * ng) * hn, d)}
+    if cfg.qk_layernorm:
+        shapes[prefix + "self_attention.q_layernorm.weight"] = (hn,)
+        shapes[prefix + "self_attention.k_layernorm.weight"] = (hn,)
+    shapes[prefix + "self_attention.linear_proj.weight"] = (d, nh * hn)
+    shapes[prefix + "pre_mlp_layernorm.weight"] = (d,)
+    shapes[prefix + "mlp.linear_fc1.weight"] = (2 * cfg.ffn_hidden_size, d)
+    shapes[prefix + "mlp.linear_fc2.weight"] = (d, cfg.ffn_hidden_size)
+    return shapes
+
+
+def mtp_param_shapes(cfg: RefConfig, mtp_num_layers: int) -> Dict[str, Tuple[int, ...]]:
+    """The MTP depths' backbone weights (routers excluded)."""
+    d = cfg.hidden_size
+    shapes = {}
+    for k in range(mtp_num_layers):
+        p = f"mtp.layers.{k}."
+        shapes.update({p + "enorm.weight": (d,), p + "hnorm.weight": (d,), p + "eh_proj.weight": (d, 2 * d)})
+        shapes.update(layer_param_shapes(cfg, p + "mtp_model_layer."))
+        shapes[p + "final_layernorm.weight"] = (d,)
+    return shapes
+
+
+def mtp_router_prefixes(mode: str, mtp_num_layers: int) -> List[str]:
+    """The routers of the MTP depths (replacement modes only; the additive modes' depths are residual layers)."""
+    if mode not in REPLACEMENT_MODES:
+        return []
+    return [f"mtp.layers.{k}.{r}" for k in range(mtp_num_layers)
+            for r in ("mtp_model_layer.self_attention_router", "mtp_model_layer.mlp_router", "final_router")]
+
+
 def init_reference_weights(cfg: RefConfig, mode: str = "baseline", null_source: bool = False,
-                           gate: bool = False, seed: int = 0, router_init: str = "random"):
+                           gate: bool = False, seed: int = 0, router_init: str = "random",
+                           mtp_num_layers: int = 0):
     """Random float64 weights for self-tests.
 
     Backbone: embeddings N(0,1), linears N(0, 1/fan_in), norm weights 1 + 0.1 N(0,1).
@@ -193,7 +238,8 @@ def init_reference_weights(cfg: RefConfig, mode: str = "baseline", null_source: 
         return torch.randn(*shape, generator=gen, dtype=DTYPE)
 
     w = {}
-    for name, shape in backbone_param_shapes(cfg).items():
+    shapes = dict(backbone_param_shapes(cfg), **mtp_param_shapes(cfg, mtp_num_layers))
+    for name, shape in shapes.items():
         if len(shape) == 1:
             w[name] = 1.0 + 0.1 * randn(*shape)
         elif name == "embedding.word_embeddings.weight":
@@ -201,7 +247,9 @@ def init_reference_weights(cfg: RefConfig, mode: str = "baseline", null_source: 
         else:
             w[name] = randn(*shape) / math.sqrt(shape[1])
     d = cfg.hidden_size
-    for name in router_param_names(cfg, mode, null_source, gate):
+    mtp_routers = [f"{p}.{which}" for p in mtp_router_prefixes(mode, mtp_num_layers)
+                   for which in ("query", "key_norm_weight") + (("null_source",) if null_source else ())]
+    for name in router_param_names(cfg, mode, null_source, gate) + mtp_routers:
         field = name.rsplit(".", 1)[1]
         if router_init == "design":
             w[name] = torch.ones(d, dtype=DTYPE) if field == "key_norm_weight" else (
@@ -283,10 +331,10 @@ def mlp(x, w, prefix):
     return (F.silu(gate_) * up) @ w[prefix + "linear_fc2.weight"].T
 
 
-def sublayer(j, u, w, cfg: RefConfig, rope_emb):
-    """f_j(u), including the sublayer's own input norm. Returns v_j (the residual addend)."""
-    i = j // 2
-    p = f"decoder.layers.{i}."
+def sublayer(j, u, w, cfg: RefConfig, rope_emb, prefix: Optional[str] = None):
+    """f_j(u), including the sublayer's own input norm. Returns v_j (the residual addend).
+    ``prefix``: the layer's weights (default: decoder layer j // 2); only j's parity is read then."""
+    p = f"decoder.layers.{j // 2}." if prefix is None else prefix
     if j % 2 == 0:
         h = rms_norm(u, w[p + "input_layernorm.weight"], cfg.norm_eps)
         return attention(h, w, p + "self_attention.", cfg, rope_emb)
@@ -325,8 +373,11 @@ def reference_forward(weights: Dict[str, torch.Tensor], cfg: RefConfig, tokens, 
                       num_blocks: Optional[int] = None, sources: str = "exact",
                       null_source: bool = False, gate: bool = False, eps: Optional[float] = None,
                       return_routing: bool = False,
-                      debug_hook: Optional[Callable[[dict], None]] = None):
+                      debug_hook: Optional[Callable[[dict], None]] = None, mtp_num_layers: int = 0):
     """Logits [b, s, vocab] (float64) of the model in residual ``mode``.
+
+    mtp_num_layers D > 0 returns ``(logits, [the logits of MTP depth k for k < D])`` instead
+    (docs/design.md section 1.7; not with return_routing).
 
     num_blocks: K for delta_block / attnres (must divide L). sources: 'exact' | 'authors-code'
     (delta, delta_block only). null_source / gate: whether routers have z / a (gate: additive modes).
@@ -450,13 +501,56 @@ def reference_forward(weights: Dict[str, torch.Tensor], cfg: RefConfig, tokens, 
         x, alpha = read("final", S)
         hook("final", S, None, x, x, alpha)
 
+    trunk = S if mode in REPLACEMENT_MODES else None  # what the final router read
     x = rms_norm(x, w["decoder.final_layernorm.weight"], cfg.norm_eps)
     out_w = (w["embedding.word_embeddings.weight"] if cfg.share_embeddings_and_output_weights
              else w["output_layer.weight"])
     logits = x @ out_w.T
+    if mtp_num_layers:
+        assert not return_routing
+        return logits, mtp_forward(w, cfg, tokens, mode, x, trunk, mtp_num_layers, null_source, eps, rope_emb,
+                                   out_w)
     if return_routing:
         return logits, alphas, counts
     return logits
+
+
+def mtp_forward(w, cfg: RefConfig, tokens, mode, h, trunk, mtp_num_layers, null_source, eps, rope_emb, out_w):
+    """docs/design.md section 1.7. Depth k reads h (the previous depth's output; first the decoder's, after
+    its final norm) and the tokens shifted left by k + 1 (a 0 enters at the end), forms
+    z = eh_proj([enorm(embedding); hnorm(h)]) and runs one layer on z: a residual layer (baseline and the
+    additive modes), or, in the replacement modes, sublayers that route over the decoder's final sources
+    ``trunk`` plus the depth's own (attnres: one partial p starting at z; full_attnres: z and each output),
+    and a final router of the depth over the same; then the depth's final norm. Returns the logits per depth."""
+    out = []
+    ids = torch.as_tensor(tokens)
+    for k in range(mtp_num_layers):
+        ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        p = f"mtp.layers.{k}."
+        e = rms_norm(F.embedding(ids, w["embedding.word_embeddings.weight"]), w[p + "enorm.weight"], cfg.norm_eps)
+        z = torch.cat([e, rms_norm(h, w[p + "hnorm.weight"], cfg.norm_eps)], dim=-1) @ w[p + "eh_proj.weight"].T
+        layer = p + "mtp_model_layer."
+        if mode in REPLACEMENT_MODES:
+            def read(router, srcs):
+                zs = w[router + ".null_source"] if null_source else None
+                return route(srcs, w[router + ".query"], w[router + ".key_norm_weight"], zs, eps)[0]
+
+            own, partial = [], z
+            for j, router in ((0, "self_attention_router"), (1, "mlp_router")):
+                u = read(layer + router, trunk + own + [partial])
+                v = sublayer(j, u, w, cfg, rope_emb, prefix=layer)
+                if mode == "full_attnres":
+                    own, partial = own + [partial], v
+                else:
+                    partial = partial + v
+            y = read(p + "final_router", trunk + own + [partial])
+        else:
+            y = z
+            for j in (0, 1):
+                y = y + sublayer(j, y, w, cfg, rope_emb, prefix=layer)
+        h = rms_norm(y, w[p + "final_layernorm.weight"], cfg.norm_eps)
+        out.append(h @ out_w.T)
+    return out
 
 
 def weights_from_megatron_state_dict(state_dict) -> Dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ megatron_delta.evaluation.loaders).
     launch trains all modes in sequence: tests/rank_runner.py train_all) -> export (resharded to one
     process) -> transformers logits == Megatron logits (tools/evaluate.py code), fp32, <= EXPORT_TOL (5e-6:
     fp32 round-off, measured 6e-7 .. 1.2e-6; a router query exported x1.0001 would pass 1e-4);
-(b) HF -> Megatron -> HF is lossless (tiny Qwen3 and tied Llama, built offline);
+(b) HF -> Megatron -> HF is lossless (tiny Qwen3, tied Llama and Qwen3-MoE, built offline); the routed modes' HF
+    model holds Qwen3-MoE's MLP; the export drops MTP depths with one line;
 (c) importing with the scalar gate reproduces the HF logits in Megatron;
 (d) clear errors: unknown architecture, missing tokenizer, mode / vocabulary mismatch.
 CPU, offline, one thread.
@@ -305,6 +306,93 @@ def test_import_with_gate_reproduces_hf_logits(tmp_path, kind, mode, extra):
     hf_checkpoint.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "out"), log=lambda *a: None)
     delta = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
     assert (_hf_logits(delta, ids) - meg).abs().max().item() <= TOL
+
+
+# ---------------------------------------------------------------------------------------------- mixture of experts
+def _tiny_moe(norm_topk_prob=True):
+    """Tiny Qwen3-MoE: 4 experts, top-2, layer 1 dense (mlp_only_layers), untied, random non-trivial norms."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, mlp_only_layers=[1], num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=False))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_import_and_export_roundtrip(tmp_path, norm_topk_prob):
+    """Qwen3-MoE -> Megatron's MoE layers (baseline): the HF logits (top-k renormalised = Megatron's softmax over
+    the top-k logits; not renormalised = --moe-router-pre-softmax); -> stock Qwen3MoeForCausalLM: every tensor back."""
+    hf = _tiny_moe(norm_topk_prob)
+    hf.save_pretrained(tmp_path / "src")
+    hf_checkpoint.import_checkpoint(str(tmp_path / "src"), str(tmp_path / "meg"), "baseline", log=lambda *a: None)
+    model, _, rc = loaders.load_megatron(str(tmp_path / "meg"))
+    assert (rc["num_experts"], rc["moe_router_topk"], rc["moe_ffn_hidden_size"], rc["moe_layer_freq"],
+            rc["moe_router_pre_softmax"]) == (4, 2, 48, [1, 0, 1, 1], not norm_topk_prob)
+    assert type(model.decoder.layers[0].mlp).__name__ == "MoELayer" and len(
+        model.decoder.layers[0].mlp.experts.local_experts) == 4
+    ids = [7, 3, 250, 299, 0, 12, 12, 44]
+    meg = loaders.megatron_logits(model, torch.tensor([ids]))[0, :, :300]
+    diff = (meg - _hf_logits(hf, ids)).abs().max().item()
+    assert diff <= TOL, diff  # measured 1.8e-7 .. 2.1e-7 (logits ~0.65)
+    hf_checkpoint.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "back"), log=lambda *a: None)
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()  # no remote code
+    assert type(back) is type(hf)
+    a, b = hf.state_dict(), back.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert torch.equal(_hf_logits(hf, ids), _hf_logits(back, ids))
+
+
+def test_routed_remote_code_model_holds_qwen3_moe_mlp(tmp_path):
+    """The routed modes' HF model (remote code) has Qwen3-MoE's MLP where Qwen3-MoE has one, under its parameter
+    names; with the scalar gate at zero it computes Qwen3-MoE's function, also once written and reloaded as
+    remote code."""
+    from megatron_delta.hf import DeltaQwen3ForCausalLM, write_remote_code_model
+
+    hf = _tiny_moe()
+    delta = DeltaQwen3ForCausalLM.from_backbone(hf, residual="delta_block", delta_num_blocks=2,
+                                                delta_gate="scalar").eval()
+    names = {k for k in delta.state_dict() if "_router." not in k}
+    assert names == set(hf.state_dict())
+    ids = [7, 3, 250, 299, 0, 12, 12, 44]
+    assert torch.equal(_hf_logits(delta, ids), _hf_logits(hf, ids))
+    write_remote_code_model(delta, delta.config, str(tmp_path / "out"))
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
+    assert again.config.num_experts == 4 and again.config.mlp_only_layers == [1]
+    assert torch.equal(_hf_logits(again, ids), _hf_logits(hf, ids))
+
+
+def test_export_drops_mtp_depths_with_one_line(tmp_path):
+    """A checkpoint with MTP depths keeps them (the model built from its run_config has them); the export writes
+    the main model only, says so in one line, and its logits are the Megatron main head's."""
+    from megatron_delta.checkpoint.model_config import padded_vocab_size
+    from megatron_delta.checkpoint.store import save_checkpoint
+
+    rc = hf_checkpoint.model_config_from_hf(_tiny("qwen3").config, "attnres", delta_num_blocks=2)
+    rc["mtp_num_layers"] = 1
+    model, args = loaders.build_megatron_model(rc, padded_vocab_size(300))
+    args.vocab_size, args.tokenizer_type = 300, "NullTokenizer"
+    save_checkpoint(str(tmp_path / "meg"), 0, [model], None, None, 0, args, save_optim=False)
+    loaded, _, rc = loaders.load_megatron(str(tmp_path / "meg"))
+    assert rc["mtp_num_layers"] == 1 and any(k.startswith("mtp.layers.0.final_router") for k in loaded.state_dict())
+    lines = []
+    hf_checkpoint.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "out"), log=lines.append)
+    assert lines[0] == (f"[export] the 1 multi-token prediction depth(s) (mtp.layers.*) are not exported: Hugging "
+                        f"Face's Qwen3 has no MTP head; they stay in the Megatron checkpoint "
+                        f"{tmp_path / 'meg' / 'iter_0000000'}")
+    out = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
+    ids = [7, 3, 250, 299, 0, 12, 12, 44]
+    meg = loaders.megatron_logits(loaded, torch.tensor([ids]))[0, :, :300]
+    assert (_hf_logits(out, ids) - meg).abs().max().item() <= TOL
 
 
 # ---------------------------------------------------------------------------------------------- (d)

@@ -194,3 +194,48 @@ def test_router_share_cli(capsys):
     assert memory_plan.main(["--router-share", "B200"]) == 0
     out = capsys.readouterr().out
     assert "on B200" in out and "| 8B | delta_block | fla |" in out and "| 1B | full_attnres | torch |" in out
+
+
+# ----------------------------------------------------------------------------------- multi-token prediction
+@pytest.mark.parametrize("mode", ["baseline", "delta_block", "attnres", "full_attnres"])
+def test_mtp_params_and_activations_match_the_model(dist, mode):
+    """--mtp-num-layers 2: the plan's parameter count is the model's, its MTP activations (the saved bytes of the
+    model with MTP less those without) within 10 %; with PP 2 the last stage also holds the embedding."""
+    from megatron.core import tensor_parallel
+
+    from megatron_delta.checkpoint.model_config import model_config
+    from megatron_delta.core.model import build_model_chunks
+
+    L, h, heads, groups, s, b, V = CONFIGS[0]
+    flags = _flags(mode, *CONFIGS[0]) + ["--transformer-impl", "local", "--device", "cpu"]
+    measured, params = [], []
+    for mtp in (None, 2):
+        torch.manual_seed(1234)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        config, options = model_config(dict(residual=mode, num_layers=L, hidden_size=h, num_attention_heads=heads,
+                                            num_query_groups=groups, seq_length=s), mtp_num_layers=mtp)
+        model = build_model_chunks(config, V, **options)[0]
+        params.append(sum(p.numel() for p in model.parameters()))
+        storages = {}
+        owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in owned:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        tokens = torch.randint(0, V, (b, s))
+        model.train()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens, torch.arange(s).expand(b, -1), None, labels=tokens)
+        loss.sum().backward()
+        measured.append(sum(storages.values()))
+    plans = [memory_model.memory_plan(memory_plan.parse(flags + extra))["stages"][0]
+             for extra in ([], ["--mtp-num-layers", "2"])]
+    assert [p["params"] for p in plans] == params
+    estimate, actual = plans[1]["activations"] - plans[0]["activations"], measured[1] - measured[0]
+    assert abs(estimate - actual) / actual < 0.10, (mode, estimate, actual)
+    pp1, pp2 = (memory_model.plan_config(residual=mode, num_layers=L, hidden_size=h, num_attention_heads=heads,
+                                         num_query_groups=groups, seq_length=s, vocab_size=V, mtp_num_layers=2,
+                                         pipeline_model_parallel_size=pp) for pp in (1, 2))
+    assert memory_model.mtp_params(pp2) - memory_model.mtp_params(pp1) == V * h

@@ -1,10 +1,14 @@
-"""Multi-token prediction (--mtp-num-layers) in baseline mode, as Megatron-LM's pretrain_gpt.py runs it.
+"""Multi-token prediction (--mtp-num-layers): baseline as Megatron-LM's pretrain_gpt.py runs it, and every routed
+mode as docs/design.md section 1.7 defines it.
 
 Fast (one in-process rank): the model provider builds Megatron's MTP block from the decoder's layer spec
 (without it GPTModel splits the decoder output in two for the MTP loss and the cross entropy fails), the
-main head is untouched by it, and the trainer's model call hands the loss mask to the MTP loss.
+main head is untouched by it, and the trainer's model call hands the loss mask to the MTP loss. Every mode
+with two MTP depths against the float64 reference (tests/reference_delta.py): the main and each depth's
+logits, and every router's gradient. The refusal of full recompute with routed MTP depths.
 Slow (two one-process launches of pretrain_gpt.py): baseline trains with MTP, Megatron logs `mtp_1 loss`
-each iteration, and the iteration-1 lm loss is the one of the same run without MTP.
+each iteration, and the iteration-1 lm loss is the one of the same run without MTP. One PP2 launch (MTP on
+the last stage) gives the TP1 losses of attnres and delta_block with MTP.
 """
 from __future__ import annotations
 
@@ -25,24 +29,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ = 64, 16
 
 
-def _config(mtp_num_layers):
+def _config(mtp_num_layers, num_layers=2, **delta):
     from megatron_delta.core.config import DeltaTransformerConfig
 
     return DeltaTransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        num_layers=num_layers, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
         normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.02, use_cpu_initialization=True, bias_activation_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, bias_dropout_fusion=False, mtp_num_layers=mtp_num_layers)
+        apply_rope_fusion=False, bias_dropout_fusion=False, mtp_num_layers=mtp_num_layers, **delta)
 
 
-def _model(mtp_num_layers, seed=1234):
+def _model(mtp_num_layers, seed=1234, num_layers=2, **delta):
     from megatron_delta.core.model import gpt_model
     from megatron_delta.platform.distributed import initialize_distributed
 
     initialize_distributed(seed=seed)  # re-seeds: both models start from the same random numbers
-    return gpt_model(_config(mtp_num_layers), VOCAB, pre_process=True, post_process=True,
+    return gpt_model(_config(mtp_num_layers, num_layers, **delta), VOCAB, pre_process=True, post_process=True,
                      max_sequence_length=SEQ, position_embedding_type="rope",
                      share_embeddings_and_output_weights=True)  # Megatron-LM's default (no --untie-...)
 
@@ -108,6 +112,137 @@ def test_mtp_loss_reads_the_loss_mask(models):
     assert logged[0] > 0 and logged[0] == pytest.approx(logged[1], rel=1e-6, abs=0)
 
 
+# ------------------------------------------------------------------------------- the routed modes
+REF_VARIANTS = [("baseline", False), ("delta", False), ("delta_block", False), ("attnres", False),
+                ("attnres", True), ("full_attnres", False)]
+DEPTHS = 2  # the second depth reads the first one's output
+
+
+def _routed_model(mode, null):
+    from megatron_delta.core.modes import BLOCK_MODES
+
+    delta = dict(residual=mode)
+    if mode != "baseline":
+        delta.update(delta_null_source=null, delta_router_eps=1e-6)
+    if mode in BLOCK_MODES:
+        delta["delta_num_blocks"] = 2  # two layers per block: the partial sums matter
+    return _model(DEPTHS, num_layers=4, **delta)
+
+
+def _randomise(model):
+    """Random routers (so every source's weight matters) and perturbed norm weights."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith(".query"):
+                p.copy_(0.3 * r)
+            elif name.endswith(".key_norm_weight"):
+                p.copy_(1 + 0.2 * r)
+            elif name.endswith(".null_source"):
+                p.copy_(0.05 * r)
+            elif p.dim() == 1:
+                p.add_(0.1 * r)
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("mode,null", REF_VARIANTS, ids=[m + ("-null" if n else "") for m, n in REF_VARIANTS])
+def test_mtp_depths_match_the_float64_reference(models, mode, null):
+    """Main logits, each depth's logits (its hidden state through the shared output layer) and the gradient of
+    every router (decoder and MTP depths) of sum(W * depth logits) against tests/reference_delta.py."""
+    from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
+
+    model = _routed_model(mode, null)
+    _randomise(model)
+    model.eval()
+    routers = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in ("query", "key_norm_weight",
+                                                                                      "null_source")}
+    if mode in ("attnres", "full_attnres"):  # each depth: two sublayer routers and a final router
+        assert sum(n.startswith("mtp.layers.") and n.endswith(".query") for n in routers) == 3 * DEPTHS
+    else:  # baseline's and the additive modes' depths are Megatron's residual layers
+        assert not any(n.startswith("mtp.") for n in routers)
+    tok = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    captured = []
+    handle = model.mtp.register_forward_hook(lambda mod, args, out: captured.append(out))
+    try:
+        logits = model(tok, torch.arange(SEQ).expand_as(tok), None)
+    finally:
+        handle.remove()
+    hidden = torch.chunk(captured[0], 1 + DEPTHS, dim=0)[1:]
+    weight = model.shared_embedding_or_output_weight()
+    depth_logits = [model.output_layer(h, weight=weight)[0].transpose(0, 1) for h in hidden]
+    W = [torch.randn(2, SEQ, VOCAB, generator=torch.Generator().manual_seed(3 + k)) for k in range(DEPTHS)]
+    sum((w * lg).sum() for w, lg in zip(W, depth_logits)).backward()
+
+    cfg = RefConfig(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                    ffn_hidden_size=64, norm_eps=1e-6, share_embeddings_and_output_weights=True)
+    ref_w = {k: v.requires_grad_(k in routers) for k, v in weights_from_megatron_state_dict(model.state_dict()).items()}
+    ref_logits, ref_depths = reference_forward(ref_w, cfg, tok, mode, num_blocks=2 if "block" in mode or mode ==
+                                               "attnres" else None, null_source=null, eps=1e-6,
+                                               mtp_num_layers=DEPTHS)
+    assert _rel(logits.double(), ref_logits) < 1e-5
+    for got, want in zip(depth_logits, ref_depths):
+        assert _rel(got.double(), want) < 1e-5
+    if not routers:
+        return
+    sum((w.double() * lg).sum() for w, lg in zip(W, ref_depths)).backward()
+    for name, p in routers.items():
+        want = ref_w[name].grad
+        assert p.grad is not None and want is not None, name
+        # (a router that reads one source, h0 at layer 0, has a zero gradient in both)
+        assert (p.grad.double() - want).abs().max().item() <= 1e-4 * want.abs().max().item() + 1e-12, name
+
+
+def test_additive_modes_mtp_layer_is_megatrons_own():
+    """The additive modes' MTP depths are the residual layer baseline builds, also from a routed layer spec (or a
+    block spec of them, as the MoE block spec of a routed mode is): same submodules, Megatron's bias-dropout-add."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_delta.core.mtp import megatron_layer_of
+    from megatron_delta.core.specs import get_gpt_layer_local_spec_sp, get_gpt_layer_with_delta_spec
+
+    plain, routed = get_gpt_layer_local_spec_sp(), get_gpt_layer_with_delta_spec()
+    for spec in (routed, TransformerBlockSubmodules(layer_specs=[plain, routed])):
+        got = megatron_layer_of(spec)
+        assert got.module is TransformerLayer and repr(got.submodules) == repr(plain.submodules)  # (partials: by value)
+    assert megatron_layer_of(plain) is plain
+
+
+def test_routed_mtp_refuses_full_recompute():
+    with pytest.raises(ValueError) as e:
+        _config(1, num_layers=4, residual="attnres", delta_num_blocks=2, recompute_granularity="full",
+                recompute_method="uniform", recompute_num_layers=1)
+    assert str(e.value) == (
+        "--recompute-granularity full cannot be used with --mtp-num-layers and --residual attnres: each MTP depth "
+        "reads the decoder's sources, which Megatron's MTP recompute does not take as inputs. Use "
+        "--recompute-granularity selective, or no recompute")
+    # the additive modes' depths are Megatron's own layers, which recompute as upstream
+    _config(1, num_layers=4, residual="delta", recompute_granularity="full", recompute_method="uniform",
+            recompute_num_layers=1)
+
+
+def test_trainer_refuses_routed_mtp_with_full_recompute_before_startup(monkeypatch, capsys):
+    from megatron_delta.trainer import main as trainer_main
+
+    def started(args):
+        raise AssertionError("the run started: the flags were not refused at start-up")
+
+    monkeypatch.setattr(trainer_main, "run", started)
+    rc = trainer_main.main(tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, train_iters=1) + [
+        "--residual", "full_attnres", "--mtp-num-layers", "1", "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: --recompute-granularity full cannot be used with --mtp-num-layers and --residual "
+        "full_attnres: each MTP depth reads the decoder's sources, which Megatron's MTP recompute does not take as "
+        "inputs. Use --recompute-granularity selective, or no recompute")
+
+
 # ------------------------------------------------------------------------------- through pretrain_gpt.py
 def _train(tmp_path, name, extra):
     metrics = str(tmp_path / f"{name}.jsonl")
@@ -135,3 +270,23 @@ def test_baseline_mtp_trains_through_pretrain_gpt(tmp_path):
     # Before any update the main head sees the same weights and data: MTP adds only its own loss.
     assert with_mtp[1] == without[1], (with_mtp, without)
     assert with_mtp[3] != without[3]  # the MTP loss's gradients reach the shared weights
+
+
+MTP_SPECS = ["attnres/mtp", "delta_block/mtp"]  # a replacement and an additive mode (the fast test has all)
+
+
+@pytest.mark.slow
+def test_pp2_with_mtp_on_the_last_stage_gives_the_tp1_losses(tp1_reference):
+    """The MTP block is on the last stage, which receives the decoder's sources in the stage payload: its
+    depths read them (replacement modes) or the final hidden state (additive), and the MTP loss's gradients
+    reach both stages. ITERS iterations from the same initial model give TP1's losses within 1e-5."""
+    from tests import rank_runner
+    from tests.dist_utils import run_distributed
+
+    ref = tp1_reference.runs(MTP_SPECS)
+    got = run_distributed(rank_runner.run_specs, 2, tp1_reference.root, "pp2", ["--pipeline-model-parallel-size", "2"],
+                          [[s, "fp32"] for s in MTP_SPECS], timeout=1500)[-1]
+    for spec in MTP_SPECS:
+        want, have = ref[spec]["fp32"]["losses"], got[spec]["fp32"]["losses"]
+        assert want[-1] < want[0], (spec, want)  # it trains
+        assert len(have) == len(want) and max(abs(a - b) for a, b in zip(have, want)) <= 1e-5, (spec, have, want)

@@ -27,7 +27,6 @@ SWITCHED_ON = {
     "fp4": ("e2m1", {}),
     "cpu_offloading": (True, dict(cpu_offloading_num_layers=1)),
     "fine_grained_activation_offloading": (True, dict(offload_modules=["core_attn"])),
-    "mtp_num_layers": (1, {}),
     "context_parallel_size": (2, {}),
 }
 
@@ -55,7 +54,7 @@ def test_config_names_each_flag():
     assert {f: flag for f, (flag, _) in UNSUPPORTED_FEATURES.items()} == {
         "num_moe_experts": "--num-experts", "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
         "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
-        "mtp_num_layers": "--mtp-num-layers", "context_parallel_size": "--context-parallel-size"}
+        "context_parallel_size": "--context-parallel-size"}
 
 
 def test_config_off_values_are_accepted():
@@ -72,7 +71,6 @@ CLI_REFUSED = [
     (["--fp4-format", "e2m1"], "--fp4-format is not supported with --residual delta: "),
     (["--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
      "--fine-grained-activation-offloading is not supported with --residual delta: "),
-    (["--mtp-num-layers", "1"], "--mtp-num-layers is not supported with --residual delta: "),
     (["--context-parallel-size", "2"], "--context-parallel-size is not supported with --residual delta: "),
     (["--fused-residual-rmsnorm"], "--fused-residual-rmsnorm folds the residual add into a fused kernel and cannot "
                                    "be used with --residual delta: "),

@@ -34,6 +34,7 @@ def build_parser():
     p.add_argument("--vocab-size", type=int)
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     p.add_argument("--residual", choices=RESIDUAL_MODES)
+    p.add_argument("--mtp-num-layers", type=int, help="multi-token prediction depths (on the last stage)")
     p.add_argument("--delta-num-blocks", type=int)
     p.add_argument("--delta-sources", choices=SOURCE_DEFINITIONS)
     p.add_argument("--tensor-model-parallel-size", type=int)

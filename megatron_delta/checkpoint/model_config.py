@@ -41,6 +41,10 @@ SMALL_CPU_MODEL = dict(
     # residual routing
     residual=BASELINE, delta_num_blocks=None, delta_null_source=False, delta_gate="none", delta_sources="exact",
     delta_router_eps=None, delta_router_kernels="auto",
+    # mixture of experts (Megatron-LM's defaults; num_experts None: dense) and multi-token prediction
+    num_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2, moe_router_pre_softmax=False, moe_layer_freq=1,
+    moe_router_score_function="softmax",
+    mtp_num_layers=None,
     # initialisation and regularisation (a CPU test model: no dropout)
     init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0,
     # Megatron-LM's default (--attention-softmax-in-fp32 off): BF16 models take the softmax in BF16, as trained
@@ -59,17 +63,17 @@ _INT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "
         "rotary_base", "max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size",
         "make_vocab_size_divisible_by", "delta_num_blocks", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "fp8_amax_history_len",
-        "recompute_num_layers")
+        "recompute_num_layers", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "mtp_num_layers")
 _FLOAT = ("norm_epsilon", "delta_router_eps", "init_method_std", "hidden_dropout", "attention_dropout")
 _BOOL = ("swiglu", "qk_layernorm", "disable_bias_linear", "untie_embeddings_and_output_weights", "delta_null_source",
-         "sequence_parallel", "bf16", "attention_softmax_in_fp32")
+         "sequence_parallel", "bf16", "attention_softmax_in_fp32", "moe_router_pre_softmax")
 # Choices of the fields the modes module does not check (residual, delta_gate, delta_sources: modes.py;
 # delta_router_kernels: the config).
 _CHOICES = dict(normalization=("RMSNorm", "LayerNorm"), position_embedding_type=("rope", "learned_absolute", "none"),
                 transformer_impl=("local", "transformer_engine"), fp8_format=("e4m3", "hybrid"),
                 fp8_recipe=("delayed", "tensorwise", "mxfp8", "blockwise"),
                 fp8_amax_compute_algo=("max", "most_recent"), recompute_granularity=("full", "selective"),
-                recompute_method=("uniform", "block"))
+                recompute_method=("uniform", "block"), moe_router_score_function=("softmax", "sigmoid"))
 
 
 def _name(field: str) -> str:
@@ -87,6 +91,9 @@ def _check_type(field: str, value) -> None:
         _fail(field, f"must be a number, got {value!r}")
     if field in _BOOL and not isinstance(value, bool):
         _fail(field, f"must be true or false, got {value!r}")
+    if field == "moe_layer_freq" and not (isinstance(value, int) and not isinstance(value, bool) and value > 0
+                                          or isinstance(value, list) and all(v in (0, 1) for v in value)):
+        _fail(field, f"must be a positive integer or a list of 0 / 1 per layer, got {value!r}")
     if field in _CHOICES and value not in _CHOICES[field]:
         _fail(field, f"must be one of {', '.join(_CHOICES[field])}, got {value!r}")
 
@@ -161,6 +168,8 @@ def resolve_model_fields(fields: Mapping, require: Iterable[str] = ()) -> dict:
         if f["vocab_size"] is not None and f["padded_vocab_size"] < f["vocab_size"]:
             _fail("padded_vocab_size", f"{f['padded_vocab_size']} is below vocab_size {f['vocab_size']}")
 
+    if isinstance(f["moe_layer_freq"], list) and len(f["moe_layer_freq"]) != L:
+        _fail("moe_layer_freq", f"lists {len(f['moe_layer_freq'])} layers, the model has num_layers {L}")
     if f["recompute_granularity"] == "full" and f["recompute_method"] is None:
         _fail("recompute_granularity", "full needs recompute_method uniform or block")
     if f["recompute_method"] is not None and f["recompute_granularity"] != "full":
@@ -237,6 +246,10 @@ def model_config(fields: Mapping, **config_overrides):
         residual=f["residual"], delta_num_blocks=f["delta_num_blocks"], delta_null_source=f["delta_null_source"],
         delta_gate=f["delta_gate"], delta_sources=f["delta_sources"], delta_router_eps=f["delta_router_eps"],
         delta_router_kernels=f["delta_router_kernels"],
+        num_moe_experts=f["num_experts"], moe_ffn_hidden_size=f["moe_ffn_hidden_size"],
+        moe_router_topk=f["moe_router_topk"], moe_router_pre_softmax=f["moe_router_pre_softmax"],
+        moe_layer_freq=f["moe_layer_freq"], moe_router_score_function=f["moe_router_score_function"],
+        mtp_num_layers=f["mtp_num_layers"],
     )
     kw.update(config_overrides)
     options = dict(transformer_impl=f["transformer_impl"], max_sequence_length=f["max_position_embeddings"],

@@ -68,6 +68,10 @@ MODEL_FLAGS = (
     "untie_embeddings_and_output_weights", "position_embedding_type", "rotary_base",
     "max_position_embeddings", "padded_vocab_size", "residual", "delta_num_blocks",
     "delta_null_source", "delta_gate", "delta_sources", "delta_router_eps",
+    # mixture of experts (the fields that define its tensors and function) and multi-token prediction
+    "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_layer_freq",
+    "moe_router_score_function",
+    "mtp_num_layers",
 )
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
@@ -186,6 +190,14 @@ def model_flags(c: dict) -> list:
         argv.append("--delta-null-source")
     if c.get("delta_router_eps") is not None:
         argv += ["--delta-router-eps", c["delta_router_eps"]]
+    if c.get("num_experts"):
+        freq = c.get("moe_layer_freq") or 1
+        argv += ["--num-experts", c["num_experts"], "--moe-router-topk", c.get("moe_router_topk") or 2,
+                 "--moe-layer-freq", str(freq).replace(" ", "")]
+        argv += ["--moe-ffn-hidden-size", c["moe_ffn_hidden_size"]] if c.get("moe_ffn_hidden_size") else []
+        argv += ["--moe-router-pre-softmax"] if c.get("moe_router_pre_softmax") else []
+    if c.get("mtp_num_layers"):
+        argv += ["--mtp-num-layers", c["mtp_num_layers"]]
     return [str(a) for a in argv]
 
 

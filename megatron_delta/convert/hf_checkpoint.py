@@ -1,11 +1,13 @@
 """The import / export commands between megatron-delta checkpoints (torch_dist) and Hugging Face transformers.
 
     export: Megatron checkpoint -> HF directory
-            baseline      -> stock Qwen3ForCausalLM (qk_layernorm) / LlamaForCausalLM (no qk norm),
-                             loadable without remote code
-            routed modes  -> DeltaQwen3ForCausalLM remote code (trust_remote_code=True)
+            baseline      -> stock Qwen3ForCausalLM (qk_layernorm) / LlamaForCausalLM (no qk norm) /
+                             Qwen3MoeForCausalLM (--num-experts), loadable without remote code
+            routed modes  -> DeltaQwen3ForCausalLM remote code (trust_remote_code=True; its MoE MLP in
+                             Qwen3-MoE's layout)
+            multi-token prediction depths are not exported (one printed line says so)
             + the SentencePiece tokenizer named in run_config.json (tokenizer.json, tokenizer.model)
-    import: HF Qwen3 / Llama directory -> Megatron checkpoint (iteration 0, model weights only) in any
+    import: HF Qwen3 / Qwen3-MoE / Llama directory -> Megatron checkpoint (iteration 0, model weights only) in any
             residual mode; router parameters get their initial values (zero query, unit key norm,
             zero null source / gate), so with `--delta-gate scalar` the imported model computes
             the HF model's function exactly.
@@ -53,8 +55,17 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
         kw["bos_token_id"] = rc["bos_token_id"]
     if rc.get("eos_token_id") is not None:
         kw["eos_token_id"] = rc["eos_token_id"]
+    moe = hf_moe_fields(rc)
+    if moe and not rc["qk_layernorm"]:
+        raise ConversionError("a mixture-of-experts model without --qk-layernorm has no Hugging Face counterpart "
+                              "here: the export writes Qwen3-MoE's layout (q/k norms)")
     if rc["residual"] == BASELINE:
-        if rc["qk_layernorm"]:
+        if moe:
+            from transformers import Qwen3MoeConfig
+
+            cfg = Qwen3MoeConfig(**moe, **kw)
+            cfg.architectures = ["Qwen3MoeForCausalLM"]
+        elif rc["qk_layernorm"]:
             cfg = Qwen3Config(**kw)
             cfg.architectures = ["Qwen3ForCausalLM"]
         else:
@@ -70,7 +81,25 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
         delta_null_source=bool(rc.get("delta_null_source")),
         delta_gate=rc.get("delta_gate") or GATES[0],
         delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
-        use_qk_norm=bool(rc["qk_layernorm"]), **kw)
+        use_qk_norm=bool(rc["qk_layernorm"]), **moe, **kw)
+
+
+def hf_moe_fields(rc: dict) -> dict:
+    """Qwen3-MoE's configuration fields of a checkpoint's mixture of experts ({} for a dense model): Megatron's
+    --moe-layer-freq as the layers without experts (mlp_only_layers), --moe-router-topk, and its routing:
+    softmax over the top-k logits (Megatron's default) is Qwen3-MoE's norm_topk_prob, softmax over all experts
+    then top-k (--moe-router-pre-softmax) is norm_topk_prob false."""
+    if not rc.get("num_experts"):
+        return {}
+    if (rc.get("moe_router_score_function") or "softmax") != "softmax":
+        raise ConversionError(f"--moe-router-score-function {rc['moe_router_score_function']}: Qwen3-MoE's router "
+                              f"is a softmax; this mixture of experts has no Hugging Face counterpart here")
+    L, freq = rc["num_layers"], rc.get("moe_layer_freq") or 1
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(L)]
+    return dict(num_experts=rc["num_experts"], num_experts_per_tok=rc.get("moe_router_topk") or 2,
+                moe_intermediate_size=rc.get("moe_ffn_hidden_size") or rc["ffn_hidden_size"],
+                norm_topk_prob=not rc.get("moe_router_pre_softmax"), decoder_sparse_step=1,
+                mlp_only_layers=[i for i, is_moe in enumerate(pattern) if not is_moe])
 
 
 def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source=False, delta_gate=GATES[0],
@@ -78,7 +107,7 @@ def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source
     """A run_config-like dict (Megatron model flags) for a stock Qwen3 / Llama config."""
     archs = list(getattr(cfg, "architectures", None) or [])
     mtype = getattr(cfg, "model_type", None)
-    if mtype not in ("qwen3", "llama") or (archs and archs[0] not in SUPPORTED_HF_ARCHS):
+    if mtype not in ("qwen3", "qwen3_moe", "llama") or (archs and archs[0] not in SUPPORTED_HF_ARCHS):
         raise ConversionError(f"unsupported architecture {archs or mtype!r} (model_type {mtype!r}): import "
                               f"supports {', '.join(SUPPORTED_HF_ARCHS)}")
     if getattr(cfg, "mlp_bias", False) or getattr(cfg, "attention_bias", False):
@@ -94,10 +123,18 @@ def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source
     if getattr(cfg, "use_sliding_window", False):
         raise ConversionError("sliding-window attention is not supported")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    moe = {}
+    if mtype == "qwen3_moe":
+        L, step, dense = cfg.num_hidden_layers, cfg.decoder_sparse_step, set(cfg.mlp_only_layers or [])
+        pattern = [int(cfg.num_experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(L)]
+        if any(pattern):  # Megatron's --moe-layer-freq as a list (its integer form counts from layer 0)
+            moe = dict(num_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
+                       moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_router_pre_softmax=not cfg.norm_topk_prob,
+                       moe_layer_freq=1 if all(pattern) else pattern)
     return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
                 num_attention_heads=cfg.num_attention_heads,
                 num_query_groups=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                kv_channels=head_dim, norm_epsilon=cfg.rms_norm_eps, qk_layernorm=(mtype == "qwen3"),
+                kv_channels=head_dim, norm_epsilon=cfg.rms_norm_eps, qk_layernorm=(mtype != "llama"), **moe,
                 untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, rotary_base=int(theta),
                 max_position_embeddings=cfg.max_position_embeddings, residual=residual,
                 delta_num_blocks=delta_num_blocks, delta_null_source=delta_null_source, delta_gate=delta_gate,
@@ -132,7 +169,10 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
                               f"hf_tokenizer_dir) is missing; restore it or re-import the model")
     model, _, rc = load_megatron(load)
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()
-          if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+          if isinstance(v, torch.Tensor) and not k.endswith("_extra_state") and not k.startswith("mtp.")}
+    if rc.get("mtp_num_layers"):
+        log(f"[export] the {rc['mtp_num_layers']} multi-token prediction depth(s) (mtp.layers.*) are not exported: "
+            f"Hugging Face's Qwen3 has no MTP head; they stay in the Megatron checkpoint {ckpt_dir}")
     tied = not rc["untie_embeddings_and_output_weights"]
     hf_sd = megatron_to_hf_state_dict(
         sd, num_layers=rc["num_layers"], num_attention_heads=rc["num_attention_heads"],
@@ -150,9 +190,10 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
     tmp = _tmp_sibling(output)
     try:
         if rc["residual"] == BASELINE:
-            from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+            from transformers import LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-            cls = Qwen3ForCausalLM if rc["qk_layernorm"] else LlamaForCausalLM
+            cls = (Qwen3MoeForCausalLM if rc.get("num_experts") else Qwen3ForCausalLM if rc["qk_layernorm"]
+                   else LlamaForCausalLM)
             hf = cls(cfg)
             missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
             missing = [m for m in missing if not (tied and m == "lm_head.weight")]

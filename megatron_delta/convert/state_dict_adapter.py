@@ -1,5 +1,5 @@
-"""The HF state-dict adapter: Megatron-Core tensor names and shapes <-> Hugging Face ones (Qwen3 / Llama, and
-DeltaQwen3 with its routers), both directions from one table.
+"""The HF state-dict adapter: Megatron-Core tensor names and shapes <-> Hugging Face ones (Qwen3 / Qwen3-MoE / Llama,
+and DeltaQwen3 with its routers), both directions from one table.
 
 Megatron names (GPTModel local spec) <-> HF names: ONE rename table serves both directions (EMBEDDING,
 FINAL_NORM, OUTPUT, LAYER_RENAMES, LAYER_FUSED, ROUTER_RENAMES below): q/k/v are fused per query group
@@ -14,7 +14,7 @@ import torch
 from megatron_delta.checkpoint.errors import ConversionError
 
 ROUTER_FIELDS = ("query", "key_norm_weight", "null_source", "gate")
-SUPPORTED_HF_ARCHS = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_HF_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
 
 
 # =============================================================================================== names
@@ -40,6 +40,13 @@ LAYER_FUSED = (
                                           "self_attn.v_proj.weight")),
     ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
 )
+# A mixture-of-experts MLP (Megatron's MoELayer, local backend: one SequentialMLP expert per index e) <-> Qwen3-MoE's
+# (its router `gate` and the experts stacked along dim 0: gate_up_proj [E, 2 ffn, d] = [gate; up] per expert as in
+# linear_fc1, down_proj [E, d, ffn]). A layer is MoE when its router is there; its dense MLP names are then absent.
+MOE_ROUTER = ("mlp.router.weight", "mlp.gate.weight")
+MOE_EXPERTS = (("mlp.experts.local_experts.{e}.linear_fc1.weight", "mlp.experts.gate_up_proj"),
+               ("mlp.experts.local_experts.{e}.linear_fc2.weight", "mlp.experts.down_proj"))
+DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")  # the Megatron names a MoE layer lacks
 # Router tensors keep their field names; these prefix / module renames apply in order (reversed for import).
 ROUTER_RENAMES = (("decoder.", "model."), ("self_attention_router", "attn_router"))
 
@@ -48,13 +55,34 @@ def _layer_prefixes(i):
     return f"decoder.layers.{i}.", f"model.layers.{i}."
 
 
-def _layer_renames(num_layers, qk_layernorm):
-    """(Megatron name, HF name) of every one-to-one per-layer tensor."""
+def _layer_renames(num_layers, qk_layernorm, moe_layers=()):
+    """(Megatron name, HF name) of every one-to-one per-layer tensor (a MoE layer has no dense MLP)."""
     for i in range(num_layers):
         p, q = _layer_prefixes(i)
         for meg, hf, qk_only in LAYER_RENAMES:
-            if qk_layernorm or not qk_only:
+            if (qk_layernorm or not qk_only) and not (i in moe_layers and meg in DENSE_MLP):
                 yield p + meg, q + hf
+
+
+def _fused(i, moe_layers):
+    return [(meg, hfs) for meg, hfs in LAYER_FUSED if not (i in moe_layers and meg in DENSE_MLP)]
+
+
+def _experts_to_hf(sd, p, q, out):
+    """One MoE layer's Megatron tensors (popped from sd) into out under HF names."""
+    out[q + MOE_ROUTER[1]] = sd.pop(p + MOE_ROUTER[0])
+    for meg, hf in MOE_EXPERTS:
+        experts = []
+        while p + meg.format(e=len(experts)) in sd:
+            experts.append(sd.pop(p + meg.format(e=len(experts))))
+        out[q + hf] = torch.stack(experts)
+
+
+def _experts_to_megatron(hf, p, q, out):
+    out[p + MOE_ROUTER[0]] = hf.pop(q + MOE_ROUTER[1])
+    for meg, name in MOE_EXPERTS:
+        for e, w in enumerate(hf.pop(q + name).unbind(0)):
+            out[p + meg.format(e=e)] = w
 
 
 def _router_name(name, to_hf):
@@ -93,12 +121,15 @@ def megatron_to_hf_state_dict(sd, *, num_layers, num_attention_heads, num_query_
         w = sd.pop(OUTPUT[0])
         if not tied:
             out[OUTPUT[1]] = w[:vocab_size]
-    for meg, hf in _layer_renames(num_layers, qk_layernorm):
+    moe = {i for i in range(num_layers) if _layer_prefixes(i)[0] + MOE_ROUTER[0] in sd}
+    for meg, hf in _layer_renames(num_layers, qk_layernorm, moe):
         out[hf] = sd.pop(meg)
     for i in range(num_layers):
         p, q = _layer_prefixes(i)
-        for meg, hfs in LAYER_FUSED:
+        for meg, hfs in _fused(i, moe):
             out.update(zip((q + h for h in hfs), _split_fused(meg, sd.pop(p + meg), *geom)))
+        if i in moe:
+            _experts_to_hf(sd, p, q, out)
     for name in list(sd):
         if "_router." in name:
             out[_router_name(name, to_hf=True)] = sd.pop(name)
@@ -128,12 +159,15 @@ def hf_to_megatron_state_dict(hf, *, num_layers, num_attention_heads, num_query_
         if head is None:
             raise ConversionError(f"untied embeddings but the HF model has no {OUTPUT[1]}")
         out[OUTPUT[0]] = pad(head)
-    for meg, name in _layer_renames(num_layers, qk_layernorm):
+    moe = {i for i in range(num_layers) if _layer_prefixes(i)[1] + MOE_ROUTER[1] in hf}
+    for meg, name in _layer_renames(num_layers, qk_layernorm, moe):
         out[meg] = hf.pop(name)
     for i in range(num_layers):
         p, q = _layer_prefixes(i)
-        for meg, hfs in LAYER_FUSED:
+        for meg, hfs in _fused(i, moe):
             out[p + meg] = _fuse(meg, [hf.pop(q + h) for h in hfs], *geom)
+        if i in moe:
+            _experts_to_megatron(hf, p, q, out)
     for name in list(hf):
         if "_router." in name:
             out[_router_name(name, to_hf=False)] = hf.pop(name)

@@ -32,6 +32,8 @@ class DeltaTransformerBlock(TransformerBlock):
         self.record_routing = False
         self.source_cache = None  # the rank's SourceCache under the interleaved schedule (source_cache.link_chunks)
         self.routing_records = []  # SourceBuffers of the micro-batches run while recording
+        self.keep_final_sources = False  # set by DeltaGPTModel when MTP depths read the sources (core/mtp.py)
+        self.final_sources = None  # the last forward's sources at the end of the decoder, when kept
         if self.config.residual in REPLACEMENT_MODES and self.post_process:
             self.final_router = build_router(DepthRouter, self.config)
         else:
@@ -121,6 +123,8 @@ class DeltaTransformerBlock(TransformerBlock):
                     self.routing_records.append(buffer)
 
         if self.post_process:
+            if self.keep_final_sources:  # what the final router reads: the MTP depths read it too
+                self.final_sources = [buffer.value(n) for n in self.plan.final_reads()]
             out = buffer.output(self.final_router)
             if self.final_layernorm is not None:
                 out = self.final_layernorm(out)

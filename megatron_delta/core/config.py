@@ -12,6 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_delta.core.group_router import check_group_size
 from megatron_delta.core.modes import BASELINE, check_delta_options
+from megatron_delta.core.mtp import check_mtp_options
 from megatron_delta.core.router import KERNEL_CHOICES
 
 # Megatron-Core fusions that fold the residual add into another kernel. A routed layer
@@ -57,8 +58,6 @@ UNSUPPORTED_FEATURES = {
     "fine_grained_activation_offloading": ("--fine-grained-activation-offloading", "the offload manager's "
                                            "bookkeeping is untested with routed layers, and the sources the "
                                            "routers read stay resident"),
-    "mtp_num_layers": ("--mtp-num-layers", "multi-token prediction continues from the decoder's last hidden "
-                       "state through Megatron's residual layers; the routed model builds no MTP block"),
     "context_parallel_size": ("--context-parallel-size", "the routed block's stage payload and rotary "
                               "trimming assume that each rank holds whole sequences"),
 }
@@ -121,6 +120,7 @@ class DeltaTransformerConfig(TransformerConfig):
                                                         self.delta_sources, self.delta_router_kernels)
         check_residual_fusions(self.residual, **{f: getattr(self, f, False) for f in RESIDUAL_FUSIONS})
         check_unsupported_features(self.residual, **{f: getattr(self, f) for f in UNSUPPORTED_FEATURES})
+        check_mtp_options(self.residual, self.mtp_num_layers, self.recompute_granularity)
         super().__post_init__()
 
     @property

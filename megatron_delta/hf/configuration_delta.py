@@ -60,6 +60,10 @@ class DeltaQwen3Config(Qwen3Config):
         delta_gate: ``none`` or ``scalar`` (u = x + a*r, a zero-initialised; additive modes only).
         delta_router_eps: eps of the router's key RMS norm.
         use_qk_norm: True for Qwen3 (q_norm/k_norm), False for a Llama backbone.
+        num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
+            mlp_only_layers: a mixture-of-experts MLP, as Qwen3-MoE's (Qwen3MoeConfig's fields and meaning;
+            its parameter layout): layer i has one when num_experts > 0, i is not in mlp_only_layers and
+            (i + 1) % decoder_sparse_step == 0; num_experts 0 (the default) is the dense Qwen3 MLP everywhere.
     """
 
     model_type = "delta_qwen3"
@@ -73,8 +77,20 @@ class DeltaQwen3Config(Qwen3Config):
         delta_gate: str = "none",
         delta_router_eps: float = 1e-6,
         use_qk_norm: bool = True,
+        num_experts: int = 0,
+        num_experts_per_tok: int = 2,
+        moe_intermediate_size: int | None = None,
+        norm_topk_prob: bool = False,
+        decoder_sparse_step: int = 1,
+        mlp_only_layers: list | None = None,
         **kwargs,
     ):
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size
+        self.norm_topk_prob = norm_topk_prob
+        self.decoder_sparse_step = decoder_sparse_step
+        self.mlp_only_layers = list(mlp_only_layers or [])
         self.residual = residual
         self.delta_num_blocks = delta_num_blocks
         self.delta_sources = delta_sources
@@ -101,6 +117,11 @@ class DeltaQwen3Config(Qwen3Config):
             self.residual, self.num_hidden_layers, self.delta_num_blocks, self.delta_null_source, self.delta_gate,
             self.delta_sources, spell=HF_FIELDS)
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the mixture of experts (Qwen3-MoE's rule)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
     @property
     def has_routers(self) -> bool:
         return self.residual != BASELINE
@@ -123,17 +144,20 @@ class DeltaQwen3Config(Qwen3Config):
         """Build a DeltaQwen3Config from a stock ``Qwen3Config`` or ``LlamaConfig`` (same backbone weights)."""
         d = backbone_config.to_dict()
         mtype = d.get("model_type")
-        if mtype not in ("qwen3", "llama", cls.model_type):
-            raise ValueError(f"unsupported backbone model_type {mtype!r} (qwen3 or llama)")
+        if mtype not in ("qwen3", "qwen3_moe", "llama", cls.model_type):
+            raise ValueError(f"unsupported backbone model_type {mtype!r} (qwen3, qwen3_moe or llama)")
         if d.get("mlp_bias"):
             raise ValueError("Llama backbones with mlp_bias=True are not supported")
         if mtype == "llama":
             delta_kwargs.setdefault("use_qk_norm", False)
             if d.get("head_dim") is None:
                 d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        if "num_local_experts" in d:  # Qwen3MoeConfig serialises num_experts under this name
+            d["num_experts"] = d["num_local_experts"]
         keep = {k: v for k, v in d.items()
                 if k not in ("model_type", "architectures", "transformers_version", "auto_map",
-                             "mlp_bias", "pretraining_tp", "dtype", "torch_dtype")}
+                             "mlp_bias", "pretraining_tp", "dtype", "torch_dtype", "num_local_experts",
+                             "output_router_logits", "router_aux_loss_coef")}
         keep.update(delta_kwargs)
         return cls(**keep)
 

@@ -43,6 +43,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
 )
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeExperts,
+    Qwen3MoeSparseMoeBlock,
+    Qwen3MoeTopKRouter,
+)
 
 from .configuration_delta import DeltaQwen3Config
 
@@ -200,7 +205,8 @@ class DeltaQwen3DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = DeltaQwen3Attention(config=config, layer_idx=layer_idx)
-        self.mlp = Qwen3MLP(config)
+        # the mixture of experts where Qwen3-MoE has it (its router `gate` and stacked `experts`), else SwiGLU
+        self.mlp = Qwen3MoeSparseMoeBlock(config) if config.is_moe_layer(layer_idx) else Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.has_routers:
@@ -241,6 +247,11 @@ class DeltaQwen3PreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, DeltaRouter):
             module.reset_parameters()
+        elif isinstance(module, Qwen3MoeExperts):  # as Qwen3MoePreTrainedModel initialises them
+            nn.init.normal_(module.gate_up_proj, std=self.config.initializer_range)
+            nn.init.normal_(module.down_proj, std=self.config.initializer_range)
+        elif isinstance(module, Qwen3MoeTopKRouter):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
 
 
 class DeltaQwen3Model(DeltaQwen3PreTrainedModel):

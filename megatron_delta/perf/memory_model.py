@@ -30,6 +30,12 @@ Model of the activations (bytes saved for backward per micro-batch, counted as u
   only the payload tensors it was sent, plus the new sources it keeps for the rank's next chunk (which
   the uncached path would free once sent); the boundary lines give the bytes sent per micro-batch with
   and without the cache.
+- Multi-token prediction (--mtp-num-layers D, on the last stage; docs/design.md section 1.7): per depth its
+  parameters (enorm, hnorm, eh_proj [h, 2h] / TP, one layer, the final norm; in the replacement modes its
+  three routers), the embedding on the last stage when PP > 1, and per micro-batch one layer's activations
+  (baseline's layer; in the replacement modes + its routed inputs and per (source, reader) fp32 logits and
+  weights over the decoder's final sources and its own), the eh_proj input [2h], its three norms and fp32
+  logits [tokens, vocab / TP].
 - Weights: bf16 (2 B) + fp32 gradient buffer (4 B, Megatron's grad_reduce_in_fp32 with bf16) +
   Adam in fp32 (master weights, m, v: 12 B; fp32 training: m, v: 8 B), sharded over DP by
   --use-distributed-optimizer. Not counted: the CUDA context, NCCL buffers, allocator
@@ -55,7 +61,7 @@ PLAN_DEFAULTS = dict(
     delta_num_blocks=None, delta_sources=SOURCE_DEFINITIONS[0], tensor_model_parallel_size=1,
     pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None, delta_pp_source_cache="on",
     sequence_parallel=False, use_distributed_optimizer=False, bf16=False, fp8_format=None, transformer_impl=None,
-    micro_batch_size=1, global_batch_size=None, world_size=None, device="gpu")
+    micro_batch_size=1, global_batch_size=None, world_size=None, device="gpu", mtp_num_layers=None)
 
 
 class PlanError(ValueError):
@@ -135,7 +141,26 @@ def stage_params(a, stage):
             n += 2 * a.hidden_size  # final router
         if a.untie_embeddings_and_output_weights or pp > 1:
             n += vocab * a.hidden_size  # output layer (a tied copy lives on the last stage when PP > 1)
+        n += mtp_params(a)
     return n
+
+
+def _mtp_own_sources(a):
+    """The sources an MTP depth's routers read beyond the decoder's final ones (attention, MLP, final router):
+    attnres one partial, full_attnres z and each output (docs/design.md section 1.7)."""
+    return (1, 2, 3) if a.residual == "full_attnres" else (1, 1, 1)
+
+
+def mtp_params(a):
+    """Parameters of the MTP depths (last stage), the embedding they read included when PP > 1."""
+    if not a.mtp_num_layers:
+        return 0
+    t, h = a.tensor_model_parallel_size, a.hidden_size
+    split, rep = layer_params(SimpleNamespace(**{**vars(a), "residual": BASELINE}))  # Megatron's own layer
+    per_depth = 3 * h + 2 * h * h / t + split / t + rep
+    if a.residual in REPLACEMENT_MODES:
+        per_depth += 3 * 2 * h  # the depth's two sublayer routers and its final router
+    return a.mtp_num_layers * per_depth + (a.vocab_size / t * h if a.pipeline_model_parallel_size > 1 else 0)
 
 
 # ---------------------------------------------------------------------------------- activations
@@ -175,6 +200,25 @@ def layer_activation_bytes(a, first_layer, num_layers):
             m = plan.num_sources_read(j)
             total += 4 * (2 * m + 1) * T / sp           # fp32 softmax weights and logit columns [M, T], one inv_rms
     return total
+
+
+def mtp_activation_bytes(a):
+    """Bytes an MTP block saves for backward per micro-batch (all its depths; module docstring)."""
+    if not a.mtp_num_layers:
+        return 0
+    t = a.tensor_model_parallel_size
+    sp = t if a.sequence_parallel else 1
+    T, h, act = a.seq_length * a.micro_batch_size, a.hidden_size, 2 if a.bf16 else 4
+    base = SimpleNamespace(**{**vars(a), "residual": BASELINE})
+    norm_h = ((2 * 4 + act) if a.bf16 else 3 * act) if a.transformer_impl == "local" else act
+    per_depth = (layer_activation_bytes(base, 0, 1) + 3 * T / sp * (norm_h * h + 4) + act * 2 * h * T
+                 + T * a.vocab_size / t * 4)
+    plan = source_plan(a)
+    if a.residual in REPLACEMENT_MODES:
+        trunk = len(plan.final_reads())
+        per_depth += 2 * act * h * T / sp  # the routed inputs of its two sublayers
+        per_depth += sum(4 * (2 * (trunk + m) + 1) * T / sp for m in _mtp_own_sources(a))
+    return a.mtp_num_layers * per_depth
 
 
 def in_flight(a, stage):
@@ -262,6 +306,7 @@ def plan_stage(a, stage):
             extra += T / sp * (a.hidden_size * ((2 * 4 + act) if a.bf16 else 3 * act) + 4)
         else:
             extra += T / sp * (a.hidden_size * act + 4)
+        extra += mtp_activation_bytes(a)  # the MTP block of that micro-batch (last stage)
     total = w + g + o + acts + extra
     return {"stage": stage, "params": n, "weights": w, "grads": g, "optimizer": o,
             "activations": acts + extra, "of_which_payload": payload, "in_flight": k, "total": total}
