@@ -47,9 +47,12 @@ def _flags(mode, L, h, heads, groups, s, b, V):
 
 def measured_saved_bytes(mode, L, h, heads, groups, s, b, V):
     from megatron.core import tensor_parallel
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     from megatron_delta.checkpoint.model_config import model_config
     from megatron_delta.core.model import build_model_chunks
+
+    MTPLossLoggingHelper.tracker.clear()  # a process-wide log sized by the first MTP model built (test_mtp's: 1)
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -202,9 +205,12 @@ def test_mtp_params_and_activations_match_the_model(dist, mode):
     """--mtp-num-layers 2: the plan's parameter count is the model's, its MTP activations (the saved bytes of the
     model with MTP less those without) within 10 %; with PP 2 the last stage also holds the embedding."""
     from megatron.core import tensor_parallel
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     from megatron_delta.checkpoint.model_config import model_config
     from megatron_delta.core.model import build_model_chunks
+
+    MTPLossLoggingHelper.tracker.clear()  # a process-wide log sized by the first MTP model built (test_mtp's: 1)
 
     L, h, heads, groups, s, b, V = CONFIGS[0]
     flags = _flags(mode, *CONFIGS[0]) + ["--transformer-impl", "local", "--device", "cpu"]

@@ -194,6 +194,7 @@ def _p2p_kwargs(args, store=None) -> dict:
 def reset_global_state():
     """What megatron.training keeps globally, torn down so that another run can follow in-process."""
     from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.training import global_vars
     from megatron.training.training import destroy_global_state
 
@@ -202,6 +203,7 @@ def reset_global_state():
     destroy_global_state()
     global_vars.unset_global_variables()
     mp_random.initialize_rng_tracker(force_reset=True)
+    MTPLossLoggingHelper.tracker.clear()  # its loss tensors are sized by the first run's --mtp-num-layers
 
 
 _ATEXIT = []
