@@ -262,11 +262,10 @@ class DeltaBlockMode(AdditiveMode):
     def keep_output(self, buf, j: int, out) -> None:
         b = self.block_of(j)
         partial = buf.take(f"P{b}")
+        if self.is_block_end(j) and b + 1 == self.num_blocks and not self.x_from_sources:
+            return  # the last block's sum is read by nobody: it is only in x (no pass to make it)
         total = out if partial is None else partial + out
-        if not self.is_block_end(j):
-            buf.hold(f"P{b}", total)
-        elif b + 1 < self.num_blocks or self.x_from_sources:  # the last block's sum: only in x
-            buf.hold(f"D{b}", total)
+        buf.hold(f"P{b}" if not self.is_block_end(j) else f"D{b}", total)
 
 
 class DeltaBlockAuthorsCodeMode(DeltaBlockMode):
