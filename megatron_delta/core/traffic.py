@@ -128,6 +128,8 @@ def counting() -> Iterator[TrafficCount]:
         yield count
     finally:
         _counts.remove(count)
+        count._watched.clear()  # the graph's nodes: nothing to count once the block is left
+        count._hooked.clear()
 
 
 def _sizes(tensors: Iterable[Optional[Tensor]]) -> Tuple[Tuple[int, int], ...]:
