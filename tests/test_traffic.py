@@ -107,3 +107,23 @@ def test_counting_is_off_by_default_and_nests():
     assert outer.rows(32, 4) == {("k", "forward"): 2.0, ("k", "backward"): 1.0}
     assert inner.rows(32, 4) == {("k", "backward"): 1.0}
     assert outer.rows(64, 4) == {}  # tensors smaller than a row are not rows
+
+
+def test_docs_traffic_table_is_the_closed_form():
+    """docs/performance.md's `benchmark.py --traffic` table (default size: 12 layers, K = 4): its counted and
+    closed-form columns agree and are today's step_traffic, in fp32 and bf16 (a table that cannot drift)."""
+    import os
+    import re
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "performance.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (\w+) \| (torch|c|fla) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+|-) \|", doc, re.M)
+    assert {(m, b) for m, b, *_ in rows} == {(m, b) for m in ROUTED_MODES for b in BACKENDS}
+    for mode, backend, counted, per_sublayer, fp32, bf16 in rows:
+        kw = dict(num_blocks=4 if mode in BLOCK_MODES else None)
+        assert float(counted) == float(fp32) == cost_model.total_u(cost_model.step_traffic(mode, 12, backend,
+                                                                                          act_bytes=4, **kw))
+        assert float(per_sublayer) == pytest.approx(float(counted) / 24, abs=0.005)
+        if backend in cost_model.GPU_BACKENDS:
+            assert float(bf16) == cost_model.total_u(cost_model.step_traffic(mode, 12, backend, act_bytes=2, **kw))
+        else:
+            assert bf16 == "-"
