@@ -413,28 +413,45 @@ def counted_step(model, batch, act_bytes):
     return count.rows(tokens.numel() * cfg.hidden_size, act_bytes)
 
 
+def fla_missing():
+    """Why fla's kernel cannot be counted here (fla-core not importable), or None."""
+    try:
+        import fla.ops.attnres  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (ImportError, or a broken Triton install)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def traffic_report(opts, modes, backends=TRAFFIC_BACKENDS, recompute=None):
     """Per mode and router backend: the traffic of one step counted on the model (fp32, this machine) and the
-    closed form's (perf.cost_model.step_traffic), per (kernel, phase) and in total, in u."""
+    closed form's (perf.cost_model.step_traffic) in fp32 and in bf16 (a GPU's), per (kernel, phase) and in
+    total, in u (one [tokens, hidden] tensor of the activation dtype read or written once)."""
     from megatron_delta.perf import cost_model
+    from megatron_delta.platform.distributed import destroy_distributed
 
     out = {}
-    for mode in modes:
-        if mode == BASELINE:
-            continue
-        for backend in backends:
-            with router_backend(backend):
-                o = _with(opts, delta_router_kernels=backend, recompute=recompute)
-                model, config = build_model(o, mode)
-                counted = counted_step(model, mock_batch(o, o.vocab_size), 4)
-            predicted = cost_model.step_traffic(mode, opts.num_layers, backend, num_blocks=config.delta_num_blocks,
-                                                act_bytes=4, null_source=config.delta_null_source,
-                                                gate=config.delta_gate == "scalar", recompute=recompute)
-            out[f"{mode}/{backend}"] = {
-                "mode": mode, "backend": backend, "sublayers": 2 * opts.num_layers,
-                "counted": {f"{k}/{p}": v for (k, p), v in sorted(counted.items())},
-                "closed_form": {f"{k}/{p}": v for (k, p), v in sorted(predicted.items())},
-                "counted_u": sum(counted.values()), "closed_form_u": cost_model.total_u(predicted)}
+    try:
+        for mode in modes:
+            if mode == BASELINE:
+                continue
+            for backend in backends:
+                with router_backend(backend):
+                    o = _with(opts, delta_router_kernels=backend, recompute=recompute)
+                    model, config = build_model(o, mode)
+                    counted = counted_step(model, mock_batch(o, o.vocab_size), 4)
+                kw = dict(num_blocks=config.delta_num_blocks, null_source=config.delta_null_source,
+                          gate=config.delta_gate == "scalar", recompute=recompute)
+                predicted = cost_model.step_traffic(mode, opts.num_layers, backend, act_bytes=4, **kw)
+                bf16 = (cost_model.step_traffic(mode, opts.num_layers, backend, act_bytes=2, **kw)
+                        if backend in cost_model.GPU_BACKENDS else None)
+                out[f"{mode}/{backend}"] = {
+                    "mode": mode, "backend": backend, "sublayers": 2 * opts.num_layers,
+                    "counted": {f"{k}/{p}": v for (k, p), v in sorted(counted.items())},
+                    "closed_form": {f"{k}/{p}": v for (k, p), v in sorted(predicted.items())},
+                    "counted_u": sum(counted.values()), "closed_form_u": cost_model.total_u(predicted),
+                    "closed_form_bf16_u": None if bf16 is None else cost_model.total_u(bf16)}
+    finally:
+        destroy_distributed()
     return out
 
 
