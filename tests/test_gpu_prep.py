@@ -198,6 +198,10 @@ def test_gpu_check_dry_run():
     assert {("8B", "delta_block", "fla"), ("8B", "delta", "torch"), ("1B", "delta", "fla"),
             ("1B", "baseline", "-")} <= speed
     assert all(0 < x["predicted_ratio"] <= 1 for x in r["speed"])
+    # a training step's micro-batches (8), forward + backward timed, the optimizer step apart; no FP8 on CPU
+    assert all(x["micro_batches"] == 8 and x["optimizer_ms"] > 0 and x["step_tokens_per_sec"] < x["tokens_per_sec"]
+               and x["precision"] == "fp32" for x in r["speed"])
+    assert "FP8 x base" in p.stdout and "optimizer step apart" in p.stdout
     assert all(x["num_blocks"] == (4 if x["mode"] in ("delta_block", "attnres") else None)
                for x in r["speed"] + r["train"])  # K = 4, passed explicitly
     assert all(x["ok"] and x["losses"][-1] < x["losses"][0] for x in r["train"]) and len(r["train"]) == 5

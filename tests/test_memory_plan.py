@@ -5,6 +5,7 @@ The model is built in-process (megatron_delta.checkpoint.model_config + initiali
 build_model_chunks); one forward with labels runs under torch.autograd.graph.saved_tensors_hooks, and the unique
 storages of the saved tensors that are not parameters are summed."""
 import importlib.util
+import json
 import os
 
 import pytest
@@ -174,29 +175,53 @@ def test_router_share_predictions():
                 > cost_model.router_share("H200", shape, "delta_block", "fla")["router_share"])
 
 
-def test_router_bytes_by_hand():
-    """One delta_block layer (K = 1): routers read [h0] and [h0, P0]; x kept (fla). Counted by hand from
-    router_bytes' docstring, in units of T x d x a (a = 2, c = 4)."""
-    from types import SimpleNamespace
-
-    from megatron_delta.core.sources import SourcePlan
-
-    cfg = SimpleNamespace(residual="delta_block", num_layers=1, delta_num_blocks=1, delta_sources="exact",
-                          delta_gate="none", delta_router_kernels="fla")
-    plan = SourcePlan.from_config(cfg)
-    assert not plan.x_from_sources and [plan.reads(j) for j in (0, 1)] == [["h0"], ["h0", "P0"]]
+def test_step_traffic_by_hand():
+    """One delta_block layer (K = 1) on fla's kernel (x kept as a stream), bf16 (a = 2 bytes, fp32 c = 4), counted
+    by hand from the passes. Router 0 reads [h0] over base x = h0; its output v0 gives x1 = h0 + v0 and is the
+    partial sum P0; router 1 reads [h0, P0] over x1; x2 = x1 + v1; the last block's sum is not formed (only x
+    needs it). Gradient contributions: h0 4 (a source of both routers, router 0's base, x1's add), v0 2 (x1's add,
+    router 1's P0), x1 2 (router 1's base, x2's add), v1 and x2 1: 3 + 1 + 1 = 5 autograd adds of 3 rows each."""
     a, c = 2, 4
-    # router 0: M = 1 (h0, 2 readers); router 1: M = 2 (h0 with 2 readers, P0 local)
-    r0 = (1 * a + a + 3 * a) + (2 * a + a + a + 2 * c)  # first reader of h0: its gradient is assigned
-    r1 = (2 * a + a + 3 * a) + (4 * a + a + 2 * a + 2 * c) + 3 * a  # second reader of h0: one add
-    assert cost_model.router_bytes(plan, 10, 8, a, "fla") == (r0 + r1) * 80
-    assert cost_model.router_bytes(plan, 10, 8, a, "torch") > cost_model.router_bytes(plan, 10, 8, a, "fla")
+    fla_fwd = (a + a) + (2 * a + a)  # residuals read, r written
+    fla_bwd = (a + 3 * a + 2 * c) + (a + 6 * a + 2 * c)  # do, residuals twice, a dv each, dqw fp32 written + read
+    want = {("fla", "forward"): fla_fwd / a, ("fla", "backward"): fla_bwd / a,
+            ("fla_combine", "forward"): 2 * 3,  # u = x + r, twice
+            ("x_add", "forward"): 2 * 3, ("autograd_add", "backward"): 5 * 3}
+    assert cost_model.step_traffic("delta_block", 1, "fla", num_blocks=1, act_bytes=2) == want
+    # the PyTorch path: x is the sum of the sources (no x_add); h0, read by both routers, is projected once
+    # (an fp32 copy and two reads of it: a + 3c bytes)
+    torch_u = cost_model.step_traffic("delta_block", 1, "torch", num_blocks=1, act_bytes=2)
+    assert ("x_add", "forward") not in torch_u and torch_u[("project", "forward")] == (a + c + 2 * c) / a
+    assert cost_model.total_u(torch_u) > cost_model.total_u(want)
+
+
+def test_router_share_json(capsys):
+    """--format json: {shape: {mode: {backend: ratio}}} for 1b and 8b, every routed mode, the GPU backends."""
+    assert memory_plan.main(["--router-share", "H100", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(out) == ["1b", "8b"]
+    for shape, modes in out.items():
+        assert sorted(modes) == sorted(["delta", "delta_block", "attnres", "full_attnres"])
+        for mode, per in modes.items():
+            assert sorted(per) == sorted(cost_model.GPU_BACKENDS)
+            want = cost_model.router_share("H100", shape.upper(), mode, "fla")["tokens_per_sec_ratio"]
+            assert 0 < per["fla"] < 1 and per["fla"] == want
+
+
+def test_docs_router_share_tables_are_the_tools_output(capsys):
+    """docs/performance.md's predicted tables are what `memory_plan.py --router-share GPU` prints today, for every
+    GPU the model knows (so they cannot drift from the counted model)."""
+    doc = open(os.path.join(REPO, "docs", "performance.md"), encoding="utf-8").read()
+    for gpu in cost_model.GPUS:
+        assert memory_plan.main(["--router-share", gpu]) == 0
+        table = capsys.readouterr().out.strip()
+        assert f"python tools/memory_plan.py --router-share {gpu}\n```\n\n{table}\n" in doc, gpu
 
 
 def test_router_share_cli(capsys):
     assert memory_plan.main(["--router-share", "B200"]) == 0
     out = capsys.readouterr().out
-    assert "on B200" in out and "| 8B | delta_block | fla |" in out and "| 1B | full_attnres | torch |" in out
+    assert "Predicted on B200" in out and "| 8B | delta_block | 36 |" in out and "| 1B | full_attnres | 28 |" in out
 
 
 # ----------------------------------------------------------------------------------- multi-token prediction

@@ -21,7 +21,15 @@ import os
 import sys
 
 from megatron_delta.core.modes import ADDITIVE_MODES, BASELINE, BLOCK_MODES, GATES
-from megatron_delta.perf.benchmark import MODES, finalize, mode_config, run
+from megatron_delta.perf.benchmark import (
+    MODES,
+    TRAFFIC_BACKENDS,
+    finalize,
+    fla_missing,
+    mode_config,
+    run,
+    traffic_report,
+)
 
 
 def build_parser():
@@ -59,6 +67,13 @@ def build_parser():
     p.add_argument("--model-breakdown", action="store_true",
                    help="also time each routed model with the router's kernels replaced by stand-ins (as "
                         "--routing-breakdown does for the routing alone) and split its CPU-time ratio")
+    p.add_argument("--traffic", action="store_true",
+                   help="instead of timing: count the memory traffic of one step per mode and router backend (torch, "
+                        "c, fla) in rows of [tokens, hidden], per sublayer and per step, beside the closed form of "
+                        "perf/cost_model.step_traffic")
+    p.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full activation recompute, as pretrain_gpt.py's flag (with --recompute-num-layers)")
+    p.add_argument("--recompute-num-layers", type=int, default=1)
     p.add_argument("--profile", default=None, metavar="MODE",
                    help="also run torch.profiler on one step of MODE and print the top ops")
     p.add_argument("--output", default=None, help="JSON results")
@@ -148,8 +163,27 @@ def format_table(report):
     return "\n".join(out)
 
 
+def format_traffic(report, opts, skipped):
+    lines = [f"Memory traffic of one step (forward + backward of one micro-batch; {opts.num_layers} layers, hidden "
+             f"{opts.hidden_size}, seq {opts.seq_length}, micro-batch {opts.micro_batch_size}"
+             + (f", recompute {opts.recompute_method} {opts.recompute_num_layers}" if opts.recompute_method else "")
+             + "), in u = one [tokens, hidden] tensor of the activation dtype read or written once:", "",
+             "| mode | router backend | counted u/step (fp32) | u/sublayer | closed form u/step (fp32) | closed form "
+             "u/step (bf16, GPU) | where it goes (counted, u/step) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report.values():
+        parts = ", ".join(f"{k} {v:g}" for k, v in sorted(r["counted"].items(), key=lambda kv: -kv[1]))
+        bf16 = "-" if r["closed_form_bf16_u"] is None else f"{r['closed_form_bf16_u']:g}"
+        lines.append(f"| {r['mode']} | {r['backend']} | {r['counted_u']:g} | {r['counted_u'] / r['sublayers']:.2f} | "
+                     f"{r['closed_form_u']:g} | {bf16} | {parts} |")
+    if skipped:
+        lines.append(f"\n(not counted: {skipped})")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     opts = build_parser().parse_args(argv)
+    opts.recompute = (opts.recompute_method, opts.recompute_num_layers) if opts.recompute_method else None
     if opts.render:
         report = json.load(open(opts.render))
         finalize(report["modes"])
@@ -168,6 +202,20 @@ def main(argv=None):
     except ModelConfigError as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
+    if opts.traffic:
+        modes = [m.strip() for m in opts.modes.split(",") if m.strip() and m.strip() != BASELINE]
+        backends, skipped = list(TRAFFIC_BACKENDS), None
+        why = fla_missing()
+        if why:
+            backends.remove("fla")
+            skipped = f"fla, whose package does not import here ({why}); pip install '.[gpu]'"
+        report = traffic_report(opts, modes, backends, opts.recompute)
+        print(format_traffic(report, opts, skipped))
+        if opts.output:
+            os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
+            with open(opts.output, "w") as f:
+                json.dump({"config": vars(opts), "traffic": report}, f, indent=1)
+        return 0
     report = run(opts)
     cfg = report["config"]
     print(f"\n{cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, micro-batch "

@@ -13,13 +13,15 @@ Prints a table per part and writes JSON (rewritten after every part: a timeout s
 (b) router: fla's fused kernel vs the PyTorch router on the same bf16 sources, with and without null
     source, gate and x: the output and every gradient (sources, x, query, key-norm weight, null, gate),
     errors relative to each tensor's scale (--router-tol).
-(c) speed and memory: tokens/s and peak memory (torch.cuda.max_memory_allocated) against the baseline, at
-    an 8B layer slice (hidden 4096, FFN 12288, 32 heads / 8 groups, seq 2048, as many layers as fit, a
-    multiple of 4; the memory plan picks them) and at the paper's 1B width (Qwen3-1.7B shape), for
-    delta_block and delta, both router backends; beside each, tools/memory_plan.py's PREDICTED ratio
-    (router bytes vs GEMM FLOPs on this GPU). The block modes run with --delta-num-blocks 4 throughout.
-    Targets: delta_block >= 0.95x tokens/s and <= 1.10x peak memory at the 8B slice, delta >= 0.85x at 1B
-    (both with the fused kernel).
+(c) speed and memory: tokens/s of a training step's forward + backward (--speed-micro-batches micro-batches,
+    8 by default; the optimizer step timed apart) and peak memory (torch.cuda.max_memory_allocated) against
+    the baseline, at an 8B layer slice (hidden 4096, FFN 12288, 32 heads / 8 groups, seq 2048, as many layers
+    as fit, a multiple of 4; the memory plan picks them) and at the paper's 1B width (Qwen3-1.7B shape), for
+    delta_block and delta, on every router backend (fla, triton where this checkout has it, torch); beside
+    each, tools/memory_plan.py's PREDICTED ratio (the counted traffic vs GEMM FLOPs on this GPU, bf16); in BF16
+    and, where Transformer Engine has FP8, an FP8 column (hybrid, delayed scaling, each against the FP8
+    baseline). The block modes run with --delta-num-blocks 4 throughout. Targets (BF16, fused kernel):
+    delta_block >= 0.95x tokens/s and <= 1.10x peak memory at the 8B slice, delta >= 0.85x at 1B.
 (d) training: every mode trains --iters iterations in BF16 and FP8 (hybrid; delayed scaling, and current
     scaling - recipe `tensorwise` - where the installed TE has it), TE spec, routers on the fused kernel;
     the loss must be finite and fall.
@@ -46,7 +48,9 @@ def parse(argv=None):
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--vocab-size", type=int, default=None, help="default 32000 (dry run 64)")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--speed-iters", type=int, default=None, help="(c): iterations per run (default 12, dry 4)")
+    p.add_argument("--speed-iters", type=int, default=None, help="(c): iterations per run (default 12, dry 2)")
+    p.add_argument("--speed-micro-batches", type=int, default=checks.SPEED_MICRO_BATCHES,
+                   help="(c): micro-batches per timed step (at least 8: a training step, not one micro-batch)")
     p.add_argument("--warmup", type=int, default=None, help="(c): iterations excluded (default 4, dry 1)")
     p.add_argument("--lr", type=float, default=None, help="default 3e-4 (dry run 3e-3)")
     p.add_argument("--parity-hidden-size", type=int, default=None, help="default 1024 (dry 32)")
@@ -60,11 +64,13 @@ def parse(argv=None):
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--time-budget-s", type=float, default=450, help="skip the remaining runs after this")
     o = p.parse_args(argv)
+    if o.speed_micro_batches < 1:
+        p.error(f"--speed-micro-batches {o.speed_micro_batches} must be a positive number of micro-batches")
     if o.num_layers_8b is not None and (o.num_layers_8b < 1 or o.num_layers_8b % checks.NUM_BLOCKS):
         p.error(f"--num-layers-8b {o.num_layers_8b} must be a positive multiple of {checks.NUM_BLOCKS}: the block "
                 f"modes run with --delta-num-blocks {checks.NUM_BLOCKS} (the targets' K)")
     dry = o.dry_run
-    for name, full, small in (("vocab_size", 32000, 64), ("speed_iters", 12, 4), ("warmup", 4, 1),
+    for name, full, small in (("vocab_size", 32000, 64), ("speed_iters", 12, 2), ("warmup", 4, 1),
                               ("lr", 3e-4, 3e-3), ("parity_hidden_size", 1024, 32), ("parity_seq_length", 512, 16)):
         if getattr(o, name) is None:
             setattr(o, name, small if dry else full)
@@ -109,36 +115,54 @@ def main(argv=None):
                               f"{'ok ' if r['ok'] else 'BAD'} {r.get('max_rel', float('nan')):.2e}"
                               f"{' ' + r['error'] if 'error' in r else ''}", flush=True)
         if "speed" not in opts.skip:
-            print("\n(c) tokens/s and peak memory against the baseline; PREDICTED = tools/memory_plan.py's "
-                  f"router-share model on {env.gpu_kind()}", flush=True)
+            precisions = checks.speed_precisions(opts, env)
+            print(f"\n(c) tokens/s of {opts.speed_micro_batches} micro-batches' forward + backward (optimizer step "
+                  f"apart) and peak memory against the baseline; PREDICTED = tools/memory_plan.py's router-share "
+                  f"model on {env.gpu_kind()} (bf16)", flush=True)
             print(f"  {'shape':5s} {'mode':12s} {'router':6s} {'L':>3s} {'tok/s':>10s} {'x base':>7s} "
-                  f"{'PREDICTED':>9s} {'peak GiB':>9s} {'x base':>7s} target", flush=True)
+                  f"{'PREDICTED':>9s} {'FP8 x base':>10s} {'optim ms':>8s} {'peak GiB':>9s} {'x base':>7s} target",
+                  flush=True)
             for shape_name in ("8B", "1B"):
                 shape = checks.speed_shape(opts, env, shape_name)
-                base = None
-                for mode, kern in checks.SPEED_RUNS:
-                    r = attempt("speed", f"speed {shape_name} {mode} {kern}",
-                                lambda: checks.train(opts, env, mode, shape=shape, overrides=router_overrides,
-                                                     kernels=kern if kern != "-" else "fla",
-                                                     iters=opts.speed_iters, warmup=opts.warmup),
-                                mode=mode, kernels=kern)
+                base = {}
+                for mode, kern in checks.speed_runs(env):
+                    runs = {}
+                    for fp8 in precisions:
+                        r = attempt("speed", f"speed {shape_name} {mode} {kern} fp8={fp8}",
+                                    lambda: checks.train(opts, env, mode, shape=shape, overrides=router_overrides,
+                                                         kernels=kern if kern != "-" else "fla", fp8=fp8,
+                                                         iters=opts.speed_iters, warmup=opts.warmup,
+                                                         micro_batches=opts.speed_micro_batches),
+                                    mode=mode, kernels=kern, precision=str(fp8))
+                        if r:
+                            r["shape"] = shape_name
+                            runs[fp8] = r
+                            if mode == BASELINE and "tokens_per_sec" in r:
+                                base[fp8] = r
+                    r = runs.get(None)
                     if not r:
                         continue
-                    r["shape"] = shape_name
-                    if mode == BASELINE and "tokens_per_sec" in r:
-                        base = r
-                    if "tokens_per_sec" not in r or base is None:
+                    if "tokens_per_sec" not in r or None not in base:
                         print(f"  {shape_name:5s} {mode:12s} {kern:6s} {r.get('error', 'no baseline')}", flush=True)
                         continue
-                    tgt = checks.compare_speed(env, r, base, shape_name, mode, kern, shape["layers"])
+                    tgt = checks.compare_speed(env, r, base[None], shape_name, mode, kern, shape["layers"])
+                    fp8_col = "-"
+                    f = runs.get("delayed")
+                    if f is not None and "tokens_per_sec" in f and "delayed" in base:
+                        f["throughput_ratio"] = f["tokens_per_sec"] / base["delayed"]["tokens_per_sec"]
+                        r["fp8_throughput_ratio"] = f["throughput_ratio"]
+                        fp8_col = f"{f['throughput_ratio']:.3f}"
+                    elif f is not None:
+                        fp8_col = "failed"
                     tg = "" if not tgt else f">= {tgt[0]}x tok/s" + (f", <= {tgt[1]}x mem" if tgt[1] else "")
                     if tg and "target_ok" in r:
                         tg += " MET" if r["target_ok"] else " MISSED"
+                    pred = "-" if r["predicted_ratio"] is None else f"{r['predicted_ratio']:.3f}"
                     mem = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
                     memr = "-" if r["peak_mem_ratio"] is None else f"{r['peak_mem_ratio']:.3f}"
                     print(f"  {shape_name:5s} {mode:12s} {kern:6s} {r['num_layers']:3d} {r['tokens_per_sec']:10,.0f} "
-                          f"{r['throughput_ratio']:7.3f} {r['predicted_ratio']:9.3f} {mem:>9s} {memr:>7s} {tg}",
-                          flush=True)
+                          f"{r['throughput_ratio']:7.3f} {pred:>9s} {fp8_col:>10s} {r['optimizer_ms']:8.1f} {mem:>9s} "
+                          f"{memr:>7s} {tg}", flush=True)
                     run.save()
         if "train" not in opts.skip:
             precisions = checks.train_precisions(opts, env, result["skipped"])

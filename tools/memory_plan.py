@@ -54,9 +54,13 @@ def build_parser():
     p.add_argument("--device", choices=["gpu", "cpu"],
                    help="cpu: the router's fp32 C kernels (delta_block keeps no partial block sums)")
     p.add_argument("--json", default=None, help="also write the JSON here")
+    p.add_argument("--format", choices=["table", "json"], default="table",
+                   help="table: the table, then (memory plan) the JSON; json: only the JSON (--router-share: "
+                        "{shape: {mode: {backend: predicted tokens/s ratio}}})")
     p.add_argument("--router-share", choices=sorted(cost_model.GPUS), default=None,
-                   help="instead: predict the router's share of a training step on this GPU (1B and 8B shapes, "
-                        "every routed mode, PyTorch path vs fla's fused kernel)")
+                   help="instead: predict the router's share of a training step on this GPU from the counted "
+                        "traffic of every pass (perf/cost_model.step_traffic): 1B and 8B shapes, every routed mode, "
+                        "PyTorch path vs fla's fused kernel")
     p.set_defaults(**memory_model.PLAN_DEFAULTS)
     return p
 
@@ -74,13 +78,23 @@ def parse(argv=None):
 
 
 def format_router_share(gpu, rows):
-    lines = [f"predicted router share of a training step on {gpu} (bf16, one micro-batch of 2048 tokens; "
-             f"GEMMs at {cost_model.GEMM_EFFICIENCY:.0%} of peak, HBM at {cost_model.HBM_EFFICIENCY:.0%})",
-             "| shape | mode | router backend | GEMM ms | router ms | router share | tokens/s x baseline |",
-             "|---|---|---|---|---|---|---|"]
+    """Per shape and mode: the counted traffic of one step (u = one [tokens, hidden] bf16 tensor moved once) and
+    the predicted tokens/s ratio to the baseline, one column pair per router backend."""
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    by_key = {}
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['mode']} | {r['backend']} | {r['gemm_ms']:.1f} | {r['router_ms']:.2f} | "
-                     f"{r['router_share']:.1%} | {r['tokens_per_sec_ratio']:.3f} |")
+        by_key.setdefault((r["shape"], r["mode"]), {})[r["backend"]] = r
+    lines = [f"Predicted on {gpu}: bf16, one micro-batch of 2048 tokens, no recompute; GEMMs at "
+             f"{cost_model.GEMM_EFFICIENCY:.0%} of peak, HBM at {cost_model.HBM_EFFICIENCY:.0%}; u = one [tokens, "
+             f"hidden] tensor read or written once (perf/cost_model.step_traffic).", "",
+             "| shape | mode | layers | " + " | ".join(f"{b} u/step" for b in backends) + " | "
+             + " | ".join(f"{b} tokens/s x baseline" for b in backends) + " |",
+             "|---|---|---|" + "---|" * (2 * len(backends))]
+    for (shape, mode), per in by_key.items():
+        first = next(iter(per.values()))
+        lines.append(f"| {shape} | {mode} | {first['num_layers']} | "
+                     + " | ".join(f"{per[b]['traffic_u']:,.0f}" for b in backends) + " | "
+                     + " | ".join(f"{per[b]['tokens_per_sec_ratio']:.3f}" for b in backends) + " |")
     return "\n".join(lines)
 
 
@@ -117,13 +131,17 @@ def main(argv=None):
     a = parse(argv)
     if a.router_share:
         rows = cost_model.router_share_rows(a.router_share)
-        print(format_router_share(a.router_share, rows))
+        if a.format == "json":
+            print(json.dumps(cost_model.router_share_ratios(a.router_share), indent=1))
+        else:
+            print(format_router_share(a.router_share, rows))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return 0
     plan = memory_model.memory_plan(a)
-    print(format_table(plan))
+    if a.format == "table":
+        print(format_table(plan))
     text = json.dumps(plan, indent=1)
     print(text)
     if a.json:

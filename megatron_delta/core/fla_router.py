@@ -60,6 +60,9 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from megatron_delta.core import traffic
+from megatron_delta.core.traffic import record
+
 __all__ = ["Kernel", "FlaUnavailable", "set_kernel", "use_kernel", "load", "available", "kernel_for", "check",
            "describe", "plan_keeps_x", "fallback_reason", "route"]
 
@@ -242,10 +245,13 @@ def fallback_reason(values: Sequence[Tensor], out_dtype: Optional[torch.dtype]) 
 
 
 def _aligned(t: Tensor) -> Tensor:
+    src = t
     if not t.is_contiguous():
         t = t.contiguous()
     if t.data_ptr() % ALIGN:
         t = t.clone()
+    if t is not src and t.data_ptr() != src.data_ptr():
+        record("fla", "forward", [src], [t])
     return t
 
 
@@ -255,10 +261,13 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, rows, dtype):
         ctx.z_dtype = z.dtype
-        return z.detach().to(dtype).expand(rows, z.shape[-1]).contiguous()
+        out = z.detach().to(dtype).expand(rows, z.shape[-1]).contiguous()
+        record("fla_null", "forward", [z], [out])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
+        record("fla_null", "backward", [grad], [])
         return grad.sum(0, dtype=torch.float32).to(ctx.z_dtype), None, None
 
 
@@ -269,29 +278,73 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, gate, base, *summed):
         acc = torch.mul(r, gate) if gate is not None else r.to(torch.float32, copy=True)
+        record("fla_combine", "forward", [r], [acc])
         if acc.dtype != torch.float32:
+            record("fla_combine", "forward", [acc], [acc.float()])
             acc = acc.float()
         if base is not None:
             acc.add_(base)
+            record("fla_combine", "forward", [acc, base], [acc])
         for v in summed:
             acc.add_(v)
+            record("fla_combine", "forward", [acc, v], [acc])
         ctx.r_dtype = r.dtype
         ctx.base_dtype = None if base is None else base.dtype
         ctx.summed_dtypes = [v.dtype for v in summed]
         keep_r = gate is not None and ctx.needs_input_grad[1]
         ctx.save_for_backward(gate, r if keep_r else None)
-        return acc.to(r.dtype)
+        out = acc.to(r.dtype)
+        if out.dtype != acc.dtype:
+            record("fla_combine", "forward", [acc], [out])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         gate, r = ctx.saved_tensors
         g32 = grad.float()
-        grad_r = (g32 * gate).to(ctx.r_dtype) if gate is not None else grad.to(ctx.r_dtype)
+        if g32.dtype != grad.dtype:
+            record("fla_combine", "backward", [grad], [g32])
+        if gate is not None:
+            scaled = g32 * gate
+            grad_r = scaled.to(ctx.r_dtype)
+            record("fla_combine", "backward", [g32], [scaled])
+            if grad_r.dtype != scaled.dtype:
+                record("fla_combine", "backward", [scaled], [grad_r])
+        else:
+            grad_r = grad.to(ctx.r_dtype)
+            if grad_r.dtype != grad.dtype:
+                record("fla_combine", "backward", [grad], [grad_r])
         grad_gate = None
         if r is not None:
-            grad_gate = torch.linalg.vecdot(g32.reshape(-1), r.reshape(-1).float()).reshape(gate.shape).to(gate.dtype)
+            r32 = r.reshape(-1).float()
+            if r32.dtype != r.dtype:
+                record("fla_combine", "backward", [r], [r32])
+            grad_gate = torch.linalg.vecdot(g32.reshape(-1), r32).reshape(gate.shape).to(gate.dtype)
+            record("fla_combine", "backward", [g32, r32], [])
         grad_base = None if ctx.base_dtype is None else grad.to(ctx.base_dtype)
         return (grad_r, grad_gate, grad_base, *[grad.to(dt) for dt in ctx.summed_dtypes])
+
+
+def _record_fused_attnres(residuals: Sequence[Tensor], r: Tensor) -> None:
+    """What fla-core 0.6.0's fused_attnres moves per call (fla/ops/attnres/fused.py, checkpoint_level=1, no
+    output norm), whichever kernel ran (on CPU the tests' naive_attnres stands in for it). Forward,
+    attnres_fwd_kernel: each residual read once (norm, logit and weighted sum from one tile load), o written.
+    Backward, attnres_bwd_kernel_dv: do read, every residual read twice (the mix recomputed from the
+    residuals, then the dv loop), a fresh dv written per residual (``torch.empty_like(r)``: autograd then adds
+    it into the source's gradient, counted by traffic.watch) and dqw [N, D] fp32 written, which
+    attnres_bwd_kernel_dqdw reads back to reduce it over the tokens. dv and dqw are fla's own tensors, not
+    reachable from here: equal-sized stand-ins (the residuals, a meta tensor) give their sizes."""
+    record("fla", "forward", residuals, [r])
+    if not r.requires_grad:
+        return
+    kept = list(residuals)
+
+    def backward_traffic(do: Tensor) -> None:
+        dqw = torch.empty(do.shape, dtype=torch.float32, device="meta")
+        record("fla", "backward", [do, *kept, *kept], [*kept, dqw])  # attnres_bwd_kernel_dv
+        record("fla", "backward", [dqw], [])  # attnres_bwd_kernel_dqdw
+
+    r.register_hook(backward_traffic)
 
 
 def route(kernel: Kernel, values: Sequence[Tensor], *, query: Tensor, key_norm_weight: Tensor, eps: float,
@@ -310,10 +363,14 @@ def route(kernel: Kernel, values: Sequence[Tensor], *, query: Tensor, key_norm_w
     res = kernel.fn(query, residuals, key_norm_weight, None, rms_eps=float(eps), scale=1.0,
                     return_weights=return_weights)
     r, alpha = res if return_weights else (res, None)
+    if traffic.active():
+        _record_fused_attnres(residuals, r)
     unit = base is None and base_sums
     flat_base = None if base is None else base.reshape(rows, d)
     if gate is None and not unit:
         out = r if flat_base is None else torch.add(flat_base, r)
+        if flat_base is not None:
+            record("fla_combine", "forward", [flat_base, r], [out])
     else:
         out = _Combine.apply(r, gate, flat_base, *([v.reshape(rows, d) for v in values] if unit else []))
     if alpha is not None:

@@ -30,7 +30,8 @@ from typing import Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from megatron_delta.core import cpu_kernels
+from megatron_delta.core import cpu_kernels, traffic
+from megatron_delta.core.traffic import record
 
 __all__ = ["KERNEL_CHOICES", "check_kernels", "Source", "GradSink", "PendingSum", "make_source", "DepthRouter", "route"]
 
@@ -78,9 +79,14 @@ class GradSink:
 
     def add(self, grad: Tensor, weight: Tensor, dtype: torch.dtype) -> None:
         if self.grad is None:
-            self.grad = _as(torch.mul(grad, weight), dtype)
+            prod = torch.mul(grad, weight)
+            self.grad = _as(prod, dtype)
+            record("route", "backward", [grad], [prod])
+            if self.grad is not prod:
+                record("route", "backward", [prod], [self.grad])
         else:
             self.grad.addcmul_(grad, weight)
+            record("route", "backward", [self.grad, grad], [self.grad])
 
 
 class PendingSum:
@@ -161,6 +167,10 @@ class _ProjectSource(torch.autograd.Function):
         inv = _inv_rms(vf, eps, cdt)
         zt = torch.stack([_as(q, cdt) for q in queries]) @ vf.t() if len(queries) else vf.new_empty(0, rows)
         zt.mul_(inv)  # [J, T]
+        if traffic.active():
+            _record_cast("project", "forward", value, vf)
+            record("project", "forward", [vf], [inv])  # the norm
+            record("project", "forward", [vf], [zt])  # the GEMM
         ctx.cdt = cdt
         ctx.sink = sink
         ctx.save_for_backward(value, inv, zt, *queries)
@@ -181,18 +191,30 @@ class _ProjectSource(torch.autograd.Function):
         dz = torch.stack([_as(grad_z[k], cdt) for k in used])  # [J', T]
         c, e = _projection_grad_coeffs(dz, zt[used], inv, d)  # [J', T], [T]
         vf = _as(value.reshape(rows, d), cdt)
+        _record_cast("project", "backward", value, vf)
         q = torch.stack([_as(queries[k], cdt) for k in used])  # [J', d]
         grad_value = None
         if ctx.needs_input_grad[0]:
             if acc is None or acc.dtype != cdt:
                 gv = torch.mm(c.t(), q)
                 gv.addcmul_(vf, e.unsqueeze(1))
-                gv = _as(gv, value.dtype) if acc is None else acc.add_(gv)
+                record("project", "backward", [], [gv])
+                record("project", "backward", [gv, vf], [gv])
+                if acc is None:
+                    cast = _as(gv, value.dtype)
+                    _record_cast("project", "backward", gv, cast)
+                    gv = cast
+                else:
+                    record("project", "backward", [acc, gv], [acc])
+                    gv = acc.add_(gv)
             else:
                 gv = acc.addmm_(c.t(), q).addcmul_(vf, e.unsqueeze(1))
+                record("project", "backward", [acc], [acc])
+                record("project", "backward", [acc, vf], [acc])
             grad_value = gv.view(value.shape)
         if any(ctx.needs_input_grad[3:]):
             dq = torch.mm(c, vf)
+            record("project", "backward", [vf], [dq])
             for row, k in zip(dq.unbind(0), used):
                 grad_q[k] = _as(row, queries[k].dtype)
         return (grad_value, None, None, *grad_q)
@@ -216,11 +238,19 @@ def make_source(value: Tensor, eps: float, readers: Sequence["DepthRouter"] = ()
         if not readers:
             with torch.no_grad():
                 inv = _inv_rms(value.reshape(-1, value.shape[-1]), eps, _compute_dtype(value.dtype))
+            record("project", "forward", [value], [inv])
             return Source(value, inv.view(value.shape[:-1]), {}, eps, None)
         qs = [queries[r] if r in queries else r.query_vector() for r in readers]
         sink = GradSink()
         inv, *cols = _ProjectSource.apply(value, eps, sink, *qs)
     return Source(value, inv.view(value.shape[:-1]), dict(zip(readers, cols)), eps, sink)
+
+
+def _record_cast(kernel: str, phase: str, src: Tensor, dst: Tensor) -> None:
+    """A dtype conversion (``_as``) reads ``src`` and writes ``dst``; nothing where the dtypes agree (``_as``
+    returned its input, or a view of it)."""
+    if dst.dtype != src.dtype and traffic.active():
+        record(kernel, phase, [src], [dst])
 
 
 def _local_pairs(proj: Tensor, local: Sequence[int], n: int) -> list:
@@ -246,11 +276,15 @@ def _rebuild_source(flat: Sequence[Tensor], r: int, w: Tensor, null_value: Optio
     v_r = (u - sum_{i != r} (1 + w_i) v_i - w_null z) / (1 + w_r), w [M, T] (PyTorch ops; the C
     kernel does the same per token)."""
     out = flat[r].clone()
+    record("route", "backward", [flat[r]], [out])
     for i, vi in enumerate(flat):
         if i != r:
             out.addcmul_(vi, (1.0 + w[i]).unsqueeze(1), value=-1.0)
+            record("route", "backward", [out, vi], [out])
     if null_value is not None:
         out.addr_(w[len(flat)], null_value.to(out.dtype), alpha=-1.0)
+        record("route", "backward", [out], [out])
+    record("route", "backward", [out], [out])
     return out.div_((1.0 + w[r]).unsqueeze(1))
 
 
@@ -315,6 +349,9 @@ class _RouteFunction(torch.autograd.Function):
             alpha = torch.empty(m, rows, dtype=cdt, device=v0.device)
             out = cpu_kernels.route_forward(lib, flat, cols, query, eps, null_logit, null_value, gate_f,
                                             flat_base, alpha, pairs, v0.new_empty(rows, d), unit)
+            # one pass over the token rows: each source (a local one's norm and logit included) and the
+            # base read once, u written once
+            record("route", "forward", [*flat, flat_base, null_value, *cols, alpha], [out, alpha, proj])
         else:
             logits = torch.empty(m, rows, dtype=cdt, device=v0.device)
             for i, (col, row) in enumerate(zip(cols, logits.unbind(0))):
@@ -323,6 +360,10 @@ class _RouteFunction(torch.autograd.Function):
                     inv, z = pairs[i]
                     inv.copy_(_inv_rms(vf, eps, cdt))
                     torch.mv(vf, _as(query, cdt), out=z).mul_(inv)
+                    if traffic.active():
+                        _record_cast("route", "forward", flat[i], vf)
+                        record("route", "forward", [vf], [inv])
+                        record("route", "forward", [vf], [z])
                     col = z
                 row.copy_(col)
             if has_null:
@@ -333,14 +374,24 @@ class _RouteFunction(torch.autograd.Function):
             wcols = _value_weights(w, n, unit).unsqueeze(2).unbind(0)
             if base is None:
                 out = torch.mul(flat[0], wcols[0])
+                record("route", "forward", [flat[0]], [out])
             else:
-                out = torch.addcmul(_as(flat_base, cdt), flat[0], wcols[0])
-            out = _as(out, cdt)
+                base_c = _as(flat_base, cdt)
+                _record_cast("route", "forward", flat_base, base_c)
+                out = torch.addcmul(base_c, flat[0], wcols[0])
+                record("route", "forward", [base_c, flat[0]], [out])
+            out_c = _as(out, cdt)
+            _record_cast("route", "forward", out, out_c)
+            out = out_c
             for i in range(1, n):
                 out.addcmul_(flat[i], wcols[i])
+                record("route", "forward", [out, flat[i]], [out])
             if has_null:
                 out.addr_(w[n], _as(null_value, cdt))
-        result = _as(out, out_dtype).view(shape)
+                record("route", "forward", [out], [out])
+        result = _as(out, out_dtype)
+        _record_cast("route", "forward", out, result)
+        result = result.view(shape)
 
         ctx.n = n
         ctx.cdt = cdt
@@ -375,6 +426,7 @@ class _RouteFunction(torch.autograd.Function):
         w = alpha if g is None else alpha * g
 
         grad = _as(grad_out.reshape(rows, d), cdt)
+        _record_cast("route", "backward", grad_out, grad)
         used = [i for i in range(n) if needs[nv + i] and i not in local]  # sources with a sink
         grad_values = [None] * n
         c = [None] * n  # dlogit * inv of each local source (its query gradient is c . v)
@@ -404,13 +456,20 @@ class _RouteFunction(torch.autograd.Function):
                 dq = grad.new_empty(d)
             cpu_kernels.route_backward(lib, grad, flat, alpha, 1.0 if g is None else float(g), null_value,
                                        query, pairs, targets, dw, dlogit, dq, recover, ctx.unit)
+            # one pass: grad and each source (or u, for the rebuilt one) read once; each gradient target
+            # written, and read first where it accumulates (not fresh)
+            record("route", "backward", [grad, *flat, alpha, proj, *(t for t, fresh in targets if not fresh)],
+                   [t for t, _ in targets] + [dw, dlogit])
         else:
             # each source's a_i * grad goes to its sink (see GradSink)
             prod = torch.empty_like(grad)  # one product buffer, reused (and cache-warm) for every source
             for vf, dwi in zip(flat, dw[:n].unbind(0)):
                 torch.sum(torch.mul(grad, vf, out=prod), dim=-1, out=dwi)
+                record("route", "backward", [grad, vf], [prod])
+                record("route", "backward", [prod], [dwi])
             if has_null:
                 torch.mv(grad, _as(null_value, cdt), out=dw[n])
+                record("route", "backward", [grad], [])
             dalpha = dw if g is None else dw * g
             dlogit = alpha * (dalpha - (alpha * dalpha).sum(0, keepdim=True))
             wcols = _value_weights(w, n, ctx.unit).unsqueeze(2).unbind(0)
@@ -422,8 +481,15 @@ class _RouteFunction(torch.autograd.Function):
                 c[i] = ci[0]
                 if needs[nv + i]:
                     gv = torch.mul(grad, wcols[i])
-                    gv.addr_(c[i], _as(query, cdt)).addcmul_(_as(flat[i], cdt), e.unsqueeze(1))
+                    vf = _as(flat[i], cdt)
+                    gv.addr_(c[i], _as(query, cdt)).addcmul_(vf, e.unsqueeze(1))
                     grad_values[i] = _as(gv, values[i].dtype)
+                    if traffic.active():
+                        record("route", "backward", [grad], [gv])
+                        record("route", "backward", [gv], [gv])  # + c q^T
+                        _record_cast("route", "backward", flat[i], vf)
+                        record("route", "backward", [gv, vf], [gv])  # + e v
+                        _record_cast("route", "backward", gv, grad_values[i])
 
         grad_gate = None
         if g is not None and needs[5]:
@@ -431,19 +497,26 @@ class _RouteFunction(torch.autograd.Function):
         grad_query = None
         if local and needs[8]:
             if dq is None:
-                dq = sum(torch.mv(_as(flat[i], cdt).t(), c[i]) for i in local)
+                dq = 0
+                for i in local:
+                    vf = _as(flat[i], cdt)
+                    dq = dq + torch.mv(vf.t(), c[i])
+                    _record_cast("route", "backward", flat[i], vf)
+                    record("route", "backward", [vf], [])
             grad_query = _as(dq, query.dtype)
         grad_cols = [dlogit[i] if i not in local and needs[nv + n + i] else None for i in range(n)]
         grad_values = [None if gv is None else gv.view(values[i].shape) for i, gv in enumerate(grad_values)]
         grad_base = None
         if ctx.base_dtype is not None and needs[4]:
             grad_base = _as(grad_out, ctx.base_dtype)
+            _record_cast("route", "backward", grad_out, grad_base)
         grad_null_logit = grad_null_value = None
         if has_null:
             if needs[6]:
                 grad_null_logit = dlogit[n].sum().to(null_logit.dtype)
             if needs[7]:
                 grad_null_value = torch.mv(grad.t(), w[n]).to(null_value.dtype)
+                record("route", "backward", [grad], [])
         return (None, None, None, None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, grad_query,
                 *grad_values, *grad_cols)
 

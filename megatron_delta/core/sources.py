@@ -25,7 +25,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from megatron_delta.core import group_router
+from megatron_delta.core import group_router, traffic
 from megatron_delta.core.modes import RoutedMode, default_num_blocks, routed_mode, routed_mode_class
 from megatron_delta.core.router import DepthRouter, PendingSum, Source, make_source
 
@@ -265,6 +265,7 @@ class SourceBuffer:
         sublayers = [k for k in self.readers if isinstance(k, int)]
         self._groups = (group_router.GroupRouting(plan.router_group_size, sublayers)
                         if plan.groups_routers and sublayers else None)
+        self._committing = None  # (v, values taken) while the mode commits v: what it sums (traffic counting)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -297,6 +298,11 @@ class SourceBuffer:
     # ------------------------------------------------------------------ what the modes work through
     def hold(self, name: str, value: Tensor) -> None:
         """Hold ``value`` as source ``name`` (after those held), or as the residual stream (name ``x``)."""
+        if traffic.active():
+            traffic.watch(value)
+            if self._committing is not None and value is not self._committing[0]:
+                # the mode's partial sum (delta_block's P + v, the replacement modes' p + v): a new tensor
+                traffic.record("partial_sum", "forward", [*self._committing[1], self._committing[0]], [value])
         if name == "x":
             self._x, self._x_own = value, False
         else:
@@ -314,6 +320,8 @@ class SourceBuffer:
     def take(self, name: str) -> Optional[Tensor]:
         """Remove source ``name``; its value, or None if it is not held."""
         entry = self._entries.pop(name, None)
+        if entry is not None and self._committing is not None:
+            self._committing[1].append(entry.value)
         return None if entry is None else entry.value
 
     def value(self, name: str) -> Tensor:
@@ -332,10 +340,14 @@ class SourceBuffer:
 
     def add_to_x(self, v: Tensor) -> None:
         """x <- x + v: in place while nothing else holds x (routers do not save their base), else a new x."""
+        old = self._x
         if self._x_own and v.dtype == self._x.dtype:
             self._x.add_(v)
         else:
             self._x, self._x_own = self._x + v, True
+        if traffic.active():
+            traffic.record("x_add", "forward", [old, v], [self._x])
+            traffic.watch(self._x)
 
     def route(self, key: Union[int, str], router: DepthRouter, *, base: Optional[Tensor], apply_gate: bool,
               base_sums: bool) -> Tensor:
@@ -373,8 +385,11 @@ class SourceBuffer:
         themselves, no copies): a pipeline payload or the outputs of a checkpointed chunk."""
         f = self._at_boundary("to_tensors")
         if f == 0:  # 'h0': the embedding output, held under the last of the mode's start names
-            return [self.value(self.plan.rules.start_names()[-1])]
-        return [self.value(n) for n in self.plan.payload_names(f)]
+            out = [self.value(self.plan.rules.start_names()[-1])]
+        else:
+            out = [self.value(n) for n in self.plan.payload_names(f)]
+        traffic.hand_out(out)
+        return out
 
     @property
     def x(self) -> Optional[Tensor]:
@@ -386,8 +401,12 @@ class SourceBuffer:
         if self._x is None and self.plan.x_from_sources and self._entries:
             values = [e.value for e in self._entries.values()]
             x = values[0] + values[1] if len(values) > 1 else values[0]
+            if len(values) > 1:
+                traffic.record("x_sum", "forward", values[:2], [x])
             for v in values[2:]:
+                old = x
                 x = x.add_(v) if x.dtype == v.dtype else x + v  # x is a fresh sum nobody saved
+                traffic.record("x_sum", "forward", [old, v], [x])
             return x
         return self._x
 
@@ -464,7 +483,13 @@ class SourceBuffer:
         """Record sublayer j's output (v_j for the additive modes, f_j(u) for replacement)."""
         if self._pending != j:
             raise RuntimeError(f"commit({j}) without routed_input({j})")
-        self.plan.rules.commit(self, j, out)
+        if traffic.active():
+            traffic.watch(out)
+            self._committing = (out, [])
+        try:
+            self.plan.rules.commit(self, j, out)
+        finally:
+            self._committing = None
         self._pending = None
         self.next_sublayer = j + 1
 
@@ -473,4 +498,6 @@ class SourceBuffer:
         f = self._at_boundary("output")
         if f != self.plan.num_layers:
             raise RuntimeError(f"output(): only after the last layer (next layer is {f})")
-        return self.plan.rules.output(self, final_router)
+        out = self.plan.rules.output(self, final_router)
+        traffic.hand_out([out])
+        return out

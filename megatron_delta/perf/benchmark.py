@@ -47,6 +47,7 @@ opts: tools/benchmark.py's flags) and finalize() adds the ratios to the baseline
   one [s, b, h] tensor. With V > 1 what the source cache sends (core/source_cache.py), and in
   brackets what the uncached path (--delta-pp-source-cache off) would send.
 """
+import contextlib
 import json
 import os
 import statistics
@@ -86,8 +87,13 @@ def mode_config(opts, mode):
         fields["delta_num_blocks"] = opts.delta_num_blocks
     if mode in ADDITIVE_MODES:  # the replacement modes take no gate (pretrain_gpt.py refuses it)
         fields["delta_gate"] = opts.delta_gate
+    if mode in ROUTED_MODES and getattr(opts, "delta_null_source", False):
+        fields["delta_null_source"] = True
     if mode in ROUTED_MODES:
         fields["delta_router_kernels"] = opts.delta_router_kernels
+    recompute = getattr(opts, "recompute", None)  # (method, layers): full recompute (--traffic's counts)
+    if recompute:
+        fields.update(recompute_granularity="full", recompute_method=recompute[0], recompute_num_layers=recompute[1])
     fields = resolve_model_fields(fields)
     overrides = {}
     if mode in ("delta", "full_attnres"):  # the fine-grained modes' group router (core/group_router.py)
@@ -377,3 +383,82 @@ def run(opts):
                 allocator=allocator, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                 loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
     return {"config": meta, "modes": results, "profile": profile_text}
+
+
+# ------------------------------------------------------------------------------------------------ --traffic
+TRAFFIC_BACKENDS = ("torch", "c", "fla")  # --delta-router-kernels values counted by --traffic
+
+
+@contextlib.contextmanager
+def router_backend(backend):
+    """Run the routers of a model built with ``--delta-router-kernels backend`` here: ``fla`` on CPU routes
+    through fla's pure-PyTorch naive_attnres (fla_router.use_kernel, as tests/test_fla_router.py does); what
+    is counted for it is fused_attnres's traffic per its source (fla_router._record_fused_attnres)."""
+    if backend != "fla":
+        yield
+        return
+    from fla.ops.attnres import naive_attnres
+
+    from megatron_delta.core import fla_router
+
+    with fla_router.use_kernel(naive_attnres, devices=("cpu",), name="naive_attnres"):
+        yield
+
+
+def counted_step(model, batch, act_bytes):
+    """{(kernel, phase): u} counted (megatron_delta.core.traffic) over one forward + backward of ``model``."""
+    from megatron_delta.core import traffic
+
+    tokens, _, _ = batch
+    cfg = model.config
+    with traffic.counting() as count:
+        step(model, batch)
+    return count.rows(tokens.numel() * cfg.hidden_size, act_bytes)
+
+
+def fla_missing():
+    """Why fla's kernel cannot be counted here (fla-core not importable), or None."""
+    try:
+        import fla.ops.attnres  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (ImportError, or a broken Triton install)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def traffic_report(opts, modes, backends=TRAFFIC_BACKENDS, recompute=None):
+    """Per mode and router backend: the traffic of one step counted on the model (fp32, this machine) and the
+    closed form's (perf.cost_model.step_traffic) in fp32 and in bf16 (a GPU's), per (kernel, phase) and in
+    total, in u (one [tokens, hidden] tensor of the activation dtype read or written once)."""
+    from megatron_delta.perf import cost_model
+    from megatron_delta.platform.distributed import destroy_distributed
+
+    out = {}
+    try:
+        for mode in modes:
+            if mode == BASELINE:
+                continue
+            for backend in backends:
+                with router_backend(backend):
+                    o = _with(opts, delta_router_kernels=backend, recompute=recompute)
+                    model, config = build_model(o, mode)
+                    counted = counted_step(model, mock_batch(o, o.vocab_size), 4)
+                kw = dict(num_blocks=config.delta_num_blocks, null_source=config.delta_null_source,
+                          gate=config.delta_gate == "scalar", recompute=recompute)
+                predicted = cost_model.step_traffic(mode, opts.num_layers, backend, act_bytes=4, **kw)
+                bf16 = (cost_model.step_traffic(mode, opts.num_layers, backend, act_bytes=2, **kw)
+                        if backend in cost_model.GPU_BACKENDS else None)
+                out[f"{mode}/{backend}"] = {
+                    "mode": mode, "backend": backend, "sublayers": 2 * opts.num_layers,
+                    "counted": {f"{k}/{p}": v for (k, p), v in sorted(counted.items())},
+                    "closed_form": {f"{k}/{p}": v for (k, p), v in sorted(predicted.items())},
+                    "counted_u": sum(counted.values()), "closed_form_u": cost_model.total_u(predicted),
+                    "closed_form_bf16_u": None if bf16 is None else cost_model.total_u(bf16)}
+    finally:
+        destroy_distributed()
+    return out
+
+
+def _with(opts, **changes):
+    import argparse
+
+    return argparse.Namespace(**{**vars(opts), **changes})

@@ -1,87 +1,328 @@
-"""The router's share of a training step on a GPU: the bytes every router pass moves through HBM
-(router_bytes, per residual mode and router backend) against the layers' GEMM FLOPs (layer_gemm_flops), at
-datasheet peaks (GPUS) derated by GEMM_EFFICIENCY and HBM_EFFICIENCY. router_share predicts the tokens/s
-ratio to the baseline for one shape (perf.shapes.SHAPES); tools/memory_plan.py --router-share prints it and
-tools/gpu_check.py sets it beside its measurement. No model is built."""
+"""The router's memory traffic per training step, in closed form, and its share of a step on a GPU.
+
+step_traffic() counts, per kernel and phase, the bytes every pass of the routed residual stream moves for one
+micro-batch: each router call (router.py's PyTorch path, the C kernels of cpu_kernels.py, fla-core's
+fused_attnres around fla_router.py), each shared source projection, the sublayers' partial sums (delta_block's
+P + v, the replacement modes' p + v), the residual adds x + v, the sum that hands x out, the null source, and
+autograd's own additions of gradient contributions (a tensor read by several autograd nodes). Unit: "u", one
+[tokens, hidden] tensor in the activation dtype read or written once (an fp32 tensor of that size is 4 / a u).
+The same quantities are counted from the real tensors by megatron_delta.core.traffic (tests/test_traffic.py
+holds the two equal for every mode x backend, with and without recompute).
+
+The structure (which router reads which source, which are projected once for several readers, what each
+commit adds) is the modes' own: a symbolic SourceBuffer (_Ledger) runs modes.RoutedMode's rules over
+stand-in tensors; the cost of each pass is the closed form below (_route_pass, _PROJECT, ...).
+
+router_share() prices one step's traffic at HBM speed against the layers' GEMM FLOPs (layer_gemm_flops) at
+datasheet peaks (GPUS) derated by GEMM_EFFICIENCY and HBM_EFFICIENCY, and predicts the tokens/s ratio to the
+baseline; tools/memory_plan.py --router-share prints it and tools/gpu_check.py sets it beside its
+measurement. No model is built and nothing here imports torch at import time.
+"""
+from collections import defaultdict
+
 from megatron_delta.core.modes import ADDITIVE_MODES, BASELINE, BLOCK_MODES, REPLACEMENT_MODES
 from megatron_delta.perf.shapes import SHAPES
 
-GPUS = {  # name: (HBM bytes/s, dense bf16 FLOP/s) - datasheet peaks
-    "H100": (3.35e12, 989e12),
-    "H200": (4.8e12, 989e12),
-    "B200": (8.0e12, 2250e12),
+GPUS = {  # name: (HBM bytes/s, dense bf16 FLOP/s) - datasheet peaks of the SXM parts
+    "H100": (3.35e12, 989e12),  # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOPS BF16 dense
+    "H200": (4.8e12, 989e12),   # NVIDIA H200 Tensor Core GPU datasheet (SXM): 4.8 TB/s HBM3e, same Hopper core
+    "B200": (8.0e12, 2250e12),  # NVIDIA HGX B200 datasheet (1000 W): 8 TB/s HBM3e, 2.25 PFLOPS BF16 dense (4.5 sparse)
 }
 GEMM_EFFICIENCY = 0.75  # fraction of peak FLOP/s Megatron's GEMMs reach at these shapes (H200: ~790 of 989)
 HBM_EFFICIENCY = 0.85   # fraction of peak bandwidth a streaming elementwise pass reaches
+BACKENDS = ("torch", "c", "fla")  # router backends the closed form knows (--delta-router-kernels)
+GPU_BACKENDS = ("torch", "fla")  # those that run on a GPU (the C kernels are CPU-only, fp32)
+COMPUTE_BYTES = 4  # the routers' math is fp32 whatever the activation dtype
 
 
-def _reads_per_router(plan):
-    """Per receiving router of one micro-batch, per source it reads: (readers of that source value, whether
-    this router is its first reader). A source a commit rewrites (modes.RoutedMode.rewritten_by_commit) is a
-    new value at each read."""
-    out, seen = [], {}
-    receivers = list(range(plan.num_sublayers)) + (["final"] if plan.final_reads() else [])
-    for j in receivers:
-        names = plan.final_reads() if j == "final" else plan.reads(j)
-        row = []
-        for n in names:
-            rewritten = n == plan.rules.rewritten_by_commit(plan.num_sublayers - 1 if j == "final" else j)
-            if rewritten or n not in seen:
-                seen[n] = len(plan.value_readers(n, j))
-                row.append((seen[n], True))
-            else:
-                row.append((seen[n], False))
-        out.append(row)
+# ------------------------------------------------------------------------------------------- one pass each
+def _conv(a, c):
+    """A dtype conversion of one [T, d] tensor (router._as): read a, write c - nothing when they agree."""
+    return a + c if a != c else 0
+
+
+def _route_pass(backend, a, c, kinds, base, null, gate_on, grad):
+    """Bytes per [T, d] element of one router call (DepthRouter.forward) of ``backend`` over sources of
+    ``kinds`` ('local': projected in this pass; 'fresh' / 'accumulate': projected once for several readers,
+    this router's backward writes / adds into the source's gradient sink), a base x or not, the null source,
+    the gate: {(kernel, phase): bytes}. a: activation bytes, c: compute bytes (4)."""
+    n = len(kinds)
+    loc = kinds.count("local")
+    fresh, acc = kinds.count("fresh"), kinds.count("accumulate")
+    cv = _conv(a, c)
+    out = defaultdict(float)
+    if backend == "torch":  # router._RouteFunction, PyTorch ops: every eager op is a pass
+        # local: fp32 copy, norm and logit (2 reads); weighted sum from an fp32 accumulator: the first
+        # source into it (with the base x: base converted, read with v0), each further source a + 2c
+        # (read acc and v, write acc), the null source 2c, then one cast to the activation dtype
+        out["route", "forward"] = (loc * (cv + 2 * c) + ((cv + 2 * c + a) if base else (a + c))
+                                   + (n - 1) * (a + 2 * c) + 2 * c * null + cv)
+        if grad:
+            # grad to fp32; per source a row-wise dot (product into a buffer: a + 2c, its row sums: c);
+            # the null source's dot and its gradient (2c); a sink's first write (mul + cast) or its add
+            # (read sink and grad, write sink); a local source's whole gradient (mul, + c q, + e v with
+            # its fp32 copy, cast: 8c + 2 conv) and its query-gradient share (copy, mv: c + conv)
+            out["route", "backward"] = (cv + n * (a + 3 * c) + 2 * c * null + fresh * (2 * c + cv)
+                                        + acc * (2 * a + c) + loc * (8 * c + 3 * cv))
+    elif backend == "c":  # csrc/router_kernels.c: one loop over the token rows each way (fp32 only)
+        if a != c:
+            raise ValueError("the C kernels take fp32 tensors only (act_bytes=4)")
+        out["route", "forward"] = n * a + a * bool(base) + a  # sources and base read once, u written
+        if grad:
+            # grad and each source read once; each gradient target written (fresh, local) or read and
+            # written (a sink some later reader already wrote); the null source's gradient (torch.mv)
+            out["route", "backward"] = a + n * a + (fresh + loc) * a + acc * 2 * a + a * null
+    elif backend == "fla":  # fla_router.route around fused_attnres (_record_fused_attnres)
+        m = n + null
+        out["fla", "forward"] = m * a + a
+        out["fla_null", "forward"] = a * null  # z broadcast to every token: one more residual
+        if grad:
+            out["fla", "backward"] = a + 3 * m * a + 2 * c  # do, residuals twice, a dv each, dqw fp32 w + r
+            out["fla_null", "backward"] = a * null  # its per-token gradient summed
+        if base and not gate_on:
+            out["fla_combine", "forward"] = 3 * a  # u = x + r
+        elif base:
+            # _Combine: r * gate into fp32, + x, cast; backward: grad to fp32, * gate, cast, and the gate's
+            # gradient <grad, r> with r in fp32
+            out["fla_combine", "forward"] = (a + c) + (2 * c + a) + cv
+            if grad:
+                out["fla_combine", "backward"] = cv + 2 * c + cv + cv + 2 * c
+    else:
+        raise ValueError(f"router backend {backend!r}: one of {', '.join(BACKENDS)}")
     return out
 
 
-def router_bytes(plan, tokens, hidden, act_bytes=2, backend="torch", null_source=False, gate=False):
-    """Bytes the routers of one micro-batch move through HBM in forward + backward (every router, every
-    [tokens, hidden] pass; the [M, tokens] softmax tensors are ignored, they are 1/hidden as large).
+def _project_pass(a, c, grad):
+    """router._ProjectSource (a source read by several routers, projected once for all of them): fp32 copy,
+    norm and GEMM (2 reads); backward: copy, the gradient from the sink (mm, + e v, added into the sink: 5c,
+    + 2a where the sink is not fp32), the query GEMM (c)."""
+    cv = _conv(a, c)
+    out = {("project", "forward"): cv + 2 * c}
+    if grad:
+        out["project", "backward"] = cv + (5 * c + 2 * a if a != c else 5 * c) + c
+    return out
 
-    Unit: one [tokens, hidden] tensor in the activation dtype = a bytes; fp32 = c = 4 bytes per element.
-    ``torch`` (router.py's PyTorch path; each eager op one pass): a source read by J >= 2 routers is
-    projected once (_ProjectSource: norm + GEMM, 2 reads; backward: 2 GEMM reads, one fused write into
-    its gradient); a local source (one reader) costs its router an fp32 copy and 2 reads of it (c reads);
-    the weighted sum starts from an fp32 copy of x (a + c; none without x), adds each source (a + 2c),
-    the null source (2c), and casts once (c + a); backward: grad to fp32 (a + c), per source one dot
-    product (a + 3c: the product into a buffer, its row sums) and one scaled add into its gradient sink
-    (2a + c), plus the local sources' projection gradient (a + 2c).
-    ``fla`` (fla_router.py around fused_attnres, checkpoint_level 1): forward reads the M residuals once
-    and writes r (M a + a), then u = x + r (3a; with the gate: fp32 combine, 2a + 2c + a); backward
-    re-reads the residuals twice (mix recompute + dv loop) and do, writes M source gradients and an fp32
-    [T, d] query-gradient partial that a second kernel reads (2 M a + a + M a + 2c); autograd adds each
-    source gradient after the first reader's into the source's (3a). The null source is one
-    more residual, materialised (a write) and its gradient summed (a read)."""
-    a, c = act_bytes, 4
-    total = 0.0
-    for reads in _reads_per_router(plan):
-        n = len(reads)
-        m = n + int(null_source)
-        has_x = plan.additive and not plan.x_from_sources
-        if backend == "torch":
-            fwd = (a + c if has_x else 0) + n * (a + 2 * c) + (2 * c if null_source else 0) + (c + a)
-            bwd = (a + c) + n * ((a + 3 * c) + (2 * a + c))
-            for readers, first in reads:
-                if readers >= 2:
-                    if first:  # projected once per source value, with all its readers
-                        total += 2 * a + 2 * a + a
-                else:
-                    fwd += a + c + 2 * c
-                    bwd += a + 2 * c
-            total += fwd + bwd
-        elif backend == "fla":
-            fwd = m * a + a + (a if null_source else 0)
-            if has_x:
-                fwd += (2 * a + 2 * c + a) if gate else 3 * a
-            elif plan.additive:  # x formed from the sources: read them again
-                fwd += n * a + 2 * c + a
-            bwd = 2 * m * a + a + m * a + 2 * c + (a if null_source else 0)
-            bwd += sum(3 * a for _, first in reads if not first)  # autograd adds it into the source's gradient
-            total += fwd + bwd
+
+# ------------------------------------------------------------------------------------------- the structure
+class _Tensor:
+    """A stand-in [T, d] activation tensor: counts the autograd nodes that will read it (its gradient
+    contributions). ``+`` is a mode's partial sum (modes.py: P + v, p + v)."""
+
+    __slots__ = ("ledger", "readers")
+
+    def __init__(self, ledger):
+        self.ledger, self.readers = ledger, 0
+        ledger.tensors.append(self)
+
+    def __add__(self, other):
+        return self.ledger.elementwise("partial_sum", self, other)
+
+
+class _Router:
+    def __init__(self, key):
+        self.key = key
+
+
+class _Ledger:
+    """One buffer's worth of SourceBuffer over stand-in tensors (the interface modes.RoutedMode acts on),
+    adding each pass's bytes to ``totals``. ``grad``: this pass builds a graph (backward costs and autograd
+    adds), else it is the no-grad first forward of a recomputed chunk."""
+
+    def __init__(self, plan, scope, totals, tensors, backend, a, c, null, gate, grad):
+        self.plan, self.scope, self.totals, self.tensors = plan, set(scope), totals, tensors
+        self.backend, self.a, self.c, self.null, self.gate, self.grad = backend, a, c, null, gate, grad
+        self.entries = {}  # name -> [tensor, projection]; projection: None, "local" or [readers seen]
+        self._x = None
+
+    def new(self):
+        return _Tensor(self)
+
+    def add(self, parts):
+        for key, v in parts.items():
+            if key[1] == "forward" or self.grad:
+                self.totals[key] += v
+
+    def read(self, *tensors):
+        if self.grad:
+            for t in tensors:
+                t.readers += 1
+
+    def elementwise(self, kernel, x, y):
+        self.add({(kernel, "forward"): 3 * self.a})
+        self.read(x, y)
+        return self.new()
+
+    # the buffer interface (sources.SourceBuffer)
+    def hold(self, name, value):
+        if name == "x":
+            self._x = value
         else:
-            raise ValueError(f"backend {backend!r}: torch or fla")
-    return total * tokens * hidden
+            self.entries[name] = [value, None]
+
+    def take(self, name):
+        e = self.entries.pop(name, None)
+        return None if e is None else e[0]
+
+    def value(self, name):
+        return self.x if name == "x" else self.entries[name][0]
+
+    def rename(self, old, new):
+        self.entries[new] = self.entries.pop(old)
+
+    @property
+    def held_x(self):
+        return self._x
+
+    @property
+    def x(self):
+        if self._x is None and self.plan.x_from_sources and self.entries:
+            values = [e[0] for e in self.entries.values()]
+            if len(values) == 1:
+                return values[0]
+            # h0 + v0, then one in-place add per further source: each source read once
+            self.add({("x_sum", "forward"): 3 * self.a * (len(values) - 1)})
+            self.read(*values)
+            return self.new()
+        return self._x
+
+    def add_to_x(self, v):
+        self._x = self.elementwise("x_add", self._x, v)
+
+    def route(self, key, router, *, base, apply_gate, base_sums):
+        names = self.plan.final_reads() if key == "final" else self.plan.reads(key)
+        kinds = []
+        for name in names:
+            entry = self.entries[name]
+            if entry[1] is None:  # projected at its first read, for its readers in scope (SourceBuffer._source)
+                readers = [k for k in self.plan.value_readers(name, key) if k in self.scope]
+                if len(readers) <= 1 or self.backend == "fla":
+                    entry[1] = "local"
+                else:
+                    entry[1] = []
+                    self.add(_project_pass(self.a, self.c, self.grad))
+                    self.read(entry[0])
+            if entry[1] == "local":
+                kinds.append("local")
+                self.read(entry[0])
+            else:
+                kinds.append("accumulate" if entry[1] else "fresh")
+                entry[1].append(key)
+        unit = base_sums and base is None
+        if unit and self.backend == "fla":
+            raise ValueError("fla keeps x as a stream (fla_router.plan_keeps_x): no router forms it from its sources")
+        if base is not None:
+            self.read(base)
+        self.add(_route_pass(self.backend, self.a, self.c, kinds, base is not None, self.null,
+                             apply_gate and self.gate, self.grad))
+        return self.new()
+
+    def hand_out(self, tensors):
+        """Tensors leaving the buffer: one consumer each outside it (traffic.hand_out)."""
+        self.read(*tensors)
+
+
+def _settle(tensors, totals, a):
+    """Autograd's additions: a tensor with k > 1 gradient contributions costs k - 1 adds of 3 u each."""
+    adds = sum(max(0, t.readers - 1) for t in tensors)
+    if adds:
+        totals["autograd_add", "backward"] += 3 * a * adds
+
+
+def _segments(num_layers, recompute):
+    """(start, end, checkpointed) layer ranges of block._checkpointed_layers; one unchekpointed range without
+    recompute. ``recompute``: None, ("uniform", n) or ("block", n), as --recompute-method / -num-layers."""
+    if recompute is None:
+        return None
+    method, step = recompute
+    if method == "uniform":
+        return [(s, min(s + step, num_layers), True) for s in range(0, num_layers, step)]
+    if method == "block":
+        return [(i, i + 1, i < step) for i in range(num_layers)]
+    raise ValueError(f"recompute method {method!r}: uniform or block")
+
+
+def make_plan(mode, num_layers, backend, num_blocks=None, gate=False):
+    """The SourcePlan a model of this mode / depth / router backend runs (as SourcePlan.from_config)."""
+    from types import SimpleNamespace
+
+    from megatron_delta.core.sources import SourcePlan
+
+    cfg = SimpleNamespace(residual=mode, num_layers=num_layers,
+                          delta_num_blocks=num_blocks if mode in BLOCK_MODES else None, delta_sources="exact",
+                          delta_gate="scalar" if gate else "none",
+                          delta_router_kernels="fla" if backend == "fla" else "torch")
+    return SourcePlan.from_config(cfg)
+
+
+def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, null_source=False, gate=False,
+                 recompute=None):
+    """{(kernel, phase): u} of one micro-batch's forward + backward through one pipeline chunk holding all
+    ``num_layers`` layers (the embedding output in, the final norm's input out), router ``backend`` (torch, c,
+    fla), activations of ``act_bytes`` bytes, with ``recompute`` (None, ("uniform", n) or ("block", n): the
+    recomputed chunks run their forward twice, and each is its own buffer scope, as block.py runs them).
+    Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), partial_sum, x_add, x_sum,
+    autograd_add."""
+    if mode == BASELINE:
+        return {}
+    plan = make_plan(mode, num_layers, backend, num_blocks, gate)
+    a, c = act_bytes, COMPUTE_BYTES
+    totals = defaultdict(float)
+    tensors = []
+    rules = plan.rules
+    final = ["final"] if plan.final_reads() else []
+    routers = {k: _Router(k) for k in [*range(plan.num_sublayers), *final]}
+
+    def buffer(scope, grad):
+        return _Ledger(plan, scope, totals, tensors, backend, a, c, null_source, gate, grad)
+
+    def run_layers(buf, first, end, inputs):
+        if first == 0:
+            rules.start(buf, inputs[0])
+        else:
+            for name, t in zip(plan.payload_names(first), inputs):
+                buf.hold(name, t)
+        for j in range(2 * first, 2 * end):
+            rules.routed_input(buf, j, routers[j])
+            rules.commit(buf, j, buf.new())
+
+    def sublayers(first, end):
+        return list(range(2 * first, 2 * end))
+
+    L = num_layers
+    segments = _segments(L, recompute)
+    if segments is None:
+        buf = buffer(sublayers(0, L) + final, True)
+        run_layers(buf, 0, L, [buf.new()])
+        buf.hand_out([rules.output(buf, routers.get("final"))])
+    else:
+        start = buffer(sublayers(0, L) + final, True)
+        outer = [start.new()]
+        start.hand_out(outer)  # h0 into the first checkpoint
+        for first, end, checkpointed in segments:
+            if checkpointed:
+                # the checkpoint's no-grad forward, then in backward its recompute (inputs: detached
+                # leaves) whose outputs the checkpoint's backward seeds as roots; outside, its outputs are
+                # new tensors, each read by the next checkpoint once
+                for grad in (False, True):
+                    buf = buffer(sublayers(first, end), grad)
+                    run_layers(buf, first, end, [buf.new() for _ in outer])
+                    out = [buf.value(n) for n in plan.payload_names(end)]
+                    if grad:
+                        buf.hand_out(out)
+                outer = [buf.new() for _ in out]
+            else:  # a layer run as is (block method): its buffer holds the previous one's tensors themselves
+                buf = buffer(sublayers(first, end), True)
+                run_layers(buf, first, end, outer)
+                outer = [buf.value(n) for n in plan.payload_names(end)]
+        last = buffer(final, True)
+        run_layers(last, L, L, outer)
+        last.hand_out([rules.output(last, routers.get("final"))])
+    _settle(tensors, totals, a)
+    return {k: v / a for k, v in totals.items() if v}
+
+
+def total_u(traffic, phase=None):
+    return sum(v for (_, p), v in traffic.items() if phase in (None, p))
 
 
 def layer_gemm_flops(shape, tokens, micro_batch=1):
@@ -96,17 +337,14 @@ def layer_gemm_flops(shape, tokens, micro_batch=1):
 
 
 def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_source=False, gate=False,
-                 micro_batch=1, act_bytes=2, num_layers=None):
+                 micro_batch=1, act_bytes=2, num_layers=None, recompute=None):
     """Predicted router time against the layers' GEMM time for one training step (one micro-batch):
-    router bytes / (HBM x HBM_EFFICIENCY) vs GEMM FLOPs / (peak x GEMM_EFFICIENCY). Returns a dict with
-    both times, the share of the step (router / (GEMM + router)) and the predicted tokens/s ratio to the
-    baseline (GEMM / (GEMM + router): the baseline's step taken as its GEMMs). ``num_layers`` overrides
-    the shape's (gpu_check's layer slice); ``num_blocks``: the block modes' K (default: the command line's,
-    modes.default_num_blocks, which refuses a layer count it cannot split into at most 4 blocks)."""
-    from types import SimpleNamespace
-
-    from megatron_delta.core.sources import SourcePlan
-
+    the counted traffic of the routed residual stream (step_traffic, every pass) / (HBM x HBM_EFFICIENCY) vs
+    GEMM FLOPs / (peak x GEMM_EFFICIENCY). Returns a dict with both times, the traffic in u, the share of
+    the step (router / (GEMM + router)) and the predicted tokens/s ratio to the baseline (GEMM / (GEMM +
+    router): the baseline's step taken as its GEMMs, its own residual adds not counted). ``num_layers``
+    overrides the shape's (gpu_check's layer slice); ``num_blocks``: the block modes' K (default: the command
+    line's, modes.default_num_blocks, which refuses a layer count it cannot split into at most 4 blocks)."""
     bw, flops = GPUS[gpu]
     shape = dict(SHAPES[shape_name])
     if num_layers:
@@ -114,20 +352,25 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_s
     L = shape["num_layers"]
     tokens = shape["seq_length"] * micro_batch
     gemm_s = L * layer_gemm_flops(shape, tokens, micro_batch) / (flops * GEMM_EFFICIENCY)
-    router_s = 0.0
+    u = 0.0
     if mode != BASELINE:
-        kb = num_blocks if mode in BLOCK_MODES else None  # None: the block modes' default K (SourcePlan)
-        cfg = SimpleNamespace(residual=mode, num_layers=L, delta_num_blocks=kb, delta_sources="exact",
-                              delta_gate="scalar" if gate else "none",
-                              delta_router_kernels="fla" if backend == "fla" else "torch")
-        plan = SourcePlan.from_config(cfg)
-        router_s = router_bytes(plan, tokens, shape["hidden_size"], act_bytes, backend, null_source,
-                                gate) / (bw * HBM_EFFICIENCY)
-    return {"gpu": gpu, "shape": shape_name, "mode": mode, "backend": backend, "num_layers": L,
+        u = total_u(step_traffic(mode, L, backend, num_blocks=num_blocks, act_bytes=act_bytes,
+                                 null_source=null_source, gate=gate, recompute=recompute))
+    router_s = u * tokens * shape["hidden_size"] * act_bytes / (bw * HBM_EFFICIENCY)
+    return {"gpu": gpu, "shape": shape_name, "mode": mode, "backend": backend, "num_layers": L, "traffic_u": u,
             "gemm_ms": gemm_s * 1e3, "router_ms": router_s * 1e3, "router_share": router_s / (gemm_s + router_s),
             "tokens_per_sec_ratio": gemm_s / (gemm_s + router_s)}
 
 
-def router_share_rows(gpu, shapes=("1B", "8B"), modes=ADDITIVE_MODES + REPLACEMENT_MODES):
-    """router_share of every shape x mode x router backend (torch, fla) on ``gpu``, in that order."""
-    return [router_share(gpu, s, m, b) for s in shapes for m in modes for b in ("torch", "fla")]
+def router_share_rows(gpu, shapes=("1B", "8B"), modes=ADDITIVE_MODES + REPLACEMENT_MODES, backends=GPU_BACKENDS):
+    """router_share of every shape x mode x router backend on ``gpu``, in that order."""
+    return [router_share(gpu, s, m, b) for s in shapes for m in modes for b in backends]
+
+
+def router_share_ratios(gpu, shapes=("1B", "8B"), modes=ADDITIVE_MODES + REPLACEMENT_MODES,
+                        backends=GPU_BACKENDS):
+    """{shape (lower case): {mode: {backend: predicted tokens/s ratio}}} (memory_plan.py --format json)."""
+    out = {}
+    for r in router_share_rows(gpu, shapes, modes, backends):
+        out.setdefault(r["shape"].lower(), {}).setdefault(r["mode"], {})[r["backend"]] = r["tokens_per_sec_ratio"]
+    return out

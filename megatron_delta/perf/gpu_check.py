@@ -41,11 +41,35 @@ SHAPES = {name: dict(hidden=s["hidden_size"], ffn=s["ffn_hidden_size"], heads=s[
           for name, s in ((n, MODEL_SHAPES[n]) for n in ("8B", "1B"))}
 DRY_SHAPES = {"8B": dict(hidden=64, ffn=192, heads=4, groups=2, seq=32, layers=4),
               "1B": dict(hidden=32, ffn=96, heads=4, groups=2, seq=32, layers=4)}
-# (b): (null source, gate, x) of each router case; (c): (mode, router backend) of each run at a shape, the
-# additive modes (those with targets) on both backends.
+# (b): (null source, gate, x) of each router case.
 ROUTER_CASES = [(False, False, False), (False, False, True), (True, False, True), (False, True, True),
                 (True, True, True), (True, False, False)]
-SPEED_RUNS = [(BASELINE, "-")] + [(m, k) for m in ADDITIVE_MODES for k in ("fla", "torch")]
+SPEED_MICRO_BATCHES = 8  # (c): micro-batches per timed step (a training step's forward + backward, not one)
+
+
+def speed_runs(env):
+    """(c): (mode, router backend) of each run at a shape: the baseline, then the additive modes (those with
+    targets) on every GPU router backend this checkout has (--delta-router-kernels: fla, triton where present,
+    torch; the dry run takes triton only under TRITON_INTERPRET=1, the Triton interpreter)."""
+    from megatron_delta.core.router import KERNEL_CHOICES
+
+    backends = [k for k in ("fla", "triton", "torch") if k in KERNEL_CHOICES
+                and (k != "triton" or not env.dry or os.environ.get("TRITON_INTERPRET") == "1")]
+    return [(BASELINE, "-")] + [(m, k) for m in ADDITIVE_MODES for k in backends]
+
+
+def speed_precisions(opts, env):
+    """(c)'s precisions: BF16 (None), and FP8 (hybrid, delayed scaling) where Transformer Engine has FP8 (not in
+    the dry run, not with --no-fp8)."""
+    if env.dry or opts.no_fp8:
+        return [None]
+    try:
+        from transformer_engine.pytorch import fp8 as te_fp8
+
+        ok, _ = te_fp8.check_fp8_support()
+    except Exception:  # noqa: BLE001  (an older TE without the check, or none)
+        ok = False
+    return [None, "delayed"] if ok else [None]
 
 
 def local_to_te_name(name: str) -> str:
@@ -266,10 +290,12 @@ def router_case(opts, env, dtype, null, gate, with_x, n=5):
 
 
 # ------------------------------------------------------------------------------------------- (c), (d)
-def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=None, warmup=0):
-    """`iters` iterations with Megatron's DDP + optimizer + forward-backward schedule on a learnable stream.
-    ``overrides(args, standard_overrides)``: the optimizer's parameter-group overrides with the routers' group,
-    as pretrain_gpt.py makes them (the trainer's router_overrides)."""
+def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=None, warmup=0, micro_batches=1):
+    """`iters` iterations with Megatron's DDP + optimizer + forward-backward schedule on a learnable stream,
+    ``micro_batches`` micro-batches per iteration. ``overrides(args, standard_overrides)``: the optimizer's
+    parameter-group overrides with the routers' group, as pretrain_gpt.py makes them (the trainer's
+    router_overrides). tokens_per_sec: the micro-batches' forward + backward alone; the optimizer step is timed
+    apart (optimizer_ms) and step_tokens_per_sec counts it too."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
@@ -306,24 +332,29 @@ def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=N
             return loss, {"lm loss": loss.detach()}
         return out, loss_fn
 
-    losses, times = [], []
+    losses, fb_times, opt_times = [], [], []
     fb = get_forward_backward_func()
     for _ in range(iters):
-        env.sync()
-        t0 = time.perf_counter()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = fb(forward_step_func=step_fn, data_iterator=iter([None]), model=ddp, num_microbatches=1,
-                     seq_length=s, micro_batch_size=b, forward_only=False)
+        env.sync()
+        t0 = time.perf_counter()
+        reports = fb(forward_step_func=step_fn, data_iterator=iter([None] * micro_batches), model=ddp,
+                     num_microbatches=micro_batches, seq_length=s, micro_batch_size=b, forward_only=False)
+        env.sync()
+        t1 = time.perf_counter()
         optimizer.step()
         env.sync()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(reports[0]["lm loss"]))
-    timed = times[warmup:] or times
+        fb_times.append(t1 - t0)
+        opt_times.append(time.perf_counter() - t1)
+        losses.append(sum(float(r["lm loss"]) for r in reports) / len(reports))
+    timed, opt_timed = fb_times[warmup:] or fb_times, opt_times[warmup:] or opt_times
+    tokens = s * b * micro_batches * len(timed)
     out = {"mode": mode, "kernels": kernels if mode != BASELINE else "-", "precision": fp8 and f"fp8-hybrid-{fp8}"
            or ("fp32" if env.dry else "bf16"), "num_layers": fields["num_layers"],
-           "num_blocks": fields["delta_num_blocks"], "losses": losses,
-           "tokens_per_sec": s * b * len(timed) / sum(timed), "peak_mem_gib": env.peak_gib(),
+           "num_blocks": fields["delta_num_blocks"], "micro_batches": micro_batches, "losses": losses,
+           "tokens_per_sec": tokens / sum(timed), "optimizer_ms": 1e3 * sum(opt_timed) / len(opt_timed),
+           "step_tokens_per_sec": tokens / (sum(timed) + sum(opt_timed)), "peak_mem_gib": env.peak_gib(),
            "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]}
     free(env, ddp, optimizer, chunk)
     return out
@@ -358,9 +389,12 @@ def speed_shape(opts, env, shape_name):
 
 
 def predicted(env, shape_name, mode, kernels, num_layers):
-    """The cost model's tokens/s ratio to the baseline for this run on this GPU (perf.cost_model.router_share)."""
+    """The cost model's tokens/s ratio to the baseline for this run on this GPU (perf.cost_model.router_share, bf16;
+    None for a backend the closed form does not know yet)."""
     if mode == BASELINE:
         return 1.0
+    if kernels not in cost_model.BACKENDS:
+        return None
     r = cost_model.router_share(env.gpu_kind(), shape_name, mode, kernels, num_layers=num_layers,
                                 num_blocks=NUM_BLOCKS if mode in BLOCK_MODES else None)
     return r["tokens_per_sec_ratio"]
@@ -373,7 +407,7 @@ def compare_speed(env, r, base, shape_name, mode, kernels, num_layers):
     r["throughput_ratio"] = r["tokens_per_sec"] / base["tokens_per_sec"]
     r["predicted_ratio"] = predicted(env, shape_name, mode, kernels, num_layers)
     r["peak_mem_ratio"] = None if r["peak_mem_gib"] is None else r["peak_mem_gib"] / base["peak_mem_gib"]
-    target = TARGETS.get((shape_name, mode)) if kernels == "fla" else None
+    target = TARGETS.get((shape_name, mode)) if kernels in ("fla", "triton") else None  # the fused kernels
     if target and not env.dry:
         r["target_ok"] = (r["throughput_ratio"] >= target[0]
                           and (target[1] is None or r["peak_mem_ratio"] <= target[1]))

@@ -1,0 +1,129 @@
+"""Issue 28: the router's memory traffic counted from the real tensors (megatron_delta.core.traffic) equals the
+closed form the GPU cost model prices (megatron_delta.perf.cost_model.step_traffic), for every routed mode x
+router backend (PyTorch ops, the C kernels, fla's fused_attnres - on CPU fla's naive_attnres runs in its place
+and the count is the fused kernel's traffic per its source), with and without full recompute, per kernel and
+phase, in rows of [tokens, hidden].
+
+Two harnesses: the Megatron model itself (fp32, where every kind of pass costs the same per element, with
+recompute uniform / block, the null source and the gate), and the SourceBuffer over stand-in sublayers in bf16
+(activation bytes 2, the routers' math fp32: the casts and fp32 temporaries are counted apart from the bf16
+passes, as on a GPU).
+"""
+import argparse
+
+import pytest
+import torch
+
+from megatron_delta.core import traffic
+from megatron_delta.core.modes import BLOCK_MODES, ROUTED_MODES
+from megatron_delta.perf import benchmark, cost_model
+
+BACKENDS = ("torch", "c", "fla")
+# (recompute, gate + null source)
+VARIANTS = [(None, False), (("uniform", 1), False), (("block", 1), False), (None, True)]
+
+
+@pytest.fixture(scope="module")
+def dist(distributed_teardown):
+    from megatron_delta.platform.distributed import initialize_distributed
+
+    initialize_distributed(1, 1, None, 1, seed=1234)
+    yield
+
+
+def _opts(mode, backend, recompute, extras):
+    # hidden 64 > 2 x the most sources any router reads here (9): the [sources, tokens] tables stay below
+    # one [tokens, hidden] row, so only the rows the model prices are counted as such
+    return argparse.Namespace(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=None,
+                              ffn_hidden_size=None, seq_length=8, micro_batch_size=2, vocab_size=64,
+                              delta_num_blocks=2 if mode in BLOCK_MODES else None,
+                              delta_gate="scalar" if extras and mode in ("delta", "delta_block") else "none",
+                              delta_null_source=extras, delta_router_kernels=backend, recompute=recompute, seed=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ROUTED_MODES)
+def test_counted_traffic_equals_closed_form(dist, mode, backend):
+    """One training step of a 4-layer model: the traffic counted per (kernel, phase) equals step_traffic's,
+    without recompute, under full recompute (uniform: every layer its own checkpoint, its forward run twice;
+    block: one layer checkpointed, the rest run layer by layer), and with the null source and the gate."""
+    for recompute, extras in VARIANTS:
+        o = _opts(mode, backend, recompute, extras)
+        with benchmark.router_backend(backend):
+            model, config = benchmark.build_model(o, mode)
+            counted = benchmark.counted_step(model, benchmark.mock_batch(o, o.vocab_size), 4)
+        predicted = cost_model.step_traffic(mode, 4, backend, num_blocks=config.delta_num_blocks, act_bytes=4,
+                                            null_source=config.delta_null_source,
+                                            gate=config.delta_gate == "scalar", recompute=recompute)
+        assert predicted and counted == pytest.approx(predicted, abs=1e-9), (recompute, extras)
+
+
+def _stand_in_step(mode, backend, dtype, null, gate):
+    """The routed residual stream of a 4-layer model over stand-in sublayers (v = u * s), one forward and
+    backward, counted: {(kernel, phase): u} with u in ``dtype``'s bytes."""
+    from megatron_delta.core.router import DepthRouter
+    from megatron_delta.core.sources import SourceBuffer
+
+    L, d, tokens = 4, 64, (8, 2)
+    plan = cost_model.make_plan(mode, L, backend, num_blocks=2 if mode in BLOCK_MODES else None, gate=gate)
+    g = torch.Generator().manual_seed(0)
+    keys = [*range(2 * L)] + (["final"] if plan.final_reads() else [])
+    routers = {k: DepthRouter(d, null_source=null, gate=gate, eps=1e-6, kernels=backend) for k in keys}
+    for r in routers.values():
+        with torch.no_grad():
+            r.query.copy_(0.3 * torch.randn(d, generator=g))
+    h0 = torch.randn(*tokens, d, generator=g).to(dtype).requires_grad_(True)
+    scales = [torch.full((d,), 0.5, dtype=dtype, requires_grad=True) for _ in range(2 * L)]
+    with benchmark.router_backend(backend), traffic.counting() as count:
+        buf = SourceBuffer.start(plan, h0 * 1.0, 1e-6, readers=routers)
+        for j in range(2 * L):
+            buf.commit(j, buf.routed_input(j, routers[j]) * scales[j])
+        buf.output(routers.get("final")).float().sum().backward()
+    return count.rows(tokens[0] * tokens[1] * d, torch.tensor([], dtype=dtype).element_size())
+
+
+@pytest.mark.parametrize("backend", ["torch", "fla"])
+@pytest.mark.parametrize("mode", ROUTED_MODES)
+def test_bf16_counted_traffic_equals_closed_form(mode, backend):
+    """In bf16 (the GPU's activations) the count, with its fp32 copies and temporaries at 2 u each, equals
+    step_traffic(act_bytes=2) - the figures router_share prices - with and without the null source and gate."""
+    for extras in (False, True):
+        gate = extras and mode in ("delta", "delta_block")
+        counted = _stand_in_step(mode, backend, torch.bfloat16, extras, gate)
+        predicted = cost_model.step_traffic(mode, 4, backend, num_blocks=2 if mode in BLOCK_MODES else None,
+                                            act_bytes=2, null_source=extras, gate=gate)
+        assert counted == pytest.approx(predicted, abs=1e-9), extras
+
+
+def test_counting_is_off_by_default_and_nests():
+    """Nothing is recorded outside a counting() block; nested blocks each see every call."""
+    x = torch.ones(4, 8)
+    traffic.record("k", "forward", [x], [x])
+    with traffic.counting() as outer:
+        traffic.record("k", "forward", [x], [x])
+        with traffic.counting() as inner:
+            traffic.record("k", "backward", [x, None], [])
+    assert not traffic.active()
+    assert outer.rows(32, 4) == {("k", "forward"): 2.0, ("k", "backward"): 1.0}
+    assert inner.rows(32, 4) == {("k", "backward"): 1.0}
+    assert outer.rows(64, 4) == {}  # tensors smaller than a row are not rows
+
+
+def test_docs_traffic_table_is_the_closed_form():
+    """docs/performance.md's `benchmark.py --traffic` table (default size: 12 layers, K = 4): its counted and
+    closed-form columns agree and are today's step_traffic, in fp32 and bf16 (a table that cannot drift)."""
+    import os
+    import re
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "performance.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (\w+) \| (torch|c|fla) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+|-) \|", doc, re.M)
+    assert {(m, b) for m, b, *_ in rows} == {(m, b) for m in ROUTED_MODES for b in BACKENDS}
+    for mode, backend, counted, per_sublayer, fp32, bf16 in rows:
+        kw = dict(num_blocks=4 if mode in BLOCK_MODES else None)
+        assert float(counted) == float(fp32) == cost_model.total_u(cost_model.step_traffic(mode, 12, backend,
+                                                                                          act_bytes=4, **kw))
+        assert float(per_sublayer) == pytest.approx(float(counted) / 24, abs=0.005)
+        if backend in cost_model.GPU_BACKENDS:
+            assert float(bf16) == cost_model.total_u(cost_model.step_traffic(mode, 12, backend, act_bytes=2, **kw))
+        else:
+            assert bf16 == "-"
