@@ -175,6 +175,12 @@ def variant_flags(spec: str, variant: str) -> list[str]:
     return flags
 
 
+def data_cache(root: str) -> list[str]:
+    """Megatron-LM's --data-cache-path under ROOT: the mock dataset's sample indices are built by the first run
+    and read back by the others (the same indices; building them costs every rank ~0.2 s per virtual stage)."""
+    return ["--data-cache-path", os.path.join(root, "data-cache")]
+
+
 def init_dir(root: str, spec: str) -> str:
     return os.path.join(root, "init-" + spec.replace("/", "-").replace(":", "L"))
 
@@ -268,10 +274,10 @@ def run_specs(root: str, tag: str, layout: list[str], runs: list[list[str]], ite
     for spec, variant in runs:
         init = init_dir(root, spec)
         if not os.path.exists(init):
-            train(spec_flags(spec) + ["--train-iters", "0", "--save", init])
+            train(spec_flags(spec) + data_cache(root) + ["--train-iters", "0", "--save", init])
         name = spec.replace("/", "-").replace(":", "L")
         saving = ["--save", os.path.join(root, f"ckpt-{tag}-{variant}-{name}")] if variant in save else []
-        r = train(spec_flags(spec) + layout + variant_flags(spec, variant) + saving +
+        r = train(spec_flags(spec) + layout + variant_flags(spec, variant) + saving + data_cache(root) +
                   ["--train-iters", str(iters), "--load", init, "--finetune"],
                   os.path.join(root, f"{tag}-{variant}-{name}.jsonl"))
         entry = {k: r[k] for k in ("losses", "lr", "iterations", "valid")}
@@ -295,6 +301,13 @@ def run_specs(root: str, tag: str, layout: list[str], runs: list[list[str]], ite
     return out
 
 
+def run_layouts(root: str, launches: list, iters: int = ITERS, collect: list[str] = (), save: list[str] = ()) -> dict:
+    """run_specs for each [tag, layout, runs] of ``launches``, one after another in this one launch (the layouts
+    share the world size; Megatron's parallel state is rebuilt for every run): {tag: run_specs' result}. One
+    launch instead of one per layout saves each further launch's start-up (every rank imports torch and Megatron)."""
+    return {tag: run_specs(root, tag, layout, runs, iters, collect, save) for tag, layout, runs in launches}
+
+
 # ----------------------------------------------------------------------------------------- other launches
 _FULL = ["--recompute-granularity", "full", "--recompute-method"]
 RECOMPUTE_VARIANTS = {
@@ -306,15 +319,16 @@ RECOMPUTE_VARIANTS = {
 }
 
 
-def recompute_compare(root: str, modes: list[str], variants: list[str], iters: int = 3) -> dict:
+def recompute_compare(root: str, modes: list[str], variants: list[str], iters: int = 2) -> dict:
     """Train `iters` iterations from the same seed with each recompute variant; return, per mode and variant, the
-    losses and the largest |grad difference| to the variant 'none' (last iteration)."""
+    losses and the largest |grad difference| to the variant 'none' (last iteration: its gradients went through
+    the recomputed forward, its loss through the previous iteration's update)."""
     out = {}
     for mode in modes:
         ref_grads = None
         out[mode] = {}
         for v in variants:
-            r = train(spec_flags(mode) + RECOMPUTE_VARIANTS[v] + ["--train-iters", str(iters)],
+            r = train(spec_flags(mode) + RECOMPUTE_VARIANTS[v] + data_cache(root) + ["--train-iters", str(iters)],
                       os.path.join(root, f"recompute-{mode}-{v}.jsonl"))
             grads = all_grads(last_run().model)
             if ref_grads is None:
@@ -334,10 +348,10 @@ def checkpoint_swap(root: str, layout: list[str], mode: str, iters: int = 4) -> 
     half = iters // 2
     for first, second in (("on", "off"), ("off", "on")):
         ckpt = os.path.join(root, f"swap-{mode}-{first}")
-        straight = train(spec_flags(mode) + layout + VARIANTS[first] + [
+        straight = train(spec_flags(mode) + layout + VARIANTS[first] + data_cache(root) + [
             "--train-iters", str(iters), "--save", ckpt, "--save-interval", str(half)],
             os.path.join(root, f"swap-{mode}-{first}.jsonl"))
-        resumed = train(spec_flags(mode) + layout + VARIANTS[second] + [
+        resumed = train(spec_flags(mode) + layout + VARIANTS[second] + data_cache(root) + [
             "--train-iters", str(iters), "--load", ckpt, "--ckpt-step", str(half)],
             os.path.join(root, f"swap-{mode}-{first}-{second}.jsonl"))
         out[f"{first}->{second}"] = {"straight": straight["losses"], "resumed": resumed["losses"]}

@@ -3,10 +3,10 @@
 Every layout trains tests/rank_runner.py's tiny model (4 layers, hidden 64, 4 heads / 2 query groups, seq 32, mbs 2,
 gbs 8, mock data; the routers at 10x the lr) ITERS iterations from the TP1 reference's initial model of each mode
 (`--load --finetune`; the session's tp1_reference fixture, tests/conftest.py); its per-iteration losses
-(`--delta-metrics-file`) must equal TP1's within 1e-5 and its learning rates TP1's. One launch per layout runs
-all five modes in-process. delta_block and attnres use K=2 blocks of 2 layers: under PP4 and PP2+VPP2 (one layer
-per chunk) every block straddles a chunk boundary. The TP2+PP2+SP launch is shared with tests/test_bf16.py
-(the tp2_pp2_sp_runs fixture: its fp32 runs are checked here).
+(`--delta-metrics-file`) must equal TP1's within 1e-5 and its learning rates TP1's. One launch runs every 2-rank
+layout, all five modes each, in-process. delta_block and attnres use K=2 blocks of 2 layers: under PP4 and
+PP2+VPP2 (one layer per chunk) every block straddles a chunk boundary. The TP2+PP2+SP launch is shared with
+tests/test_bf16.py (the tp2_pp2_sp_runs fixture: its fp32 runs are checked here).
 """
 import json
 import os
@@ -57,18 +57,33 @@ def _max_diff(a, b):
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(reference):
+    """Per rank {layout: results}: every 2-rank layout in one launch (rank_runner.run_layouts), the routers
+    collected (the tp2_sp checks)."""
+    root, _ = reference
+    launches = [[name, flags, [[m, "fp32"] for m in MODES] + GROUPED.get(name, [])]
+                for name, (world, flags) in LAYOUTS.items() if world == 2]
+    return run_distributed(rank_runner.run_layouts, 2, root, launches, kwargs={"collect": ["routers"]},
+                           timeout=2400)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_tp1(reference, layout, request):
+    """The 2-rank layouts share one launch (two_rank_runs); tp2_pp2_sp is the session's launch shared with
+    tests/test_bf16.py (tests/conftest.py tp2_pp2_sp_runs)."""
     root, ref = reference
     world, flags = LAYOUTS[layout]
     collect = layout == "tp2_sp"
-    if layout == "tp2_pp2_sp":
+    if world == 2:
+        results = [rank[layout] for rank in request.getfixturevalue("two_rank_runs")]
+    elif layout == "tp2_pp2_sp":
         _, results = request.getfixturevalue("tp2_pp2_sp_runs")
     else:
-        results = run_distributed(rank_runner.run_specs, world, root, layout, flags,
-                                  [[m, "fp32"] for m in MODES] + GROUPED.get(layout, []),
-                                  kwargs={"collect": ["routers"] if collect else []}, timeout=1500)
+        results = run_distributed(rank_runner.run_specs, world, root, layout, flags, [[m, "fp32"] for m in MODES],
+                                  timeout=1500)
+    assert len(results) == world
     grouped = {f"{m}/{v}": results[-1][m][v] for m, v in GROUPED.get(layout, [])}
     results = [{m: r[m]["fp32"] for m in MODES} for r in results]
     res = results[-1]
@@ -133,7 +148,7 @@ def test_recompute_same_losses_and_grads(tmp_path):
     bad = []
     for mode, by_v in res.items():
         ref = by_v["none"]["losses"]
-        assert len(ref) == 3
+        assert len(ref) == 2
         for v, r in by_v.items():
             dl = max(abs(a - b) for a, b in zip(r["losses"], ref))
             if dl > RECOMPUTE_TOL or r["max_grad_diff"] > RECOMPUTE_TOL:

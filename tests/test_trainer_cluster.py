@@ -5,7 +5,8 @@ tiny COMMON model of tests/trainer_driver.py, as a job script would start it:
 
 1. SIGTERM with --exit-signal-handler: the job saves the iteration reached, exits 0, and a resume from
    that checkpoint continues as the uninterrupted run.
-2. --exit-interval / --exit-duration-in-mins: training stops with a checkpoint of the iteration reached.
+2. --exit-interval / --exit-duration-in-mins: training stops with a checkpoint of the iteration reached (the
+   duration job's minute passes while it is stopped and the other tests run: the fixture duration_job).
 3. A rank SIGKILLed under `torchrun --max-restarts 1` (DP2): the restarted ranks load the last complete
    checkpoint and train on exactly as an uninterrupted run, and no process of the killed rank survives;
    then SIGTERM to the launcher (megatron_delta.trainer.launch): the workers save, it exits 0, and a
@@ -201,26 +202,47 @@ def _log_time(stdout: str, iteration: int) -> datetime:
     return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f")
 
 
-@pytest.mark.slow
-def test_exit_duration_in_mins_stops_with_a_checkpoint(tmp_path):
-    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    # --exit-duration-in-mins is an int: 1 minute, counted from the start of the program (training.py
-    # _TRAIN_START_TIME); --train-iters 5000 would take far longer than that.
-    job = _run(_trainer("--train-iters", "5000", "--exit-duration-in-mins", "1", "--save", ckpt,
-                        "--save-interval", "5000", "--delta-metrics-file", metrics), str(tmp_path / "run"))
-    assert job.proc.returncode == 0, job.tail()
-    out = job.stdout()
-    m = re.search(r"\[exiting program after ([0-9.]+) minutes\]", out)
-    assert m, job.tail()
-    minutes = float(m.group(1))
-    reached = _last_iteration(metrics)
-    assert minutes > 1.0 and 1 <= reached < 5000
-    assert _tracker(ckpt) == reached and _iter_dirs(ckpt) == [reached]
-    # The right iteration: the first whose end is past the minute. The clock started at
-    # log(reached) - minutes (the check follows the iteration's log line within milliseconds).
-    if reached > 1:
-        start = _log_time(out, reached).timestamp() - 60 * minutes
-        assert _log_time(out, reached - 1).timestamp() - start < 60 + 1.0
+# ------------------------------------------------------------------------------------------- 2b
+DURATION_TEST = "test_exit_duration_in_mins_stops_with_a_checkpoint"
+PAUSE = 62  # seconds the duration job is stopped for: its clock passes the minute meanwhile
+
+
+@pytest.fixture(scope="module", autouse=True)
+def duration_job(request, tmp_path_factory):
+    """The --exit-duration-in-mins job of the test at the end of this file, started with the module. Its minute
+    (--exit-duration-in-mins is an int: 1 minute at least, counted from the run's start) would keep the suite
+    waiting; instead the job is stopped (SIGSTOP, no CPU used) once it has logged iteration 2 and continued
+    (SIGCONT) PAUSE seconds later, while the other tests of the module run. Megatron's own clock and check decide
+    the exit: its wall clock passes the minute during the pause, and the iteration in progress at SIGCONT is the
+    first to end past it."""
+    if not any(item.name == DURATION_TEST for item in request.session.items):
+        yield None
+        return
+    import threading
+
+    root = str(tmp_path_factory.mktemp("duration"))
+    ckpt, metrics = os.path.join(root, "ckpt"), os.path.join(root, "m.jsonl")
+    # --train-iters 5000 would take far longer than the minute
+    job = Job(_trainer("--train-iters", "5000", "--exit-duration-in-mins", "1", "--save", ckpt,
+                       "--save-interval", "5000", "--delta-metrics-file", metrics), os.path.join(root, "run"))
+    paused = {}
+
+    def pause():
+        while job.proc.poll() is None and _last_iteration(metrics) < 2:
+            time.sleep(0.05)
+        if job.proc.poll() is None:
+            os.killpg(job.proc.pid, signal.SIGSTOP)
+            paused["stopped_after"] = _last_iteration(metrics)
+            time.sleep(PAUSE)
+            os.killpg(job.proc.pid, signal.SIGCONT)
+        paused["done"] = True
+
+    watcher = threading.Thread(target=pause, daemon=True)
+    watcher.start()
+    yield {"job": job, "ckpt": ckpt, "metrics": metrics, "watcher": watcher, "paused": paused}
+    if job.proc.poll() is None:
+        os.killpg(job.proc.pid, signal.SIGCONT)
+    job.kill()
 
 
 # ------------------------------------------------------------------------------------------- 3
@@ -416,3 +438,24 @@ def test_truncated_shard_is_one_error_line(straight, tmp_path):
     resumed = _metrics(metrics)
     assert [r["iteration"] for r in resumed] == [10]
     assert _losses(resumed, 10, 10) == pytest.approx(_losses(straight["records"], 10, 10), abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------- 2b (last: see duration_job)
+@pytest.mark.slow
+def test_exit_duration_in_mins_stops_with_a_checkpoint(duration_job):
+    job, ckpt, metrics = duration_job["job"], duration_job["ckpt"], duration_job["metrics"]
+    duration_job["watcher"].join(timeout=600)
+    code = job.wait(300)
+    assert code == 0, (duration_job["paused"], job.tail())
+    out = job.stdout()
+    m = re.search(r"\[exiting program after ([0-9.]+) minutes\]", out)
+    assert m, job.tail()
+    minutes = float(m.group(1))
+    reached = _last_iteration(metrics)
+    assert minutes > 1.0 and 1 <= reached < 5000, duration_job["paused"]
+    assert _tracker(ckpt) == reached and _iter_dirs(ckpt) == [reached]
+    # The right iteration: the first whose end is past the minute. The clock started at
+    # log(reached) - minutes (the check follows the iteration's log line within milliseconds).
+    if reached > 1:
+        start = _log_time(out, reached).timestamp() - 60 * minutes
+        assert _log_time(out, reached - 1).timestamp() - start < 60 + 1.0

@@ -1,7 +1,7 @@
 """megatron_delta.trainer (Megatron-LM's own trainer): exact resume and resharding.
 
-Exact resume with dropout on: 20 iterations straight (saving at 10) == 10 + save + a resumed run of 10 with plain
-`--load --ckpt-step 10` (data position, optimizer, scheduler and RNG restored): the same iterations, losses and
+Exact resume with dropout on: 8 iterations straight (saving at 4) == 4 + save + a resumed run of 4 with plain
+`--load --ckpt-step 4` (data position, optimizer, scheduler and RNG restored): the same iterations, losses and
 learning rates, bitwise, for baseline and delta_block, with and without the distributed optimizer (DP2; also in
 its fully reshardable checkpoint format, --dist-ckpt-optim-fully-reshardable). Without the every-device entries of
 megatron_delta.platform.patches (distopt_*) the distributed optimizer's resume fails or drifts
@@ -17,47 +17,51 @@ from tests.dist_utils import run_distributed
 from tests.trainer_driver import rank_reshard, rank_resume
 
 MODES = ["baseline", "delta_block"]
+# iterations straight, and the one saved and resumed from: the resumed run's first iteration needs the data
+# position and RNG restored, the next ones the optimizer's moments and step as well
+RESUME = {"iters": 8, "split_at": 4}
 
 
 def _check(r, modes=MODES):
+    iters, split = RESUME["iters"], RESUME["split_at"]
     for mode in modes:
         straight, resumed = r[mode]["straight"], r[mode]["resumed"]
-        assert straight["iterations"] == list(range(1, 21))
-        assert resumed["iterations"] == list(range(11, 21)), mode
-        assert resumed["losses"] == straight["losses"][10:], mode
-        assert resumed["lr"] == straight["lr"][10:], mode
+        assert straight["iterations"] == list(range(1, iters + 1))
+        assert resumed["iterations"] == list(range(split + 1, iters + 1)), mode
+        assert resumed["losses"] == straight["losses"][split:], mode
+        assert resumed["lr"] == straight["lr"][split:], mode
 
 
 @pytest.mark.slow
 def test_exact_resume_with_dropout(tmp_path):
-    _check(run_distributed(rank_resume, 1, str(tmp_path), MODES, [], "tp1", timeout=600)[-1])
+    _check(run_distributed(rank_resume, 1, str(tmp_path), MODES, [], "tp1", kwargs=RESUME, timeout=600)[-1])
 
 
 @pytest.mark.slow
 def test_exact_resume_with_dropout_distributed_optimizer(tmp_path):
     _check(run_distributed(rank_resume, 2, str(tmp_path), MODES, ["--use-distributed-optimizer"], "dp2",
-                           timeout=900)[-1])
+                           kwargs=RESUME, timeout=900)[-1])
 
 
 @pytest.mark.slow
 def test_exact_resume_distributed_optimizer_fully_reshardable(tmp_path):
     flags = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
-    _check(run_distributed(rank_resume, 2, str(tmp_path), ["delta_block"], flags, "dp2_full", timeout=900)[-1],
-           ["delta_block"])
+    _check(run_distributed(rank_resume, 2, str(tmp_path), ["delta_block"], flags, "dp2_full", kwargs=RESUME,
+                           timeout=900)[-1], ["delta_block"])
 
 
 # ---------------------------------------------------------------- resharding with optimizer state
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 RESHARD_MODES = ["baseline", "delta", "delta_block"]
-ITERS, SPLIT = 6, 3
+ITERS, SPLIT = 4, 2
 
 
 @pytest.mark.slow
 def test_resume_reshards_model_and_optimizer_tp2pp2_and_tp1(tmp_path):
-    """A distributed-optimizer checkpoint (--dist-ckpt-optim-fully-reshardable) saved at iteration 3 under TP2+PP2
-    resumes under TP1, and one saved under TP1 resumes under TP2+PP2: iterations 4..6 give the losses of the
+    """A distributed-optimizer checkpoint (--dist-ckpt-optim-fully-reshardable) saved at iteration 2 under TP2+PP2
+    resumes under TP1, and one saved under TP1 resumes under TP2+PP2: iterations 3..4 give the losses of the
     straight run in the other layout within 1e-5 (parity tolerance) - the first of them is the loaded weights'
-    loss, the others need the Adam moments and step restored - the same learning rates, and the final
+    loss, the second needs the Adam moments and step restored - the same learning rates, and the final
     validation loss of the straight run."""
     root = str(tmp_path)
     kw = {"iters": ITERS, "split_at": SPLIT}

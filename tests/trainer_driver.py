@@ -12,7 +12,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.flags import CPU, MODEL, mode_flags  # noqa: E402
-from tests.rank_runner import is_last_rank, read_metrics, read_records, train  # noqa: E402,F401
+from tests.rank_runner import data_cache, is_last_rank, read_metrics, read_records, train  # noqa: E402,F401
 
 COMMON = MODEL + ["--log-interval", "1"]
 LAYOUTS = {
@@ -26,7 +26,8 @@ def rank_resume(root: str, modes: list[str], layout: list[str], tag: str, iters:
     (plain --load: iteration, optimizer, scheduler, RNG) to `iters`; dropout on."""
     out = {}
     for mode in modes:
-        flags = COMMON + mode_flags(mode) + layout + ["--hidden-dropout", "0.1", "--train-iters", str(iters)]
+        flags = COMMON + mode_flags(mode) + layout + data_cache(root) + ["--hidden-dropout", "0.1",
+                                                                          "--train-iters", str(iters)]
         ckpt = os.path.join(root, f"resume-{tag}-{mode}")
         straight = train(flags + ["--save", ckpt, "--save-interval", str(split_at)],
                          os.path.join(root, f"straight-{tag}-{mode}.jsonl"))
@@ -247,7 +248,7 @@ def rank_reshard(root: str, modes: list[str], layout: list[str], tag: str, strai
     checkpoint (model, optimizer, scheduler) resumed to `iters`. {"straight"|"resumed": {mode: metrics}}."""
     out = {"straight": {}, "resumed": {}}
     for mode in modes:
-        flags = COMMON + mode_flags(mode) + layout + RESHARD_FLAGS + ["--train-iters", str(iters)]
+        flags = COMMON + mode_flags(mode) + layout + RESHARD_FLAGS + data_cache(root) + ["--train-iters", str(iters)]
         if straight:
             out["straight"][mode] = train(flags + ["--save", os.path.join(root, f"reshard-{tag}-{mode}"),
                                                    "--save-interval", str(split_at)],
