@@ -23,7 +23,6 @@ SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4)
 
 # config field -> (value that switches it on, what else Megatron-Core needs for the baseline to accept it)
 SWITCHED_ON = {
-    "num_moe_experts": (4, {}),
     "fp4": ("e2m1", {}),
     "cpu_offloading": (True, dict(cpu_offloading_num_layers=1)),
     "fine_grained_activation_offloading": (True, dict(offload_modules=["core_attn"])),
@@ -53,7 +52,7 @@ def test_config_refuses_for_routed_modes(field):
 
 def test_config_names_each_flag():
     assert {f: flag for f, (flag, _) in UNSUPPORTED_FEATURES.items()} == {
-        "num_moe_experts": "--num-experts", "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
+        "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
         "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
         "mtp_num_layers": "--mtp-num-layers", "context_parallel_size": "--context-parallel-size"}
 
@@ -68,7 +67,6 @@ CLI_TINY = tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, train
     "--eval-iters", "1", "--eval-interval", "1000"]
 
 CLI_REFUSED = [
-    (["--num-experts", "4"], "--num-experts is not supported with --residual delta: "),
     (["--fp4-format", "e2m1"], "--fp4-format is not supported with --residual delta: "),
     (["--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
      "--fine-grained-activation-offloading is not supported with --residual delta: "),

@@ -46,8 +46,6 @@ def check_residual_fusions(residual: str, **fusions: bool) -> None:
 # baseline is Megatron's own TransformerLayer / TransformerBlock and keeps all of them. Cross-attention
 # has no config field: DeltaTransformerLayer refuses a layer spec that has it.
 UNSUPPORTED_FEATURES = {
-    "num_moe_experts": ("--num-experts", "the routed layer is built and tested with a dense MLP; MoE's token "
-                        "dispatch, aux losses and expert parallelism are not wired through it"),
     "fp4": ("--fp4-format", "the routed block enters FP8 contexts only and the routers switch only FP8 "
             "autocast off around their fp32 math"),
     "cpu_offloading": ("cpu_offloading=True", "TransformerBlock offloads its one hidden-states tensor "

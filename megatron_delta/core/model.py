@@ -60,9 +60,9 @@ def gpt_model(config: DeltaTransformerConfig, vocab_size: int, *, pre_process: b
     With config.mtp_num_layers (baseline only; the routed modes refuse it) the chunk that holds the MTP
     block gets it, each depth built from the decoder's layer spec as Megatron-LM's gpt_builders.py does."""
     layer_spec = layer_spec_for(config, transformer_impl)
-    if config.num_moe_experts and not config.routed:
-        # Megatron-LM's gpt_builders.py: the MoE block spec; MTP reads its last layer's spec, or the MoE
-        # layer spec on a chunk with no decoder layers.
+    if config.num_moe_experts:
+        # Megatron-LM's gpt_builders.py: the MoE block spec (routed: of DeltaTransformerLayers); MTP reads its
+        # last layer's spec, or the MoE layer spec on a chunk with no decoder layers.
         block_spec = moe_decoder_block_spec(config, vp_stage, transformer_impl)
         if block_spec.layer_specs:
             layer_spec = block_spec
