@@ -42,8 +42,17 @@ VARIANTS = {
     "on": ["--delta-pp-source-cache", "on"],
     "on_recompute": ["--delta-pp-source-cache", "on", "--recompute-granularity", "full", "--recompute-method",
                      "uniform", "--recompute-num-layers", "1"],
+    # fp32 with a checkpoint at iteration 2 as well (with `save`: tests/test_moe.py resumes and reshards it)
+    "fp32_ckpt2": ["--save-interval", "2"],
 }
-FLAVOURS = {"": [], "authors-code": ["--delta-sources", "authors-code"], "gate": ["--delta-gate", "scalar"]}
+# MoE flavours (tests/test_moe.py): Megatron-Core's MoE layers in layers 2-4 (the first one dense), 4 experts, top-2,
+# a shared expert, load-balancing and z-losses, the fp32 router; alltoall or allgather token dispatch.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq",
+       "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32", "--moe-router-load-balancing-type", "aux_loss",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-router-dtype", "fp32"]
+FLAVOURS = {"": [], "authors-code": ["--delta-sources", "authors-code"], "gate": ["--delta-gate", "scalar"],
+            "moe": MOE + ["--moe-token-dispatcher-type", "alltoall"],
+            "moe-allgather": MOE + ["--moe-token-dispatcher-type", "allgather"]}
 
 PAYLOADS: dict = {}  # {first global layer of a receiving chunk: dim-0 size of the payload it got}
 SEEN: dict = {}  # {what: set of dtype names} of the tensors met during the current run
@@ -271,6 +280,9 @@ def run_specs(root: str, tag: str, layout: list[str], runs: list[list[str]], ite
                   os.path.join(root, f"{tag}-{variant}-{name}.jsonl"))
         entry = {k: r[k] for k in ("losses", "lr", "iterations", "valid")}
         entry["payloads"] = {str(k): v for k, v in PAYLOADS.items()}
+        # the routing statistics of the final validation (routed modes; written by the last rank)
+        entry["routing"] = [rec["routing"] for rec in read_records(os.path.join(root, f"{tag}-{variant}-{name}.jsonl"))
+                            if "routing" in rec]
         run = last_run()
         if "routers" in collect and parse_spec(spec)[0] != "baseline":
             entry["routers"] = router_state(run.model)
@@ -288,6 +300,11 @@ def run_specs(root: str, tag: str, layout: list[str], runs: list[list[str]], ite
         out.setdefault(spec, {})[variant] = entry
         torch.distributed.barrier()
     return out
+
+
+def run_layouts(root: str, layouts: list[list], runs: list[list[str]], save: list[str] = ()) -> dict:
+    """run_specs of ``runs`` under each [tag, layout flags] of ``layouts`` in turn, in one launch: {tag: results}."""
+    return {tag: run_specs(root, tag, flags, runs, collect=["routers"], save=save) for tag, flags in layouts}
 
 
 # ----------------------------------------------------------------------------------------- other launches

@@ -215,3 +215,183 @@ def test_baseline_moe_with_expert_parallelism_trains_through_pretrain_gpt(tmp_pa
         assert lm and aux, ln
         lm, aux = float(lm.group(1)), float(aux.group(1))
         assert math.isfinite(lm) and math.isfinite(aux) and aux > 0, ln  # dense layers would log 0
+
+
+# ------------------------------------------------------------------------------------ expert parallelism
+# One 4-rank launch (moe_launch): every EP layout trains each routed mode's MoE model (tests/rank_runner.py's
+# `moe` flavour: 4 experts, top-2, alltoall, first layer dense, shared expert, aux and z-losses, fp32 router) from
+# the TP1 reference's initial model (EP1, one process; tests/conftest.py), then the checkpoint saved under
+# EP2+TP2 at iteration 2 resumes in its layout and under EP1+TP1 (data parallel 4), and Megatron-LM's Mixtral
+# flag list trains with --residual delta_block.
+MOE_MODES = ["delta_block", "delta", "attnres"]
+MOE_SPECS = [f"{m}/moe" for m in MOE_MODES]
+ALLGATHER = "delta_block/moe-allgather"
+EP2 = ["--expert-model-parallel-size", "2"]
+EP_LAYOUTS = [["ep2", EP2],
+              ["ep2_tp2_sp", EP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
+              ["ep2_pp2", EP2 + ["--pipeline-model-parallel-size", "2"]]]
+CKPT_TAG, CKPT_SPEC = "ep2_tp2_sp", "delta_block/moe"
+TOL = 1e-5
+
+
+def mixtral_example_flags(ckpt: str) -> list[str]:
+    """Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (core_v0.19.0), array by array, scaled to
+    the tiny model: 32 -> 4 layers, hidden 4096 -> 64 (FFN 3.5 x hidden, 32 heads / 8 groups -> 4 / 2, positions 8 x
+    the sequence), 8 -> 4 experts, GBS 256 -> 8, TP1 x PP4 x EP8 -> TP1 x PP2 x EP2 (4 ranks), 3 iterations, one
+    evaluation iteration. Data: mock data and NullTokenizer instead of the Llama-2 tokenizer and DATA_PATH. Dropped:
+    --moe-grouped-gemm (Megatron-Core's local backend has no grouped GEMM: refused by name, see
+    test_grouped_gemm_on_the_local_backend_is_refused_by_name). The CPU switches added. Nothing else changed."""
+    from tests.flags import CPU
+
+    model_args = ["--use-mcore-models", "--disable-bias-linear", "--seq-length", "32", "--max-position-embeddings",
+                  "256", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "224",
+                  "--num-attention-heads", "4", "--init-method-std", "0.01", "--attention-dropout", "0.0",
+                  "--hidden-dropout", "0.0", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                  "--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
+                  "--num-query-groups", "2", "--no-masked-softmax-fusion", "--no-position-embedding",
+                  "--rotary-base", "1000000"]
+    moe_args = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+                "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall", "--overlap-param-gather",
+                "--overlap-grad-reduce"]
+    data_args = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "99990,8,2"]
+    training_args = ["--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4", "--train-iters", "3",
+                     "--lr-decay-iters", "320000", "--lr-decay-style", "cosine", "--min-lr", "1.0e-5",
+                     "--weight-decay", "0.1", "--lr-warmup-iters", "500", "--clip-grad", "1.0", "--bf16"]
+    model_parallel_args = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                           "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--sequence-parallel"]
+    logging_args = ["--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "1",
+                    "--save", ckpt, "--load", ckpt, "--tensorboard-dir", f"{ckpt}/tensorboard", "--no-load-optim",
+                    "--no-load-rng"]
+    return model_args + moe_args + data_args + training_args + model_parallel_args + logging_args + CPU
+
+
+def moe_launch(root: str) -> dict:
+    """The rank side of the EP launch (4 ranks): {"layouts": rank_runner.run_layouts' results, "resumed",
+    "resharded": the EP2+TP2 checkpoint's iteration 2 trained on to ITERS in its layout / under EP1+TP1,
+    "mixtral": the Mixtral flag list's metrics and (last rank) Megatron-LM's iteration lines}."""
+    import contextlib
+    import io
+    import os
+
+    from tests import rank_runner
+
+    runs = [[s, "fp32_ckpt2" if s == CKPT_SPEC else "fp32"] for s in MOE_SPECS]
+    out = {"layouts": rank_runner.run_layouts(root, EP_LAYOUTS, runs, save=["fp32_ckpt2"])}
+    allgather = dict(EP_LAYOUTS)["ep2_tp2_sp"]
+    out["allgather"] = rank_runner.run_specs(root, "ep2_tp2_sp", allgather, [[ALLGATHER, "fp32"]])[ALLGATHER]["fp32"]
+    ckpt = os.path.join(root, f"ckpt-{CKPT_TAG}-fp32_ckpt2-{CKPT_SPEC.replace('/', '-')}")
+    iters = ["--train-iters", str(rank_runner.ITERS), "--load", ckpt, "--ckpt-step", "2"]
+    flags = rank_runner.spec_flags(CKPT_SPEC)
+    out["resumed"] = rank_runner.train(flags + dict(EP_LAYOUTS)[CKPT_TAG] + iters,
+                                       os.path.join(root, "moe-resumed.jsonl"))
+    out["resharded"] = rank_runner.train(flags + iters + ["--no-load-rng"], os.path.join(root, "moe-resharded.jsonl"))
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        mixtral = rank_runner.train(mixtral_example_flags(os.path.join(root, "mixtral")) +
+                                    ["--residual", "delta_block"], os.path.join(root, "mixtral.jsonl"))
+    out["mixtral"] = {"losses": mixtral["losses"], "iterations": mixtral["iterations"],
+                      "log": [ln for ln in log.getvalue().splitlines() if " iteration " in ln]}
+    return out
+
+
+def _max_diff(a, b) -> float:
+    """Largest |a - b| over two equal-shaped nests of dicts / lists / numbers (other leaves must be equal)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), (set(a), set(b))
+        return max([_max_diff(a[k], b[k]) for k in a], default=0.0)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), (a, b)
+        return max([_max_diff(x, y) for x, y in zip(a, b)], default=0.0)
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return abs(a - b)
+    assert a == b, (a, b)
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tp1_reference):
+    from tests.dist_utils import run_distributed
+
+    ref = tp1_reference.runs(MOE_SPECS + [ALLGATHER])
+    ranks = run_distributed(moe_launch, 4, tp1_reference.root, kwargs={}, timeout=1800)
+    return {s: ref[s]["fp32"] for s in ref}, ranks
+
+
+@pytest.mark.slow
+def test_expert_parallel_layouts_give_the_ep1_losses_routers_and_routing(ep_runs):
+    """EP2 (DP4), EP2+TP2+SP and EP2+PP2: each routed mode's losses, learning rates, depth-router parameters and
+    gradients, and the routing statistics of its final validation equal EP1's within 1e-5; under EP2+PP2 each
+    payload a stage received holds exactly the sources the plan sends (x sequence length). The allgather
+    dispatcher under EP2+TP2+SP gives the EP1 (alltoall) losses too."""
+    from megatron_delta.core.modes import BLOCK_MODES
+    from megatron_delta.core.sources import SourcePlan
+    from tests import rank_runner
+
+    ref, ranks = ep_runs
+    for spec in MOE_SPECS:
+        losses = ref[spec]["losses"]
+        assert losses[-1] < losses[0], (spec, losses)  # it trains
+    for tag, _ in EP_LAYOUTS:
+        last = ranks[-1]["layouts"][tag]
+        for spec in MOE_SPECS:
+            variant = "fp32_ckpt2" if spec == CKPT_SPEC else "fp32"
+            got, want = last[spec][variant], ref[spec]
+            assert got["iterations"] == list(range(1, rank_runner.ITERS + 1)), (tag, spec)
+            assert _max_diff(got["losses"], want["losses"]) <= TOL, (tag, spec, got["losses"], want["losses"])
+            assert got["lr"] == pytest.approx(want["lr"], rel=1e-12), (tag, spec)
+            assert got["routing"] and _max_diff(got["routing"], want["routing"]) <= TOL, (tag, spec)
+            # every rank holding a layer's routers has the EP1 values (tensor-parallel replicas included)
+            for rank in ranks:
+                routers = rank["layouts"][tag][spec][variant]["routers"]
+                assert routers["params"], (tag, spec)
+                for kind in ("params", "grads"):
+                    for name, vals in routers[kind].items():
+                        d = _max_diff(vals, want["routers"][kind][name])
+                        assert d <= TOL, f"{tag} {spec}: router {kind} {name} differs from EP1 by {d}"
+        if tag == "ep2_pp2":
+            for spec in MOE_SPECS:
+                mode = spec.split("/")[0]
+                # no gate: the additive modes keep x as their sources, and x does not travel
+                plan = SourcePlan(mode=mode, num_layers=4, num_blocks=2 if mode in BLOCK_MODES else 4,
+                                  sources="exact", x_from_sources=mode in ("delta", "delta_block"))
+                variant = "fp32_ckpt2" if spec == CKPT_SPEC else "fp32"
+                received = [r["layouts"][tag][spec][variant]["payloads"] for r in ranks]
+                # ranks 2 and 3 (the second stage, expert-parallel pair) received layer 3's inputs
+                assert received[2:] == [{"2": len(plan.payload_names(2)) * 32}] * 2, (spec, received)
+                assert received[:2] == [{}, {}], (spec, received)
+    allgather = ranks[-1]["allgather"]
+    assert _max_diff(allgather["losses"], ref[ALLGATHER]["losses"]) <= TOL
+    assert _max_diff(ref[ALLGATHER]["losses"], ref[CKPT_SPEC]["losses"]) <= TOL  # the dispatcher changes nothing
+
+
+@pytest.mark.slow
+def test_checkpoint_under_ep2_tp2_resumes_exactly_and_reshards_to_ep1_tp1(ep_runs):
+    """The EP2+TP2+SP run's checkpoint at iteration 2 (model, optimizer, scheduler, data position): resumed in its
+    layout, iterations 3-4 repeat the straight run's losses bitwise; loaded under EP1+TP1 (data parallel 4,
+    the experts and tensor-parallel shards resharded, Adam's moments with them), within 1e-5."""
+    from tests import rank_runner
+
+    _, ranks = ep_runs
+    straight = ranks[-1]["layouts"][CKPT_TAG][CKPT_SPEC]["fp32_ckpt2"]
+    split = 2
+    for what in ("resumed", "resharded"):
+        got = ranks[-1][what]
+        assert got["iterations"] == list(range(split + 1, rank_runner.ITERS + 1)), what
+        assert got["lr"] == pytest.approx(straight["lr"][split:], rel=1e-12), what
+    assert ranks[-1]["resumed"]["losses"] == straight["losses"][split:]
+    assert _max_diff(ranks[-1]["resharded"]["losses"], straight["losses"][split:]) <= TOL
+
+
+@pytest.mark.slow
+def test_megatron_lm_mixtral_flag_list_trains_with_delta_block(ep_runs):
+    """Megatron-LM's Mixtral example flags (mixtral_example_flags: scaled to tiny, CPU switches, PP2 x EP2 on 4
+    ranks, bf16, distributed optimizer with overlapped gradient reduce and parameter gather) + --residual
+    delta_block train 3 iterations, and Megatron-LM's iteration line logs the load-balancing loss."""
+    _, ranks = ep_runs
+    mixtral = ranks[-1]["mixtral"]
+    assert mixtral["iterations"] == [1, 2, 3]
+    assert all(math.isfinite(x) for x in mixtral["losses"]), mixtral
+    assert len(mixtral["log"]) == 3, mixtral["log"]
+    for ln in mixtral["log"]:
+        aux = re.search(r"\| load_balancing_loss: (\S+) \|", ln)
+        assert aux and math.isfinite(float(aux.group(1))) and float(aux.group(1)) > 0, ln
