@@ -302,11 +302,6 @@ def run_specs(root: str, tag: str, layout: list[str], runs: list[list[str]], ite
     return out
 
 
-def run_layouts(root: str, layouts: list[list], runs: list[list[str]], save: list[str] = ()) -> dict:
-    """run_specs of ``runs`` under each [tag, layout flags] of ``layouts`` in turn, in one launch: {tag: results}."""
-    return {tag: run_specs(root, tag, flags, runs, collect=["routers"], save=save) for tag, flags in layouts}
-
-
 # ----------------------------------------------------------------------------------------- other launches
 _FULL = ["--recompute-granularity", "full", "--recompute-method"]
 RECOMPUTE_VARIANTS = {

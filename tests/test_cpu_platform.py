@@ -563,14 +563,14 @@ def test_check_p2p_config_refuses_vpp_with_batched_p2p(pp2_checks):
 CPU_ENTRIES = ["current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads",
                "tensor_type_checks", "checkpoint_without_output_fp8", "training_module_torch",
                "initialize_allow_no_cuda", "initialize_model_parallel", "compile_helpers", "device_arch_version",
-               "loader_generator", "moe_splits_to_host"]
+               "loader_generator", "moe_splits_to_host", "moe_uneven_gather"]
 
 
 def test_patch_registry_names_the_cpu_failures(single_checks):
     """The CPU-only entries of the registry, each installed by activate_cpu_platform (a test below shows
     each one's upstream failure; checkpoint_without_output_fp8's: tests/test_refusals.py, selective norm
-    recompute; moe_splits_to_host's: tests/test_moe.py); the megatron.training ones are written for the 0.19
-    wheel only."""
+    recompute; moe_splits_to_host's and moe_uneven_gather's: tests/test_moe.py); the megatron.training ones are
+    written for the 0.19 wheel only."""
     from megatron_delta.platform import patches
 
     cpu = [p for p in patches.REGISTRY if p.where == patches.CPU_ONLY]

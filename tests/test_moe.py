@@ -97,16 +97,23 @@ MOE_OPTIONS = {
     "sigmoid_expert_bias_shared": ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                                    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
                                    "0.0001", "--moe-shared-expert-intermediate-size", "32",
-                                   "--moe-router-topk-scaling-factor", "2.5"],
+                                   "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "2",
+                                   "--moe-router-group-topk", "1"],
     "first_k_dense_fp32_router_allgather": ["--moe-layer-freq", "([0]*1+[1]*3)", "--moe-router-dtype", "fp32",
                                             "--moe-token-dispatcher-type", "allgather",
                                             "--moe-aux-loss-coeff", "0.01"],
+    # activation recompute: the routed block's full recompute re-runs the MoE layers; MoE-layer recompute
+    "full_recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                       "1", "--moe-aux-loss-coeff", "0.01"],
+    "moe_recompute": ["--recompute-granularity", "selective", "--recompute-modules", "moe", "--moe-aux-loss-coeff",
+                      "0.01"],
 }
 # The aux-loss tracker's name of each load-balancing loss (what Megatron-LM's iteration line logs).
 LOGGED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
           "global_aux_loss": "global_load_balancing_loss", "z_loss": "z_loss",
           "top1_capacity_drop": "load_balancing_loss", "sigmoid_expert_bias_shared": "seq_load_balancing_loss",
-          "first_k_dense_fp32_router_allgather": "load_balancing_loss"}
+          "first_k_dense_fp32_router_allgather": "load_balancing_loss", "full_recompute": "load_balancing_loss",
+          "moe_recompute": "load_balancing_loss"}
 
 
 def _moe_step(argv, lm_scale):
@@ -197,6 +204,42 @@ def test_cpu_alltoall_split_sizes_reach_the_collective_as_numpy():
     assert token_dispatcher.maybe_move_tensor_to_cpu(splits) is splits  # without as_numpy: upstream's
 
 
+def uneven_gather() -> dict:
+    """(2 ranks, TP2) Megatron's _gather_along_first_dim of 2 and 3 rows, as the alltoall dispatcher calls it under
+    TP > 1: the result with moe_uneven_gather, and gloo's error without it."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    from megatron_delta.platform.distributed import initialize_distributed
+    from megatron_delta.platform.patches import patches_suspended
+
+    initialize_distributed(tensor_model_parallel_size=2)
+    rank, group = torch.distributed.get_rank(), parallel_state.get_tensor_model_parallel_group()
+    sizes = [2, 3]
+    mine = torch.arange(2.0 * sizes[rank]).view(-1, 2) + 10 * rank
+    gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=sizes)
+    error = None
+    with patches_suspended("moe_uneven_gather"):
+        try:
+            mappings._gather_along_first_dim(mine, group, output_split_sizes=sizes)
+        except RuntimeError as e:
+            error = str(e)
+    return {"gathered": gathered.tolist(), "error": error}
+
+
+@pytest.mark.slow
+def test_cpu_gather_of_uneven_splits_pads_for_gloo():
+    """moe_uneven_gather: each rank gets every rank's rows in rank order; without it gloo refuses the uneven
+    all_gather."""
+    from tests.dist_utils import run_distributed
+
+    want = [[0.0, 1.0], [2.0, 3.0], [10.0, 11.0], [12.0, 13.0], [14.0, 15.0]]
+    for r in run_distributed(uneven_gather, 2, timeout=300):
+        assert r["gathered"] == want
+        assert r["error"] and "ProcessGroupGloo::allgather: invalid tensor size" in r["error"], r["error"]
+
+
 @pytest.mark.slow
 def test_baseline_moe_with_expert_parallelism_trains_through_pretrain_gpt(tmp_path):
     from tests.test_trainer_cluster import _run, _torchrun
@@ -265,8 +308,13 @@ def mixtral_example_flags(ckpt: str) -> list[str]:
     return model_args + moe_args + data_args + training_args + model_parallel_args + logging_args + CPU
 
 
+def variant(tag: str, spec: str) -> str:
+    """fp32; the checkpointed run also saves at iteration 2 (rank_runner.VARIANTS fp32_ckpt2)."""
+    return "fp32_ckpt2" if (tag, spec) == (CKPT_TAG, CKPT_SPEC) else "fp32"
+
+
 def moe_launch(root: str) -> dict:
-    """The rank side of the EP launch (4 ranks): {"layouts": rank_runner.run_layouts' results, "resumed",
+    """The rank side of the EP launch (4 ranks): {"layouts": {tag: rank_runner.run_specs' results}, "resumed",
     "resharded": the EP2+TP2 checkpoint's iteration 2 trained on to ITERS in its layout / under EP1+TP1,
     "mixtral": the Mixtral flag list's metrics and (last rank) Megatron-LM's iteration lines}."""
     import contextlib
@@ -275,8 +323,9 @@ def moe_launch(root: str) -> dict:
 
     from tests import rank_runner
 
-    runs = [[s, "fp32_ckpt2" if s == CKPT_SPEC else "fp32"] for s in MOE_SPECS]
-    out = {"layouts": rank_runner.run_layouts(root, EP_LAYOUTS, runs, save=["fp32_ckpt2"])}
+    out = {"layouts": {tag: rank_runner.run_specs(root, tag, flags, [[s, variant(tag, s)] for s in MOE_SPECS],
+                                                  collect=["routers"], save=["fp32_ckpt2"])
+                       for tag, flags in EP_LAYOUTS}}
     allgather = dict(EP_LAYOUTS)["ep2_tp2_sp"]
     out["allgather"] = rank_runner.run_specs(root, "ep2_tp2_sp", allgather, [[ALLGATHER, "fp32"]])[ALLGATHER]["fp32"]
     ckpt = os.path.join(root, f"ckpt-{CKPT_TAG}-fp32_ckpt2-{CKPT_SPEC.replace('/', '-')}")
@@ -285,13 +334,30 @@ def moe_launch(root: str) -> dict:
     out["resumed"] = rank_runner.train(flags + dict(EP_LAYOUTS)[CKPT_TAG] + iters,
                                        os.path.join(root, "moe-resumed.jsonl"))
     out["resharded"] = rank_runner.train(flags + iters + ["--no-load-rng"], os.path.join(root, "moe-resharded.jsonl"))
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        mixtral = rank_runner.train(mixtral_example_flags(os.path.join(root, "mixtral")) +
-                                    ["--residual", "delta_block"], os.path.join(root, "mixtral.jsonl"))
-    out["mixtral"] = {"losses": mixtral["losses"], "iterations": mixtral["iterations"],
-                      "log": [ln for ln in log.getvalue().splitlines() if " iteration " in ln]}
+    mixtral = mixtral_example_flags(os.path.join(root, "mixtral")) + ["--residual", "delta_block"]
+    recipe = rank_runner.COMMON + usage_moe_recipe() + ["--train-iters", "3"]
+    for name, argv in (("mixtral", mixtral), ("recipe", recipe)):
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            r = rank_runner.train(argv, os.path.join(root, f"{name}.jsonl"))
+        out[name] = {"losses": r["losses"], "iterations": r["iterations"],
+                     "log": [ln for ln in log.getvalue().splitlines() if " iteration " in ln]}
     return out
+
+
+def usage_moe_recipe() -> list[str]:
+    """The pretrain_gpt.py flags of docs/usage.md's MoE recipe (its torchrun command with --num-experts), less
+    --save: trained on the tiny model of the launch (its flags win over the tiny model's)."""
+    import os
+    import shlex
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "usage.md")).read()
+    commands = [" ".join(block.replace("\\\n", " ").split()) for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
+    (command,) = [c for c in commands if c.startswith("torchrun") and "--num-experts" in c]
+    argv = shlex.split(command)
+    argv = argv[argv.index("pretrain_gpt.py") + 1:]
+    i = argv.index("--save")
+    return argv[:i] + argv[i + 2:]
 
 
 def _max_diff(a, b) -> float:
@@ -334,15 +400,14 @@ def test_expert_parallel_layouts_give_the_ep1_losses_routers_and_routing(ep_runs
     for tag, _ in EP_LAYOUTS:
         last = ranks[-1]["layouts"][tag]
         for spec in MOE_SPECS:
-            variant = "fp32_ckpt2" if spec == CKPT_SPEC else "fp32"
-            got, want = last[spec][variant], ref[spec]
+            got, want = last[spec][variant(tag, spec)], ref[spec]
             assert got["iterations"] == list(range(1, rank_runner.ITERS + 1)), (tag, spec)
             assert _max_diff(got["losses"], want["losses"]) <= TOL, (tag, spec, got["losses"], want["losses"])
             assert got["lr"] == pytest.approx(want["lr"], rel=1e-12), (tag, spec)
             assert got["routing"] and _max_diff(got["routing"], want["routing"]) <= TOL, (tag, spec)
             # every rank holding a layer's routers has the EP1 values (tensor-parallel replicas included)
             for rank in ranks:
-                routers = rank["layouts"][tag][spec][variant]["routers"]
+                routers = rank["layouts"][tag][spec][variant(tag, spec)]["routers"]
                 assert routers["params"], (tag, spec)
                 for kind in ("params", "grads"):
                     for name, vals in routers[kind].items():
@@ -354,8 +419,7 @@ def test_expert_parallel_layouts_give_the_ep1_losses_routers_and_routing(ep_runs
                 # no gate: the additive modes keep x as their sources, and x does not travel
                 plan = SourcePlan(mode=mode, num_layers=4, num_blocks=2 if mode in BLOCK_MODES else 4,
                                   sources="exact", x_from_sources=mode in ("delta", "delta_block"))
-                variant = "fp32_ckpt2" if spec == CKPT_SPEC else "fp32"
-                received = [r["layouts"][tag][spec][variant]["payloads"] for r in ranks]
+                received = [r["layouts"][tag][spec][variant(tag, spec)]["payloads"] for r in ranks]
                 # ranks 2 and 3 (the second stage, expert-parallel pair) received layer 3's inputs
                 assert received[2:] == [{"2": len(plan.payload_names(2)) * 32}] * 2, (spec, received)
                 assert received[:2] == [{}, {}], (spec, received)
@@ -383,15 +447,18 @@ def test_checkpoint_under_ep2_tp2_resumes_exactly_and_reshards_to_ep1_tp1(ep_run
 
 
 @pytest.mark.slow
-def test_megatron_lm_mixtral_flag_list_trains_with_delta_block(ep_runs):
+@pytest.mark.parametrize("job, logged", [("mixtral", "load_balancing_loss"), ("recipe", "seq_load_balancing_loss")])
+def test_megatron_lm_mixtral_flags_and_the_usage_recipe_train_with_delta_block(ep_runs, job, logged):
     """Megatron-LM's Mixtral example flags (mixtral_example_flags: scaled to tiny, CPU switches, PP2 x EP2 on 4
     ranks, bf16, distributed optimizer with overlapped gradient reduce and parameter gather) + --residual
-    delta_block train 3 iterations, and Megatron-LM's iteration line logs the load-balancing loss."""
+    delta_block, and docs/usage.md's DeepSeek-V3-style recipe (sigmoid router in groups, expert bias, sequence
+    aux loss, shared expert; EP2 x PP2) on the tiny model, train 3 iterations, and Megatron-LM's iteration line
+    logs the load-balancing loss."""
     _, ranks = ep_runs
-    mixtral = ranks[-1]["mixtral"]
-    assert mixtral["iterations"] == [1, 2, 3]
-    assert all(math.isfinite(x) for x in mixtral["losses"]), mixtral
-    assert len(mixtral["log"]) == 3, mixtral["log"]
-    for ln in mixtral["log"]:
-        aux = re.search(r"\| load_balancing_loss: (\S+) \|", ln)
+    run = ranks[-1][job]
+    assert run["iterations"] == [1, 2, 3]
+    assert all(math.isfinite(x) for x in run["losses"]), run
+    assert len(run["log"]) == 3, run["log"]
+    for ln in run["log"]:
+        aux = re.search(rf"\| {logged}: (\S+) \|", ln)
         assert aux and math.isfinite(float(aux.group(1))) and float(aux.group(1)) > 0, ln

@@ -28,6 +28,8 @@ SWITCHED_ON = {
     "fine_grained_activation_offloading": (True, dict(offload_modules=["core_attn"])),
     "mtp_num_layers": (1, {}),
     "context_parallel_size": (2, {}),
+    "overlap_moe_expert_parallel_comm": (True, dict(num_moe_experts=4, expert_model_parallel_size=2, bf16=True,
+                                                    moe_token_dispatcher_type="alltoall")),
 }
 
 REMEDY = "or use --residual baseline (Megatron-Core's own layers support it)"
@@ -54,7 +56,8 @@ def test_config_names_each_flag():
     assert {f: flag for f, (flag, _) in UNSUPPORTED_FEATURES.items()} == {
         "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
         "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
-        "mtp_num_layers": "--mtp-num-layers", "context_parallel_size": "--context-parallel-size"}
+        "mtp_num_layers": "--mtp-num-layers", "context_parallel_size": "--context-parallel-size",
+        "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm"}
 
 
 def test_config_off_values_are_accepted():
@@ -72,6 +75,9 @@ CLI_REFUSED = [
      "--fine-grained-activation-offloading is not supported with --residual delta: "),
     (["--mtp-num-layers", "1"], "--mtp-num-layers is not supported with --residual delta: "),
     (["--context-parallel-size", "2"], "--context-parallel-size is not supported with --residual delta: "),
+    (["--overlap-moe-expert-parallel-comm", "--num-experts", "4", "--expert-model-parallel-size", "2",
+      "--moe-token-dispatcher-type", "alltoall", "--bf16"],
+     "--overlap-moe-expert-parallel-comm is not supported with --residual delta: "),
     (["--fused-residual-rmsnorm"], "--fused-residual-rmsnorm folds the residual add into a fused kernel and cannot "
                                    "be used with --residual delta: "),
 ]

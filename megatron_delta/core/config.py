@@ -58,6 +58,10 @@ UNSUPPORTED_FEATURES = {
                        "state through Megatron's residual layers; the routed model builds no MTP block"),
     "context_parallel_size": ("--context-parallel-size", "the routed block's stage payload and rotary "
                               "trimming assume that each rank holds whole sequences"),
+    "overlap_moe_expert_parallel_comm": ("--overlap-moe-expert-parallel-comm", "its combined 1F1B schedule runs "
+                                         "Megatron's TransformerLayer piece by piece (attention, dispatch, experts, "
+                                         "combine) on one hidden-states tensor, bypassing the routed block and "
+                                         "its SourceBuffer"),
 }
 
 # TransformerConfig's defaults: a feature is switched on when its field is set to anything else

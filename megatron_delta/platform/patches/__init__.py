@@ -209,6 +209,11 @@ REGISTRY: Tuple[Patch, ...] = (
           "the alltoall MoE dispatcher makes its split sizes numpy arrays only when they are on CUDA (moe_utils.py:"
           "1184): on CPU all_to_all_single gets tensors, a TypeError",
           CORE, CPU_ONLY, _apply("cpu", "patch_moe_splits_to_host")),
+    Patch("moe_uneven_gather", ("megatron.core.tensor_parallel.mappings._gather_along_first_dim",),
+          "with TP > 1 the alltoall MoE dispatcher gathers each tensor-parallel rank's tokens with output_split_sizes "
+          "(token_dispatcher.py:739, mappings.py:153), an all_gather of tensors of different sizes, which gloo "
+          "refuses: 'ProcessGroupGloo::allgather: invalid tensor size'",
+          CORE, CPU_ONLY, _apply("cpu", "patch_moe_uneven_gather")),
     # ---------------------------------------------------------------- distributed optimizer over torch Adam
     Patch("distopt_fresh_state_dict", ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",),
           "state_dict of an optimizer that has not stepped (a resume's load, --train-iters 0 --save) asserts one "
