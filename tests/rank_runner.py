@@ -42,8 +42,9 @@ VARIANTS = {
     "on": ["--delta-pp-source-cache", "on"],
     "on_recompute": ["--delta-pp-source-cache", "on", "--recompute-granularity", "full", "--recompute-method",
                      "uniform", "--recompute-num-layers", "1"],
-    # fp32 with a checkpoint at iteration 2 as well (with `save`: tests/test_moe.py resumes and reshards it)
-    "fp32_ckpt2": ["--save-interval", "2"],
+    # fp32, the distributed optimizer in its fully reshardable checkpoint format, and a checkpoint at iteration 2
+    # as well (with `save`: tests/test_moe.py resumes and reshards it)
+    "distopt_ckpt2": ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable", "--save-interval", "2"],
 }
 # MoE flavours (tests/test_moe.py): Megatron-Core's MoE layers in layers 2-4 (the first one dense), 4 experts, top-2,
 # a shared expert, load-balancing and z-losses, the fp32 router; alltoall or allgather token dispatch.

@@ -1,11 +1,18 @@
-"""Mixture of experts in baseline mode, as Megatron-LM's pretrain_gpt.py builds and trains it.
+"""Mixture of experts in every residual mode: Megatron-Core's MoE layers, as Megatron-LM's pretrain_gpt.py builds
+and trains them, with the routed layer's MLP sublayer the MoE layer (its output is the sublayer's source).
 
 Fast (one in-process rank): the trainer's parse_args + model provider build Megatron-Core's MoELayer (router
 weight, one expert MLP per expert, shared experts) in the layers --moe-layer-freq names and the dense MLP
-elsewhere; --moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is refused by name;
-on CPU the alltoall dispatcher's split sizes reach the all-to-all as upstream's numpy arrays (moe_splits_to_host).
-Slow (one launch of pretrain_gpt.py, 2 gloo ranks, expert parallelism 2): the alltoall dispatcher trains and
-Megatron logs the load-balancing loss in each iteration line.
+elsewhere, in baseline and routed layers alike; delta at a = 0 (the baseline's function) gives the baseline's
+losses, logged aux losses and gradients for each MoE option (load-balancing losses, z-loss, capacity and token
+dropping, shared experts, group-limited sigmoid routing with expert bias, first-k dense, router dtype, the
+allgather dispatcher, recompute); --moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is
+refused by name; on CPU the alltoall dispatcher's split sizes reach the all-to-all as upstream's numpy arrays
+(moe_splits_to_host).
+Slow: gloo's uneven all_gather (moe_uneven_gather, 2 ranks); baseline EP2 through pretrain_gpt.py (2 ranks,
+Megatron logs the load-balancing loss); one 4-rank launch (moe_launch) for expert parallelism in the routed modes:
+EP2, EP2+TP2+SP and EP2+PP2 against EP1, the allgather dispatcher, a checkpoint under EP2+TP2 resumed and
+resharded to EP1+TP1, Megatron-LM's Mixtral example flags and docs/usage.md's MoE recipe with delta_block.
 """
 from __future__ import annotations
 
@@ -263,9 +270,9 @@ def test_baseline_moe_with_expert_parallelism_trains_through_pretrain_gpt(tmp_pa
 # ------------------------------------------------------------------------------------ expert parallelism
 # One 4-rank launch (moe_launch): every EP layout trains each routed mode's MoE model (tests/rank_runner.py's
 # `moe` flavour: 4 experts, top-2, alltoall, first layer dense, shared expert, aux and z-losses, fp32 router) from
-# the TP1 reference's initial model (EP1, one process; tests/conftest.py), then the checkpoint saved under
-# EP2+TP2 at iteration 2 resumes in its layout and under EP1+TP1 (data parallel 4), and Megatron-LM's Mixtral
-# flag list trains with --residual delta_block.
+# the TP1 reference's initial model (EP1, one process; tests/conftest.py), then the allgather dispatcher under
+# EP2+TP2+SP, the checkpoint saved under EP2+TP2 at iteration 2 resumed in its layout and under EP1+TP1 (data
+# parallel 4), and Megatron-LM's Mixtral flag list and docs/usage.md's MoE recipe with --residual delta_block.
 MOE_MODES = ["delta_block", "delta", "attnres"]
 MOE_SPECS = [f"{m}/moe" for m in MOE_MODES]
 ALLGATHER = "delta_block/moe-allgather"
@@ -309,8 +316,8 @@ def mixtral_example_flags(ckpt: str) -> list[str]:
 
 
 def variant(tag: str, spec: str) -> str:
-    """fp32; the checkpointed run also saves at iteration 2 (rank_runner.VARIANTS fp32_ckpt2)."""
-    return "fp32_ckpt2" if (tag, spec) == (CKPT_TAG, CKPT_SPEC) else "fp32"
+    """fp32; the checkpointed run also saves at iteration 2 (rank_runner.VARIANTS distopt_ckpt2)."""
+    return "distopt_ckpt2" if (tag, spec) == (CKPT_TAG, CKPT_SPEC) else "fp32"
 
 
 def moe_launch(root: str) -> dict:
@@ -324,13 +331,16 @@ def moe_launch(root: str) -> dict:
     from tests import rank_runner
 
     out = {"layouts": {tag: rank_runner.run_specs(root, tag, flags, [[s, variant(tag, s)] for s in MOE_SPECS],
-                                                  collect=["routers"], save=["fp32_ckpt2"])
+                                                  collect=["routers"], save=["distopt_ckpt2"])
                        for tag, flags in EP_LAYOUTS}}
-    allgather = dict(EP_LAYOUTS)["ep2_tp2_sp"]
-    out["allgather"] = rank_runner.run_specs(root, "ep2_tp2_sp", allgather, [[ALLGATHER, "fp32"]])[ALLGATHER]["fp32"]
-    ckpt = os.path.join(root, f"ckpt-{CKPT_TAG}-fp32_ckpt2-{CKPT_SPEC.replace('/', '-')}")
+    # the allgather dispatcher from the alltoall model's initial weights (the dispatcher is no part of the model)
+    out["allgather"] = rank_runner.train(
+        rank_runner.spec_flags(ALLGATHER) + dict(EP_LAYOUTS)["ep2_tp2_sp"] + [
+            "--train-iters", str(rank_runner.ITERS), "--load", rank_runner.init_dir(root, CKPT_SPEC), "--finetune"],
+        os.path.join(root, "moe-allgather.jsonl"))
+    ckpt = os.path.join(root, f"ckpt-{CKPT_TAG}-distopt_ckpt2-{CKPT_SPEC.replace('/', '-')}")
     iters = ["--train-iters", str(rank_runner.ITERS), "--load", ckpt, "--ckpt-step", "2"]
-    flags = rank_runner.spec_flags(CKPT_SPEC)
+    flags = rank_runner.spec_flags(CKPT_SPEC) + rank_runner.VARIANTS["distopt_ckpt2"][:2]
     out["resumed"] = rank_runner.train(flags + dict(EP_LAYOUTS)[CKPT_TAG] + iters,
                                        os.path.join(root, "moe-resumed.jsonl"))
     out["resharded"] = rank_runner.train(flags + iters + ["--no-load-rng"], os.path.join(root, "moe-resharded.jsonl"))
@@ -342,6 +352,14 @@ def moe_launch(root: str) -> dict:
             r = rank_runner.train(argv, os.path.join(root, f"{name}.jsonl"))
         out[name] = {"losses": r["losses"], "iterations": r["iterations"],
                      "log": [ln for ln in log.getvalue().splitlines() if " iteration " in ln]}
+    # last (a failed load leaves the run's state behind): the EP1 load without expert_parallel_optimizer_reshard
+    from megatron_delta.platform.patches import patches_suspended
+    from megatron_delta.trainer import main as trainer
+
+    err = io.StringIO()
+    with patches_suspended("expert_parallel_optimizer_reshard"), contextlib.redirect_stderr(err):
+        code = trainer.main(flags + iters + ["--no-load-rng"])
+    out["resharded_unpatched"] = {"code": code, "error": err.getvalue().strip().splitlines()[-1:]}
     return out
 
 
@@ -378,7 +396,7 @@ def _max_diff(a, b) -> float:
 def ep_runs(tp1_reference):
     from tests.dist_utils import run_distributed
 
-    ref = tp1_reference.runs(MOE_SPECS + [ALLGATHER])
+    ref = tp1_reference.runs(MOE_SPECS)
     ranks = run_distributed(moe_launch, 4, tp1_reference.root, kwargs={}, timeout=1800)
     return {s: ref[s]["fp32"] for s in ref}, ranks
 
@@ -388,7 +406,7 @@ def test_expert_parallel_layouts_give_the_ep1_losses_routers_and_routing(ep_runs
     """EP2 (DP4), EP2+TP2+SP and EP2+PP2: each routed mode's losses, learning rates, depth-router parameters and
     gradients, and the routing statistics of its final validation equal EP1's within 1e-5; under EP2+PP2 each
     payload a stage received holds exactly the sources the plan sends (x sequence length). The allgather
-    dispatcher under EP2+TP2+SP gives the EP1 (alltoall) losses too."""
+    dispatcher under EP2+TP2+SP (its collectives on gloo) gives the EP1 alltoall run's losses too."""
     from megatron_delta.core.modes import BLOCK_MODES
     from megatron_delta.core.sources import SourcePlan
     from tests import rank_runner
@@ -424,19 +442,21 @@ def test_expert_parallel_layouts_give_the_ep1_losses_routers_and_routing(ep_runs
                 assert received[2:] == [{"2": len(plan.payload_names(2)) * 32}] * 2, (spec, received)
                 assert received[:2] == [{}, {}], (spec, received)
     allgather = ranks[-1]["allgather"]
-    assert _max_diff(allgather["losses"], ref[ALLGATHER]["losses"]) <= TOL
-    assert _max_diff(ref[ALLGATHER]["losses"], ref[CKPT_SPEC]["losses"]) <= TOL  # the dispatcher changes nothing
+    assert allgather["iterations"] == list(range(1, rank_runner.ITERS + 1))
+    assert _max_diff(allgather["losses"], ref[CKPT_SPEC]["losses"]) <= TOL  # delta_block/moe (alltoall), EP1
 
 
 @pytest.mark.slow
 def test_checkpoint_under_ep2_tp2_resumes_exactly_and_reshards_to_ep1_tp1(ep_runs):
-    """The EP2+TP2+SP run's checkpoint at iteration 2 (model, optimizer, scheduler, data position): resumed in its
-    layout, iterations 3-4 repeat the straight run's losses bitwise; loaded under EP1+TP1 (data parallel 4,
-    the experts and tensor-parallel shards resharded, Adam's moments with them), within 1e-5."""
+    """The EP2+TP2+SP run's checkpoint at iteration 2 (model, distributed optimizer in its fully reshardable format,
+    scheduler, data position): resumed in its layout, iterations 3-4 repeat the straight run's losses bitwise;
+    loaded under EP1+TP1 (data parallel 4: the experts, the tensor-parallel shards and Adam's moments with them
+    resharded; the registry's expert_parallel_optimizer_reshard merges the two chained optimizers' common state),
+    within 1e-5."""
     from tests import rank_runner
 
     _, ranks = ep_runs
-    straight = ranks[-1]["layouts"][CKPT_TAG][CKPT_SPEC]["fp32_ckpt2"]
+    straight = ranks[-1]["layouts"][CKPT_TAG][CKPT_SPEC]["distopt_ckpt2"]
     split = 2
     for what in ("resumed", "resharded"):
         got = ranks[-1][what]
@@ -444,6 +464,10 @@ def test_checkpoint_under_ep2_tp2_resumes_exactly_and_reshards_to_ep1_tp1(ep_run
         assert got["lr"] == pytest.approx(straight["lr"][split:], rel=1e-12), what
     assert ranks[-1]["resumed"]["losses"] == straight["losses"][split:]
     assert _max_diff(ranks[-1]["resharded"]["losses"], straight["losses"][split:]) <= TOL
+    # without the registry's expert_parallel_optimizer_reshard, Megatron-Core hands the EP1 run's one optimizer
+    # both chained entries of the EP2 checkpoint
+    unpatched = ranks[-1]["resharded_unpatched"]
+    assert unpatched["code"] != 0 and unpatched["error"][0].endswith("error: 'optimizer'"), unpatched
 
 
 @pytest.mark.slow

@@ -243,6 +243,13 @@ REGISTRY: Tuple[Patch, ...] = (
           "that outlives a SIGKILLed rank: the Manager (~600 MB) and its resource tracker are reparented to "
           "init at every torchrun --max-restarts restart",
           V019, EVERY_DEVICE, _apply("ckpt_writer", "fix_results_queue_manager")),
+    # ---------------------------------------------------------------- optimizer checkpoints across expert parallelism
+    Patch("expert_parallel_optimizer_reshard",
+          ("megatron.core.optimizer.optimizer.ChainedOptimizer.load_state_dict",),
+          "a checkpoint saved with expert parallelism holds two chained optimizers (dense, expert) and a run without "
+          "it builds one, which is handed both entries (optimizer.py:1574): KeyError: 'optimizer' when an EP > 1 "
+          "checkpoint resumes under EP1",
+          V019, EVERY_DEVICE, _apply("distopt", "fix_expert_parallel_optimizer_reshard")),
     # ---------------------------------------------------------------- made elsewhere (pointers)
     Patch("p2p_shape_exchange", ("megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator"
                                  "._communicate_shapes",),
