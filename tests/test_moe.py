@@ -424,11 +424,13 @@ def test_expert_parallel_layouts_give_the_ep1_losses_routers_and_routing(ep_runs
             assert _max_diff(got["losses"], want["losses"]) <= TOL, (tag, spec, got["losses"], want["losses"])
             assert got["lr"] == pytest.approx(want["lr"], rel=1e-12), (tag, spec)
             assert got["routing"] and _max_diff(got["routing"], want["routing"]) <= TOL, (tag, spec)
-            # every rank holding a layer's routers has the EP1 values (tensor-parallel replicas included)
+            # every rank holding a layer's routers has the EP1 values (tensor-parallel replicas included); the
+            # gradients too, except under the distributed optimizer (its buffer holds reduced values for the
+            # rank's shard only)
             for rank in ranks:
                 routers = rank["layouts"][tag][spec][variant(tag, spec)]["routers"]
                 assert routers["params"], (tag, spec)
-                for kind in ("params", "grads"):
+                for kind in ("params", "grads") if variant(tag, spec) == "fp32" else ("params",):
                     for name, vals in routers[kind].items():
                         d = _max_diff(vals, want["routers"][kind][name])
                         assert d <= TOL, f"{tag} {spec}: router {kind} {name} differs from EP1 by {d}"
