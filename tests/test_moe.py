@@ -345,7 +345,7 @@ def moe_launch(root: str) -> dict:
                                        os.path.join(root, "moe-resumed.jsonl"))
     out["resharded"] = rank_runner.train(flags + iters + ["--no-load-rng"], os.path.join(root, "moe-resharded.jsonl"))
     mixtral = mixtral_example_flags(os.path.join(root, "mixtral")) + ["--residual", "delta_block"]
-    recipe = rank_runner.COMMON + usage_moe_recipe() + ["--train-iters", "3"]
+    recipe = rank_runner.COMMON + usage_moe_recipe() + ["--train-iters", "3", "--log-interval", "1"]
     for name, argv in (("mixtral", mixtral), ("recipe", recipe)):
         log = io.StringIO()
         with contextlib.redirect_stdout(log):
