@@ -44,11 +44,21 @@ VARIANTS = {
     "on": ["--delta-pp-source-cache", "on"],
     "on_recompute": ["--delta-pp-source-cache", "on", "--recompute-granularity", "full", "--recompute-method",
                      "uniform", "--recompute-num-layers", "1"],
+    # fp32, the distributed optimizer in its fully reshardable checkpoint format, and a checkpoint at iteration 2
+    # as well (with `save`: tests/test_moe.py resumes and reshards it)
+    "distopt_ckpt2": ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable", "--save-interval", "2"],
 }
+# MoE flavours (tests/test_moe.py): Megatron-Core's MoE layers in layers 2-4 (the first one dense), 4 experts, top-2,
+# a shared expert, load-balancing and z-losses, the fp32 router; alltoall or allgather token dispatch.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq",
+       "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32", "--moe-router-load-balancing-type", "aux_loss",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-router-dtype", "fp32"]
 FLAVOURS = {"": [], "authors-code": ["--delta-sources", "authors-code"], "gate": ["--delta-gate", "scalar"],
             # untied: megatron-core 0.19.2 gives a tied model's MTP stage under PP > 1 an output-layer weight that
             # its sharded state dict refuses (NVIDIA/Megatron-LM PR #7577), so --load fails there in every mode
-            "mtp": ["--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"]}
+            "mtp": ["--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"],
+            "moe": MOE + ["--moe-token-dispatcher-type", "alltoall"],
+            "moe-allgather": MOE + ["--moe-token-dispatcher-type", "allgather"]}
 
 PAYLOADS: dict = {}  # {first global layer of a receiving chunk: dim-0 size of the payload it got}
 SEEN: dict = {}  # {what: set of dtype names} of the tensors met during the current run
@@ -282,6 +292,9 @@ def run_specs(root: str, tag: str, layout: list[str], runs: list[list[str]], ite
                   os.path.join(root, f"{tag}-{variant}-{name}.jsonl"))
         entry = {k: r[k] for k in ("losses", "lr", "iterations", "valid")}
         entry["payloads"] = {str(k): v for k, v in PAYLOADS.items()}
+        # the routing statistics of the final validation (routed modes; written by the last rank)
+        entry["routing"] = [rec["routing"] for rec in read_records(os.path.join(root, f"{tag}-{variant}-{name}.jsonl"))
+                            if "routing" in rec]
         run = last_run()
         if "routers" in collect and parse_spec(spec)[0] != "baseline":
             entry["routers"] = router_state(run.model)

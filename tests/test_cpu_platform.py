@@ -563,14 +563,14 @@ def test_check_p2p_config_refuses_vpp_with_batched_p2p(pp2_checks):
 CPU_ENTRIES = ["current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads",
                "tensor_type_checks", "checkpoint_without_output_fp8", "training_module_torch",
                "initialize_allow_no_cuda", "initialize_model_parallel", "compile_helpers", "device_arch_version",
-               "loader_generator", "moe_splits_to_host"]
+               "loader_generator", "moe_splits_to_host", "moe_uneven_gather"]
 
 
 def test_patch_registry_names_the_cpu_failures(single_checks):
     """The CPU-only entries of the registry, each installed by activate_cpu_platform (a test below shows
     each one's upstream failure; checkpoint_without_output_fp8's: tests/test_refusals.py, selective norm
-    recompute; moe_splits_to_host's: tests/test_moe.py); the megatron.training ones are written for the 0.19
-    wheel only."""
+    recompute; moe_splits_to_host's and moe_uneven_gather's: tests/test_moe.py); the megatron.training ones are
+    written for the 0.19 wheel only."""
     from megatron_delta.platform import patches
 
     cpu = [p for p in patches.REGISTRY if p.where == patches.CPU_ONLY]
@@ -939,7 +939,11 @@ def test_fixes_registry_and_versions():
     fixes = [p for p in patches.REGISTRY if p.where == patches.EVERY_DEVICE and p.apply is not None]
     assert [p.name for p in fixes] == ["distopt_fresh_state_dict", "distopt_step_per_param",
                                        "distopt_load_no_grad", "distopt_missing_state_key",
-                                       "ckpt_writer_manager_exits_with_rank"]
+                                       "ckpt_writer_manager_exits_with_rank", "expert_parallel_optimizer_reshard"]
+    # the chained optimizers of an EP checkpoint resumed under EP1 (tests/test_moe.py shows the failure)
+    chained = fixes.pop()
+    assert "(optimizer.py:" in chained.answers and chained.versions == ">=0.19,<0.20", chained
+    assert chained.changes == ("megatron.core.optimizer.optimizer.ChainedOptimizer.load_state_dict",)
     writer = fixes.pop()  # the checkpoint writer's Manager (tests/test_trainer_cluster.py shows its leak)
     assert "(filesystem_async.py:" in writer.answers and writer.versions == ">=0.19,<0.20", writer
     for p in fixes:  # each names the upstream line it answers, for the 0.19 code it was written against
@@ -950,7 +954,7 @@ def test_fixes_registry_and_versions():
 def test_fixes_apply_regardless_of_device(distopt_checks):
     assert distopt_checks["applied"] == ["distopt_fresh_state_dict", "distopt_step_per_param",
                                          "distopt_load_no_grad", "distopt_missing_state_key",
-                                         "ckpt_writer_manager_exits_with_rank"]
+                                         "ckpt_writer_manager_exits_with_rank", "expert_parallel_optimizer_reshard"]
 
 
 def test_distopt_resume_matches_straight_run(distopt_checks):

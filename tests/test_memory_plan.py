@@ -46,7 +46,8 @@ def _flags(mode, L, h, heads, groups, s, b, V):
             "--vocab-size", str(V)]
 
 
-def measured_saved_bytes(mode, L, h, heads, groups, s, b, V):
+def _model(mode, L, h, heads, groups, s, V, **moe):
+    """The model of the plan's fields, built in-process (``moe``: DeltaTransformerConfig's MoE fields)."""
     from megatron.core import tensor_parallel
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -58,8 +59,12 @@ def measured_saved_bytes(mode, L, h, heads, groups, s, b, V):
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config, options = model_config(dict(residual=mode, num_layers=L, hidden_size=h, num_attention_heads=heads,
-                                        num_query_groups=groups, seq_length=s))
-    model = build_model_chunks(config, V, **options)[0]
+                                        num_query_groups=groups, seq_length=s), **moe)
+    return build_model_chunks(config, V, **options)[0]
+
+
+def measured_saved_bytes(mode, L, h, heads, groups, s, b, V, **moe):
+    model = _model(mode, L, h, heads, groups, s, V, **moe)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 
@@ -86,6 +91,62 @@ def test_activation_estimate_within_10_percent(dist, mode, cfg):
     assert stage["in_flight"] == 1
     estimate = stage["activations"]
     assert abs(estimate - measured) / measured < 0.10, (mode, cfg, estimate, measured)
+
+
+# Mixture of experts: 8 experts of FFN 48, top-2, a shared expert of 64, the first layer dense (plan flags, and the
+# same as DeltaTransformerConfig fields).
+MOE_FLAGS = ["--num-experts", "8", "--moe-ffn-hidden-size", "48", "--moe-router-topk", "2",
+             "--moe-shared-expert-intermediate-size", "64", "--moe-layer-freq", "([0]*1+[1]*3)"]
+MOE_FIELDS = dict(num_moe_experts=8, moe_ffn_hidden_size=48, moe_router_topk=2, moe_shared_expert_intermediate_size=64,
+                  moe_layer_freq=[0, 1, 1, 1], moe_aux_loss_coeff=0.01)
+
+
+@pytest.mark.parametrize("mode", ["baseline", "delta_block"])
+def test_moe_parameters_exact_and_activations_within_10_percent(dist, mode):
+    """An MoE model built in-process (CPU, local spec, EP1): the plan's parameter count is its own, exactly, and
+    its activation estimate is within 10 % of what autograd saves."""
+    cfg = (4, 64, 4, 2, 32, 2, 256)
+    flags = _flags(mode, *cfg) + MOE_FLAGS + ["--transformer-impl", "local", "--device", "cpu"]
+    plan = memory_model.memory_plan(memory_plan.parse(flags))
+    (stage,) = plan["stages"]
+    model = _model(mode, *cfg[:5], cfg[6], **MOE_FIELDS)
+    assert stage["params"] == sum(p.numel() for p in model.parameters())
+    measured = measured_saved_bytes(mode, *cfg, **MOE_FIELDS)
+    assert abs(stage["activations"] - measured) / measured < 0.10, (mode, stage["activations"], measured)
+
+
+def test_expert_parallelism_divides_the_experts_and_their_optimizer_state():
+    """EP2 halves the experts on a rank (8 -> 4 SwiGLU MLPs of 3 x h x FFN each, in the 3 MoE layers); with the
+    distributed optimizer the experts' Adam state is sharded over world / (ETP x EP x PP), the rest over DP."""
+    base = ["--num-layers", "4", "--hidden-size", "64", "--residual", "delta_block", "--world-size", "4",
+            "--use-distributed-optimizer"] + MOE_FLAGS
+    ep1 = memory_model.memory_plan(memory_plan.parse(base))["stages"][0]
+    ep2 = memory_model.memory_plan(memory_plan.parse(base + ["--expert-model-parallel-size", "2"]))["stages"][0]
+    expert = 3 * 64 * 48
+    assert ep1["params"] - ep2["params"] == 3 * 4 * expert
+    # fp32 Adam: m and v (8 B); dense part over DP 4 in both; experts over 4 (EP1) and 2 (EP2) ranks
+    dense = ep2["params"] - 3 * 4 * expert
+    assert ep2["optimizer"] == pytest.approx(dense * 8 / 4 + 3 * 4 * expert * 8 / 2)
+    assert ep1["optimizer"] == pytest.approx(ep1["params"] * 8 / 4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3 must divide --num-experts 8"),
+    (["--moe-layer-freq", "[1,1]"], "--moe-layer-freq [1, 1] must give 0 or 1 for each of the 4 layers"),
+    (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq \"__import__('os')\" is not an integer or a list "
+                                               "expression like '([0]*1+[1]*3)'"),
+])
+def test_moe_flags_that_do_not_fit_are_refused(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        memory_plan.main(["--num-layers", "4", "--world-size", "6"] + MOE_FLAGS + flags)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(": error: " + message)
+
+
+def test_moe_plan_prints_the_experts(capsys):
+    assert memory_plan.main(["--num-layers", "4", "--world-size", "4", "--expert-model-parallel-size", "2"]
+                            + MOE_FLAGS) == 0
+    assert " | MoE: 3 of 4 layers, 8 experts (ffn 48) top-2, EP 2 ETP 1\n" in capsys.readouterr().out
 
 
 def test_routed_modes_cost_more_and_pipeline_holds_micro_batches():

@@ -1,11 +1,18 @@
-"""Mixture of experts in baseline mode, as Megatron-LM's pretrain_gpt.py builds and trains it.
+"""Mixture of experts in every residual mode: Megatron-Core's MoE layers, as Megatron-LM's pretrain_gpt.py builds
+and trains them, with the routed layer's MLP sublayer the MoE layer (its output is the sublayer's source).
 
 Fast (one in-process rank): the trainer's parse_args + model provider build Megatron-Core's MoELayer (router
 weight, one expert MLP per expert, shared experts) in the layers --moe-layer-freq names and the dense MLP
-elsewhere; --moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is refused by name;
-on CPU the alltoall dispatcher's split sizes reach the all-to-all as upstream's numpy arrays (moe_splits_to_host).
-Slow (one launch of pretrain_gpt.py, 2 gloo ranks, expert parallelism 2): the alltoall dispatcher trains and
-Megatron logs the load-balancing loss in each iteration line.
+elsewhere, in baseline and routed layers alike; delta at a = 0 (the baseline's function) gives the baseline's
+losses, logged aux losses and gradients for each MoE option (load-balancing losses, z-loss, capacity and token
+dropping, shared experts, group-limited sigmoid routing with expert bias, first-k dense, router dtype, the
+allgather dispatcher, recompute); --moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is
+refused by name; on CPU the alltoall dispatcher's split sizes reach the all-to-all as upstream's numpy arrays
+(moe_splits_to_host).
+Slow: gloo's uneven all_gather (moe_uneven_gather, 2 ranks); baseline EP2 through pretrain_gpt.py (2 ranks,
+Megatron logs the load-balancing loss); one 4-rank launch (moe_launch) for expert parallelism in the routed modes:
+EP2, EP2+TP2+SP and EP2+PP2 against EP1, the allgather dispatcher, a checkpoint under EP2+TP2 resumed and
+resharded to EP1+TP1, Megatron-LM's Mixtral example flags and docs/usage.md's MoE recipe with delta_block.
 """
 from __future__ import annotations
 
@@ -38,22 +45,31 @@ def _provider_model(argv):
 
 
 @pytest.mark.usefixtures("distributed_teardown")
-def test_baseline_builds_megatron_moe_layers_where_moe_layer_freq_puts_them():
+@pytest.mark.parametrize("residual", ["baseline", "delta_block"])
+def test_megatron_moe_layers_are_built_where_moe_layer_freq_puts_them(residual):
+    """Every mode builds Megatron-Core's MoELayer (router, one expert MLP per expert, shared experts) where
+    --moe-layer-freq says and its dense MLP elsewhere, with the same parameter names and shapes; a routed mode
+    puts each layer's submodules in a DeltaTransformerLayer, with its two depth routers."""
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from megatron_delta.core.layer import DeltaTransformerLayer
     from megatron_delta.core.norms import LocalNorm
 
     model = _provider_model(tiny(num_layers=4, hidden=HIDDEN, train_iters=1) + [
-        "--residual", "baseline", "--eval-interval", "1", "--num-experts", str(EXPERTS),
+        "--residual", residual, "--eval-interval", "1", "--num-experts", str(EXPERTS),
         "--moe-router-topk", "2", "--moe-layer-freq", "[0,1,1,0]", "--moe-ffn-hidden-size", "32",
         "--moe-shared-expert-intermediate-size", str(SHARED)])
-    mlps = [layer.mlp for layer in model.decoder.layers]
+    layers = model.decoder.layers
+    assert {type(layer) for layer in layers} == {TransformerLayer if residual == "baseline" else DeltaTransformerLayer}
+    mlps = [layer.mlp for layer in layers]
     # the project's sequence-parallel-capable norms, as in its dense baseline
-    assert {type(layer.pre_mlp_layernorm) for layer in model.decoder.layers} == {LocalNorm}
+    assert {type(layer.pre_mlp_layernorm) for layer in layers} == {LocalNorm}
     assert [type(m) for m in mlps] == [MLP, MoELayer, MoELayer, MLP]
+    assert [layer.is_moe_layer for layer in layers] == [False, True, True, False]
     params = dict(model.named_parameters())
     for i in (1, 2):
         moe = mlps[i]
@@ -68,6 +84,91 @@ def test_baseline_builds_megatron_moe_layers_where_moe_layer_freq_puts_them():
     for i in (0, 3):
         assert not any(name.startswith(f"decoder.layers.{i}.mlp.router") for name in params)
         assert params[f"decoder.layers.{i}.mlp.linear_fc1.weight"].shape == (2 * 3 * HIDDEN, HIDDEN)
+    routers = {n for n in params if "_router." in n and ".mlp.router" not in n}
+    if residual == "baseline":
+        assert not routers
+    else:
+        assert {n.split(".")[2] for n in routers if n.startswith("decoder.layers.")} == {"0", "1", "2", "3"}
+
+
+# Megatron MoE options, each trained in a routed mode (delta with the scalar gate at a = 0 computes the
+# baseline's function, so every number must be the baseline's): routing, load balancing, capacity, experts.
+MOE_OPTIONS = {
+    "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
+    "seq_aux_loss": ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"],
+    "global_aux_loss": ["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"],
+    "z_loss": ["--moe-router-load-balancing-type", "none", "--moe-z-loss-coeff", "0.001"],
+    "top1_capacity_drop": ["--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-expert-capacity-factor", "1.0",
+                           "--moe-token-drop-policy", "probs", "--moe-pad-expert-input-to-capacity",
+                           "--moe-aux-loss-coeff", "0.01"],
+    "sigmoid_expert_bias_shared": ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                                   "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
+                                   "0.0001", "--moe-shared-expert-intermediate-size", "32",
+                                   "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "2",
+                                   "--moe-router-group-topk", "1"],
+    "first_k_dense_fp32_router_allgather": ["--moe-layer-freq", "([0]*1+[1]*3)", "--moe-router-dtype", "fp32",
+                                            "--moe-token-dispatcher-type", "allgather",
+                                            "--moe-aux-loss-coeff", "0.01"],
+    # activation recompute: the routed block's full recompute re-runs the MoE layers; MoE-layer recompute
+    "full_recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                       "1", "--moe-aux-loss-coeff", "0.01"],
+    "moe_recompute": ["--recompute-granularity", "selective", "--recompute-modules", "moe", "--moe-aux-loss-coeff",
+                      "0.01"],
+}
+# The aux-loss tracker's name of each load-balancing loss (what Megatron-LM's iteration line logs).
+LOGGED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+          "global_aux_loss": "global_load_balancing_loss", "z_loss": "z_loss",
+          "top1_capacity_drop": "load_balancing_loss", "sigmoid_expert_bias_shared": "seq_load_balancing_loss",
+          "first_k_dense_fp32_router_allgather": "load_balancing_loss", "full_recompute": "load_balancing_loss",
+          "moe_recompute": "load_balancing_loss"}
+
+
+def _moe_step(argv, lm_scale):
+    """One micro-batch through the trainer's model for `argv`: (per-token losses, the aux-loss tracker's
+    per-layer values, each parameter's gradient) after backward of lm_scale x the mean loss."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    model = _provider_model(argv)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(tokens, -1, dims=1)
+    clear_aux_losses_tracker()
+    losses = model(tokens, torch.arange(32).expand(2, -1), None, labels=labels)
+    (lm_scale * losses.float().mean()).backward()
+    tracker = {name: v["values"].clone() for name, v in get_moe_layer_wise_logging_tracker().items()}
+    clear_aux_losses_tracker()
+    return losses.detach(), tracker, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.usefixtures("distributed_teardown")
+@pytest.mark.parametrize("option", list(MOE_OPTIONS))
+def test_routed_moe_computes_the_baseline_numbers_with_its_aux_losses(option):
+    """delta with the scalar gate at a = 0 (u = x + 0 r: the baseline's function) and an MoE option: the
+    per-token losses, the aux losses Megatron logs (its tracker, per layer) and every backbone gradient are the
+    baseline's. With the LM loss scaled by 0, the MoE routers' gradients are the aux losses' alone: non-zero
+    and the baseline's, so the aux losses reach the backward pass through the routed layers as in baseline."""
+    import torch
+
+    argv = tiny(num_layers=4, hidden=HIDDEN, seq=32, mbs=2, train_iters=1) + [
+        "--eval-interval", "1", "--num-experts", str(EXPERTS), "--moe-router-topk", "2",
+        "--moe-ffn-hidden-size", "32", "--moe-token-dispatcher-type", "alltoall"] + MOE_OPTIONS[option]
+    routed = argv + ["--residual", "delta", "--delta-gate", "scalar"]
+    base = _moe_step(argv + ["--residual", "baseline"], 1.0)
+    got = _moe_step(routed, 1.0)
+    assert torch.equal(got[0], base[0])
+    assert set(got[1]) == set(base[1]) and LOGGED[option] in got[1], (got[1].keys(), option)
+    for name in base[1]:
+        assert torch.equal(got[1][name], base[1][name]), name
+    assert base[1][LOGGED[option]].count_nonzero() > 0  # the MoE layers' entries (dense layers log 0)
+    assert set(base[2]) <= set(got[2])
+    for name, g in base[2].items():
+        torch.testing.assert_close(got[2][name], g, rtol=0, atol=1e-7, msg=name)
+    aux_only_base, aux_only = _moe_step(argv + ["--residual", "baseline"], 0.0)[2], _moe_step(routed, 0.0)[2]
+    moe_routers = [n for n in aux_only_base if n.endswith(".mlp.router.weight")]
+    assert moe_routers
+    for name in moe_routers:
+        assert aux_only_base[name].abs().max() > 0, name
+        torch.testing.assert_close(aux_only[name], aux_only_base[name], rtol=0, atol=1e-9, msg=name)
 
 
 def test_grouped_gemm_on_the_local_backend_is_refused_by_name(capsys):
@@ -110,6 +211,42 @@ def test_cpu_alltoall_split_sizes_reach_the_collective_as_numpy():
     assert token_dispatcher.maybe_move_tensor_to_cpu(splits) is splits  # without as_numpy: upstream's
 
 
+def uneven_gather() -> dict:
+    """(2 ranks, TP2) Megatron's _gather_along_first_dim of 2 and 3 rows, as the alltoall dispatcher calls it under
+    TP > 1: the result with moe_uneven_gather, and gloo's error without it."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    from megatron_delta.platform.distributed import initialize_distributed
+    from megatron_delta.platform.patches import patches_suspended
+
+    initialize_distributed(tensor_model_parallel_size=2)
+    rank, group = torch.distributed.get_rank(), parallel_state.get_tensor_model_parallel_group()
+    sizes = [2, 3]
+    mine = torch.arange(2.0 * sizes[rank]).view(-1, 2) + 10 * rank
+    gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=sizes)
+    error = None
+    with patches_suspended("moe_uneven_gather"):
+        try:
+            mappings._gather_along_first_dim(mine, group, output_split_sizes=sizes)
+        except RuntimeError as e:
+            error = str(e)
+    return {"gathered": gathered.tolist(), "error": error}
+
+
+@pytest.mark.slow
+def test_cpu_gather_of_uneven_splits_pads_for_gloo():
+    """moe_uneven_gather: each rank gets every rank's rows in rank order; without it gloo refuses the uneven
+    all_gather."""
+    from tests.dist_utils import run_distributed
+
+    want = [[0.0, 1.0], [2.0, 3.0], [10.0, 11.0], [12.0, 13.0], [14.0, 15.0]]
+    for r in run_distributed(uneven_gather, 2, timeout=300):
+        assert r["gathered"] == want
+        assert r["error"] and "ProcessGroupGloo::allgather: invalid tensor size" in r["error"], r["error"]
+
+
 @pytest.mark.slow
 def test_baseline_moe_with_expert_parallelism_trains_through_pretrain_gpt(tmp_path):
     from tests.test_trainer_cluster import _run, _torchrun
@@ -128,3 +265,227 @@ def test_baseline_moe_with_expert_parallelism_trains_through_pretrain_gpt(tmp_pa
         assert lm and aux, ln
         lm, aux = float(lm.group(1)), float(aux.group(1))
         assert math.isfinite(lm) and math.isfinite(aux) and aux > 0, ln  # dense layers would log 0
+
+
+# ------------------------------------------------------------------------------------ expert parallelism
+# One 4-rank launch (moe_launch): every EP layout trains each routed mode's MoE model (tests/rank_runner.py's
+# `moe` flavour: 4 experts, top-2, alltoall, first layer dense, shared expert, aux and z-losses, fp32 router) from
+# the TP1 reference's initial model (EP1, one process; tests/conftest.py), then the allgather dispatcher under
+# EP2+TP2+SP, the checkpoint saved under EP2+TP2 at iteration 2 resumed in its layout and under EP1+TP1 (data
+# parallel 4), and Megatron-LM's Mixtral flag list and docs/usage.md's MoE recipe with --residual delta_block.
+MOE_MODES = ["delta_block", "delta", "attnres"]
+MOE_SPECS = [f"{m}/moe" for m in MOE_MODES]
+ALLGATHER = "delta_block/moe-allgather"
+EP2 = ["--expert-model-parallel-size", "2"]
+EP_LAYOUTS = [["ep2", EP2],
+              ["ep2_tp2_sp", EP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
+              ["ep2_pp2", EP2 + ["--pipeline-model-parallel-size", "2"]]]
+CKPT_TAG, CKPT_SPEC = "ep2_tp2_sp", "delta_block/moe"
+TOL = 1e-5
+
+
+def mixtral_example_flags(ckpt: str) -> list[str]:
+    """Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (core_v0.19.0), array by array, scaled to
+    the tiny model: 32 -> 4 layers, hidden 4096 -> 64 (FFN 3.5 x hidden, 32 heads / 8 groups -> 4 / 2, positions 8 x
+    the sequence), 8 -> 4 experts, GBS 256 -> 8, TP1 x PP4 x EP8 -> TP1 x PP2 x EP2 (4 ranks), 3 iterations, one
+    evaluation iteration. Data: mock data and NullTokenizer instead of the Llama-2 tokenizer and DATA_PATH. Dropped:
+    --moe-grouped-gemm (Megatron-Core's local backend has no grouped GEMM: refused by name, see
+    test_grouped_gemm_on_the_local_backend_is_refused_by_name). The CPU switches added. Nothing else changed."""
+    from tests.flags import CPU
+
+    model_args = ["--use-mcore-models", "--disable-bias-linear", "--seq-length", "32", "--max-position-embeddings",
+                  "256", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "224",
+                  "--num-attention-heads", "4", "--init-method-std", "0.01", "--attention-dropout", "0.0",
+                  "--hidden-dropout", "0.0", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                  "--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
+                  "--num-query-groups", "2", "--no-masked-softmax-fusion", "--no-position-embedding",
+                  "--rotary-base", "1000000"]
+    moe_args = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+                "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall", "--overlap-param-gather",
+                "--overlap-grad-reduce"]
+    data_args = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "99990,8,2"]
+    training_args = ["--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4", "--train-iters", "3",
+                     "--lr-decay-iters", "320000", "--lr-decay-style", "cosine", "--min-lr", "1.0e-5",
+                     "--weight-decay", "0.1", "--lr-warmup-iters", "500", "--clip-grad", "1.0", "--bf16"]
+    model_parallel_args = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                           "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--sequence-parallel"]
+    logging_args = ["--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "1",
+                    "--save", ckpt, "--load", ckpt, "--tensorboard-dir", f"{ckpt}/tensorboard", "--no-load-optim",
+                    "--no-load-rng"]
+    return model_args + moe_args + data_args + training_args + model_parallel_args + logging_args + CPU
+
+
+def variant(tag: str, spec: str) -> str:
+    """fp32; the checkpointed run also saves at iteration 2 (rank_runner.VARIANTS distopt_ckpt2)."""
+    return "distopt_ckpt2" if (tag, spec) == (CKPT_TAG, CKPT_SPEC) else "fp32"
+
+
+def moe_launch(root: str) -> dict:
+    """The rank side of the EP launch (4 ranks): {"layouts": {tag: rank_runner.run_specs' results}, "resumed",
+    "resharded": the EP2+TP2 checkpoint's iteration 2 trained on to ITERS in its layout / under EP1+TP1,
+    "mixtral": the Mixtral flag list's metrics and (last rank) Megatron-LM's iteration lines}."""
+    import contextlib
+    import io
+    import os
+
+    from tests import rank_runner
+
+    out = {"layouts": {tag: rank_runner.run_specs(root, tag, flags, [[s, variant(tag, s)] for s in MOE_SPECS],
+                                                  collect=["routers"], save=["distopt_ckpt2"])
+                       for tag, flags in EP_LAYOUTS}}
+    # the allgather dispatcher from the alltoall model's initial weights (the dispatcher is no part of the model)
+    out["allgather"] = rank_runner.train(
+        rank_runner.spec_flags(ALLGATHER) + dict(EP_LAYOUTS)["ep2_tp2_sp"] + [
+            "--train-iters", str(rank_runner.ITERS), "--load", rank_runner.init_dir(root, CKPT_SPEC), "--finetune"],
+        os.path.join(root, "moe-allgather.jsonl"))
+    ckpt = os.path.join(root, f"ckpt-{CKPT_TAG}-distopt_ckpt2-{CKPT_SPEC.replace('/', '-')}")
+    iters = ["--train-iters", str(rank_runner.ITERS), "--load", ckpt, "--ckpt-step", "2"]
+    flags = rank_runner.spec_flags(CKPT_SPEC) + rank_runner.VARIANTS["distopt_ckpt2"][:2]
+    out["resumed"] = rank_runner.train(flags + dict(EP_LAYOUTS)[CKPT_TAG] + iters,
+                                       os.path.join(root, "moe-resumed.jsonl"))
+    out["resharded"] = rank_runner.train(flags + iters + ["--no-load-rng"], os.path.join(root, "moe-resharded.jsonl"))
+    mixtral = mixtral_example_flags(os.path.join(root, "mixtral")) + ["--residual", "delta_block"]
+    recipe = rank_runner.COMMON + usage_moe_recipe() + ["--train-iters", "3", "--log-interval", "1"]
+    for name, argv in (("mixtral", mixtral), ("recipe", recipe)):
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            r = rank_runner.train(argv, os.path.join(root, f"{name}.jsonl"))
+        out[name] = {"losses": r["losses"], "iterations": r["iterations"],
+                     "log": [ln for ln in log.getvalue().splitlines() if " iteration " in ln]}
+    # last (a failed load leaves the run's state behind): the EP1 load without expert_parallel_optimizer_reshard
+    from megatron_delta.platform.patches import patches_suspended
+    from megatron_delta.trainer import main as trainer
+
+    try:
+        with patches_suspended("expert_parallel_optimizer_reshard"):
+            out["resharded_unpatched"] = trainer.main(flags + iters + ["--no-load-rng"])
+    except KeyError as e:  # Megatron-LM's load_checkpoint raises it on
+        out["resharded_unpatched"] = repr(e)
+    return out
+
+
+def usage_moe_recipe() -> list[str]:
+    """The pretrain_gpt.py flags of docs/usage.md's MoE recipe (its torchrun command with --num-experts), less
+    --save: trained on the tiny model of the launch (its flags win over the tiny model's)."""
+    import os
+    import shlex
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "usage.md")).read()
+    commands = [" ".join(block.replace("\\\n", " ").split()) for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
+    (command,) = [c for c in commands if c.startswith("torchrun") and "--num-experts" in c]
+    argv = shlex.split(command)
+    argv = argv[argv.index("pretrain_gpt.py") + 1:]
+    i = argv.index("--save")
+    return argv[:i] + argv[i + 2:]
+
+
+def _max_diff(a, b) -> float:
+    """Largest |a - b| over two equal-shaped nests of dicts / lists / numbers (other leaves must be equal)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), (set(a), set(b))
+        return max([_max_diff(a[k], b[k]) for k in a], default=0.0)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), (a, b)
+        return max([_max_diff(x, y) for x, y in zip(a, b)], default=0.0)
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return abs(a - b)
+    assert a == b, (a, b)
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tp1_reference):
+    from tests.dist_utils import run_distributed
+
+    ref = tp1_reference.runs(MOE_SPECS)
+    ranks = run_distributed(moe_launch, 4, tp1_reference.root, kwargs={}, timeout=1800)
+    return {s: ref[s]["fp32"] for s in ref}, ranks
+
+
+@pytest.mark.slow
+def test_expert_parallel_layouts_give_the_ep1_losses_routers_and_routing(ep_runs):
+    """EP2 (DP4), EP2+TP2+SP and EP2+PP2: each routed mode's losses, learning rates, depth-router parameters and
+    gradients, and the routing statistics of its final validation equal EP1's within 1e-5; under EP2+PP2 each
+    payload a stage received holds exactly the sources the plan sends (x sequence length). The allgather
+    dispatcher under EP2+TP2+SP (its collectives on gloo) gives the EP1 alltoall run's losses too."""
+    from megatron_delta.core.modes import BLOCK_MODES
+    from megatron_delta.core.sources import SourcePlan
+    from tests import rank_runner
+
+    ref, ranks = ep_runs
+    for spec in MOE_SPECS:
+        losses = ref[spec]["losses"]
+        assert losses[-1] < losses[0], (spec, losses)  # it trains
+    for tag, _ in EP_LAYOUTS:
+        last = ranks[-1]["layouts"][tag]
+        for spec in MOE_SPECS:
+            got, want = last[spec][variant(tag, spec)], ref[spec]
+            assert got["iterations"] == list(range(1, rank_runner.ITERS + 1)), (tag, spec)
+            assert _max_diff(got["losses"], want["losses"]) <= TOL, (tag, spec, got["losses"], want["losses"])
+            assert got["lr"] == pytest.approx(want["lr"], rel=1e-12), (tag, spec)
+            assert got["routing"] and _max_diff(got["routing"], want["routing"]) <= TOL, (tag, spec)
+            # every rank holding a layer's routers has the EP1 values (tensor-parallel replicas included); the
+            # gradients too, except under the distributed optimizer (its buffer holds reduced values for the
+            # rank's shard only)
+            for rank in ranks:
+                routers = rank["layouts"][tag][spec][variant(tag, spec)]["routers"]
+                assert routers["params"], (tag, spec)
+                for kind in ("params", "grads") if variant(tag, spec) == "fp32" else ("params",):
+                    for name, vals in routers[kind].items():
+                        d = _max_diff(vals, want["routers"][kind][name])
+                        assert d <= TOL, f"{tag} {spec}: router {kind} {name} differs from EP1 by {d}"
+        if tag == "ep2_pp2":
+            for spec in MOE_SPECS:
+                mode = spec.split("/")[0]
+                # no gate: the additive modes keep x as their sources, and x does not travel
+                plan = SourcePlan(mode=mode, num_layers=4, num_blocks=2 if mode in BLOCK_MODES else 4,
+                                  sources="exact", x_from_sources=mode in ("delta", "delta_block"))
+                received = [r["layouts"][tag][spec][variant(tag, spec)]["payloads"] for r in ranks]
+                # ranks 2 and 3 (the second stage, expert-parallel pair) received layer 3's inputs
+                assert received[2:] == [{"2": len(plan.payload_names(2)) * 32}] * 2, (spec, received)
+                assert received[:2] == [{}, {}], (spec, received)
+    allgather = ranks[-1]["allgather"]
+    assert allgather["iterations"] == list(range(1, rank_runner.ITERS + 1))
+    assert _max_diff(allgather["losses"], ref[CKPT_SPEC]["losses"]) <= TOL  # delta_block/moe (alltoall), EP1
+
+
+@pytest.mark.slow
+def test_checkpoint_under_ep2_tp2_resumes_exactly_and_reshards_to_ep1_tp1(ep_runs):
+    """The EP2+TP2+SP run's checkpoint at iteration 2 (model, distributed optimizer in its fully reshardable format,
+    scheduler, data position): resumed in its layout, iterations 3-4 repeat the straight run's losses bitwise;
+    loaded under EP1+TP1 (data parallel 4: the experts, the tensor-parallel shards and Adam's moments with them
+    resharded; the registry's expert_parallel_optimizer_reshard merges the two chained optimizers' common state),
+    within 1e-5."""
+    from tests import rank_runner
+
+    _, ranks = ep_runs
+    straight = ranks[-1]["layouts"][CKPT_TAG][CKPT_SPEC]["distopt_ckpt2"]
+    split = 2
+    for what in ("resumed", "resharded"):
+        got = ranks[-1][what]
+        assert got["iterations"] == list(range(split + 1, rank_runner.ITERS + 1)), what
+        assert got["lr"] == pytest.approx(straight["lr"][split:], rel=1e-12), what
+    assert ranks[-1]["resumed"]["losses"] == straight["losses"][split:]
+    assert _max_diff(ranks[-1]["resharded"]["losses"], straight["losses"][split:]) <= TOL
+    # without the registry's expert_parallel_optimizer_reshard, Megatron-Core hands the EP1 run's one optimizer
+    # both chained entries of the EP2 checkpoint
+    assert ranks[-1]["resharded_unpatched"] == "KeyError('optimizer')"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job, logged", [("mixtral", "load_balancing_loss"), ("recipe", "seq_load_balancing_loss")])
+def test_megatron_lm_mixtral_flags_and_the_usage_recipe_train_with_delta_block(ep_runs, job, logged):
+    """Megatron-LM's Mixtral example flags (mixtral_example_flags: scaled to tiny, CPU switches, PP2 x EP2 on 4
+    ranks, bf16, distributed optimizer with overlapped gradient reduce and parameter gather) + --residual
+    delta_block, and docs/usage.md's DeepSeek-V3-style recipe (sigmoid router in groups, expert bias, sequence
+    aux loss, shared expert; EP2 x PP2) on the tiny model, train 3 iterations, and Megatron-LM's iteration line
+    logs the load-balancing loss."""
+    _, ranks = ep_runs
+    run = ranks[-1][job]
+    assert run["iterations"] == [1, 2, 3]
+    assert all(math.isfinite(x) for x in run["losses"]), run
+    lines = [ln for ln in run["log"] if re.search(r" iteration +\d+/", ln)]  # not the validation lines
+    assert len(lines) == 3, run["log"]
+    for ln in lines:
+        aux = re.search(rf"\| {logged}: (\S+) \|", ln)
+        assert aux and math.isfinite(float(aux.group(1))) and float(aux.group(1)) > 0, ln

@@ -23,13 +23,15 @@ ENTRIES = [
     "current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads", "tensor_type_checks",
     "checkpoint_without_output_fp8", "training_module_torch", "initialize_allow_no_cuda", "initialize_model_parallel",
     "compile_helpers", "device_arch_version", "loader_generator", "moe_splits_to_host",
+    "moe_uneven_gather",
     "distopt_fresh_state_dict", "distopt_step_per_param", "distopt_load_no_grad", "distopt_missing_state_key",
-    "ckpt_writer_manager_exits_with_rank", "p2p_shape_exchange", "vpp_pp2_batched_p2p", "trainer_hooks",
+    "ckpt_writer_manager_exits_with_rank", "expert_parallel_optimizer_reshard",
+    "p2p_shape_exchange", "vpp_pp2_batched_p2p", "trainer_hooks",
     "checkpoint_hint",
     "verify_integrity_default",
 ]
-CPU_ENTRIES = ENTRIES[:15]  # the CPU adaptation
-FIX_ENTRIES = ENTRIES[15:20]  # upstream fixes applied on every device
+CPU_ENTRIES = ENTRIES[:16]  # the CPU adaptation
+FIX_ENTRIES = ENTRIES[16:22]  # upstream fixes applied on every device
 
 
 # ------------------------------------------------------------------------------------------ the table

@@ -23,11 +23,12 @@ SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4)
 
 # config field -> (value that switches it on, what else Megatron-Core needs for the baseline to accept it)
 SWITCHED_ON = {
-    "num_moe_experts": (4, {}),
     "fp4": ("e2m1", {}),
     "cpu_offloading": (True, dict(cpu_offloading_num_layers=1)),
     "fine_grained_activation_offloading": (True, dict(offload_modules=["core_attn"])),
     "context_parallel_size": (2, {}),
+    "overlap_moe_expert_parallel_comm": (True, dict(num_moe_experts=4, expert_model_parallel_size=2, bf16=True,
+                                                    moe_token_dispatcher_type="alltoall")),
 }
 
 REMEDY = "or use --residual baseline (Megatron-Core's own layers support it)"
@@ -52,9 +53,10 @@ def test_config_refuses_for_routed_modes(field):
 
 def test_config_names_each_flag():
     assert {f: flag for f, (flag, _) in UNSUPPORTED_FEATURES.items()} == {
-        "num_moe_experts": "--num-experts", "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
+        "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
         "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
-        "context_parallel_size": "--context-parallel-size"}
+        "context_parallel_size": "--context-parallel-size",
+        "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm"}
 
 
 def test_config_off_values_are_accepted():
@@ -67,11 +69,13 @@ CLI_TINY = tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, train
     "--eval-iters", "1", "--eval-interval", "1000"]
 
 CLI_REFUSED = [
-    (["--num-experts", "4"], "--num-experts is not supported with --residual delta: "),
     (["--fp4-format", "e2m1"], "--fp4-format is not supported with --residual delta: "),
     (["--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
      "--fine-grained-activation-offloading is not supported with --residual delta: "),
     (["--context-parallel-size", "2"], "--context-parallel-size is not supported with --residual delta: "),
+    (["--overlap-moe-expert-parallel-comm", "--num-experts", "4", "--expert-model-parallel-size", "2",
+      "--moe-token-dispatcher-type", "alltoall", "--bf16"],
+     "--overlap-moe-expert-parallel-comm is not supported with --residual delta: "),
     (["--fused-residual-rmsnorm"], "--fused-residual-rmsnorm folds the residual add into a fused kernel and cannot "
                                    "be used with --residual delta: "),
 ]

@@ -42,6 +42,13 @@ def build_parser():
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     p.add_argument("--delta-pp-source-cache", choices=["on", "off"],
                    help="interleaved schedule: a boundary sends only the sources the receiving rank lacks")
+    p.add_argument("--num-experts", type=int, help="mixture of experts: experts per MoE layer")
+    p.add_argument("--moe-ffn-hidden-size", type=int, help="an expert's FFN width (default --ffn-hidden-size)")
+    p.add_argument("--moe-router-topk", type=int)
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int)
+    p.add_argument("--moe-layer-freq", help="N (an MoE layer every N layers) or a 0/1 list, e.g. '([0]*1+[1]*3)'")
+    p.add_argument("--expert-model-parallel-size", type=int)
+    p.add_argument("--expert-tensor-parallel-size", type=int, help="default: --tensor-model-parallel-size")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--bf16", action="store_true")
@@ -108,6 +115,10 @@ def format_table(plan):
             f"{' dist-opt' if c['use_distributed_optimizer'] else ''} | "
             f"{'fp8-' + c['fp8_format'] if c['fp8_format'] else 'bf16' if c['bf16'] else 'fp32'} "
             f"{c['transformer_impl']}")
+    if c["num_experts"]:
+        head += (f" | MoE: {sum(c['moe_layers'])} of {c['num_layers']} layers, {c['num_experts']} experts "
+                 f"(ffn {c['moe_ffn_hidden_size']}) top-{c['moe_router_topk']}, EP {c['expert_model_parallel_size']}"
+                 f" ETP {c['expert_tensor_parallel_size']}")
     cols = ["stage", "params (M)", "weights", "grads", "optimizer", "activations", "(payload)", "in flight",
             "total GiB"]
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

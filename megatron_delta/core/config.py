@@ -48,8 +48,6 @@ def check_residual_fusions(residual: str, **fusions: bool) -> None:
 # baseline is Megatron's own TransformerLayer / TransformerBlock and keeps all of them. Cross-attention
 # has no config field: DeltaTransformerLayer refuses a layer spec that has it.
 UNSUPPORTED_FEATURES = {
-    "num_moe_experts": ("--num-experts", "the routed layer is built and tested with a dense MLP; MoE's token "
-                        "dispatch, aux losses and expert parallelism are not wired through it"),
     "fp4": ("--fp4-format", "the routed block enters FP8 contexts only and the routers switch only FP8 "
             "autocast off around their fp32 math"),
     "cpu_offloading": ("cpu_offloading=True", "TransformerBlock offloads its one hidden-states tensor "
@@ -60,6 +58,10 @@ UNSUPPORTED_FEATURES = {
                                            "routers read stay resident"),
     "context_parallel_size": ("--context-parallel-size", "the routed block's stage payload and rotary "
                               "trimming assume that each rank holds whole sequences"),
+    "overlap_moe_expert_parallel_comm": ("--overlap-moe-expert-parallel-comm", "its combined 1F1B schedule runs "
+                                         "Megatron's TransformerLayer piece by piece (attention, dispatch, experts, "
+                                         "combine) on one hidden-states tensor, bypassing the routed block and "
+                                         "its SourceBuffer"),
 }
 
 # TransformerConfig's defaults: a feature is switched on when its field is set to anything else

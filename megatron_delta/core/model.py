@@ -95,8 +95,9 @@ def gpt_model(config: DeltaTransformerConfig, vocab_size: int, *, pre_process: b
     """One pipeline chunk: Megatron-Core's GPTModel (baseline) or DeltaGPTModel (routed modes).
     ``gpt_kwargs`` are GPTModel's own (max_sequence_length, position_embedding_type, rotary_base, ...).
     With config.mtp_num_layers the chunk that holds the MTP block (the last) gets it (mtp_spec_for)."""
-    if config.num_moe_experts and not config.routed:
-        # Megatron-LM's gpt_builders.py: the MoE block spec (dense and MoE layers, --moe-layer-freq)
+    if config.num_moe_experts:
+        # Megatron-LM's gpt_builders.py: the MoE block spec (dense and MoE layers, --moe-layer-freq; routed:
+        # each layer in a DeltaTransformerLayer)
         block_spec = moe_decoder_block_spec(config, vp_stage, transformer_impl)
     else:
         block_spec = decoder_block_spec(config, layer_spec_for(config, transformer_impl), vp_stage,

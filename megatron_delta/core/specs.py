@@ -6,8 +6,8 @@
 - `get_gpt_layer_with_delta_te_spec`: the Transformer Engine variant (input norms fused into
   linear_qkv / linear_fc1, so the routed input `u` is what enters the fused linear). Imported lazily.
 - `decoder_block_spec`: the block-level spec (layers of this pipeline chunk + the final norm).
-- `moe_decoder_block_spec`: baseline with `--num-experts`: Megatron's own MoE/dense block spec
-  (`--moe-layer-freq`), as Megatron-LM's gpt_builders.py builds it.
+- `moe_decoder_block_spec`: `--num-experts`: Megatron's own MoE/dense block spec (`--moe-layer-freq`), as
+  Megatron-LM's gpt_builders.py builds it; in a routed mode each layer spec is a DeltaTransformerLayer's.
 - `mtp_block_spec`: Megatron's multi-token prediction block for `--mtp-num-layers` (baseline), built from
   the decoder's layer spec as Megatron-LM's gpt_builders.py builds it.
 """
@@ -82,9 +82,10 @@ def decoder_block_spec(config, layer_spec: ModuleSpec, vp_stage=None, final_norm
 
 
 def moe_decoder_block_spec(config, vp_stage=None, transformer_impl: str = "local"):
-    """Baseline with --num-experts: Megatron's get_gpt_decoder_block_spec, as Megatron-LM's gpt_builders.py
-    calls it (MoE layers where --moe-layer-freq puts them, dense ones elsewhere, this chunk's slice); on the
-    local backend its norms are LocalNorm, as in get_gpt_layer_local_spec_sp."""
+    """--num-experts: Megatron's get_gpt_decoder_block_spec, as Megatron-LM's gpt_builders.py calls it (MoE
+    layers where --moe-layer-freq puts them, dense ones elsewhere, this chunk's slice); on the local backend its
+    norms are LocalNorm, as in get_gpt_layer_local_spec_sp. In a routed mode each layer's submodules (the
+    MoELayer or dense MLP among them) go into a DeltaTransformerLayer, as for the dense model."""
     use_te = transformer_impl == "transformer_engine"
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=config.normalization,
                                       qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
@@ -92,6 +93,8 @@ def moe_decoder_block_spec(config, vp_stage=None, transformer_impl: str = "local
         for layer_spec in spec.layer_specs:
             _replace_norms(layer_spec.submodules, LocalNorm)
         spec.layer_norm = LocalNorm
+    if getattr(config, "routed", False):
+        spec.layer_specs = [_delta_layer_spec(layer_spec) for layer_spec in spec.layer_specs]
     return spec
 
 

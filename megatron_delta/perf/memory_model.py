@@ -36,11 +36,19 @@ Model of the activations (bytes saved for backward per micro-batch, counted as u
   (baseline's layer; in the replacement modes + its routed inputs and per (source, reader) fp32 logits and
   weights over the decoder's final sources and its own), the eh_proj input [2h], its three norms and fp32
   logits [tokens, vocab / TP].
+- Mixture of experts (--num-experts, in the layers --moe-layer-freq names): each rank holds E / EP experts, each
+  split over the expert tensor-parallel size (ETP, default TP), the router (E x h) and the shared experts
+  (split over TP). Per token an MoE layer saves the router's fp32 logits and probabilities [E], the top-k
+  permuted copies of its input and of the expert outputs [k, h], and the SwiGLU tensors of the k expert MLPs
+  (5 x the expert FFN / ETP each) and of the shared experts; balanced routing is assumed (each rank's experts
+  get k x its tokens, whatever EP is). The distributed optimizer shards the expert parameters over the expert
+  data-parallel size, world / (ETP x EP x PP).
 - Weights: bf16 (2 B) + fp32 gradient buffer (4 B, Megatron's grad_reduce_in_fp32 with bf16) +
   Adam in fp32 (master weights, m, v: 12 B; fp32 training: m, v: 8 B), sharded over DP by
   --use-distributed-optimizer. Not counted: the CUDA context, NCCL buffers, allocator
   fragmentation and temporary buffers (add 10-20 %).
 """
+import ast
 from types import SimpleNamespace
 
 from megatron_delta.core.modes import (
@@ -61,7 +69,9 @@ PLAN_DEFAULTS = dict(
     delta_num_blocks=None, delta_sources=SOURCE_DEFINITIONS[0], tensor_model_parallel_size=1,
     pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None, delta_pp_source_cache="on",
     sequence_parallel=False, use_distributed_optimizer=False, bf16=False, fp8_format=None, transformer_impl=None,
-    micro_batch_size=1, global_batch_size=None, world_size=None, device="gpu", mtp_num_layers=None)
+    micro_batch_size=1, global_batch_size=None, world_size=None, device="gpu", mtp_num_layers=None,
+    num_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2, moe_shared_expert_intermediate_size=None,
+    moe_layer_freq=1, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
 
 
 class PlanError(ValueError):
@@ -91,6 +101,7 @@ def resolve_plan_config(a):
         a.vpp = a.num_layers // pp // a.num_layers_per_virtual_pipeline_stage
     if a.tensor_model_parallel_size == 1:
         a.sequence_parallel = False
+    resolve_moe(a)
     if a.residual in BLOCK_MODES:  # K as pretrain_gpt.py resolves it: given, or the default (at most 4 blocks)
         try:
             a.delta_num_blocks = check_delta_options(a.residual, a.num_layers, a.delta_num_blocks, False,
@@ -98,6 +109,62 @@ def resolve_plan_config(a):
         except ValueError as e:
             raise PlanError(str(e)) from None
     return a
+
+
+def moe_layer_pattern(freq, num_layers: int) -> list:
+    """--moe-layer-freq as Megatron-LM reads it: N (an MoE layer every N layers, from the first) or a list of 0/1
+    per layer, also as Megatron-LM's expression string, e.g. "([0]*1+[1]*3)" (lists of 0/1, + and *)."""
+    if isinstance(freq, str):
+        try:
+            freq = int(freq)
+        except ValueError:
+            freq = _list_expression(freq)
+    if isinstance(freq, int):
+        if freq < 1:
+            raise PlanError(f"--moe-layer-freq {freq} must be a positive integer or a list of 0/1 per layer")
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    if len(freq) != num_layers or set(freq) - {0, 1}:
+        raise PlanError(f"--moe-layer-freq {freq} must give 0 or 1 for each of the {num_layers} layers")
+    return list(freq)
+
+
+def _list_expression(text: str) -> list:
+    """A list expression of integer lists, + and * (what Megatron-LM's --moe-layer-freq strings use), evaluated
+    without eval."""
+    def value(node):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+    try:
+        out = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        out = None
+    if not isinstance(out, list):
+        raise PlanError(f"--moe-layer-freq {text!r} is not an integer or a list expression like '([0]*1+[1]*3)'")
+    return out
+
+
+def resolve_moe(a):
+    """The MoE fields: the expert FFN (default --ffn-hidden-size, as Megatron-LM), ETP (default TP), the MoE layers'
+    pattern; PlanError where EP does not divide the experts or ETP x EP x PP the world size."""
+    a.moe_layers = [0] * a.num_layers
+    if not a.num_experts:
+        return
+    if a.moe_ffn_hidden_size is None:
+        a.moe_ffn_hidden_size = a.ffn_hidden_size
+    if a.expert_tensor_parallel_size is None:
+        a.expert_tensor_parallel_size = a.tensor_model_parallel_size
+    ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size
+    if a.num_experts % ep:
+        raise PlanError(f"--expert-model-parallel-size {ep} must divide --num-experts {a.num_experts}")
+    if a.world_size % (etp * ep * a.pipeline_model_parallel_size):
+        raise PlanError("world size must be a multiple of expert TP x EP x PP")
+    a.moe_layers = moe_layer_pattern(a.moe_layer_freq, a.num_layers)
 
 
 def plan_config(**fields):
@@ -117,21 +184,48 @@ def source_plan(a):
 
 
 # ----------------------------------------------------------------------------------- parameters
-def layer_params(a):
+def layer_params(a, moe: bool = False):
+    """(parameters divided by TP, replicated ones) of a dense layer, or of an MoE layer without its experts."""
     h, q, kv, f = (a.hidden_size, a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels,
                    a.ffn_hidden_size)
-    tp_split = h * (q + 2 * kv) + q * h + h * 2 * f + f * h  # divided by TP
+    tp_split = h * (q + 2 * kv) + q * h  # divided by TP
     replicated = 2 * h + 2 * a.kv_channels  # input norms, q/k norms
+    if not moe:
+        tp_split += h * 2 * f + f * h
+    else:
+        replicated += a.num_experts * h  # the router
+        tp_split += 3 * h * (a.moe_shared_expert_intermediate_size or 0)  # shared experts (SwiGLU)
     if a.residual != BASELINE:
         replicated += 2 * 2 * h  # two routers: query + key-norm weight
     return tp_split, replicated
 
 
+def expert_params(a):
+    """Parameters of one MoE layer's experts on one rank: E / EP SwiGLU MLPs split over ETP."""
+    return a.num_experts // a.expert_model_parallel_size * 3 * a.hidden_size * a.moe_ffn_hidden_size \
+        / a.expert_tensor_parallel_size
+
+
+def stage_layers(a, stage) -> list:
+    """Global (0-based) numbers of the layers on pipeline stage `stage` (all its virtual chunks; even split)."""
+    pp, chunks = a.pipeline_model_parallel_size, a.vpp or 1
+    per_chunk = a.num_layers // (pp * chunks)
+    return [(c * pp + stage) * per_chunk + i for c in range(chunks) for i in range(per_chunk)]
+
+
+def stage_expert_params(a, stage):
+    """The experts' parameters on one GPU of pipeline stage `stage` (sharded over the expert data-parallel ranks
+    by the distributed optimizer)."""
+    return sum(a.moe_layers[i] for i in stage_layers(a, stage)) * expert_params(a) if a.num_experts else 0
+
+
 def stage_params(a, stage):
-    """Parameters on one GPU of pipeline stage `stage` (all its virtual chunks)."""
+    """Parameters on one GPU of pipeline stage `stage` (all its virtual chunks), experts included."""
     t, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    split, rep = layer_params(a)
-    n = a.num_layers // pp * (split / t + rep)
+    n = stage_expert_params(a, stage)
+    for i in stage_layers(a, stage):
+        split, rep = layer_params(a, moe=bool(a.moe_layers[i]))
+        n += split / t + rep
     vocab = a.vocab_size / t
     if stage == 0:
         n += vocab * a.hidden_size
@@ -190,6 +284,12 @@ def layer_activation_bytes(a, first_layer, num_layers):
                      + 4 * (2 / sp + heads + groups + heads))  # rsigma, q/k-norm stats, flash lse
         per_layer = 4 * 4 * dh * s
     total = num_layers * (per_token * T + per_layer)
+    for i in range(first_layer, first_layer + num_layers):
+        if a.moe_layers[i]:  # the dense MLP's SwiGLU tensors -> the router, the permuted tokens and the experts'
+            e, k = a.num_experts, a.moe_router_topk
+            fe, fs = a.moe_ffn_hidden_size / a.expert_tensor_parallel_size, (
+                a.moe_shared_expert_intermediate_size or 0) / t
+            total += T * (act * (k * (2 * h + 5 * fe) + 5 * fs - 5 * f) + 2 * 4 * e)
     plan = source_plan(a)
     if plan is not None:
         total += num_layers * 2 * act * h * T / sp      # the routed input of each sublayer
@@ -279,7 +379,10 @@ def plan_stage(a, stage):
     n = stage_params(a, stage)
     w = n * (2 if a.bf16 else 4)
     g = n * 4
-    o = n * (12 if a.bf16 else 8) / (a.data_parallel_size if a.use_distributed_optimizer else 1)
+    experts = stage_expert_params(a, stage)
+    expert_dp = a.world_size // (a.expert_tensor_parallel_size * a.expert_model_parallel_size * pp) if experts else 1
+    o = (n - experts) * (12 if a.bf16 else 8) / (a.data_parallel_size if a.use_distributed_optimizer else 1) \
+        + experts * (12 if a.bf16 else 8) / (expert_dp if a.use_distributed_optimizer else 1)
     # Activations of one micro-batch through each chunk on this stage, and its payload.
     chunk_acts, chunk_payload = [], []
     for c in range(chunks):

@@ -209,6 +209,11 @@ REGISTRY: Tuple[Patch, ...] = (
           "the alltoall MoE dispatcher makes its split sizes numpy arrays only when they are on CUDA (moe_utils.py:"
           "1184): on CPU all_to_all_single gets tensors, a TypeError",
           CORE, CPU_ONLY, _apply("cpu", "patch_moe_splits_to_host")),
+    Patch("moe_uneven_gather", ("megatron.core.tensor_parallel.mappings._gather_along_first_dim",),
+          "with TP > 1 the alltoall MoE dispatcher gathers each tensor-parallel rank's tokens with output_split_sizes "
+          "(token_dispatcher.py:739, mappings.py:153), an all_gather of tensors of different sizes, which gloo "
+          "refuses: 'ProcessGroupGloo::allgather: invalid tensor size'",
+          CORE, CPU_ONLY, _apply("cpu", "patch_moe_uneven_gather")),
     # ---------------------------------------------------------------- distributed optimizer over torch Adam
     Patch("distopt_fresh_state_dict", ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",),
           "state_dict of an optimizer that has not stepped (a resume's load, --train-iters 0 --save) asserts one "
@@ -238,6 +243,13 @@ REGISTRY: Tuple[Patch, ...] = (
           "that outlives a SIGKILLed rank: the Manager (~600 MB) and its resource tracker are reparented to "
           "init at every torchrun --max-restarts restart",
           V019, EVERY_DEVICE, _apply("ckpt_writer", "fix_results_queue_manager")),
+    # ---------------------------------------------------------------- optimizer checkpoints across expert parallelism
+    Patch("expert_parallel_optimizer_reshard",
+          ("megatron.core.optimizer.optimizer.ChainedOptimizer.load_state_dict",),
+          "a checkpoint saved with expert parallelism holds two chained optimizers (dense, expert) and a run without "
+          "it builds one, which is handed both entries (optimizer.py:1574): KeyError: 'optimizer' when an EP > 1 "
+          "checkpoint resumes under EP1",
+          V019, EVERY_DEVICE, _apply("distopt", "fix_expert_parallel_optimizer_reshard")),
     # ---------------------------------------------------------------- made elsewhere (pointers)
     Patch("p2p_shape_exchange", ("megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator"
                                  "._communicate_shapes",),

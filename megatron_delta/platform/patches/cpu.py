@@ -503,6 +503,30 @@ def patch_moe_splits_to_host() -> None:
     replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
+# moe_uneven_gather (0.19.2; tensor_parallel/mappings.py:151-153): _gather_along_first_dim with
+# output_split_sizes (the alltoall MoE dispatcher under TP > 1: each TP rank's share of the tokens an expert
+# rank received) calls torch.distributed.all_gather with a list of tensors of different sizes, which NCCL
+# accepts and gloo refuses -> on CPU, uneven splits are padded to the largest, gathered and cut back.
+def patch_moe_uneven_gather() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._gather_along_first_dim
+
+    @functools.wraps(original)
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
+        if sizes is None or group is None or group.size() == 1 or len(set(sizes)) == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        width = max(sizes)
+        padded = input_.new_zeros((width,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(gathered, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(gathered, sizes)], dim=0)
+
+    replace(mappings, "_gather_along_first_dim", _gather_along_first_dim)
+
+
 # loader_generator (0.19.2; datasets/data_samplers.py:19 via training.py:4569): on CPU the
 # "CUDA" RNG (dropout) is the default CPU generator, from which torch's DataLoader also draws a seed
 # whenever an iterator starts. A resumed run starts its loaders after loading the RNG state, so from

@@ -122,3 +122,34 @@ def fix_distopt_missing_state_key() -> None:
         return original(self, model_param, tensors)
 
     replace(DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
+
+
+# expert_parallel_optimizer_reshard (0.19.2; core/optimizer/optimizer.py:1574): with expert parallelism the
+# optimizer is a ChainedOptimizer of two DistributedOptimizers (dense parameters; expert parameters, reduced
+# over the expert data-parallel group), without it one. A fully reshardable checkpoint stores each one's
+# common state (param_groups, sharding type) under its index and the parameter state by parameter name, so an
+# EP > 1 checkpoint loaded under EP1 hands the one optimizer {0: ..., 1: ..., "param_state": ...}, and
+# DistributedOptimizer.load_state_dict fails on state_dict["optimizer"] -> the entries are merged into one: the
+# param_groups of all (each current group finds its saved counterpart by its identifier, lr and step included),
+# the rest of the first. The parameter state is already the current optimizer's, loaded by name.
+def fix_expert_parallel_optimizer_reshard() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    original = ChainedOptimizer.__dict__["load_state_dict"]
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        entries = sorted(k for k in state_dict if isinstance(k, int)) if isinstance(state_dict, dict) else []
+        if (len(self.chained_optimizers) == 1 and len(entries) > 1
+                and isinstance(self.chained_optimizers[0], DistributedOptimizer)):
+            merged = {k: v for k, v in state_dict.items() if not isinstance(k, int)}
+            for key, value in state_dict[entries[0]].items():
+                merged.setdefault(key, value)
+            merged["optimizer"] = dict(state_dict[entries[0]]["optimizer"])
+            merged["optimizer"]["param_groups"] = [
+                group for k in entries for group in state_dict[k]["optimizer"]["param_groups"]]
+            state_dict = merged
+        return original(self, state_dict)
+
+    replace(ChainedOptimizer, "load_state_dict", load_state_dict)
