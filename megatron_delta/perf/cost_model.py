@@ -159,6 +159,10 @@ class _Ledger:
         else:
             self.entries[name] = [value, None]
 
+    def hold_sum(self, name, partial, v):
+        """SourceBuffer.hold_sum: the partial sum's pass (router.PendingSum.form, a PyTorch add)."""
+        self.hold(name, v if partial is None else self.elementwise("partial_sum", partial, v))
+
     def take(self, name):
         e = self.entries.pop(name, None)
         return None if e is None else e[0]
