@@ -125,11 +125,11 @@ def test_traffic_per_call_is_call_rows(interpreter):
     mine = [torch.randn(*shape, d, requires_grad=True) for _ in range(3)]
     x = torch.randn(*shape, d, requires_grad=True)
     shared = make_source(h0, EPS)._replace(sink=rs[0].kernel_sink(h0))
+    own = [make_source(m, EPS) for m in mine]  # made outside the count: make_source's 1/rms is not a kernel call
     with traffic.counting() as count:
         total = 0
         for k, r in enumerate(rs):  # router k reads h0 (shared) and its own source; router 1 adds x
-            out = r([shared, make_source(mine[k], EPS)], apply_gate=True, base=x if k == 1 else None,
-                    base_sums=k == 2)
+            out = r([shared, own[k]], apply_gate=True, base=x if k == 1 else None, base_sums=k == 2)
             total = total + out.square().sum()
         total.backward()
     calls = _calls(count)
@@ -299,8 +299,14 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
         want = {ph: sum(triton_router.call_rows(len(r), has_base=False, forms_partial=f)[ph]
                         for r, f in zip(reads, formed)) for ph in ("forward", "backward")}
         want["backward"] += sum(k - 1 for k in readers.values())  # h0 and D0: added in place by all but one
-        got = {ph: count.total_rows(B * S * HIDDEN, act_bytes=4, phase=ph) for ph in want}
+        rows = count.rows(B * S * HIDDEN, act_bytes=4)
+        got = {ph: rows[triton_router.KERNEL, ph] for ph in want}  # the kernels' calls (the rest: PyTorch's passes)
         assert sum(formed) == 4 and got == want == {"forward": 34, "backward": 58}
+        # the passes outside the kernels: x = h0 + D0 + D1 handed out (2 adds), D0 and D1 formed by PyTorch's add
+        # (several readers / read by that sum: not in a kernel), and autograd's adds of two gradients for h0, D0
+        # (kernel sink + x's sum) and v0, v4 (their reader's kernel + the kernel that formed P from them)
+        assert {k: v for k, v in rows.items() if k[0] != triton_router.KERNEL} == {
+            ("x_sum", "forward"): 6, ("partial_sum", "forward"): 6, ("autograd_add", "backward"): 12}
     w = R.weights_from_megatron_state_dict(model.state_dict())
     routers = [k for k in w if "router" in k]
     for k in routers:
