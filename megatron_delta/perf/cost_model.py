@@ -32,6 +32,7 @@ GEMM_EFFICIENCY = 0.75  # fraction of peak FLOP/s Megatron's GEMMs reach at thes
 HBM_EFFICIENCY = 0.85   # fraction of peak bandwidth a streaming elementwise pass reaches
 BACKENDS = ("torch", "c", "fla")  # router backends the closed form knows (--delta-router-kernels)
 GPU_BACKENDS = ("torch", "fla")  # those that run on a GPU (the C kernels are CPU-only, fp32)
+CPU_BACKENDS = ("torch", "c")  # routers the group router (--delta-router-group-size auto) groups
 COMPUTE_BYTES = 4  # the routers' math is fp32 whatever the activation dtype
 
 
@@ -133,6 +134,9 @@ class _Ledger:
         self.backend, self.a, self.c, self.null, self.gate, self.grad = backend, a, c, null, gate, grad
         self.entries = {}  # name -> [tensor, projection]; projection: None, "local" or [readers seen]
         self._x = None
+        self.group_size = None  # the group router's S in this scope (core/group_router.py), once resolved
+        self._group = None  # (first sublayer, sources older than the group) of the group routing now
+        self._touches = {}  # a source the groups read -> the passes whose backward update its gradient, in order
 
     def new(self):
         return _Tensor(self)
@@ -193,6 +197,8 @@ class _Ledger:
         self._x = self.elementwise("x_add", self._x, v)
 
     def route(self, key, router, *, base, apply_gate, base_sums):
+        if self._grouped(key):
+            return self._group_route(key, base, base_sums)
         names = self.plan.final_reads() if key == "final" else self.plan.reads(key)
         kinds = []
         for name in names:
@@ -220,6 +226,60 @@ class _Ledger:
                              apply_gate and self.gate, self.grad))
         return self.new()
 
+    # the group router (group_router.GroupRouting): delta / full_attnres on CPU backends with S > 1
+    def _grouped(self, key):
+        from megatron_delta.core import group_router
+
+        if not self.plan.groups_routers or key == "final" or self.backend not in CPU_BACKENDS:
+            return False  # fla / triton: S = 1 (their kernels route one router per call)
+        if self.group_size is None:
+            subs = sorted(k for k in self.scope if isinstance(k, int))
+            size = self.plan.router_group_size
+            self.group_size = (group_router.auto_group_size(len(subs), len(self.plan.reads(subs[0])))
+                               if size == group_router.AUTO else size)
+            self.spans = group_router.group_spans(subs, self.group_size)
+        return self.group_size != 1
+
+    def _touch(self, t, kernel):
+        if self.grad:
+            if t not in self._touches:
+                self.read(t)  # one autograd reader per source the scope's groups read (its _Collect alias)
+            self._touches.setdefault(t, []).append(kernel)
+
+    def _group_route(self, key, base, base_sums):
+        """One router of a group: at the group's first router the pass over the older sources (reads each,
+        writes S fp32 partial mixes r_k and, with x as the sources, their fp32 sum X; backward reads them and
+        the S output gradients G_k in fp32), then this router's merge (reads r_k, X or x, its k in-group
+        sources, writes u in fp32; backward reads its gradient, r_k and the k sources). The sources' gradients
+        are counted per pass in settle_groups."""
+        a_, b_ = self.spans[key]
+        s = b_ - a_
+        unit = base_sums and base is None
+        A, C = self.a, self.c
+        values = [self.entries[n][0] for n in self.plan.reads(key)]
+        if key == a_:
+            self._group = len(values)
+            self.add({("group_old_pass", "forward"): len(values) * A + s * C + unit * C,
+                      ("group_old_pass", "backward"): len(values) * A + s * C})
+            for v in values:
+                self._touch(v, "group_old_pass")
+        inside = values[self._group:]
+        if base is not None:
+            self.read(base)
+        self.add({("group_merge", "forward"): C + unit * C + (A if base is not None else 0) + len(inside) * A + C,
+                  ("group_merge", "backward"): A + C + len(inside) * A})
+        for v in inside:
+            self._touch(v, "group_merge")
+        return self.new()
+
+    def settle_groups(self):
+        """Each source's gradient in the group passes: written by the first pass to reach it in backward (its last
+        reader in forward order), read and written by every other one (in place into its sink)."""
+        for kernels in self._touches.values():
+            for i, kernel in enumerate(kernels):
+                self.totals[kernel, "backward"] += self.a if i == len(kernels) - 1 else 2 * self.a
+        self._touches = {}
+
     def hand_out(self, tensors):
         """Tensors leaving the buffer: one consumer each outside it (traffic.hand_out)."""
         self.read(*tensors)
@@ -245,7 +305,7 @@ def _segments(num_layers, recompute):
     raise ValueError(f"recompute method {method!r}: uniform or block")
 
 
-def make_plan(mode, num_layers, backend, num_blocks=None, gate=False):
+def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size="auto"):
     """The SourcePlan a model of this mode / depth / router backend runs (as SourcePlan.from_config)."""
     from types import SimpleNamespace
 
@@ -254,21 +314,23 @@ def make_plan(mode, num_layers, backend, num_blocks=None, gate=False):
     cfg = SimpleNamespace(residual=mode, num_layers=num_layers,
                           delta_num_blocks=num_blocks if mode in BLOCK_MODES else None, delta_sources="exact",
                           delta_gate="scalar" if gate else "none",
-                          delta_router_kernels="fla" if backend == "fla" else "torch")
+                          delta_router_kernels="fla" if backend == "fla" else "torch",
+                          delta_router_group_size=group_size if mode in ("delta", "full_attnres") else 1)
     return SourcePlan.from_config(cfg)
 
 
 def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, null_source=False, gate=False,
-                 recompute=None):
+                 recompute=None, group_size="auto"):
     """{(kernel, phase): u} of one micro-batch's forward + backward through one pipeline chunk holding all
     ``num_layers`` layers (the embedding output in, the final norm's input out), router ``backend`` (torch, c,
     fla), activations of ``act_bytes`` bytes, with ``recompute`` (None, ("uniform", n) or ("block", n): the
     recomputed chunks run their forward twice, and each is its own buffer scope, as block.py runs them).
-    Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), partial_sum, x_add, x_sum,
-    autograd_add."""
+    ``group_size``: --delta-router-group-size of delta / full_attnres (auto: the group router on torch / c).
+    Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), group_old_pass, group_merge (the
+    group router), partial_sum, x_add, x_sum, autograd_add."""
     if mode == BASELINE:
         return {}
-    plan = make_plan(mode, num_layers, backend, num_blocks, gate)
+    plan = make_plan(mode, num_layers, backend, num_blocks, gate, group_size)
     a, c = act_bytes, COMPUTE_BYTES
     totals = defaultdict(float)
     tensors = []
@@ -276,8 +338,11 @@ def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, nul
     final = ["final"] if plan.final_reads() else []
     routers = {k: _Router(k) for k in [*range(plan.num_sublayers), *final]}
 
+    ledgers = []
+
     def buffer(scope, grad):
-        return _Ledger(plan, scope, totals, tensors, backend, a, c, null_source, gate, grad)
+        ledgers.append(_Ledger(plan, scope, totals, tensors, backend, a, c, null_source, gate, grad))
+        return ledgers[-1]
 
     def run_layers(buf, first, end, inputs):
         if first == 0:
@@ -321,6 +386,8 @@ def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, nul
         last = buffer(final, True)
         run_layers(last, L, L, outer)
         last.hand_out([rules.output(last, routers.get("final"))])
+    for ledger in ledgers:
+        ledger.settle_groups()
     _settle(tensors, totals, a)
     return {k: v / a for k, v in totals.items() if v}
 
