@@ -347,3 +347,23 @@ def test_fallback_float64_and_auto_on_cpu(interpreter):
         assert torch.equal(a, b)
     auto = DepthRouter(d, null_source=False, gate=False, eps=EPS, kernels="auto")
     assert not auto.routes_in_kernel(torch.empty(2, d)) and auto.kernel_sink(torch.empty(2, d)) is None
+
+
+@pytest.mark.parametrize("mode", ["delta_block", "attnres"])
+def test_counted_traffic_is_the_closed_form(interpreter, dist, mode):
+    """The traffic of a step of the model on the kernels, counted per (kernel, phase), equals the GPU cost model's
+    closed form (perf.cost_model.step_traffic, backend triton: its kernels' call_rows, the partial sums formed in
+    the pass or by PyTorch's add, x's sum and autograd's adds), with and without the null source and gate, and
+    under full recompute (every layer its own checkpoint)."""
+    from megatron_delta.perf import cost_model
+
+    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(S)[None].expand(B, S)
+    for null, gate, recompute in ((False, False, False), (True, mode == "delta_block", False), (False, False, True)):
+        model, fields = _model(mode, null, gate, "triton", recompute=recompute)
+        with traffic.counting() as count:
+            model(tok, pos, None).sum().backward()
+        counted = count.rows(B * S * HIDDEN, act_bytes=4)
+        predicted = cost_model.step_traffic(mode, 4, "triton", num_blocks=fields.delta_num_blocks, act_bytes=4,
+                                            null_source=null, gate=gate, recompute=("uniform", 1) if recompute else None)
+        assert counted == pytest.approx(predicted, abs=1e-9), (null, gate, recompute)

@@ -30,8 +30,8 @@ GPUS = {  # name: (HBM bytes/s, dense bf16 FLOP/s) - datasheet peaks of the SXM 
 }
 GEMM_EFFICIENCY = 0.75  # fraction of peak FLOP/s Megatron's GEMMs reach at these shapes (H200: ~790 of 989)
 HBM_EFFICIENCY = 0.85   # fraction of peak bandwidth a streaming elementwise pass reaches
-BACKENDS = ("torch", "c", "fla")  # router backends the closed form knows (--delta-router-kernels)
-GPU_BACKENDS = ("torch", "fla")  # those that run on a GPU (the C kernels are CPU-only, fp32)
+BACKENDS = ("torch", "c", "fla", "triton")  # router backends the closed form knows (--delta-router-kernels)
+GPU_BACKENDS = ("torch", "fla", "triton")  # those that run on a GPU (the C kernels are CPU-only, fp32)
 CPU_BACKENDS = ("torch", "c")  # routers the group router (--delta-router-group-size auto) groups
 COMPUTE_BYTES = 4  # the routers' math is fp32 whatever the activation dtype
 
@@ -42,11 +42,12 @@ def _conv(a, c):
     return a + c if a != c else 0
 
 
-def _route_pass(backend, a, c, kinds, base, null, gate_on, grad):
+def _route_pass(backend, a, c, kinds, base, null, gate_on, grad, formed=False):
     """Bytes per [T, d] element of one router call (DepthRouter.forward) of ``backend`` over sources of
     ``kinds`` ('local': projected in this pass; 'fresh' / 'accumulate': projected once for several readers,
     this router's backward writes / adds into the source's gradient sink), a base x or not, the null source,
-    the gate: {(kernel, phase): bytes}. a: activation bytes, c: compute bytes (4)."""
+    the gate, ``formed``: the last source is a partial sum this call forms (triton): {(kernel, phase): bytes}.
+    a: activation bytes, c: compute bytes (4)."""
     n = len(kinds)
     loc = kinds.count("local")
     fresh, acc = kinds.count("fresh"), kinds.count("accumulate")
@@ -88,6 +89,15 @@ def _route_pass(backend, a, c, kinds, base, null, gate_on, grad):
             out["fla_combine", "forward"] = (a + c) + (2 * c + a) + cv
             if grad:
                 out["fla_combine", "backward"] = cv + 2 * c + cv + cv + 2 * c
+    elif backend == "triton":  # triton_router._TritonRoute: its kernels' traffic per call (call_rows)
+        from megatron_delta.core.triton_router import KERNEL, call_rows
+
+        # every source gets its gradient (written; added in place where an earlier reader's is in the buffer);
+        # the formed partial's own gradient, read where it has later readers, is added in _Ledger.settle
+        rows = call_rows(n, has_base=bool(base), accumulated=acc, forms_partial=formed, partial_grad=False)
+        out[KERNEL, "forward"] = a * rows["forward"]
+        if grad:
+            out[KERNEL, "backward"] = a * rows["backward"]
     else:
         raise ValueError(f"router backend {backend!r}: one of {', '.join(BACKENDS)}")
     return out
@@ -137,6 +147,7 @@ class _Ledger:
         self.group_size = None  # the group router's S in this scope (core/group_router.py), once resolved
         self._group = None  # (first sublayer, sources older than the group) of the group routing now
         self._touches = {}  # a source the groups read -> the passes whose backward update its gradient, in order
+        self._formed = []  # partial sums a Triton kernel formed in its pass (their gradient is read if they have readers)
 
     def new(self):
         return _Tensor(self)
@@ -161,18 +172,27 @@ class _Ledger:
         if name == "x":
             self._x = value
         else:
-            self.entries[name] = [value, None]
+            self.entries[name] = [value, None, None]
 
     def hold_sum(self, name, partial, v):
-        """SourceBuffer.hold_sum: the partial sum's pass (router.PendingSum.form, a PyTorch add)."""
-        self.hold(name, v if partial is None else self.elementwise("partial_sum", partial, v))
+        """SourceBuffer.hold_sum: partial + v, pending until its one reader's Triton kernel forms it in its pass or
+        its value is needed (router.PendingSum.form, a PyTorch add)."""
+        if partial is None:
+            self.hold(name, v)
+        else:
+            self.entries[name] = [None, None, (partial, v)]
+
+    def _value(self, entry):
+        if entry[0] is None:
+            entry[0], entry[2] = self.elementwise("partial_sum", *entry[2]), None
+        return entry[0]
 
     def take(self, name):
         e = self.entries.pop(name, None)
-        return None if e is None else e[0]
+        return None if e is None else self._value(e)
 
     def value(self, name):
-        return self.x if name == "x" else self.entries[name][0]
+        return self.x if name == "x" else self._value(self.entries[name])
 
     def rename(self, old, new):
         self.entries[new] = self.entries.pop(old)
@@ -184,7 +204,7 @@ class _Ledger:
     @property
     def x(self):
         if self._x is None and self.plan.x_from_sources and self.entries:
-            values = [e[0] for e in self.entries.values()]
+            values = [self._value(e) for e in self.entries.values()]
             if len(values) == 1:
                 return values[0]
             # h0 + v0, then one in-place add per further source: each source read once
@@ -201,8 +221,24 @@ class _Ledger:
             return self._group_route(key, base, base_sums)
         names = self.plan.final_reads() if key == "final" else self.plan.reads(key)
         kinds = []
+        formed = False
         for name in names:
             entry = self.entries[name]
+            if self.backend == "triton":
+                readers = [k for k in self.plan.value_readers(name, key) if k in self.scope]
+                if entry[0] is None and len(readers) == 1 and name == names[-1]:
+                    formed = True  # its one reader's kernel reads both parts and writes the sum (SourceBuffer._source)
+                    self.read(*entry[2])
+                    entry[0], entry[2] = self.new(), None
+                    self._formed.append(entry[0])
+                    kinds.append("local")
+                    continue
+                self._value(entry)
+                if entry[1] is None:  # one reader: its kernel's own; several: a KernelSink (one token reads it)
+                    entry[1] = "local" if len(readers) <= 1 else []
+                    if entry[1] == []:
+                        self.read(entry[0])
+            self._value(entry)
             if entry[1] is None:  # projected at its first read, for its readers in scope (SourceBuffer._source)
                 readers = [k for k in self.plan.value_readers(name, key) if k in self.scope]
                 if len(readers) <= 1 or self.backend == "fla":
@@ -223,7 +259,7 @@ class _Ledger:
         if base is not None:
             self.read(base)
         self.add(_route_pass(self.backend, self.a, self.c, kinds, base is not None, self.null,
-                             apply_gate and self.gate, self.grad))
+                             apply_gate and self.gate, self.grad, formed))
         return self.new()
 
     # the group router (group_router.GroupRouting): delta / full_attnres on CPU backends with S > 1
@@ -279,6 +315,10 @@ class _Ledger:
             for i, kernel in enumerate(kernels):
                 self.totals[kernel, "backward"] += self.a if i == len(kernels) - 1 else 2 * self.a
         self._touches = {}
+        for t in self._formed:  # a formed partial with later readers: its gradient read by the forming call
+            if t.readers:
+                self.totals["triton_route", "backward"] += self.a
+        self._formed = []
 
     def hand_out(self, tensors):
         """Tensors leaving the buffer: one consumer each outside it (traffic.hand_out)."""
@@ -314,7 +354,7 @@ def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size
     cfg = SimpleNamespace(residual=mode, num_layers=num_layers,
                           delta_num_blocks=num_blocks if mode in BLOCK_MODES else None, delta_sources="exact",
                           delta_gate="scalar" if gate else "none",
-                          delta_router_kernels="fla" if backend == "fla" else "torch",
+                          delta_router_kernels=backend if backend in ("fla", "triton") else "torch",
                           delta_router_group_size=group_size if mode in ("delta", "full_attnres") else 1)
     return SourcePlan.from_config(cfg)
 
@@ -408,14 +448,17 @@ def layer_gemm_flops(shape, tokens, micro_batch=1):
 
 
 def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_source=False, gate=False,
-                 micro_batch=1, act_bytes=2, num_layers=None, recompute=None):
+                 micro_batch=1, act_bytes=2, num_layers=None, recompute=None, group_size=1):
     """Predicted router time against the layers' GEMM time for one training step (one micro-batch):
     the counted traffic of the routed residual stream (step_traffic, every pass) / (HBM x HBM_EFFICIENCY) vs
     GEMM FLOPs / (peak x GEMM_EFFICIENCY). Returns a dict with both times, the traffic in u, the share of
     the step (router / (GEMM + router)) and the predicted tokens/s ratio to the baseline (GEMM / (GEMM +
     router): the baseline's step taken as its GEMMs, its own residual adds not counted). ``num_layers``
     overrides the shape's (gpu_check's layer slice); ``num_blocks``: the block modes' K (default: the command
-    line's, modes.default_num_blocks, which refuses a layer count it cannot split into at most 4 blocks)."""
+    line's, modes.default_num_blocks, which refuses a layer count it cannot split into at most 4 blocks).
+    ``group_size``: the fine-grained modes' --delta-router-group-size, 1 (the per-router path) by default: the
+    group router has no GPU kernel, and its PyTorch path records each of its passes as one fused pass (its eager
+    temporaries are not counted), so its count would flatter the torch backend on a GPU."""
     bw, flops = GPUS[gpu]
     shape = dict(SHAPES[shape_name])
     if num_layers:
@@ -426,7 +469,7 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_s
     u = 0.0
     if mode != BASELINE:
         u = total_u(step_traffic(mode, L, backend, num_blocks=num_blocks, act_bytes=act_bytes,
-                                 null_source=null_source, gate=gate, recompute=recompute))
+                                 null_source=null_source, gate=gate, recompute=recompute, group_size=group_size))
     router_s = u * tokens * shape["hidden_size"] * act_bytes / (bw * HBM_EFFICIENCY)
     return {"gpu": gpu, "shape": shape_name, "mode": mode, "backend": backend, "num_layers": L, "traffic_u": u,
             "gemm_ms": gemm_s * 1e3, "router_ms": router_s * 1e3, "router_share": router_s / (gemm_s + router_s),
