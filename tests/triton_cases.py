@@ -365,5 +365,6 @@ def test_counted_traffic_is_the_closed_form(interpreter, dist, mode):
             model(tok, pos, None).sum().backward()
         counted = count.rows(B * S * HIDDEN, act_bytes=4)
         predicted = cost_model.step_traffic(mode, 4, "triton", num_blocks=fields.delta_num_blocks, act_bytes=4,
-                                            null_source=null, gate=gate, recompute=("uniform", 1) if recompute else None)
+                                            null_source=null, gate=gate,
+                                            recompute=("uniform", 1) if recompute else None)
         assert counted == pytest.approx(predicted, abs=1e-9), (null, gate, recompute)

@@ -2,12 +2,15 @@
 
 step_traffic() counts, per kernel and phase, the bytes every pass of the routed residual stream moves for one
 micro-batch: each router call (router.py's PyTorch path, the C kernels of cpu_kernels.py, fla-core's
-fused_attnres around fla_router.py), each shared source projection, the sublayers' partial sums (delta_block's
-P + v, the replacement modes' p + v), the residual adds x + v, the sum that hands x out, the null source, and
+fused_attnres around fla_router.py, the Triton kernels of triton_router.py), the group router's passes (delta and
+full_attnres on torch / c, group_router.py), each shared source projection, the sublayers' partial sums
+(delta_block's P + v, the replacement modes' p + v: a PyTorch add, or formed in the Triton pass of their one
+reader), the residual adds x + v, the sum that hands x out, the null source, and
 autograd's own additions of gradient contributions (a tensor read by several autograd nodes). Unit: "u", one
 [tokens, hidden] tensor in the activation dtype read or written once (an fp32 tensor of that size is 4 / a u).
 The same quantities are counted from the real tensors by megatron_delta.core.traffic (tests/test_traffic.py
-holds the two equal for every mode x backend, with and without recompute).
+holds the two equal for every mode x backend, with and without recompute; tests/triton_cases.py for triton,
+under Triton's interpreter).
 
 The structure (which router reads which source, which are projected once for several readers, what each
 commit adds) is the modes' own: a symbolic SourceBuffer (_Ledger) runs modes.RoutedMode's rules over
@@ -145,9 +148,10 @@ class _Ledger:
         self.entries = {}  # name -> [tensor, projection]; projection: None, "local" or [readers seen]
         self._x = None
         self.group_size = None  # the group router's S in this scope (core/group_router.py), once resolved
-        self._group = None  # (first sublayer, sources older than the group) of the group routing now
+        self.spans = None  # sublayer -> [a, b) of its group (group_router.group_spans)
+        self._group = None  # the number of sources older than the group routing now
         self._touches = {}  # a source the groups read -> the passes whose backward update its gradient, in order
-        self._formed = []  # partial sums a Triton kernel formed in its pass (their gradient is read if they have readers)
+        self._formed = []  # partial sums a Triton kernel formed in its pass (their gradient is read if read later)
 
     def new(self):
         return _Tensor(self)
