@@ -127,3 +127,22 @@ def test_docs_traffic_table_is_the_closed_form():
             assert float(bf16) == cost_model.total_u(cost_model.step_traffic(mode, 12, backend, act_bytes=2, **kw))
         else:
             assert bf16 == "-"
+
+
+@pytest.mark.parametrize("mode", ["delta", "full_attnres"])
+def test_group_router_against_the_per_router_path(dist, mode):
+    """The fine-grained modes with --delta-router-group-size 1 (the per-router path router_share prices) and auto
+    (the group router, S resolved per buffer scope): each count equals its closed form, and the group router moves
+    less (C kernels, fp32)."""
+    totals = {}
+    for size in (1, "auto"):
+        o = _opts(mode, "c", None, False)
+        o.delta_router_group_size = size
+        with benchmark.router_backend("c"):
+            model, config = benchmark.build_model(o, mode)
+            counted = benchmark.counted_step(model, benchmark.mock_batch(o, o.vocab_size), 4)
+        predicted = cost_model.step_traffic(mode, 4, "c", act_bytes=4, group_size=size)
+        assert counted == pytest.approx(predicted, abs=1e-9), size
+        assert any(k[0].startswith("group_") for k in counted) == (size == "auto")
+        totals[size] = cost_model.total_u(predicted)
+    assert totals["auto"] < totals[1]

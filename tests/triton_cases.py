@@ -125,11 +125,11 @@ def test_traffic_per_call_is_call_rows(interpreter):
     mine = [torch.randn(*shape, d, requires_grad=True) for _ in range(3)]
     x = torch.randn(*shape, d, requires_grad=True)
     shared = make_source(h0, EPS)._replace(sink=rs[0].kernel_sink(h0))
+    own = [make_source(m, EPS) for m in mine]  # made outside the count: make_source's 1/rms is not a kernel call
     with traffic.counting() as count:
         total = 0
         for k, r in enumerate(rs):  # router k reads h0 (shared) and its own source; router 1 adds x
-            out = r([shared, make_source(mine[k], EPS)], apply_gate=True, base=x if k == 1 else None,
-                    base_sums=k == 2)
+            out = r([shared, own[k]], apply_gate=True, base=x if k == 1 else None, base_sums=k == 2)
             total = total + out.square().sum()
         total.backward()
     calls = _calls(count)
@@ -299,8 +299,14 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
         want = {ph: sum(triton_router.call_rows(len(r), has_base=False, forms_partial=f)[ph]
                         for r, f in zip(reads, formed)) for ph in ("forward", "backward")}
         want["backward"] += sum(k - 1 for k in readers.values())  # h0 and D0: added in place by all but one
-        got = {ph: count.total_rows(B * S * HIDDEN, act_bytes=4, phase=ph) for ph in want}
+        rows = count.rows(B * S * HIDDEN, act_bytes=4)
+        got = {ph: rows[triton_router.KERNEL, ph] for ph in want}  # the kernels' calls (the rest: PyTorch's passes)
         assert sum(formed) == 4 and got == want == {"forward": 34, "backward": 58}
+        # the passes outside the kernels: x = h0 + D0 + D1 handed out (2 adds), D0 and D1 formed by PyTorch's add
+        # (several readers / read by that sum: not in a kernel), and autograd's adds of two gradients for h0, D0
+        # (kernel sink + x's sum) and v0, v4 (their reader's kernel + the kernel that formed P from them)
+        assert {k: v for k, v in rows.items() if k[0] != triton_router.KERNEL} == {
+            ("x_sum", "forward"): 6, ("partial_sum", "forward"): 6, ("autograd_add", "backward"): 12}
     w = R.weights_from_megatron_state_dict(model.state_dict())
     routers = [k for k in w if "router" in k]
     for k in routers:
@@ -341,3 +347,24 @@ def test_fallback_float64_and_auto_on_cpu(interpreter):
         assert torch.equal(a, b)
     auto = DepthRouter(d, null_source=False, gate=False, eps=EPS, kernels="auto")
     assert not auto.routes_in_kernel(torch.empty(2, d)) and auto.kernel_sink(torch.empty(2, d)) is None
+
+
+@pytest.mark.parametrize("mode", ["delta_block", "attnres"])
+def test_counted_traffic_is_the_closed_form(interpreter, dist, mode):
+    """The traffic of a step of the model on the kernels, counted per (kernel, phase), equals the GPU cost model's
+    closed form (perf.cost_model.step_traffic, backend triton: its kernels' call_rows, the partial sums formed in
+    the pass or by PyTorch's add, x's sum and autograd's adds), with and without the null source and gate, and
+    under full recompute (every layer its own checkpoint)."""
+    from megatron_delta.perf import cost_model
+
+    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(S)[None].expand(B, S)
+    for null, gate, recompute in ((False, False, False), (True, mode == "delta_block", False), (False, False, True)):
+        model, fields = _model(mode, null, gate, "triton", recompute=recompute)
+        with traffic.counting() as count:
+            model(tok, pos, None).sum().backward()
+        counted = count.rows(B * S * HIDDEN, act_bytes=4)
+        predicted = cost_model.step_traffic(mode, 4, "triton", num_blocks=fields.delta_num_blocks, act_bytes=4,
+                                            null_source=null, gate=gate,
+                                            recompute=("uniform", 1) if recompute else None)
+        assert counted == pytest.approx(predicted, abs=1e-9), (null, gate, recompute)

@@ -502,4 +502,5 @@ def route_router(router, sources, *, base: Optional[Tensor], gate: Optional[Tens
                                 base_sums=base_sums, out_dtype=out_dtype, addend=addend)
     if pending:
         sources[-1].pending.value = partial
+        traffic.watch(partial)  # a source like any the buffer holds: its readers' gradients are counted
     return out, alpha

@@ -2,12 +2,15 @@
 
 step_traffic() counts, per kernel and phase, the bytes every pass of the routed residual stream moves for one
 micro-batch: each router call (router.py's PyTorch path, the C kernels of cpu_kernels.py, fla-core's
-fused_attnres around fla_router.py), each shared source projection, the sublayers' partial sums (delta_block's
-P + v, the replacement modes' p + v), the residual adds x + v, the sum that hands x out, the null source, and
+fused_attnres around fla_router.py, the Triton kernels of triton_router.py), the group router's passes (delta and
+full_attnres on torch / c, group_router.py), each shared source projection, the sublayers' partial sums
+(delta_block's P + v, the replacement modes' p + v: a PyTorch add, or formed in the Triton pass of their one
+reader), the residual adds x + v, the sum that hands x out, the null source, and
 autograd's own additions of gradient contributions (a tensor read by several autograd nodes). Unit: "u", one
 [tokens, hidden] tensor in the activation dtype read or written once (an fp32 tensor of that size is 4 / a u).
 The same quantities are counted from the real tensors by megatron_delta.core.traffic (tests/test_traffic.py
-holds the two equal for every mode x backend, with and without recompute).
+holds the two equal for every mode x backend, with and without recompute; tests/triton_cases.py for triton,
+under Triton's interpreter).
 
 The structure (which router reads which source, which are projected once for several readers, what each
 commit adds) is the modes' own: a symbolic SourceBuffer (_Ledger) runs modes.RoutedMode's rules over
@@ -30,8 +33,9 @@ GPUS = {  # name: (HBM bytes/s, dense bf16 FLOP/s) - datasheet peaks of the SXM 
 }
 GEMM_EFFICIENCY = 0.75  # fraction of peak FLOP/s Megatron's GEMMs reach at these shapes (H200: ~790 of 989)
 HBM_EFFICIENCY = 0.85   # fraction of peak bandwidth a streaming elementwise pass reaches
-BACKENDS = ("torch", "c", "fla")  # router backends the closed form knows (--delta-router-kernels)
-GPU_BACKENDS = ("torch", "fla")  # those that run on a GPU (the C kernels are CPU-only, fp32)
+BACKENDS = ("torch", "c", "fla", "triton")  # router backends the closed form knows (--delta-router-kernels)
+GPU_BACKENDS = ("torch", "fla", "triton")  # those that run on a GPU (the C kernels are CPU-only, fp32)
+CPU_BACKENDS = ("torch", "c")  # routers the group router (--delta-router-group-size auto) groups
 COMPUTE_BYTES = 4  # the routers' math is fp32 whatever the activation dtype
 
 
@@ -41,11 +45,12 @@ def _conv(a, c):
     return a + c if a != c else 0
 
 
-def _route_pass(backend, a, c, kinds, base, null, gate_on, grad):
+def _route_pass(backend, a, c, kinds, base, null, gate_on, grad, formed=False):
     """Bytes per [T, d] element of one router call (DepthRouter.forward) of ``backend`` over sources of
     ``kinds`` ('local': projected in this pass; 'fresh' / 'accumulate': projected once for several readers,
     this router's backward writes / adds into the source's gradient sink), a base x or not, the null source,
-    the gate: {(kernel, phase): bytes}. a: activation bytes, c: compute bytes (4)."""
+    the gate, ``formed``: the last source is a partial sum this call forms (triton): {(kernel, phase): bytes}.
+    a: activation bytes, c: compute bytes (4)."""
     n = len(kinds)
     loc = kinds.count("local")
     fresh, acc = kinds.count("fresh"), kinds.count("accumulate")
@@ -87,6 +92,15 @@ def _route_pass(backend, a, c, kinds, base, null, gate_on, grad):
             out["fla_combine", "forward"] = (a + c) + (2 * c + a) + cv
             if grad:
                 out["fla_combine", "backward"] = cv + 2 * c + cv + cv + 2 * c
+    elif backend == "triton":  # triton_router._TritonRoute: its kernels' traffic per call (call_rows)
+        from megatron_delta.core.triton_router import KERNEL, call_rows
+
+        # every source gets its gradient (written; added in place where an earlier reader's is in the buffer);
+        # the formed partial's own gradient, read where it has later readers, is added in _Ledger.settle
+        rows = call_rows(n, has_base=bool(base), accumulated=acc, forms_partial=formed, partial_grad=False)
+        out[KERNEL, "forward"] = a * rows["forward"]
+        if grad:
+            out[KERNEL, "backward"] = a * rows["backward"]
     else:
         raise ValueError(f"router backend {backend!r}: one of {', '.join(BACKENDS)}")
     return out
@@ -133,6 +147,11 @@ class _Ledger:
         self.backend, self.a, self.c, self.null, self.gate, self.grad = backend, a, c, null, gate, grad
         self.entries = {}  # name -> [tensor, projection]; projection: None, "local" or [readers seen]
         self._x = None
+        self.group_size = None  # the group router's S in this scope (core/group_router.py), once resolved
+        self.spans = None  # sublayer -> [a, b) of its group (group_router.group_spans)
+        self._group = None  # the number of sources older than the group routing now
+        self._touches = {}  # a source the groups read -> the passes whose backward update its gradient, in order
+        self._formed = []  # partial sums a Triton kernel formed in its pass (their gradient is read if read later)
 
     def new(self):
         return _Tensor(self)
@@ -157,14 +176,27 @@ class _Ledger:
         if name == "x":
             self._x = value
         else:
-            self.entries[name] = [value, None]
+            self.entries[name] = [value, None, None]
+
+    def hold_sum(self, name, partial, v):
+        """SourceBuffer.hold_sum: partial + v, pending until its one reader's Triton kernel forms it in its pass or
+        its value is needed (router.PendingSum.form, a PyTorch add)."""
+        if partial is None:
+            self.hold(name, v)
+        else:
+            self.entries[name] = [None, None, (partial, v)]
+
+    def _value(self, entry):
+        if entry[0] is None:
+            entry[0], entry[2] = self.elementwise("partial_sum", *entry[2]), None
+        return entry[0]
 
     def take(self, name):
         e = self.entries.pop(name, None)
-        return None if e is None else e[0]
+        return None if e is None else self._value(e)
 
     def value(self, name):
-        return self.x if name == "x" else self.entries[name][0]
+        return self.x if name == "x" else self._value(self.entries[name])
 
     def rename(self, old, new):
         self.entries[new] = self.entries.pop(old)
@@ -176,7 +208,7 @@ class _Ledger:
     @property
     def x(self):
         if self._x is None and self.plan.x_from_sources and self.entries:
-            values = [e[0] for e in self.entries.values()]
+            values = [self._value(e) for e in self.entries.values()]
             if len(values) == 1:
                 return values[0]
             # h0 + v0, then one in-place add per further source: each source read once
@@ -189,10 +221,28 @@ class _Ledger:
         self._x = self.elementwise("x_add", self._x, v)
 
     def route(self, key, router, *, base, apply_gate, base_sums):
+        if self._grouped(key):
+            return self._group_route(key, base, base_sums)
         names = self.plan.final_reads() if key == "final" else self.plan.reads(key)
         kinds = []
+        formed = False
         for name in names:
             entry = self.entries[name]
+            if self.backend == "triton":
+                readers = [k for k in self.plan.value_readers(name, key) if k in self.scope]
+                if entry[0] is None and len(readers) == 1 and name == names[-1]:
+                    formed = True  # its one reader's kernel reads both parts and writes the sum (SourceBuffer._source)
+                    self.read(*entry[2])
+                    entry[0], entry[2] = self.new(), None
+                    self._formed.append(entry[0])
+                    kinds.append("local")
+                    continue
+                self._value(entry)
+                if entry[1] is None:  # one reader: its kernel's own; several: a KernelSink (one token reads it)
+                    entry[1] = "local" if len(readers) <= 1 else []
+                    if entry[1] == []:
+                        self.read(entry[0])
+            self._value(entry)
             if entry[1] is None:  # projected at its first read, for its readers in scope (SourceBuffer._source)
                 readers = [k for k in self.plan.value_readers(name, key) if k in self.scope]
                 if len(readers) <= 1 or self.backend == "fla":
@@ -213,8 +263,66 @@ class _Ledger:
         if base is not None:
             self.read(base)
         self.add(_route_pass(self.backend, self.a, self.c, kinds, base is not None, self.null,
-                             apply_gate and self.gate, self.grad))
+                             apply_gate and self.gate, self.grad, formed))
         return self.new()
+
+    # the group router (group_router.GroupRouting): delta / full_attnres on CPU backends with S > 1
+    def _grouped(self, key):
+        from megatron_delta.core import group_router
+
+        if not self.plan.groups_routers or key == "final" or self.backend not in CPU_BACKENDS:
+            return False  # fla / triton: S = 1 (their kernels route one router per call)
+        if self.group_size is None:
+            subs = sorted(k for k in self.scope if isinstance(k, int))
+            size = self.plan.router_group_size
+            self.group_size = (group_router.auto_group_size(len(subs), len(self.plan.reads(subs[0])))
+                               if size == group_router.AUTO else size)
+            self.spans = group_router.group_spans(subs, self.group_size)
+        return self.group_size != 1
+
+    def _touch(self, t, kernel):
+        if self.grad:
+            if t not in self._touches:
+                self.read(t)  # one autograd reader per source the scope's groups read (its _Collect alias)
+            self._touches.setdefault(t, []).append(kernel)
+
+    def _group_route(self, key, base, base_sums):
+        """One router of a group: at the group's first router the pass over the older sources (reads each,
+        writes S fp32 partial mixes r_k and, with x as the sources, their fp32 sum X; backward reads them and
+        the S output gradients G_k in fp32), then this router's merge (reads r_k, X or x, its k in-group
+        sources, writes u in fp32; backward reads its gradient, r_k and the k sources). The sources' gradients
+        are counted per pass in settle_groups."""
+        a_, b_ = self.spans[key]
+        s = b_ - a_
+        unit = base_sums and base is None
+        A, C = self.a, self.c
+        values = [self.entries[n][0] for n in self.plan.reads(key)]
+        if key == a_:
+            self._group = len(values)
+            self.add({("group_old_pass", "forward"): len(values) * A + s * C + unit * C,
+                      ("group_old_pass", "backward"): len(values) * A + s * C})
+            for v in values:
+                self._touch(v, "group_old_pass")
+        inside = values[self._group:]
+        if base is not None:
+            self.read(base)
+        self.add({("group_merge", "forward"): C + unit * C + (A if base is not None else 0) + len(inside) * A + C,
+                  ("group_merge", "backward"): A + C + len(inside) * A})
+        for v in inside:
+            self._touch(v, "group_merge")
+        return self.new()
+
+    def settle_groups(self):
+        """Each source's gradient in the group passes: written by the first pass to reach it in backward (its last
+        reader in forward order), read and written by every other one (in place into its sink)."""
+        for kernels in self._touches.values():
+            for i, kernel in enumerate(kernels):
+                self.totals[kernel, "backward"] += self.a if i == len(kernels) - 1 else 2 * self.a
+        self._touches = {}
+        for t in self._formed:  # a formed partial with later readers: its gradient read by the forming call
+            if t.readers:
+                self.totals["triton_route", "backward"] += self.a
+        self._formed = []
 
     def hand_out(self, tensors):
         """Tensors leaving the buffer: one consumer each outside it (traffic.hand_out)."""
@@ -241,7 +349,7 @@ def _segments(num_layers, recompute):
     raise ValueError(f"recompute method {method!r}: uniform or block")
 
 
-def make_plan(mode, num_layers, backend, num_blocks=None, gate=False):
+def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size="auto"):
     """The SourcePlan a model of this mode / depth / router backend runs (as SourcePlan.from_config)."""
     from types import SimpleNamespace
 
@@ -250,21 +358,23 @@ def make_plan(mode, num_layers, backend, num_blocks=None, gate=False):
     cfg = SimpleNamespace(residual=mode, num_layers=num_layers,
                           delta_num_blocks=num_blocks if mode in BLOCK_MODES else None, delta_sources="exact",
                           delta_gate="scalar" if gate else "none",
-                          delta_router_kernels="fla" if backend == "fla" else "torch")
+                          delta_router_kernels=backend if backend in ("fla", "triton") else "torch",
+                          delta_router_group_size=group_size if mode in ("delta", "full_attnres") else 1)
     return SourcePlan.from_config(cfg)
 
 
 def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, null_source=False, gate=False,
-                 recompute=None):
+                 recompute=None, group_size="auto"):
     """{(kernel, phase): u} of one micro-batch's forward + backward through one pipeline chunk holding all
     ``num_layers`` layers (the embedding output in, the final norm's input out), router ``backend`` (torch, c,
     fla), activations of ``act_bytes`` bytes, with ``recompute`` (None, ("uniform", n) or ("block", n): the
     recomputed chunks run their forward twice, and each is its own buffer scope, as block.py runs them).
-    Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), partial_sum, x_add, x_sum,
-    autograd_add."""
+    ``group_size``: --delta-router-group-size of delta / full_attnres (auto: the group router on torch / c).
+    Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), group_old_pass, group_merge (the
+    group router), partial_sum, x_add, x_sum, autograd_add."""
     if mode == BASELINE:
         return {}
-    plan = make_plan(mode, num_layers, backend, num_blocks, gate)
+    plan = make_plan(mode, num_layers, backend, num_blocks, gate, group_size)
     a, c = act_bytes, COMPUTE_BYTES
     totals = defaultdict(float)
     tensors = []
@@ -272,8 +382,11 @@ def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, nul
     final = ["final"] if plan.final_reads() else []
     routers = {k: _Router(k) for k in [*range(plan.num_sublayers), *final]}
 
+    ledgers = []
+
     def buffer(scope, grad):
-        return _Ledger(plan, scope, totals, tensors, backend, a, c, null_source, gate, grad)
+        ledgers.append(_Ledger(plan, scope, totals, tensors, backend, a, c, null_source, gate, grad))
+        return ledgers[-1]
 
     def run_layers(buf, first, end, inputs):
         if first == 0:
@@ -317,6 +430,8 @@ def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, nul
         last = buffer(final, True)
         run_layers(last, L, L, outer)
         last.hand_out([rules.output(last, routers.get("final"))])
+    for ledger in ledgers:
+        ledger.settle_groups()
     _settle(tensors, totals, a)
     return {k: v / a for k, v in totals.items() if v}
 
@@ -337,14 +452,17 @@ def layer_gemm_flops(shape, tokens, micro_batch=1):
 
 
 def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_source=False, gate=False,
-                 micro_batch=1, act_bytes=2, num_layers=None, recompute=None):
+                 micro_batch=1, act_bytes=2, num_layers=None, recompute=None, group_size=1):
     """Predicted router time against the layers' GEMM time for one training step (one micro-batch):
     the counted traffic of the routed residual stream (step_traffic, every pass) / (HBM x HBM_EFFICIENCY) vs
     GEMM FLOPs / (peak x GEMM_EFFICIENCY). Returns a dict with both times, the traffic in u, the share of
     the step (router / (GEMM + router)) and the predicted tokens/s ratio to the baseline (GEMM / (GEMM +
     router): the baseline's step taken as its GEMMs, its own residual adds not counted). ``num_layers``
     overrides the shape's (gpu_check's layer slice); ``num_blocks``: the block modes' K (default: the command
-    line's, modes.default_num_blocks, which refuses a layer count it cannot split into at most 4 blocks)."""
+    line's, modes.default_num_blocks, which refuses a layer count it cannot split into at most 4 blocks).
+    ``group_size``: the fine-grained modes' --delta-router-group-size, 1 (the per-router path) by default: the
+    group router has no GPU kernel, and its PyTorch path records each of its passes as one fused pass (its eager
+    temporaries are not counted), so its count would flatter the torch backend on a GPU."""
     bw, flops = GPUS[gpu]
     shape = dict(SHAPES[shape_name])
     if num_layers:
@@ -355,7 +473,7 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_s
     u = 0.0
     if mode != BASELINE:
         u = total_u(step_traffic(mode, L, backend, num_blocks=num_blocks, act_bytes=act_bytes,
-                                 null_source=null_source, gate=gate, recompute=recompute))
+                                 null_source=null_source, gate=gate, recompute=recompute, group_size=group_size))
     router_s = u * tokens * shape["hidden_size"] * act_bytes / (bw * HBM_EFFICIENCY)
     return {"gpu": gpu, "shape": shape_name, "mode": mode, "backend": backend, "num_layers": L, "traffic_u": u,
             "gemm_ms": gemm_s * 1e3, "router_ms": router_s * 1e3, "router_share": router_s / (gemm_s + router_s),
