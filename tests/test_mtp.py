@@ -243,6 +243,30 @@ def test_trainer_refuses_routed_mtp_with_full_recompute_before_startup(monkeypat
         "inputs. Use --recompute-granularity selective, or no recompute")
 
 
+@pytest.mark.parametrize("residual", ["baseline", "attnres"])
+def test_trainer_refuses_tied_mtp_checkpoints_under_pp_before_startup(monkeypatch, capsys, tmp_path, residual):
+    """megatron-core 0.19.2 cannot save or load a tied model's MTP stage under PP > 1 (NVIDIA/Megatron-LM PR
+    #7577): refused at start-up, naming the flag that works; with it the check passes."""
+    from megatron_delta.trainer import main as trainer_main
+
+    started = []
+    monkeypatch.setattr(trainer_main, "run", lambda args: started.append(args))
+    argv = tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, train_iters=1) + [
+        "--residual", residual, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--eval-interval", "10", "--eval-iters", "0"]
+    rc = trainer_main.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and not started and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: --mtp-num-layers with --pipeline-model-parallel-size > 1 cannot save or load a "
+        "checkpoint with tied embeddings in megatron-core 0.19.2 (NVIDIA/Megatron-LM PR #7577); add "
+        "--untie-embeddings-and-output-weights")
+    rc = trainer_main.main(argv + ["--untie-embeddings-and-output-weights"])
+    err = capsys.readouterr().err
+    # past this check, Megatron-LM's own validation of the one-process world is the next to speak
+    assert rc == 2 and "#7577" not in err and "world size (1) is not divisible" in err, err
+
+
 # ------------------------------------------------------------------------------- through pretrain_gpt.py
 def _train(tmp_path, name, extra):
     metrics = str(tmp_path / f"{name}.jsonl")

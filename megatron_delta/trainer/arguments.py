@@ -231,6 +231,14 @@ def validate_delta_args(args: argparse.Namespace) -> None:
             raise TrainerArgumentError(f"--save needs --save-interval N (a checkpoint every N iterations; "
                                        f"N = --train-iters {args.train_iters} saves at the end only)")
 
+    if (args.mtp_num_layers and args.pipeline_model_parallel_size > 1 and (args.save or args.load)
+            and not args.untie_embeddings_and_output_weights):
+        # megatron-core 0.19.2 (every --residual): a tied model's MTP stage under PP > 1 holds an output-layer
+        # weight its sharded state dict refuses, so the first --save (or a --load) fails deep inside
+        # dist_checkpointing (NVIDIA/Megatron-LM PR #7577, open)
+        raise TrainerArgumentError("--mtp-num-layers with --pipeline-model-parallel-size > 1 cannot save or load a "
+                                   "checkpoint with tied embeddings in megatron-core 0.19.2 (NVIDIA/Megatron-LM PR "
+                                   "#7577); add --untie-embeddings-and-output-weights")
     try:
         args.delta_num_blocks = check_delta_options(
             args.residual, args.num_layers, args.delta_num_blocks, args.delta_null_source,
