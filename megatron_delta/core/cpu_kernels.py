@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -35,9 +35,6 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)  # after the source: linkers with --as-needed drop libraries named before their user
 KERNEL_TOKEN_BLOCK = 64  # TB in router_kernels.c: tokens per block of the query gradient's partial sums
 
-_lock = threading.Lock()
-_lib = None
-_error: Optional[str] = None
 _warned = False
 
 
@@ -114,18 +111,33 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
+class BuildOnce:
+    """A kernel library built on first use and tried once per process: :meth:`load` returns it, or raises the
+    KernelBuildError of that one attempt (group_kernels.py builds its library the same way)."""
+
+    def __init__(self, build: Callable[[], ctypes.CDLL]) -> None:
+        self._build, self._lock = build, threading.Lock()
+        self._lib: Optional[ctypes.CDLL] = None
+        self._error: Optional[str] = None
+
+    def load(self) -> ctypes.CDLL:
+        with self._lock:
+            if self._lib is None and self._error is None:
+                try:
+                    self._lib = self._build()
+                except KernelBuildError as e:
+                    self._error = str(e)
+            if self._lib is None:
+                raise KernelBuildError(self._error)
+            return self._lib
+
+
+_library = BuildOnce(_build)
+
+
 def load() -> ctypes.CDLL:
     """The kernel library, built on first use; raises KernelBuildError (once per process it is tried)."""
-    global _lib, _error
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except KernelBuildError as e:
-                _error = str(e)
-        if _lib is None:
-            raise KernelBuildError(_error)
-        return _lib
+    return _library.load()
 
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -19,9 +18,6 @@ from megatron_delta.core.cpu_kernels import KERNEL_TOKEN_BLOCK, KernelBuildError
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "group_router_kernels.c")
 
-_lock = threading.Lock()
-_lib = None
-_error: Optional[str] = None
 _warned = False
 
 
@@ -37,18 +33,12 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
+_library = cpu_kernels.BuildOnce(_build)
+
+
 def load() -> ctypes.CDLL:
     """The kernel library, built on first use; raises KernelBuildError (tried once per process)."""
-    global _lib, _error
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except KernelBuildError as e:
-                _error = str(e)
-        if _lib is None:
-            raise KernelBuildError(_error)
-        return _lib
+    return _library.load()
 
 
 def library(choice: str) -> Optional[ctypes.CDLL]:
