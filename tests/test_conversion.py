@@ -371,6 +371,34 @@ def test_routed_remote_code_model_holds_qwen3_moe_mlp(tmp_path):
     assert torch.equal(_hf_logits(again, ids), _hf_logits(hf, ids))
 
 
+@pytest.mark.parametrize("mode", ["delta_block", "delta", "attnres"])
+def test_routed_moe_export_matches_megatron(tmp_path, mode):
+    """A routed mode's MoE model (Qwen3-MoE's layout: Megatron's MoE layers inside DeltaTransformerLayers, layer 1
+    dense) with random depth routers: the remote-code export gives Megatron's logits, as the dense models do."""
+    from megatron_delta.checkpoint.model_config import padded_vocab_size
+    from megatron_delta.checkpoint.store import save_checkpoint
+
+    blocks = {"delta_num_blocks": 2} if mode in ("delta_block", "attnres") else {}
+    rc = hf_checkpoint.model_config_from_hf(_tiny_moe().config, mode, **blocks)
+    model, args = loaders.build_megatron_model(rc, padded_vocab_size(300))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # routers away from their zero start, so every source's weight matters
+        for name, p in model.named_parameters():
+            if name.endswith(".query"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    args.vocab_size, args.tokenizer_type = 300, "NullTokenizer"
+    save_checkpoint(str(tmp_path / "meg"), 0, [model], None, None, 0, args, save_optim=False)
+    loaded, _, rc = loaders.load_megatron(str(tmp_path / "meg"))
+    assert rc["residual"] == mode and rc["num_experts"] == 4
+    assert type(loaded.decoder.layers[0].mlp).__name__ == "MoELayer"
+    hf_checkpoint.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "out"), log=lambda *a: None)
+    out = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
+    assert out.config.num_experts == 4 and out.config.mlp_only_layers == [1]
+    ids = [7, 3, 250, 299, 0, 12, 12, 44]
+    meg = loaders.megatron_logits(loaded, torch.tensor([ids]))[0, :, :300]
+    assert (_hf_logits(out, ids) - meg).abs().max().item() <= TOL
+
+
 def test_export_drops_mtp_depths_with_one_line(tmp_path):
     """A checkpoint with MTP depths keeps them (the model built from its run_config has them); the export writes
     the main model only, says so in one line, and its logits are the Megatron main head's."""
