@@ -243,6 +243,29 @@ def test_trainer_refuses_routed_mtp_with_full_recompute_before_startup(monkeypat
         "inputs. Use --recompute-granularity selective, or no recompute")
 
 
+@pytest.mark.parametrize("flag, why", [
+    ("--mtp-use-repeated-layer", "each depth has its own routers over the decoder's sources; one layer shared by "
+     "every depth is not built or tested for them"),
+    ("--mtp-detach-heads", "it detaches the depths' hidden-state input only, while the routed depths also read the "
+     "decoder's sources, so the MTP loss would still train the decoder")])
+def test_trainer_refuses_routed_mtp_options_it_does_not_build(monkeypatch, capsys, flag, why):
+    """Megatron's MTP options the replacement modes' routed depths do not implement: one line at start-up; the
+    additive modes (Megatron's own MTP layer) and baseline keep them."""
+    from megatron_delta.trainer import main as trainer_main
+
+    started = []
+    monkeypatch.setattr(trainer_main, "run", lambda args: started.append(args))
+    base = tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, train_iters=1) + [
+        "--mtp-num-layers", "2", flag, "--eval-interval", "10", "--eval-iters", "0"]
+    rc = trainer_main.main(base + ["--residual", "full_attnres"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not started and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"pretrain_gpt.py: error: {flag} cannot be used with --mtp-num-layers and --residual full_attnres: {why}. "
+        f"Drop {flag}")
+    assert trainer_main.main(base + ["--residual", "delta"]) == 0 and len(started) == 1, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("residual", ["baseline", "attnres"])
 def test_trainer_refuses_tied_mtp_checkpoints_under_pp_before_startup(monkeypatch, capsys, tmp_path, residual):
     """megatron-core 0.19.2 cannot save or load a tied model's MTP stage under PP > 1 (NVIDIA/Megatron-LM PR

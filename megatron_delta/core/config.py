@@ -12,7 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_delta.core.group_router import check_group_size
 from megatron_delta.core.modes import BASELINE, check_delta_options
-from megatron_delta.core.mtp import check_mtp_options
+from megatron_delta.core.mtp import ROUTED_MTP_REFUSED, check_mtp_options
 from megatron_delta.core.router import KERNEL_CHOICES
 
 # Megatron-Core fusions that fold the residual add into another kernel. A routed layer
@@ -122,7 +122,8 @@ class DeltaTransformerConfig(TransformerConfig):
                                                         self.delta_sources, self.delta_router_kernels)
         check_residual_fusions(self.residual, **{f: getattr(self, f, False) for f in RESIDUAL_FUSIONS})
         check_unsupported_features(self.residual, **{f: getattr(self, f) for f in UNSUPPORTED_FEATURES})
-        check_mtp_options(self.residual, self.mtp_num_layers, self.recompute_granularity)
+        check_mtp_options(self.residual, self.mtp_num_layers, self.recompute_granularity,
+                          **{f: getattr(self, f) for f in ROUTED_MTP_REFUSED})
         super().__post_init__()
 
     @property

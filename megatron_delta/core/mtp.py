@@ -41,10 +41,25 @@ def routes_mtp(config) -> bool:
     return bool(config.mtp_num_layers) and config.residual in REPLACEMENT_MODES
 
 
-def check_mtp_options(residual: str, mtp_num_layers, recompute_granularity) -> None:
+# Megatron MTP options the replacement modes' routed depths do not implement: config field -> (flag, why)
+ROUTED_MTP_REFUSED = {
+    "mtp_use_repeated_layer": ("--mtp-use-repeated-layer", "each depth has its own routers over the decoder's "
+                               "sources; one layer shared by every depth is not built or tested for them"),
+    "mtp_detach_heads": ("--mtp-detach-heads", "it detaches the depths' hidden-state input only, while the routed "
+                         "depths also read the decoder's sources, so the MTP loss would still train the decoder"),
+}
+
+
+def check_mtp_options(residual: str, mtp_num_layers, recompute_granularity, **options) -> None:
     """What the routed MTP depths cannot do (ValueError naming the flags). Megatron's MTP recompute
     (--recompute-granularity full) re-runs a depth from its hidden-state input alone, but a replacement
-    mode's depth also reads the decoder's sources, which would then get no gradient from the recomputed pass."""
+    mode's depth also reads the decoder's sources, which would then get no gradient from the recomputed pass.
+    ``options``: the ROUTED_MTP_REFUSED fields that are set."""
+    if mtp_num_layers and residual in REPLACEMENT_MODES:
+        for field, (flag, why) in ROUTED_MTP_REFUSED.items():
+            if options.get(field):
+                raise ValueError(f"{flag} cannot be used with --mtp-num-layers and --residual {residual}: {why}. "
+                                 f"Drop {flag}")
     if mtp_num_layers and residual in REPLACEMENT_MODES and recompute_granularity == "full":
         raise ValueError(f"--recompute-granularity full cannot be used with --mtp-num-layers and --residual "
                          f"{residual}: each MTP depth reads the decoder's sources, which Megatron's MTP "

@@ -130,14 +130,15 @@ def check_routed_features(args: argparse.Namespace) -> None:
         check_residual_fusions,
         check_unsupported_features,
     )
-    from megatron_delta.core.mtp import check_mtp_options
+    from megatron_delta.core.mtp import ROUTED_MTP_REFUSED, check_mtp_options
 
     def values(table):
         return {field: getattr(args, CONFIG_FIELD_ARGS.get(field, field), None) for field in table}
 
     check_residual_fusions(args.residual, **values(RESIDUAL_FUSIONS))
     check_unsupported_features(args.residual, **values(UNSUPPORTED_FEATURES))
-    check_mtp_options(args.residual, args.mtp_num_layers, args.recompute_granularity)
+    check_mtp_options(args.residual, args.mtp_num_layers, args.recompute_granularity,
+                      **{f: getattr(args, f, False) for f in ROUTED_MTP_REFUSED})
     for attr, flag in OTHER_CONFIG_CLASSES:
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported by megatron-delta's model provider (in every --residual "
