@@ -96,15 +96,17 @@ def _note(what: str, t) -> None:
 
 
 def _instrument() -> None:
-    """Wrap (once) the forwards of Megatron's TransformerBlock, the routed DeltaTransformerBlock and the routers:
+    """Wrap (once) the forwards of Megatron's TransformerBlock, the routed DeltaTransformerBlock and the routers (and
+    SourceBuffer.route, through which the group router routes):
     note the received payload sizes and the dtypes of their inputs / outputs."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_delta.core.block import DeltaTransformerBlock
     from megatron_delta.core.router import DepthRouter
+    from megatron_delta.core.sources import SourceBuffer
 
-    def wrap(cls, what):
-        inner = cls.forward
+    def wrap(cls, what, method="forward"):
+        inner = getattr(cls, method)
         if getattr(inner, "_rank_runner_notes", False):
             return
 
@@ -121,11 +123,12 @@ def _instrument() -> None:
             return out
 
         forward._rank_runner_notes = True
-        cls.forward = forward
+        setattr(cls, method, forward)
 
     wrap(TransformerBlock, "block")
     wrap(DeltaTransformerBlock, "block")
     wrap(DepthRouter, "router")
+    wrap(SourceBuffer, "router", "route")  # the group router (delta, full_attnres) routes without DepthRouter.forward
 
 
 def train(argv: list[str], metrics: str | None = None) -> dict:
