@@ -473,6 +473,34 @@ def test_checkpoint_under_ep2_tp2_resumes_exactly_and_reshards_to_ep1_tp1(ep_run
 
 
 @pytest.mark.slow
+def test_routing_report_reads_the_ep2_tp2_moe_checkpoint(ep_runs, tp1_reference, tmp_path):
+    """tools/routing_report.py on the MoE checkpoint saved under EP2+TP2+SP (run_config.json records the MoE
+    flags; the report rebuilds the model as EP1 TP1 PP1): every sublayer's routing row sums to one."""
+    import json
+    import math
+    import os
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO_ROOT
+
+    ckpt = os.path.join(tp1_reference.root, f"ckpt-{CKPT_TAG}-distopt_ckpt2-{CKPT_SPEC.replace('/', '-')}")
+    out = tmp_path / "report"
+    p = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "routing_report.py"), "--load", ckpt,
+                        "--output", str(out), "--mock-data", "--num-batches", "1", "--micro-batch-size", "2"],
+                       cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.load(open(out / "routing.json"))
+    assert rep["residual"] == "delta_block"
+    st = rep["datasets"]["mock"]
+    assert st["order"] == [str(j) for j in range(8)]  # 4 layers (one dense, three MoE) x 2 sublayers
+    for key, row in zip(st["order"], st["aligned_matrix"]):
+        present = [w for w in row if w is not None]
+        assert len(present) == st["receivers"][key]["num_sources"] and math.isclose(sum(present), 1.0, rel_tol=1e-6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("job, logged", [("mixtral", "load_balancing_loss"), ("recipe", "seq_load_balancing_loss")])
 def test_megatron_lm_mixtral_flags_and_the_usage_recipe_train_with_delta_block(ep_runs, job, logged):
     """Megatron-LM's Mixtral example flags (mixtral_example_flags: scaled to tiny, CPU switches, PP2 x EP2 on 4
