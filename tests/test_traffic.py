@@ -95,6 +95,40 @@ def test_bf16_counted_traffic_equals_closed_form(mode, backend):
         assert counted == pytest.approx(predicted, abs=1e-9), extras
 
 
+def test_triton_counted_traffic_equals_closed_form():
+    """The Triton kernels (backend triton; under Triton's interpreter, which must be on before Triton is imported:
+    a fresh process) over the stand-in sublayers in fp32: every routed mode's count equals step_traffic's, with and
+    without the null source and gate - delta_block and attnres with their completed sources' gradients deferred to
+    one pass per block (kernel triton_block_grad: 4 routers per block, over 1 and 2 sources)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = (
+        "import json, torch\n"
+        "from tests.test_traffic import _stand_in_step\n"
+        "from megatron_delta.core.modes import ROUTED_MODES\n"
+        "out = [[m, e, sorted([list(k), v] for k, v in _stand_in_step(m, 'triton', torch.float32, e,"
+        " e and m in ('delta', 'delta_block')).items())] for m in ROUTED_MODES for e in (False, True)]\n"
+        "print(json.dumps(out))\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(m, e) for m, e, _ in runs] == [(m, e) for m in ROUTED_MODES for e in (False, True)]
+    for mode, extras, rows in runs:
+        counted = {tuple(k): v for k, v in rows}
+        predicted = cost_model.step_traffic(mode, 4, "triton", num_blocks=2 if mode in BLOCK_MODES else None,
+                                            act_bytes=4, null_source=extras,
+                                            gate=extras and mode in ("delta", "delta_block"))
+        assert counted == pytest.approx(predicted, abs=1e-9), (mode, extras)
+        assert (("triton_block_grad", "backward") in counted) == (mode in BLOCK_MODES), (mode, extras)
+
+
 def test_counting_is_off_by_default_and_nests():
     """Nothing is recorded outside a counting() block; nested blocks each see every call."""
     x = torch.ones(4, 8)

@@ -18,9 +18,11 @@ from megatron_delta.core import triton_router
 from megatron_delta.core.router import KERNEL_CHOICES, check_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# tests/triton_cases.py: 12 router cases, the traffic per call, strided sources, the formed partial sum, 6 models,
-# 2 models with full recompute, the fallbacks, the counted traffic against the closed form (2 modes)
-INTERPRETER_CASES = 26
+# tests/triton_cases.py: 24 router cases (12 with a block's deferred pass), the traffic per call, strided sources,
+# the formed partial sum, 6 models, 2 models with full recompute, the fallbacks, the counted traffic against the
+# closed form (2 modes), 6 models of 4 blocks with the deferred passes (2 modes x no recompute / 2 recompute cuts),
+# 4 two-stage pipelines (2 modes x 2 cuts)
+INTERPRETER_CASES = 48
 
 
 def test_interpreter_cases():
@@ -90,11 +92,13 @@ def test_training_steps_on_the_kernels(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
+@pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_kernels_match_torch_path(dtype):
+def test_cuda_kernels_match_torch_path(dtype, defer):
     """On a GPU, compiled (not interpreted): three routers over shared sources, one formed partial sum, null
-    source and gate, in fp32 and bf16: the outputs and every gradient equal the PyTorch path's (bf16: to a few
-    bf16 units of the largest entry)."""
+    source and gate, in fp32 and bf16, with the shared source's gradient added in place or (``defer``) written by
+    a block pass (triton_router.BlockDeferral): the outputs and every gradient equal the PyTorch path's (bf16: to
+    a few bf16 units of the largest entry)."""
     from megatron_delta.core.router import DepthRouter, PendingSum, make_source
 
     d, shape = 256, (64, 2)
@@ -113,6 +117,8 @@ def test_cuda_kernels_match_torch_path(dtype):
         vals = [t.to("cuda", dtype).requires_grad_() for t in data]
         h0, a, p, v = vals
         sink = rs[0].kernel_sink(h0)
+        if defer and kind == "triton":
+            (sink,) = triton_router.BlockDeferral([h0], [sink]).slots()
         total = 0
         for k, r in enumerate(rs):
             srcs = [make_source(h0, 1e-6)._replace(sink=sink), make_source(a, 1e-6)]

@@ -47,12 +47,15 @@ def _routers(kind, n, d, null, gate, seed):
 BASES = ["none", "x", "formed"]  # u = r; x + r; the sum of the sources + r (formed in the kernel's pass)
 
 
-@pytest.mark.parametrize("null,gate,base", list(itertools.product([False, True], [None, 0.4], BASES)))
-def test_routers_match_reference_and_torch_path(interpreter, null, gate, base):
+@pytest.mark.parametrize("null,gate,base,defer", list(itertools.product([False, True], [None, 0.4], BASES,
+                                                                         [False, True])))
+def test_routers_match_reference_and_torch_path(interpreter, null, gate, base, defer):
     """Three routers reading 1, 2, 3 fp32 sources (source 0 has three readers, which add their gradients into
-    one buffer in place; source 2 has one), with and without null source and gate, for every base: the outputs,
-    the routing weights and EVERY gradient (sources, x, query, key-norm weight, null source, gate) equal the
-    PyTorch path's to fp32 round-off and the float64 reference's."""
+    one buffer in place; source 2 has one), with and without null source and gate, for every base; ``defer``:
+    sources 0 and 1 are a block's completed sources (triton_router.BlockDeferral: the routers leave their
+    coefficients, one pass writes both gradients; router 0 does not read source 1). The outputs, the routing
+    weights and EVERY gradient (sources, x, query, key-norm weight, null source, gate) equal the PyTorch path's to
+    fp32 round-off and the float64 reference's."""
     d, shape = 40, (7, 3)  # d not a power of two: the tile's masked columns
     torch.manual_seed(3)
     vals64 = [torch.randn(*shape, d, dtype=torch.float64) * (1 + i) for i in range(3)]
@@ -69,6 +72,9 @@ def test_routers_match_reference_and_torch_path(interpreter, null, gate, base):
             srcs = [make_source(v, EPS)._replace(sink=rs[0].kernel_sink(v) if i < 2 else None)
                     for i, v in enumerate(vals)]
             assert all(isinstance(s.sink, triton_router.KernelSink) for s in srcs[:2])
+            if defer:
+                slots = triton_router.BlockDeferral(vals[:2], [s.sink for s in srcs[:2]]).slots()
+                srcs[:2] = [s._replace(sink=slot) for s, slot in zip(srcs[:2], slots)]
         else:
             srcs = [make_source(v, EPS) for v in vals]
         total, outs, alphas, xs = 0, [], [], []
@@ -93,6 +99,11 @@ def test_routers_match_reference_and_torch_path(interpreter, null, gate, base):
     with traffic.counting() as count:
         got = run("triton")
     assert [c.phase for c in _calls(count)] == ["forward"] * 3 + ["backward"] * 3, "the kernels must have run"
+    passes = [c for c in count.calls if c.kernel == triton_router.DEFERRED_KERNEL]
+    rows = vals64[0].numel()
+    # the pass reads the 3 output gradients, the 2 sources, and writes their 2 gradients (fp32: a row is rows * 4)
+    assert [(sum(n * e for n, e in c.reads if n >= rows), sum(n * e for n, e in c.writes if n >= rows))
+            for c in passes] == ([(5 * rows * 4, 2 * rows * 4)] if defer else [])
     with traffic.counting() as count:
         torch_path = run("torch")
     assert not _calls(count)
@@ -206,17 +217,19 @@ def dist():
     yield
 
 
-def _model(mode, null, gate, kernels, recompute=False):
+def _model(mode, null, gate, kernels, recompute=False, num_layers=4, num_blocks=2):
     from megatron.core import tensor_parallel
 
     from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.core.modes import BLOCK_MODES
 
-    fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
-                  seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,
-                  delta_gate="scalar" if gate else "none", delta_num_blocks=2 if mode in BLOCK_MODES else None,
-                  **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    method, step = recompute if isinstance(recompute, tuple) else ("uniform", 1)  # True: every layer its own
+    fields = resolve_model_fields(dict(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=4,
+                  num_query_groups=2, seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode,
+                  delta_null_source=null, delta_gate="scalar" if gate else "none",
+                  delta_num_blocks=num_blocks if mode in BLOCK_MODES else None,
+                  **(dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=step)
                      if recompute else {})))
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -293,19 +306,25 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
         plan = SourcePlan.from_config(fields)
         assert plan.x_from_sources  # the kernels form x from the sources
         reads = [plan.reads(j) for j in range(plan.num_sublayers)]
-        readers = {name: sum(name in r for r in reads) for r in reads for name in r if not name.startswith("P")}
         formed = [j >= 2 and not plan.is_block_start(j) and not plan.is_block_start(j - 1)  # P_b = P_b + v_{j-1}
                   for j in range(plan.num_sublayers)]
-        want = {ph: sum(triton_router.call_rows(len(r), has_base=False, forms_partial=f)[ph]
-                        for r, f in zip(reads, formed)) for ph in ("forward", "backward")}
-        want["backward"] += sum(k - 1 for k in readers.values())  # h0 and D0: added in place by all but one
+        # h0 (block 0) and h0, D0 (block 1) are each block's completed sources: their gradients are deferred to
+        # the block's pass (4 routers, 1 and 2 sources: triton_router.defers), so no router call writes them
+        completed = [sum(not n.startswith("P") for n in r) for r in reads]
+        assert all(triton_router.defers(4, k) for k in (1, 2))
+        want = {ph: sum(triton_router.call_rows(len(r), has_base=False, forms_partial=f, grads=len(r) - k)[ph]
+                        for r, f, k in zip(reads, formed, completed)) for ph in ("forward", "backward")}
         rows = count.rows(B * S * HIDDEN, act_bytes=4)
         got = {ph: rows[triton_router.KERNEL, ph] for ph in want}  # the kernels' calls (the rest: PyTorch's passes)
-        assert sum(formed) == 4 and got == want == {"forward": 34, "backward": 58}
+        assert sum(formed) == 4 and got == want == {"forward": 34, "backward": 36}
+        # the block passes: each reads its 4 routers' output gradients and its sources once and writes their
+        # gradients (h0's second writer adds in place: 1 read more)
+        assert rows[triton_router.DEFERRED_KERNEL, "backward"] == (4 + 2 * 1) + (4 + 2 * 2) + 1 == 15
+        assert sum(c.kernel == triton_router.DEFERRED_KERNEL for c in count.calls) == 2
         # the passes outside the kernels: x = h0 + D0 + D1 handed out (2 adds), D0 and D1 formed by PyTorch's add
         # (several readers / read by that sum: not in a kernel), and autograd's adds of two gradients for h0, D0
         # (kernel sink + x's sum) and v0, v4 (their reader's kernel + the kernel that formed P from them)
-        assert {k: v for k, v in rows.items() if k[0] != triton_router.KERNEL} == {
+        assert {k: v for k, v in rows.items() if k[0] not in (triton_router.KERNEL, triton_router.DEFERRED_KERNEL)} == {
             ("x_sum", "forward"): 6, ("partial_sum", "forward"): 6, ("autograd_add", "backward"): 12}
     w = R.weights_from_megatron_state_dict(model.state_dict())
     routers = [k for k in w if "router" in k]
@@ -368,3 +387,134 @@ def test_counted_traffic_is_the_closed_form(interpreter, dist, mode):
                                             null_source=null, gate=gate,
                                             recompute=("uniform", 1) if recompute else None)
         assert counted == pytest.approx(predicted, abs=1e-9), (null, gate, recompute)
+
+
+# 8 layers, K = 4 (two layers, four routers per block): blocks 0..3 read 1..4 completed sources. Recompute uniform 5
+# cuts block 2 between two checkpoints (layer 4 | layer 5): each part (two routers over three sources) still defers;
+# block (3) runs layers 0..2 as checkpoints and the rest layer by layer, each layer its own buffer scope (two routers:
+# they defer over three or four sources, not over one or two).
+DEFER_CASES = [(m, r) for m in ("delta_block", "attnres") for r in (None, ("uniform", 5), ("block", 3))]
+
+
+@pytest.mark.parametrize("mode,recompute", DEFER_CASES, ids=["-".join(map(str, c)) for c in DEFER_CASES])
+def test_deferred_block_passes_with_recompute_cuts(interpreter, dist, mode, recompute):
+    """Several blocks, cut by recompute boundaries (each checkpoint's buffer scope has its own block passes):
+    the logits and every parameter's gradient equal the PyTorch path's, the logits and the routers' gradients the
+    float64 reference's; the block passes ran where triton_router.defers says, and the counted traffic is the
+    closed form's (perf.cost_model.step_traffic)."""
+    from megatron_delta.perf import cost_model
+
+    L, K = 8, 4
+    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(S)[None].expand(B, S)
+    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for kind in ("triton", "torch"):
+        model, fields = _model(mode, True, False, kind, recompute=recompute or False, num_layers=L, num_blocks=K)
+        with traffic.counting() as count:
+            logits = model(tok, pos, None)
+            (logits * W).sum().backward()
+        results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields, count)
+    (lf, gf, model, fields, count), (lt, gt, _, _, _) = results["triton"], results["torch"]
+    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
+    for n in gt:
+        assert (gf[n] is None) == (gt[n] is None), n
+        if gt[n] is not None:
+            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
+    # the block passes: per buffer scope (recompute: the checkpoints' recomputed forwards), the blocks whose routers
+    # there defer (routers in the scope x sources the block reads through sinks)
+    scopes = {None: [range(0, 8)], ("uniform", 5): [range(0, 5), range(5, 8)],
+              ("block", 3): [range(0, 1), range(1, 2), range(2, 3), *[range(i, i + 1) for i in range(3, 8)]]}[recompute]
+    passes = 0
+    for layers in scopes:
+        for b in sorted({i // 2 for i in layers}):
+            routers = 2 * sum(i // 2 == b for i in layers)
+            passes += triton_router.defers(routers, b + 1)  # h0 (B0) and the b completed sums (B1..Bb)
+    assert sum(c.kernel == triton_router.DEFERRED_KERNEL for c in count.calls) == passes
+    assert passes == {None: 4, ("uniform", 5): 5, ("block", 3): 4}[recompute]  # block: layers 4..7 (3, 4 sources)
+    counted = count.rows(B * S * HIDDEN, act_bytes=4)
+    predicted = cost_model.step_traffic(mode, L, "triton", num_blocks=K, act_bytes=4, null_source=True,
+                                        recompute=recompute)
+    assert counted == pytest.approx(predicted, abs=1e-9)
+    w = R.weights_from_megatron_state_dict(model.state_dict())
+    routers = [k for k in w if "router" in k]
+    for k in routers:
+        w[k].requires_grad_(True)
+    cfg = R.RefConfig(vocab_size=V, hidden_size=HIDDEN, num_layers=L, num_attention_heads=4, num_query_groups=2,
+                      kv_channels=fields.kv_channels, ffn_hidden_size=fields.ffn_hidden_size, norm_eps=1e-6,
+                      rotary_base=float(fields.rotary_base),
+                      share_embeddings_and_output_weights=not fields.untie_embeddings_and_output_weights)
+    ref = R.reference_forward(w, cfg, tok, mode=mode, num_blocks=K, null_source=True, gate=False,
+                              eps=fields.delta_router_eps)
+    assert ((lf.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    (ref * W.double()).sum().backward()
+    for kind in {k.rsplit(".", 1)[1] for k in routers}:
+        names = [k for k in routers if k.endswith("." + kind)]
+        scale = max(w[k].grad.abs().max().item() for k in names if w[k].grad is not None)
+        for k in names:
+            want = torch.zeros_like(w[k]) if w[k].grad is None else w[k].grad
+            assert (gf[k].double() - want).abs().max().item() / scale < 1e-4, k
+
+
+@pytest.mark.parametrize("mode", ["delta_block", "attnres"])
+@pytest.mark.parametrize("cut", [5, 3])
+def test_deferred_block_passes_across_a_pipeline_boundary(interpreter, mode, cut):
+    """Two pipeline stages as the schedule runs them (SourceBuffer over stand-in sublayers, 8 layers, K = 4): the
+    first stage's payload (to_tensors) goes to the second as new leaves (from_tensors), the second's backward
+    runs first and hands the payload's gradients back. The boundary cuts block 2 (layer 5: each side two routers
+    over three sources: both defer) or block 1 (layer 3: two sources, neither side defers). The output and every
+    gradient (h0, the sublayers' scales, every router parameter) equal the PyTorch path's on one stage, and the
+    float64 PyTorch path's."""
+    from megatron_delta.core.sources import SourceBuffer
+
+    L, K, d, tokens = 8, 4, 24, (6, 2)
+    g = torch.Generator().manual_seed(5)
+    data = torch.randn(*tokens, d, generator=g, dtype=torch.float64)
+    scales64 = [1 + 0.3 * torch.randn(d, generator=g, dtype=torch.float64) for _ in range(2 * L)]
+    W = torch.randn(*tokens, d, generator=g, dtype=torch.float64)
+
+    def run(kind, dtype, stages):
+        plan = SourcePlan(mode=mode, num_layers=L, num_blocks=K, x_from_sources=mode == "delta_block")
+        keys = [*range(2 * L)] + (["final"] if plan.final_reads() else [])
+        rs = dict(zip(keys, _routers(kind, len(keys), d, True, None, 9)))
+        for r in rs.values():
+            r.to(dtype)
+        h0 = data.to(dtype).requires_grad_()
+        scales = [s.to(dtype).requires_grad_() for s in scales64]
+        bounds = [0, cut, L] if stages == 2 else [0, L]
+        with traffic.counting() as count:
+            payload, handed, inputs = [h0 * 1.0], [], []
+            for first, end in zip(bounds, bounds[1:]):
+                scope = {k: rs[k] for k in keys if k == "final" and end == L or k != "final" and first <= k // 2 < end}
+                if first:
+                    inputs = [t.detach().requires_grad_() for t in payload]
+                    buf = SourceBuffer.from_tensors(plan, first, inputs, EPS, readers=scope)
+                else:
+                    buf = SourceBuffer.start(plan, payload[0], EPS, readers=scope)
+                for j in range(2 * first, 2 * end):
+                    buf.commit(j, buf.routed_input(j, rs[j]) * scales[j])
+                if end < L:
+                    payload = buf.to_tensors()
+                    handed = payload
+            out = buf.output(rs.get("final"))
+            (out.double() * W).sum().backward()
+            if stages == 2:  # the first stage's backward, seeded with the payload's gradients
+                pairs = [(t, i.grad) for t, i in zip(handed, inputs) if i.grad is not None]
+                torch.autograd.backward([t for t, _ in pairs], [gr for _, gr in pairs])
+        grads = [h0.grad] + [s.grad for s in scales] + [p.grad for k in keys for p in rs[k].parameters()]
+        return out.detach().double(), [None if gr is None else gr.double() for gr in grads], count
+
+    out, grads, count = run("triton", torch.float32, 2)
+    ref_out, ref_grads, _ = run("torch", torch.float32, 1)
+    out64, grads64, _ = run("torch", torch.float64, 1)
+    # the block passes: stage 1 has blocks 0, 1 whole (4 routers over 1 and 2 sources) and, cut at 5, layer 4 of
+    # block 2; stage 2 layer 5 of block 2 (2 routers over 3 sources) and block 3; cut at 3: layer 2 | layer 3 of
+    # block 1 (2 routers over 2 sources: in place), blocks 2 and 3 whole in stage 2
+    assert sum(c.kernel == triton_router.DEFERRED_KERNEL for c in count.calls) == (5 if cut == 5 else 3)
+    for name, o, gs, tol in (("torch", ref_out, ref_grads, 2e-6), ("float64", out64, grads64, 1e-5)):
+        torch.testing.assert_close(out, o, rtol=tol, atol=tol * o.abs().max().item(), msg=name)
+        for i, (a, b) in enumerate(zip(grads, gs, strict=True)):
+            assert (a is None) == (b is None), (name, i)
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=10 * tol, atol=10 * tol * b.abs().max().item(),
+                                           msg=lambda m, name=name, i=i: f"{name} grad {i}: {m}")

@@ -242,6 +242,10 @@ class SourceBuffer:
     rebuilds everything as functions of its explicit tensor inputs. A router missing from
     ``readers`` still works (it projects the source itself), at the cost of an extra pass.
 
+    In the block modes, the routers of one block in this scope that read its completed sources through the
+    Triton kernels' sinks write those sources' gradients in one pass for the block, where that moves fewer rows
+    (triton_router.defer_block); a block cut by a chunk or recompute boundary has one pass per part.
+
     With ``plan.groups_routers`` (delta / full_attnres, ``router_group_size`` not 1) the scope's sublayers
     route in groups (core/group_router.py): groups of consecutive sublayers of this scope, so they never
     cross a chunk or recompute boundary; they read the sources' values (:meth:`values_read`), not their
@@ -266,6 +270,8 @@ class SourceBuffer:
         self._groups = (group_router.GroupRouting(plan.router_group_size, sublayers)
                         if plan.groups_routers and sublayers else None)
         self._committing = None  # (v, values taken) while the mode commits v: what it sums (traffic counting)
+        # block -> its routers' deferred pass over the completed sources' gradients (triton_router.defer_block)
+        self._deferrals: Dict[int, Optional[dict]] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -362,6 +368,12 @@ class SourceBuffer:
                     self.routing[key] = routed[1]
                 return routed[0]
         sources = self.read(key)
+        if self.plan.blocked and key != "final" and any(s.sink is not None for s in sources):
+            from megatron_delta.core import triton_router  # a source with a sink: kernels or a shared projection
+
+            b = self.plan.block_of(key)
+            routers = sum(1 for k in self.readers if k != "final" and self.plan.block_of(k) == b)
+            sources = triton_router.defer_block(sources, routers, self._deferrals, b)
         if self.record_routing:
             r, alpha = router(sources, True, base=base, apply_gate=apply_gate, base_sums=base_sums)
             self.routing[key] = alpha.detach()

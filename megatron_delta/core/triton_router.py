@@ -28,18 +28,23 @@ computed in the pass that reads it for the weighted sum), q = w * g, optional nu
   sum's gradient from its later readers, adds this router's share and writes it once, for both parts (no
   autograd add of two gradients).
 
-Traffic per call (rows of [tokens, hidden], :func:`call_rows`): forward N + (1 with x) + 1 (+ 2 forming a
-partial sum), backward 1 + N + (one write per source gradient) + (one read per gradient added to an existing
-buffer) (+ 1 forming a partial sum with later readers).
+- the completed block sources (read by every router of a block through KernelSinks): their gradients are
+  deferred to one pass per block (:class:`BlockDeferral`, where :func:`defers` says it moves fewer rows): the
+  routers' backward leaves per-token coefficients, the block's pass reads each router's output gradient and
+  each source once and writes each source's gradient once.
 
-Not done here: the gradients of the completed block sources are accumulated per router (in place), not
-deferred to one pass per block; the sublayer's own input norm is not fused.
+Traffic per call (rows of [tokens, hidden], :func:`call_rows`): forward N + (1 with x) + 1 (+ 2 forming a
+partial sum), backward 1 + N + (one write per source gradient not deferred) + (one read per gradient added to
+an existing buffer) (+ 1 forming a partial sum with later readers). A block's pass: one read per router, and
+per source a read, a write and (added to an existing buffer) a read.
+
+Not done here: the sublayer's own input norm is not fused.
 """
 from __future__ import annotations
 
 import os
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -47,11 +52,12 @@ from torch import Tensor
 from megatron_delta.core import traffic
 
 __all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check", "interpreting",
-           "device_ok", "fallback_reason", "KernelSink", "make_sink", "route", "route_router", "call_rows",
-           "TOKENS_PER_PROGRAM"]
+           "device_ok", "fallback_reason", "KernelSink", "make_sink", "BlockDeferral", "DeferredSink", "defers",
+           "defer_block", "route", "route_router", "call_rows", "TOKENS_PER_PROGRAM"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL = "triton_route"  # the name the kernels' calls are recorded under (traffic.py)
+DEFERRED_KERNEL = "triton_block_grad"  # the block pass of the deferred gradients (BlockDeferral)
 TOKENS_PER_PROGRAM = 16  # BT at most: the tile is BT tokens x the hidden size (padded to a power of two)
 TILE_ELEMENTS = 8192  # at most BT x BD fp32 values per tile (BT shrinks for large hidden sizes)
 
@@ -61,7 +67,7 @@ class TritonUnavailable(RuntimeError):
 
 
 _lock = threading.Lock()
-_kernels = None  # (forward, backward) jitted kernels
+_kernels = None  # (forward, backward, block pass) jitted kernels
 _error: Optional[str] = None
 
 
@@ -71,7 +77,7 @@ def interpreting() -> bool:
 
 
 def load():
-    """The two jitted kernels, built on first use. Raises TritonUnavailable."""
+    """The jitted kernels, built on first use. Raises TritonUnavailable."""
     global _kernels, _error
     with _lock:
         if _kernels is None and _error is None:
@@ -144,6 +150,15 @@ def call_rows(n_sources: int, *, has_base: bool, grads: Optional[int] = None, ac
     return {"forward": forward, "backward": backward}
 
 
+def defers(routers: int, sources: int) -> bool:
+    """Whether a block's ``routers`` (those of one buffer scope) defer the gradients of the ``sources`` they all
+    read through KernelSinks to one pass (:class:`BlockDeferral`): where it moves fewer rows. In place, each
+    router reads and writes each source's gradient (2 rows per router and source); deferred, the pass reads each
+    router's output gradient once, and each source and its gradient once and writes it (routers + 3 per source).
+    The one fresh write per source (its first writer in backward writes without reading) is the same either way."""
+    return sources > 0 and 2 * routers * sources > routers + 3 * sources
+
+
 # ---------------------------------------------------------------------------------------- the kernels
 def _build():
     import triton
@@ -205,8 +220,8 @@ def _build():
 
     @triton.jit
     def _backward(grad_ptr, src_ptrs, tgt_ptrs, flag_ptr, alpha_ptr, inv_ptr, logit_ptr, q_ptr, null_ptr,
-                  gate_ptr, part_q_ptr, part_null_ptr, part_scalar_ptr, partial_grad_ptr, T, d,
-                  N: tl.constexpr, UNIT: tl.constexpr, HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr,
+                  gate_ptr, part_q_ptr, part_null_ptr, part_scalar_ptr, partial_grad_ptr, slot_ptr, coef_ptr, T, d,
+                  C, N: tl.constexpr, UNIT: tl.constexpr, HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr,
                   PARTIAL_GRAD: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
@@ -244,16 +259,22 @@ def _build():
             c = dl * iv
             e = -dl * z * iv * iv / d
             dq += tl.sum(c[:, None] * v, 0)
-            flag = tl.load(flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the buffer
+            flag = tl.load(flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the buffer, 3: deferred
             w = al * a
             if UNIT:
                 w += 1.0
+            # deferred (BlockDeferral): the gradient is w g + c q + e v; its block's pass forms it from w, c, e
+            dmask = rmask & (flag == 3)
+            coef = coef_ptr + tl.maximum(tl.load(slot_ptr + i), 0) * T + rows
+            tl.store(coef, w, mask=dmask)
+            tl.store(coef + C * T, c, mask=dmask)
+            tl.store(coef + 2 * C * T, e, mask=dmask)
             gv = w[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
             if PARTIAL_GRAD and i == N - 1:  # the formed partial's gradient from its later readers
                 gv += tl.load(partial_grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
             gv += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
-            tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
+            tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0) & (flag < 3))
         tl.store(part_q_ptr + pid * BD + cols, dq, mask=cmask)
         gate_part = tl.sum(s, 0)  # sum_t sum_i alpha_i dw_i: the gate's gradient
         if HAS_NULL:
@@ -261,7 +282,40 @@ def _build():
             tl.store(part_scalar_ptr + 2 * pid + 1, tl.sum(dln, 0))
         tl.store(part_scalar_ptr + 2 * pid, gate_part)
 
-    return _forward, _backward
+    @triton.jit
+    def _block_grad(grad_ptrs, coef_ptrs, q_ptr, src_ptrs, tgt_ptrs, flag_ptr, T, d, C,
+                    R: tl.constexpr, GT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        # program (i, tile): source i's gradient on one tile, sum_j (w_ij g_j + c_ij q_j) + (sum_j e_ij) v_i.
+        # The sources' programs of a tile are adjacent in the launch (i varies fastest): they read the same
+        # output-gradient tiles, the first from memory and the others from L2.
+        i = tl.program_id(0)
+        pid = tl.program_id(1)
+        rows = pid * BT + tl.arange(0, BT)
+        cols = tl.arange(0, BD)
+        rmask = rows < T
+        cmask = cols < d
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        acc = tl.zeros((BT, BD), tl.float32)
+        esum = tl.zeros((BT,), tl.float32)
+        for j in tl.static_range(R):
+            grad = tl.load(grad_ptrs + j).to(tl.pointer_type(GT))
+            g = tl.load(grad + offs, mask=mask, other=0.0).to(tl.float32)
+            # router j's [3, C, T]: its w, c, e for source i
+            coef = tl.load(coef_ptrs + j).to(tl.pointer_type(tl.float32)) + i * T + rows
+            w = tl.load(coef, mask=rmask, other=0.0)
+            c = tl.load(coef + C * T, mask=rmask, other=0.0)
+            esum += tl.load(coef + 2 * C * T, mask=rmask, other=0.0)
+            q = tl.load(q_ptr + j * d + cols, mask=cmask, other=0.0)
+            acc += w[:, None] * g + c[:, None] * q[None, :]
+        src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+        acc += esum[:, None] * tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        flag = tl.load(flag_ptr + i)  # 1: assign, 2: add to the buffer
+        tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
+        acc += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+        tl.store(tgt + offs, acc.to(DT), mask=mask)
+
+    return _forward, _backward, _block_grad
 
 
 _TL_DTYPES = {}
@@ -284,6 +338,17 @@ def _tile(d: int) -> Tuple[int, int, int]:
 
 def _pointers(tensors: Sequence[Optional[Tensor]], device) -> Tensor:
     return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+
+
+def _row_table(tensors: Sequence[Tensor], rows: int, d: int, device) -> Tuple[List[Tensor], Tensor]:
+    """The kernels' view of a list of same-dtype [.., d] tensors: each as row-major [rows, d] (a copy only where
+    it is strided) and the table of their addresses, which a kernel indexes by source."""
+    flat = [t.reshape(rows, d).contiguous() for t in tensors]
+    return flat, _pointers(flat, device)
+
+
+def _ints(values: Sequence[int], device) -> Tensor:
+    return torch.tensor(values, dtype=torch.int32).to(device)
 
 
 # ---------------------------------------------------------------------------------------- gradient sinks
@@ -323,6 +388,97 @@ def make_sink(value: Tensor) -> Optional[KernelSink]:
     return sink
 
 
+class BlockDeferral:
+    """The gradients of the completed sources that one block's routers (in one buffer scope) read through
+    KernelSinks, written once for the block instead of once per router (:func:`defers` says where that pays).
+
+    Each router's backward reads each source once as before (its dot products <grad, v_i> are needed for the
+    softmax's gradient, hence for the in-block sources' gradients), but writes nothing for these sources: the
+    gradient of source i from router j is w_ij g_j + c_ij q_j + e_ij v_i with per-token scalars w, c, e, which
+    it leaves in the stash with its output gradient g_j and its query q_j. One pass (:meth:`flush`, kernel
+    ``_block_grad``) then reads each g_j and each source once and adds the block's share into the source's
+    gradient buffer once. The pass runs in the backward of a node (:class:`_DeferredPass`) that takes the
+    sources' sink tokens and gives the block's routers the token they take instead: autograd runs it after
+    every one of those routers' backward and before any sink hands its gradient on. It holds the block's
+    output gradients (one [tokens, hidden] tensor per router) until then."""
+
+    __slots__ = ("values", "sinks", "stash")
+
+    def __init__(self, values: Sequence[Tensor], sinks: Sequence[KernelSink]) -> None:
+        self.values = [v.detach() for v in values]  # the same storage as the routers' saved values
+        self.sinks = list(sinks)
+        self.stash: List[Tuple[Tensor, Tensor, Tensor]] = []  # (g_j [T, d], coefficients [3, C, T], q_j [d])
+
+    def slots(self) -> List["DeferredSink"]:
+        """One DeferredSink per source, in order, each carrying the token the block's routers take."""
+        token = _DeferredPass.apply(self, *[s.token for s in self.sinks])
+        return [DeferredSink(self, i, token) for i in range(len(self.sinks))]
+
+    def flush(self) -> None:
+        stash, self.stash = self.stash, []
+        if not stash:
+            return
+        v0 = self.values[0]
+        d = v0.shape[-1]
+        rows, dev, dtype = v0.numel() // d, v0.device, v0.dtype
+        gdt = stash[0][0].dtype
+        grads = [g if g.dtype == gdt else g.to(gdt) for g, _, _ in stash]
+        coefs = [c for _, c, _ in stash]  # [3, C, T] fp32 each
+        queries = torch.stack([q for _, _, q in stash])  # [R, d] fp32
+        flat, src_ptrs = _row_table(self.values, rows, d, dev)
+        flags = []
+        for sink in self.sinks:  # the first writer to reach the sink makes the buffer (assigned)
+            flags.append(1 if sink.grad is None else 2)
+            if sink.grad is None:
+                sink.grad = torch.empty(rows, d, dtype=dtype, device=dev)
+        targets = [s.grad for s in self.sinks]
+        bt, bd, warps = _tile(d)
+        load()[2][(len(self.sinks), _cdiv(rows, bt))](
+            _pointers(grads, dev), _pointers(coefs, dev), queries, src_ptrs, _pointers(targets, dev),
+            _ints(flags, dev), rows, d, len(self.sinks), R=len(grads), GT=_tl_dtype(gdt), DT=_tl_dtype(dtype),
+            BT=bt, BD=bd, num_warps=warps)
+        traffic.record(DEFERRED_KERNEL, "backward",
+                       reads=[*grads, *coefs, *flat, *[t for t, f in zip(targets, flags) if f == 2]], writes=targets)
+
+
+class DeferredSink(NamedTuple):
+    """A source's place in its block's deferred pass: what a router of the block takes instead of the KernelSink."""
+
+    deferral: BlockDeferral
+    slot: int
+    token: Tensor
+
+
+class _DeferredPass(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, deferral, *sink_tokens):
+        ctx.deferral = deferral
+        ctx.count = len(sink_tokens)
+        return sink_tokens[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad):
+        ctx.deferral.flush()
+        return (None, *[_grad.new_empty(0) if _grad is not None else None for _ in range(ctx.count)])
+
+
+def defer_block(sources: Sequence, routers: int, deferrals: Dict[int, Optional[BlockDeferral]], block: int) -> list:
+    """``sources`` (router.Source tuples) of a router of ``block`` as it should take them: the sources with a
+    KernelSink in the block's deferred pass, where :func:`defers` says it pays for the block's ``routers`` in this
+    scope. ``deferrals`` (block -> the slots, or None: not deferred) is the buffer's, filled at the block's first
+    router; a source the first router did not read keeps its sink."""
+    if block not in deferrals:
+        shared = [s for s in sources if isinstance(s.sink, KernelSink)]
+        deferrals[block] = None
+        if shared and defers(routers, len(shared)):
+            slots = BlockDeferral([s.value for s in shared], [s.sink for s in shared]).slots()
+            deferrals[block] = {id(s.sink): slot for s, slot in zip(shared, slots)}
+    slots = deferrals[block]
+    if not slots:
+        return list(sources)
+    return [s._replace(sink=slots[id(s.sink)]) if id(s.sink) in slots else s for s in sources]
+
+
 # ---------------------------------------------------------------------------------------- routing
 class _TritonRoute(torch.autograd.Function):
     """out = B + a * sum_i softmax_i(z_i) v_i (+ the null source), every logit projected in the pass.
@@ -336,17 +492,17 @@ class _TritonRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, n, out_dtype, sinks, unit, eps, base, gate, null_logit, null_value, query, addend, *tensors):
-        fwd, _ = load()
+        fwd = load()[0]
         ctx.set_materialize_grads(False)
         values = tensors[:n]
         v0 = values[0]
         d = v0.shape[-1]
         rows = v0.numel() // d
-        flat = [v.reshape(rows, d).contiguous() for v in values]
+        dev = v0.device
+        flat, ptrs = _row_table(values, rows, d, dev)
         flat_base = None if base is None else base.reshape(rows, d).contiguous()
         has_null = null_value is not None
         m = n + int(has_null)
-        dev = v0.device
         out = torch.empty(rows, d, dtype=out_dtype or v0.dtype, device=dev)
         logits = torch.empty(m, rows, dtype=torch.float32, device=dev)
         inv = torch.empty(n, rows, dtype=torch.float32, device=dev)
@@ -360,7 +516,6 @@ class _TritonRoute(torch.autograd.Function):
             flat_addend = addend.reshape(rows, d).contiguous()
             partial = torch.empty(rows, d, dtype=v0.dtype, device=dev)
         bt, bd, warps = _tile(d)
-        ptrs = _pointers(flat, dev)
         fwd[(_cdiv(rows, bt),)](
             ptrs, flat_base if flat_base is not None else out, out, q, zf if zf is not None else q,
             nl if nl is not None else q, gf if gf is not None else q, logits, lse, inv,
@@ -386,7 +541,7 @@ class _TritonRoute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_alpha, grad_partial):
-        _, bwd = load()
+        bwd = load()[1]
         n = ctx.n
         gate, null_logit, null_value, query, alpha, inv, logits, *values = ctx.saved_tensors
         needs = ctx.needs_input_grad
@@ -395,18 +550,23 @@ class _TritonRoute(torch.autograd.Function):
         d = values[0].shape[-1]
         dev = values[0].device
         dtype = values[0].dtype
-        flat = [v.reshape(rows, d).contiguous() for v in values]  # the kernel takes row-major rows
+        flat, ptrs = _row_table(values, rows, d, dev)
         if grad_out is None:
             grad_out = torch.zeros(values[0].shape, dtype=torch.float32, device=dev)
         grad = grad_out.reshape(rows, d).contiguous()
         flat_gp = None if grad_partial is None or not ctx.formed else grad_partial.reshape(rows, d).contiguous()
         targets: List[Optional[Tensor]] = [None] * n
         flags = [0] * n
+        slots = [-1] * n
         grad_values: List[Optional[Tensor]] = [None] * n
         grad_tokens: List[Optional[Tensor]] = [None] * n
+        deferral = None
         for i, sink in enumerate(ctx.sinks):
-            if sink is not None:
-                if sink.grad is None:  # the first reader to reach the sink makes the buffer (assigned)
+            if isinstance(sink, DeferredSink):  # its block's pass writes the gradient (coefficients stashed)
+                deferral, slots[i], flags[i] = sink.deferral, sink.slot, 3
+                grad_tokens[i] = values[i].new_empty(0)
+            elif sink is not None:
+                if sink.grad is None:  # the first writer to reach the sink makes the buffer (assigned)
                     sink.grad, flags[i] = torch.empty(rows, d, dtype=dtype, device=dev), 1
                 else:
                     flags[i] = 2
@@ -415,6 +575,8 @@ class _TritonRoute(torch.autograd.Function):
             elif needs[nv + i] or (ctx.formed and i == n - 1 and needs[10]):
                 grad_values[i] = targets[i] = torch.empty(rows, d, dtype=dtype, device=dev)
                 flags[i] = 1
+        sources = 1 if deferral is None else len(deferral.values)
+        coef = torch.zeros(3, sources, rows, dtype=torch.float32, device=dev)  # w, c, e per deferred source
         has_null = null_value is not None
         bt, bd, warps = _tile(d)
         programs = _cdiv(rows, bt)
@@ -425,13 +587,15 @@ class _TritonRoute(torch.autograd.Function):
         zf = None if null_value is None else null_value.detach().to(torch.float32).contiguous()
         gf = None if gate is None else gate.detach().to(torch.float32).reshape(1)
         bwd[(programs,)](
-            grad, _pointers(flat, dev), _pointers(targets, dev), torch.tensor(flags, dtype=torch.int32).to(dev),
+            grad, ptrs, _pointers(targets, dev), _ints(flags, dev),
             alpha, inv, logits, q, zf if zf is not None else q, gf if gf is not None else q,
-            part_q, part_null, part_scalar, flat_gp if flat_gp is not None else grad, rows, d,
-            N=n, UNIT=ctx.unit, HAS_NULL=has_null, HAS_GATE=gate is not None, PARTIAL_GRAD=flat_gp is not None,
-            DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
+            part_q, part_null, part_scalar, flat_gp if flat_gp is not None else grad, _ints(slots, dev), coef,
+            rows, d, sources, N=n, UNIT=ctx.unit, HAS_NULL=has_null, HAS_GATE=gate is not None,
+            PARTIAL_GRAD=flat_gp is not None, DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
         traffic.record(KERNEL, "backward", reads=[grad, *flat, flat_gp, *[t for t, f in zip(targets, flags) if f == 2]],
-                       writes=[t for t in targets if t is not None])
+                       writes=[t for t in targets if t is not None] + ([coef] if deferral is not None else []))
+        if deferral is not None:
+            deferral.stash.append((grad, coef, q))
         grad_query = part_q.sum(0)[:d].to(query.dtype) if needs[9] else None
         grad_gate = grad_null_logit = grad_null_value = None
         if gate is not None and needs[6]:
@@ -468,7 +632,8 @@ def route(values: Sequence[Tensor], *, query: Tensor, eps: float, sinks: Optiona
     every input."""
     n = len(values)
     sinks = list(sinks) if sinks is not None else [None] * n
-    sinks = [s if isinstance(s, KernelSink) and s.token is not None else None for s in sinks]
+    sinks = [s if isinstance(s, DeferredSink) or (isinstance(s, KernelSink) and s.token is not None) else None
+             for s in sinks]
     if addend is not None:
         sinks[-1] = None
     tokens = [None if s is None else s.token for s in sinks]

@@ -2,7 +2,8 @@
 
 step_traffic() counts, per kernel and phase, the bytes every pass of the routed residual stream moves for one
 micro-batch: each router call (router.py's PyTorch path, the C kernels of cpu_kernels.py, fla-core's
-fused_attnres around fla_router.py, the Triton kernels of triton_router.py), the group router's passes (delta and
+fused_attnres around fla_router.py, the Triton kernels of triton_router.py with their block passes over the
+completed block sources' gradients), the group router's passes (delta and
 full_attnres on torch / c, group_router.py), each shared source projection, the sublayers' partial sums
 (delta_block's P + v, the replacement modes' p + v: a PyTorch add, or formed in the Triton pass of their one
 reader), the residual adds x + v, the sum that hands x out, the null source, and
@@ -95,9 +96,11 @@ def _route_pass(backend, a, c, kinds, base, null, gate_on, grad, formed=False):
     elif backend == "triton":  # triton_router._TritonRoute: its kernels' traffic per call (call_rows)
         from megatron_delta.core.triton_router import KERNEL, call_rows
 
-        # every source gets its gradient (written; added in place where an earlier reader's is in the buffer);
+        # every source gets its gradient (written; added in place where an earlier reader's is in the buffer),
+        # except those deferred to their block's pass (kinds 'deferred': read once, for the dot products only);
         # the formed partial's own gradient, read where it has later readers, is added in _Ledger.settle
-        rows = call_rows(n, has_base=bool(base), accumulated=acc, forms_partial=formed, partial_grad=False)
+        rows = call_rows(n, has_base=bool(base), grads=n - kinds.count("deferred"), accumulated=acc,
+                         forms_partial=formed, partial_grad=False)
         out[KERNEL, "forward"] = a * rows["forward"]
         if grad:
             out[KERNEL, "backward"] = a * rows["backward"]
@@ -152,6 +155,9 @@ class _Ledger:
         self._group = None  # the number of sources older than the group routing now
         self._touches = {}  # a source the groups read -> the passes whose backward update its gradient, in order
         self._formed = []  # partial sums a Triton kernel formed in its pass (their gradient is read if read later)
+        self.defer_blocks = True  # triton: the completed sources' gradients deferred to one pass per block
+        self._blocks = {}  # block -> ids of the sink entries its pass writes (empty: not deferred)
+        self._sink_writers = {}  # id(sink entry) -> the kernels writing its gradient, in forward order
 
     def new(self):
         return _Tensor(self)
@@ -226,6 +232,7 @@ class _Ledger:
         names = self.plan.final_reads() if key == "final" else self.plan.reads(key)
         kinds = []
         formed = False
+        sinks = []  # the entries of this router's sources with a KernelSink (triton)
         for name in names:
             entry = self.entries[name]
             if self.backend == "triton":
@@ -242,6 +249,9 @@ class _Ledger:
                     entry[1] = "local" if len(readers) <= 1 else []
                     if entry[1] == []:
                         self.read(entry[0])
+                if entry[1] != "local":
+                    sinks.append(entry)
+                    continue
             self._value(entry)
             if entry[1] is None:  # projected at its first read, for its readers in scope (SourceBuffer._source)
                 readers = [k for k in self.plan.value_readers(name, key) if k in self.scope]
@@ -257,6 +267,8 @@ class _Ledger:
             else:
                 kinds.append("accumulate" if entry[1] else "fresh")
                 entry[1].append(key)
+        if sinks:
+            kinds += self._sink_kinds(key, sinks)
         unit = base_sums and base is None
         if unit and self.backend == "fla":
             raise ValueError("fla keeps x as a stream (fla_router.plan_keeps_x): no router forms it from its sources")
@@ -265,6 +277,38 @@ class _Ledger:
         self.add(_route_pass(self.backend, self.a, self.c, kinds, base is not None, self.null,
                              apply_gate and self.gate, self.grad, formed))
         return self.new()
+
+    # the Triton kernels' sinks and their block passes (triton_router.BlockDeferral, SourceBuffer._deferral)
+    def _sink_kinds(self, key, sinks):
+        """The kinds of this router's KernelSink sources ('fresh': its backward writes the gradient, or adds it in
+        place where an earlier writer's is in the buffer - counted in settle_groups; 'deferred': its block's pass
+        does), and the block's pass, at the block's first router in this scope."""
+        from megatron_delta.core.triton_router import DEFERRED_KERNEL, defers
+
+        group = None
+        if key != "final" and self.plan.blocked and self.defer_blocks:
+            b = self.plan.block_of(key)
+            if b not in self._blocks:
+                routers = sum(1 for k in self.scope if isinstance(k, int) and self.plan.block_of(k) == b)
+                ids = [id(e) for e in sinks]
+                self._blocks[b] = set(ids) if defers(routers, len(ids)) else set()
+                if self._blocks[b]:  # backward: each router's output gradient, each source once, its gradient
+                    self.add({(DEFERRED_KERNEL, "backward"): (routers + 2 * len(ids)) * self.a})
+                    for e in sinks:
+                        self._sink_touch(e, DEFERRED_KERNEL)
+            group = self._blocks[b]
+        kinds = []
+        for e in sinks:
+            if group and id(e) in group:
+                kinds.append("deferred")
+            else:
+                kinds.append("fresh")
+                self._sink_touch(e, "triton_route")
+        return kinds
+
+    def _sink_touch(self, entry, kernel):
+        if self.grad:
+            self._sink_writers.setdefault(id(entry), []).append(kernel)
 
     # the group router (group_router.GroupRouting): delta / full_attnres on CPU backends with S > 1
     def _grouped(self, key):
@@ -319,6 +363,10 @@ class _Ledger:
             for i, kernel in enumerate(kernels):
                 self.totals[kernel, "backward"] += self.a if i == len(kernels) - 1 else 2 * self.a
         self._touches = {}
+        for kernels in self._sink_writers.values():  # each writer but the first in backward (the last) adds in place
+            for kernel in kernels[:-1]:
+                self.totals[kernel, "backward"] += self.a
+        self._sink_writers = {}
         for t in self._formed:  # a formed partial with later readers: its gradient read by the forming call
             if t.readers:
                 self.totals["triton_route", "backward"] += self.a
@@ -364,14 +412,16 @@ def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size
 
 
 def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, null_source=False, gate=False,
-                 recompute=None, group_size="auto"):
+                 recompute=None, group_size="auto", defer_blocks=True):
     """{(kernel, phase): u} of one micro-batch's forward + backward through one pipeline chunk holding all
     ``num_layers`` layers (the embedding output in, the final norm's input out), router ``backend`` (torch, c,
     fla), activations of ``act_bytes`` bytes, with ``recompute`` (None, ("uniform", n) or ("block", n): the
     recomputed chunks run their forward twice, and each is its own buffer scope, as block.py runs them).
     ``group_size``: --delta-router-group-size of delta / full_attnres (auto: the group router on torch / c).
-    Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), group_old_pass, group_merge (the
-    group router), partial_sum, x_add, x_sum, autograd_add."""
+    Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), triton_route, triton_block_grad
+    (triton), group_old_pass, group_merge (the group router), partial_sum, x_add, x_sum, autograd_add.
+    ``defer_blocks=False`` prices the Triton kernels with every router adding the completed block sources'
+    gradients in place (no block pass: triton_router.BlockDeferral), for comparison."""
     if mode == BASELINE:
         return {}
     plan = make_plan(mode, num_layers, backend, num_blocks, gate, group_size)
@@ -386,6 +436,7 @@ def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, nul
 
     def buffer(scope, grad):
         ledgers.append(_Ledger(plan, scope, totals, tensors, backend, a, c, null_source, gate, grad))
+        ledgers[-1].defer_blocks = defer_blocks
         return ledgers[-1]
 
     def run_layers(buf, first, end, inputs):
