@@ -129,6 +129,30 @@ def test_triton_counted_traffic_equals_closed_form():
         assert (("triton_block_grad", "backward") in counted) == (mode in BLOCK_MODES), (mode, extras)
 
 
+@pytest.mark.parametrize("mode", ["delta_block", "attnres"])
+def test_triton_block_passes_save_what_they_should(mode):
+    """The closed form with the block passes against the Triton kernels' in-place path (defer_blocks=False), at the
+    8B layer (36 layers, K = 4: 18 routers per block; block b reads b + 1 completed sources, h0 / B0 and the b
+    later ones; attnres' final router reads all four too, in place). In place, each reader of a source writes its
+    gradient, all but the first in backward reading it first; deferred, each block's pass reads its 18 output
+    gradients and each of its sources once and writes each gradient once, reading it first unless it is the
+    source's first writer in backward (the last block's pass; attnres: the final router). The rest is the same."""
+    R, K = 18, 4
+    final = int(mode == "attnres")
+    # source c is read by the routers of blocks c..K-1 (+ the final router): the routers' gradient writes and reads
+    in_place = sum(2 * (R * (K - c) + final) - 1 for c in range(K))
+    deferred = sum(final for c in range(K))  # the final router's write only (the first writer in backward)
+    passes = sum(R + (b + 1) for b in range(K)) + sum(2 * (K - c) - 1 + final for c in range(K))
+    with_passes = cost_model.step_traffic(mode, 36, "triton", num_blocks=K)
+    without = cost_model.step_traffic(mode, 36, "triton", num_blocks=K, defer_blocks=False)
+    assert with_passes.pop(("triton_block_grad", "backward")) == passes
+    assert without[("triton_route", "backward")] - with_passes[("triton_route", "backward")] == in_place - deferred
+    assert {k: v for k, v in without.items() if k[0] != "triton_route"} == {
+        k: v for k, v in with_passes.items() if k[0] != "triton_route"}
+    if mode == "delta_block":  # the issue's target: 1,304 -> 1,046 u per step
+        assert (cost_model.total_u(without), cost_model.total_u(with_passes) + passes) == (1304, 1046)
+
+
 def test_counting_is_off_by_default_and_nests():
     """Nothing is recorded outside a counting() block; nested blocks each see every call."""
     x = torch.ones(4, 8)
