@@ -575,8 +575,8 @@ class _TritonRoute(torch.autograd.Function):
             elif needs[nv + i] or (ctx.formed and i == n - 1 and needs[10]):
                 grad_values[i] = targets[i] = torch.empty(rows, d, dtype=dtype, device=dev)
                 flags[i] = 1
-        sources = 1 if deferral is None else len(deferral.values)
-        coef = torch.zeros(3, sources, rows, dtype=torch.float32, device=dev)  # w, c, e per deferred source
+        sources = 0 if deferral is None else len(deferral.values)
+        coef = None if deferral is None else torch.zeros(3, sources, rows, dtype=torch.float32, device=dev)  # w, c, e
         has_null = null_value is not None
         bt, bd, warps = _tile(d)
         programs = _cdiv(rows, bt)
@@ -589,11 +589,12 @@ class _TritonRoute(torch.autograd.Function):
         bwd[(programs,)](
             grad, ptrs, _pointers(targets, dev), _ints(flags, dev),
             alpha, inv, logits, q, zf if zf is not None else q, gf if gf is not None else q,
-            part_q, part_null, part_scalar, flat_gp if flat_gp is not None else grad, _ints(slots, dev), coef,
+            part_q, part_null, part_scalar, flat_gp if flat_gp is not None else grad, _ints(slots, dev),
+            coef if coef is not None else part_scalar,
             rows, d, sources, N=n, UNIT=ctx.unit, HAS_NULL=has_null, HAS_GATE=gate is not None,
             PARTIAL_GRAD=flat_gp is not None, DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
         traffic.record(KERNEL, "backward", reads=[grad, *flat, flat_gp, *[t for t, f in zip(targets, flags) if f == 2]],
-                       writes=[t for t in targets if t is not None] + ([coef] if deferral is not None else []))
+                       writes=[t for t in targets if t is not None] + [coef])
         if deferral is not None:
             deferral.stash.append((grad, coef, q))
         grad_query = part_q.sum(0)[:d].to(query.dtype) if needs[9] else None
