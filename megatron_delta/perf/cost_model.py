@@ -5,9 +5,10 @@ micro-batch: each router call (router.py's PyTorch path, the C kernels of cpu_ke
 fused_attnres around fla_router.py, the Triton kernels of triton_router.py), the group router's passes (delta and
 full_attnres on torch / c, group_router.py), each shared source projection, the sublayers' partial sums
 (delta_block's P + v, the replacement modes' p + v: a PyTorch add, or formed in the Triton pass of their one
-reader), the residual adds x + v, the sum that hands x out, the null source, and
-autograd's own additions of gradient contributions (a tensor read by several autograd nodes). Unit: "u", one
-[tokens, hidden] tensor in the activation dtype read or written once (an fp32 tensor of that size is 4 / a u).
+reader), authors-code delta_block's differences x - A<b-1>, the residual adds x + v, the sum that hands x out,
+the null source, and autograd's own additions of gradient contributions (a tensor read by several autograd
+nodes). Unit: "u", one [tokens, hidden] tensor in the activation dtype read or written once (an fp32 tensor of
+that size is 4 / a u).
 The same quantities are counted from the real tensors by megatron_delta.core.traffic (tests/test_traffic.py
 holds the two equal for every mode x backend, with and without recompute; tests/triton_cases.py for triton,
 under Triton's interpreter).
@@ -186,6 +187,10 @@ class _Ledger:
         else:
             self.entries[name] = [None, None, (partial, v)]
 
+    def hold_difference(self, name, minuend, subtrahend):
+        """SourceBuffer.hold_difference: minuend - subtrahend, a PyTorch subtraction."""
+        self.hold(name, self.elementwise("source_difference", minuend, subtrahend))
+
     def _value(self, entry):
         if entry[0] is None:
             entry[0], entry[2] = self.elementwise("partial_sum", *entry[2]), None
@@ -224,6 +229,13 @@ class _Ledger:
         if self._grouped(key):
             return self._group_route(key, base, base_sums)
         names = self.plan.final_reads() if key == "final" else self.plan.reads(key)
+        if not names:  # authors-code's first router (DepthRouter._no_sources): x + a vector broadcast to every
+            # token (reads x, writes u); backward reads u's gradient once, summing it into the vector
+            if base is None:
+                return self.new()
+            self.read(base)
+            self.add({("route", "forward"): 2 * self.a, ("route", "backward"): self.a})
+            return self.new()
         kinds = []
         formed = False
         for name in names:
@@ -349,14 +361,15 @@ def _segments(num_layers, recompute):
     raise ValueError(f"recompute method {method!r}: uniform or block")
 
 
-def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size="auto"):
-    """The SourcePlan a model of this mode / depth / router backend runs (as SourcePlan.from_config)."""
+def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size="auto", sources="exact"):
+    """The SourcePlan a model of this mode / depth / router backend / --delta-sources runs (as
+    SourcePlan.from_config)."""
     from types import SimpleNamespace
 
     from megatron_delta.core.sources import SourcePlan
 
     cfg = SimpleNamespace(residual=mode, num_layers=num_layers,
-                          delta_num_blocks=num_blocks if mode in BLOCK_MODES else None, delta_sources="exact",
+                          delta_num_blocks=num_blocks if mode in BLOCK_MODES else None, delta_sources=sources,
                           delta_gate="scalar" if gate else "none",
                           delta_router_kernels=backend if backend in ("fla", "triton") else "torch",
                           delta_router_group_size=group_size if mode in ("delta", "full_attnres") else 1)
@@ -364,17 +377,18 @@ def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size
 
 
 def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, null_source=False, gate=False,
-                 recompute=None, group_size="auto"):
+                 recompute=None, group_size="auto", sources="exact"):
     """{(kernel, phase): u} of one micro-batch's forward + backward through one pipeline chunk holding all
     ``num_layers`` layers (the embedding output in, the final norm's input out), router ``backend`` (torch, c,
     fla), activations of ``act_bytes`` bytes, with ``recompute`` (None, ("uniform", n) or ("block", n): the
     recomputed chunks run their forward twice, and each is its own buffer scope, as block.py runs them).
     ``group_size``: --delta-router-group-size of delta / full_attnres (auto: the group router on torch / c).
+    ``sources``: --delta-sources (authors-code: delta and delta_block).
     Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), group_old_pass, group_merge (the
-    group router), partial_sum, x_add, x_sum, autograd_add."""
+    group router), partial_sum, source_difference (authors-code delta_block), x_add, x_sum, autograd_add."""
     if mode == BASELINE:
         return {}
-    plan = make_plan(mode, num_layers, backend, num_blocks, gate, group_size)
+    plan = make_plan(mode, num_layers, backend, num_blocks, gate, group_size, sources)
     a, c = act_bytes, COMPUTE_BYTES
     totals = defaultdict(float)
     tensors = []
