@@ -1,7 +1,8 @@
 """core/group_router.py: the group router of delta and full_attnres equals the per-router path (float64, to
 1e-12, outputs and every gradient) for S in {1, 2, 3, 4, all}, with groups cut by pipeline chunks and by
 recompute chunks; its C kernels compute the same function in fp32; its counted traffic is the closed form
-(group_router.passes); the option is refused outside the fine-grained modes with a line naming the flag."""
+(perf/cost_model.step_traffic; group_router.passes on the C kernels); the option is refused outside the
+fine-grained modes with a line naming the flag."""
 import math
 
 import pytest
@@ -142,17 +143,23 @@ def test_c_kernels_in_fp32(config, monkeypatch):
 @pytest.mark.parametrize("kernels", ["c", "torch"])
 @pytest.mark.parametrize("config", CONFIGS, ids=_cid)
 def test_counted_traffic_is_the_closed_form(config, kernels):
-    """The group router's recorded reads and writes of [T, d] tensors, forward and backward, are
-    group_router.passes (fp32: one pass is one [T, d] fp32 tensor)."""
+    """The group router's recorded reads and writes of [T, d] tensors, forward and backward, per kernel and
+    phase, are perf/cost_model.step_traffic's (fp32: one pass is one [T, d] fp32 tensor); on the C kernels
+    their sum is group_router.passes, the closed form auto sizes the groups by."""
+    from megatron_delta.perf import cost_model
+
     mode, null, gate, xs = config
     S = 3
     toy = _toy(*config, S, torch.float32, kernels)
     with traffic.counting() as count:
         _forward_backward(toy, _h0(torch.float32), ())
     rows = count.rows(SEQ * BATCH * D, act_bytes=4)
-    counted = sum(v for (kernel, _), v in rows.items() if kernel.startswith("group_"))
-    n_read = 2 * L - 1 + 1  # h0, v0 .. v_{2L-2}: each source a router reads
-    assert counted == passes(2 * L, 1, S, unit=xs, base=gate) - n_read
+    counted = {k: v for k, v in rows.items() if k[0].startswith("group_")}
+    predicted = cost_model.step_traffic(mode, L, kernels, act_bytes=4, null_source=null, gate=gate, group_size=S)
+    assert counted == pytest.approx({k: v for k, v in predicted.items() if k[0].startswith("group_")}, abs=1e-9)
+    if kernels == "c":
+        n_read = 2 * L - 1 + 1  # h0, v0 .. v_{2L-2}: each source a router reads
+        assert sum(counted.values()) == passes(2 * L, 1, S, unit=xs, base=gate, null=null) - n_read
 
 
 def test_group_spans_and_auto_size():

@@ -129,22 +129,6 @@ def _routed_model(mode, null):
     return _model(DEPTHS, num_layers=4, **delta)
 
 
-def _randomise(model):
-    """Random routers (so every source's weight matters) and perturbed norm weights."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith(".query"):
-                p.copy_(0.3 * r)
-            elif name.endswith(".key_norm_weight"):
-                p.copy_(1 + 0.2 * r)
-            elif name.endswith(".null_source"):
-                p.copy_(0.05 * r)
-            elif p.dim() == 1:
-                p.add_(0.1 * r)
-
-
 def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -154,9 +138,10 @@ def test_mtp_depths_match_the_float64_reference(models, mode, null):
     """Main logits, each depth's logits (its hidden state through the shared output layer) and the gradient of
     every router (decoder and MTP depths) of sum(W * depth logits) against tests/reference_delta.py."""
     from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
+    from tests.test_modes_reference import randomise
 
     model = _routed_model(mode, null)
-    _randomise(model)
+    randomise(model)  # random routers (every source's weight matters), perturbed norm weights
     model.eval()
     routers = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in ("query", "key_norm_weight",
                                                                                       "null_source")}

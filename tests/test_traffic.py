@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_delta.core import traffic
-from megatron_delta.core.modes import BLOCK_MODES, ROUTED_MODES
+from megatron_delta.core.modes import AUTHORS_CODE, BLOCK_MODES, ROUTED_MODE_CLASSES, ROUTED_MODES
 from megatron_delta.perf import benchmark, cost_model
 
 BACKENDS = ("torch", "c", "fla")
@@ -58,14 +58,15 @@ def test_counted_traffic_equals_closed_form(dist, mode, backend):
         assert predicted and counted == pytest.approx(predicted, abs=1e-9), (recompute, extras)
 
 
-def _stand_in_step(mode, backend, dtype, null, gate):
+def _stand_in_step(mode, backend, dtype, null, gate, sources="exact"):
     """The routed residual stream of a 4-layer model over stand-in sublayers (v = u * s), one forward and
     backward, counted: {(kernel, phase): u} with u in ``dtype``'s bytes."""
     from megatron_delta.core.router import DepthRouter
     from megatron_delta.core.sources import SourceBuffer
 
     L, d, tokens = 4, 64, (8, 2)
-    plan = cost_model.make_plan(mode, L, backend, num_blocks=2 if mode in BLOCK_MODES else None, gate=gate)
+    plan = cost_model.make_plan(mode, L, backend, num_blocks=2 if mode in BLOCK_MODES else None, gate=gate,
+                                sources=sources)
     g = torch.Generator().manual_seed(0)
     keys = [*range(2 * L)] + (["final"] if plan.final_reads() else [])
     routers = {k: DepthRouter(d, null_source=null, gate=gate, eps=1e-6, kernels=backend) for k in keys}
@@ -151,6 +152,25 @@ def test_triton_block_passes_save_what_they_should(mode):
         k: v for k, v in with_passes.items() if k[0] != "triton_route"}
     if mode == "delta_block":  # the issue's target: 1,304 -> 1,046 u per step
         assert (cost_model.total_u(without), cost_model.total_u(with_passes) + passes) == (1304, 1046)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", [m for m in ROUTED_MODES if AUTHORS_CODE in ROUTED_MODE_CLASSES[m].source_definitions])
+def test_authors_code_counted_traffic_equals_closed_form(mode, backend):
+    """--delta-sources authors-code over the stand-in sublayers: layer 0's attention reads no source (u = x + the
+    null source or zero, broadcast), and delta_block's list gains A<b> = x - A<b-1> at each block's first layer, a
+    subtraction of its own (source_difference: reads x and A<b-1>, writes A<b>). The count equals step_traffic's
+    in fp32 and, on the GPU backends, in bf16, with and without the null source and the gate."""
+    dtypes = (torch.float32, torch.bfloat16) if backend in cost_model.GPU_BACKENDS else (torch.float32,)
+    for dtype in dtypes:
+        for extras in (False, True):
+            counted = _stand_in_step(mode, backend, dtype, extras, extras, AUTHORS_CODE)
+            predicted = cost_model.step_traffic(mode, 4, backend, num_blocks=2 if mode in BLOCK_MODES else None,
+                                                act_bytes=torch.tensor([], dtype=dtype).element_size(),
+                                                null_source=extras, gate=extras, sources=AUTHORS_CODE)
+            assert counted == pytest.approx(predicted, abs=1e-9), (dtype, extras)
+            # delta_block, 2 blocks: one difference (x and A0 read, A1 written)
+            assert counted.get(("source_difference", "forward"), 0) == (3 if mode in BLOCK_MODES else 0)
 
 
 def test_counting_is_off_by_default_and_nests():

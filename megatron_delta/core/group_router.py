@@ -36,7 +36,8 @@ per call; the group router has no GPU kernel yet).
 
 Implementations: PyTorch ops (any device and dtype; the reference) and the fused CPU kernels
 (csrc/group_router_kernels.c, fp32 CPU tensors, --delta-router-kernels auto/c): each pass is one C loop
-over the tokens that reads each [T, d] tensor once. Every call records its traffic (core/traffic.py).
+over the tokens that reads each [T, d] tensor once. Every call records its traffic (core/traffic.py): a C loop
+as one pass, the PyTorch path each op it makes.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ import torch
 from torch import Tensor
 
 from megatron_delta.core import traffic
-from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8
+from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8, _record_cast
 
 __all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_size", "group_spans", "passes",
            "GroupRouting"]
@@ -89,10 +90,11 @@ def check_group_size(value, residual: str, sources: str = "exact", kernels: str 
     return value
 
 
-def passes(n_routers: int, n_older: int, size: int, unit: bool = True, base: bool = False) -> int:
-    """The closed form of the group router's counted traffic (core/traffic.py) for a scope of ``n_routers``
+def passes(n_routers: int, n_older: int, size: int, unit: bool = True, base: bool = False, null: bool = False) -> int:
+    """The closed form of the C kernels' counted traffic (core/traffic.py) for a scope of ``n_routers``
     routers whose first reads ``n_older`` sources, in groups of ``size``: [T, d] tensors read or written, each
     counted once (fp32 throughout; with bf16 activations r_k, X and the gradients' fp32 tensors count twice).
+    The PyTorch ops make more passes (one per op; perf/cost_model.py prices them).
     ``unit``: x is the sum of the sources (delta without a gate: the old pass writes X, each merge reads it);
     ``base``: the merges read the held x (delta with the gate); neither: full_attnres. Per group of s routers
     with n_g older sources:
@@ -103,13 +105,14 @@ def passes(n_routers: int, n_older: int, size: int, unit: bool = True, base: boo
       the old pass reads the n_g sources and the s G_k and updates the n_g sources' gradients;
 
     4 n_g + s (6 + unit + base) + unit + 2 s (s - 1) per group, less one per source read with a gradient (its
-    first gradient, the last reader's in forward order, is written, not updated). The null source and the
-    weight tables are [d] and [T]-sized and not counted."""
+    first gradient, the last reader's in forward order, is written, not updated). ``null``: the null source's
+    value gradient reads each G_k once more (s per group); its value and the weight tables are [d] and
+    [T]-sized and not counted."""
     total = 0
     for a in range(0, n_routers, size):
         s = min(size, n_routers - a)
         n_g = n_older + a
-        total += 4 * n_g + s * (6 + int(unit) + int(base)) + int(unit) + 2 * s * (s - 1)
+        total += 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + 2 * s * (s - 1)
     return total
 
 
@@ -167,11 +170,13 @@ class _Stash:
         self.grads: Dict[int, Tuple[Tensor, Tensor]] = {}
 
 
-def _sink_add(sink: GradSink, grad: Tensor, dtype: torch.dtype) -> None:
+def _sink_add(sink: GradSink, grad: Tensor, dtype: torch.dtype, kernel: str) -> None:
     if sink.grad is None:
         sink.grad = _as(grad, dtype) if grad.dtype != dtype else grad
+        _record_cast(kernel, "backward", grad, sink.grad)
     else:
         sink.grad.add_(grad)
+        traffic.record(kernel, "backward", [sink.grad, grad], [sink.grad])
 
 
 def _kernel_lib(kernels: str, tensors: Sequence[Optional[Tensor]]):
@@ -227,6 +232,9 @@ class _OldPass(torch.autograd.Function):
                 vf = _as(vf, cdt)
                 inv[i] = _inv_rms(vf, eps, cdt)
                 z[:, i] = torch.mm(Q, vf.t()).mul_(inv[i])
+                _record_cast("group_old_pass", "forward", flat[i], vf)
+                traffic.record("group_old_pass", "forward", [vf], [])  # the norm (its [T] output is not a row)
+                traffic.record("group_old_pass", "forward", [vf], [])  # the GEMM ([S, T] logits)
             if has_null:
                 z[:, n] = nl.unsqueeze(1)
             lse = torch.logsumexp(z, dim=1)  # [S, T]
@@ -234,15 +242,21 @@ class _OldPass(torch.autograd.Function):
             for k in range(S):
                 rk = r[k]
                 torch.mul(flat[0], p[k, 0].unsqueeze(1), out=rk)
+                traffic.record("group_old_pass", "forward", [flat[0]], [rk])
                 for i in range(1, n):
                     rk.addcmul_(flat[i], p[k, i].unsqueeze(1))
+                    traffic.record("group_old_pass", "forward", [rk, flat[i]], [rk])
                 if has_null:
                     rk.addr_(p[k, n], nv[k])
+                    traffic.record("group_old_pass", "forward", [rk], [rk])
             if unit:
                 x.copy_(flat[0])
+                traffic.record("group_old_pass", "forward", [flat[0]], [x])
                 for vf in flat[1:]:
                     x.add_(vf)
-        traffic.record("group_old_pass", "forward", reads=flat, writes=[*r.unbind(0), x])
+                    traffic.record("group_old_pass", "forward", [x, vf], [x])
+        if lib is not None:  # the C loop reads each tensor once (the PyTorch ops above record their own passes)
+            traffic.record("group_old_pass", "forward", reads=flat, writes=[*r.unbind(0), x])
         ctx.n, ctx.S, ctx.unit, ctx.lib, ctx.sinks, ctx.stash, ctx.cdt = n, S, unit, lib, sinks, stash, cdt
         ctx.null_dtypes = [(a.dtype, b.dtype) for a, b in zip(null_logits, null_values)]
         ctx.save_for_backward(inv, z, p, Q, nv, *values)
@@ -295,40 +309,51 @@ class _OldPass(torch.autograd.Function):
             reads = [*flat, *G] + [t for t, f in outs if t is not None and not f]
             traffic.record("group_old_pass", "backward", reads=reads, writes=[t for t, _ in outs if t is not None])
         else:
+            for k, Gk in zip(ks, G):
+                _record_cast("group_old_pass", "backward", stash[k][0], Gk)
             # dp_ki = gate beta_k <G_k, s_i>: the gradient of the old softmax weights
             dp = torch.zeros(S, m, T, dtype=cdt, device=inv.device)
             prod = None
             for i, vf in enumerate(flat):
                 vf = _as(vf, cdt)
+                _record_cast("group_old_pass", "backward", flat[i], vf)
                 for k, Gk in zip(ks, G):
                     prod = torch.mul(Gk, vf, out=prod)
                     dp[k, i] = prod.sum(-1)
+                    traffic.record("group_old_pass", "backward", [Gk, vf], [prod])
+                    traffic.record("group_old_pass", "backward", [prod], [])
             if has_null:
                 for k, Gk in zip(ks, G):
                     dp[k, n] = torch.mv(Gk, nv[k])
+                    traffic.record("group_old_pass", "backward", [Gk], [])
             dp.mul_(w.unsqueeze(1))
             dz = p * (dp - (p * dp).sum(1, keepdim=True)) + p * dlse.unsqueeze(1)
             gsum = None
             if unit and G:
                 gsum = G[0].clone()
+                traffic.record("group_old_pass", "backward", [G[0]], [gsum])
                 for Gk in G[1:]:
                     gsum.add_(Gk)
+                    traffic.record("group_old_pass", "backward", [gsum, Gk], [gsum])
             for i, vf in enumerate(flat):
                 vf = _as(vf, cdt)
+                _record_cast("group_old_pass", "backward", flat[i], vf)
                 c = dz[:, i] * inv[i]  # [S, T]
                 dq.addmm_(c, vf)
+                traffic.record("group_old_pass", "backward", [vf], [])
                 if not needs_v[i]:
                     continue
                 e = -(dz[:, i] * z[:, i]).sum(0) * inv[i].square() / d  # [T]
                 gv = torch.mm(c.t(), Q).addcmul_(vf, e.unsqueeze(1))
+                traffic.record("group_old_pass", "backward", [], [gv])
+                traffic.record("group_old_pass", "backward", [gv, vf], [gv])
                 for k, Gk in zip(ks, G):
                     gv.addcmul_(Gk, (w[k] * p[k, i]).unsqueeze(1))
+                    traffic.record("group_old_pass", "backward", [gv, Gk], [gv])
                 if gsum is not None:
                     gv.add_(gsum)
-                _sink_add(ctx.sinks[i], gv, values[i].dtype)
-            reads = [*flat, *G] + [t for t, f in targets if t is not None and not f]
-            traffic.record("group_old_pass", "backward", reads=reads,
-                           writes=[ctx.sinks[i].grad for i in range(n) if needs_v[i]])
+                    traffic.record("group_old_pass", "backward", [gv, gsum], [gv])
+                _sink_add(ctx.sinks[i], gv, values[i].dtype, "group_old_pass")
         grad_q = [_as(dq[k], dt) for k, dt in enumerate(ctx.query_dtypes)]
         grad_nl, grad_nv = [], []
         if has_null:
@@ -337,6 +362,7 @@ class _OldPass(torch.autograd.Function):
                 if k in stash:
                     Gk = G[ks.index(k)]
                     grad_nv.append(torch.mv(Gk.t(), w[k] * p[k, n]).to(vdt))
+                    traffic.record("group_old_pass", "backward", [Gk], [])
                 else:
                     grad_nv.append(torch.zeros(d, dtype=vdt, device=inv.device))
         return (None,) * 7 + (None,) * n + (*grad_q, *grad_nl, *grad_nv)
@@ -375,22 +401,32 @@ class _Merge(torch.autograd.Function):
                 vf = _as(vf, cdt)
                 inv[i] = _inv_rms(vf, eps, cdt)
                 torch.mv(vf, q, out=zin[i]).mul_(inv[i])
+                _record_cast("group_merge", "forward", flat[i], vf)
+                traffic.record("group_merge", "forward", [vf], [])  # the norm (its [T] output is not a row)
+                traffic.record("group_merge", "forward", [vf], [])  # the logit
             torch.softmax(torch.cat([lse.unsqueeze(0), zin]), dim=0, out=a)
             wa = a if g is None else a * g
             out = torch.mul(r, wa[0].unsqueeze(1))
+            traffic.record("group_merge", "forward", [r], [out])
             if flat_base is not None:
                 out.add_(flat_base)
+                traffic.record("group_merge", "forward", [out, flat_base], [out])
             if x is not None:
                 out.add_(x)
+                traffic.record("group_merge", "forward", [out, x], [out])
             for i, vf in enumerate(flat):
                 out.addcmul_(vf, (wa[1 + i] + float(unit)).unsqueeze(1))
-        traffic.record("group_merge", "forward", reads=[r, x, flat_base, *flat], writes=[out])
+                traffic.record("group_merge", "forward", [out, vf], [out])
+        if lib is not None:  # the C loop reads each tensor once (the PyTorch ops above record their own passes)
+            traffic.record("group_merge", "forward", reads=[r, x, flat_base, *flat], writes=[out])
         ctx.k, ctx.unit, ctx.lib, ctx.sinks, ctx.stash, ctx.slot, ctx.cdt = k, unit, lib, sinks, stash, slot, cdt
         ctx.base_dtype = None if base is None else base.dtype
         ctx.base_shape = None if base is None else base.shape
         ctx.save_for_backward(r, gate, query, inv, zin, a, *values)
         ctx.mark_non_differentiable(a)
-        return _as(out, out_dtype), a
+        u = _as(out, out_dtype)
+        _record_cast("group_merge", "forward", out, u)
+        return u, a
 
     @staticmethod
     def backward(ctx, grad_out, _grad_a):
@@ -430,27 +466,38 @@ class _Merge(torch.autograd.Function):
                                          unit, outs, da, dlog, dq)
         else:
             gr = _as(grad, cdt)
+            _record_cast("group_merge", "backward", grad, gr)
             da = torch.empty(1 + k, T, dtype=cdt, device=r.device)
             prod = torch.mul(gr, r)
             torch.sum(prod, -1, out=da[0])
+            traffic.record("group_merge", "backward", [gr, r], [prod])
+            traffic.record("group_merge", "backward", [prod], [])
             for i, vf in enumerate(flat):
                 torch.sum(torch.mul(gr, vf, out=prod), -1, out=da[1 + i])
+                traffic.record("group_merge", "backward", [gr, vf], [prod])
+                traffic.record("group_merge", "backward", [prod], [])
             dag = da * gf
             dlog = a * (dag - (a * dag).sum(0, keepdim=True))
             outs = targets
             for i, vf in enumerate(flat):
                 vf = _as(vf, cdt)
+                _record_cast("group_merge", "backward", flat[i], vf)
                 c = dlog[1 + i] * inv[i]
                 dq.add_(torch.mv(vf.t(), c))
+                traffic.record("group_merge", "backward", [vf], [])
                 if targets[i][0] is None and not targets[i][1]:
                     continue
                 e = -(dlog[1 + i] * zin[i]) * inv[i].square() / d
                 gv = torch.mul(gr, (a[1 + i] * gf + float(unit)).unsqueeze(1))
                 gv.addr_(c, q).addcmul_(vf, e.unsqueeze(1))
-                _sink_add(ctx.sinks[i], gv, values[i].dtype)
-        needed = [i for i, (t, fresh) in enumerate(targets) if t is not None or fresh]
-        traffic.record("group_merge", "backward", reads=[grad, r, *flat] + [targets[i][0] for i in needed],
-                       writes=[ctx.sinks[i].grad for i in needed])
+                traffic.record("group_merge", "backward", [gr], [gv])
+                traffic.record("group_merge", "backward", [gv], [gv])
+                traffic.record("group_merge", "backward", [gv, vf], [gv])
+                _sink_add(ctx.sinks[i], gv, values[i].dtype, "group_merge")
+        if lib is not None:  # the C loop reads each tensor once (the PyTorch ops above record their own passes)
+            needed = [i for i, (t, fresh) in enumerate(targets) if t is not None or fresh]
+            traffic.record("group_merge", "backward", reads=[grad, r, *flat] + [targets[i][0] for i in needed],
+                           writes=[ctx.sinks[i].grad for i in needed])
         ctx.stash.grads[ctx.slot] = (grad_out, a[0] * gf)  # the group's backward reads G and gate * beta
         grad_gate = None
         if g is not None and needs[12]:

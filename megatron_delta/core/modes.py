@@ -22,7 +22,8 @@ full_attnres        B0 (= h0), B1 (= v0), ..., p (the latest sublayer output)
 A mode object acts on one micro-batch's SourceBuffer (megatron_delta/core/sources.py) through its small
 interface: ``hold(name, value)`` (name ``x``: the residual stream), ``take(name)``, ``value(name)``,
 ``rename(old, new)``, ``held_x``, ``x``, ``add_to_x(v)``, ``hold_sum(name, partial, v)`` (hold partial + v,
-or v without a partial; SourceBuffer lets the sum's one reader form it in its kernel) and ``route(j, router,
+or v without a partial; SourceBuffer lets the sum's one reader form it in its kernel), ``hold_difference(name,
+minuend, subtrahend)`` (hold minuend - subtrahend: authors-code delta_block's A<b>) and ``route(j, router,
 base=, apply_gate=, base_sums=)``; SourceBuffer keeps the protocol, the projections and the tensor
 bookkeeping. The HF model applies the same objects to its DepthSources (megatron_delta/hf/modeling_delta.py),
 the same interface over a dict of tensors. A new mode is a subclass registered here (and its float64 reference in
@@ -291,7 +292,10 @@ class DeltaBlockAuthorsCodeMode(DeltaBlockMode):
     def after_routing(self, buf, j: int) -> None:
         if self.is_block_start(j):
             b = self.block_of(j)
-            buf.hold(f"A{b}", buf.x if b == 0 else buf.held_x - buf.value(f"A{b - 1}"))  # A0 is x itself
+            if b == 0:
+                buf.hold("A0", buf.x)  # A0 is x itself
+            else:
+                buf.hold_difference(f"A{b}", buf.held_x, buf.value(f"A{b - 1}"))
 
     def keep_output(self, buf, j: int, out) -> None:
         pass  # the output is only in x

@@ -718,7 +718,12 @@ class DepthRouter(torch.nn.Module):
                                      "it needs at least one source")
                 out, alpha = self._no_sources(q, gate, null_logit, null_value, like)
                 if base is not None:
+                    summed = out.requires_grad  # backward sums u's gradient over the tokens into the vector
                     out = base + out
+                    if traffic.active():  # x + the vector broadcast to every token: reads x, writes u
+                        record("route", "forward", [base], [out])
+                        if summed:
+                            out.register_hook(lambda grad: record("route", "backward", [grad], []))
             else:
                 cols, sinks = zip(*(self._logit(s) for s in sources))
                 eps = {s.eps for s, col in zip(sources, cols) if col is None}

@@ -269,7 +269,6 @@ class SourceBuffer:
         sublayers = [k for k in self.readers if isinstance(k, int)]
         self._groups = (group_router.GroupRouting(plan.router_group_size, sublayers)
                         if plan.groups_routers and sublayers else None)
-        self._committing = None  # (v, values taken) while the mode commits v: what it sums (traffic counting)
         # block -> its routers' deferred pass over the completed sources' gradients (triton_router.defer_block)
         self._deferrals: Dict[int, Optional[dict]] = {}
 
@@ -304,11 +303,7 @@ class SourceBuffer:
     # ------------------------------------------------------------------ what the modes work through
     def hold(self, name: str, value: Tensor) -> None:
         """Hold ``value`` as source ``name`` (after those held), or as the residual stream (name ``x``)."""
-        if traffic.active():
-            traffic.watch(value)
-            if self._committing is not None and value is not self._committing[0]:
-                # the mode's partial sum (delta_block's P + v, the replacement modes' p + v): a new tensor
-                traffic.record("partial_sum", "forward", [*self._committing[1], self._committing[0]], [value])
+        traffic.watch(value)
         if name == "x":
             self._x, self._x_own = value, False
         else:
@@ -323,11 +318,16 @@ class SourceBuffer:
         else:
             self._entries[name] = _Entry(None, pending=PendingSum(partial, addend))
 
+    def hold_difference(self, name: str, minuend: Tensor, subtrahend: Tensor) -> None:
+        """Hold ``minuend - subtrahend`` as source ``name`` (authors-code delta_block's A<b> = x - A<b-1>): a
+        PyTorch subtraction, its own pass."""
+        value = minuend - subtrahend
+        traffic.record("source_difference", "forward", [minuend, subtrahend], [value])
+        self.hold(name, value)
+
     def take(self, name: str) -> Optional[Tensor]:
         """Remove source ``name``; its value, or None if it is not held."""
         entry = self._entries.pop(name, None)
-        if entry is not None and self._committing is not None:
-            self._committing[1].append(entry.value)
         return None if entry is None else entry.value
 
     def value(self, name: str) -> Tensor:
@@ -495,13 +495,8 @@ class SourceBuffer:
         """Record sublayer j's output (v_j for the additive modes, f_j(u) for replacement)."""
         if self._pending != j:
             raise RuntimeError(f"commit({j}) without routed_input({j})")
-        if traffic.active():
-            traffic.watch(out)
-            self._committing = (out, [])
-        try:
-            self.plan.rules.commit(self, j, out)
-        finally:
-            self._committing = None
+        traffic.watch(out)
+        self.plan.rules.commit(self, j, out)
         self._pending = None
         self.next_sublayer = j + 1
 

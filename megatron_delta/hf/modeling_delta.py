@@ -165,6 +165,9 @@ class DepthSources:
     def hold_sum(self, name: str, partial, addend: torch.Tensor):
         self.hold(name, addend if partial is None else partial + addend)
 
+    def hold_difference(self, name: str, minuend: torch.Tensor, subtrahend: torch.Tensor):
+        self.hold(name, minuend - subtrahend)
+
     def take(self, name: str):
         return self.sources.pop(name, None)
 

@@ -6,9 +6,10 @@ fused_attnres around fla_router.py, the Triton kernels of triton_router.py with 
 completed block sources' gradients), the group router's passes (delta and
 full_attnres on torch / c, group_router.py), each shared source projection, the sublayers' partial sums
 (delta_block's P + v, the replacement modes' p + v: a PyTorch add, or formed in the Triton pass of their one
-reader), the residual adds x + v, the sum that hands x out, the null source, and
-autograd's own additions of gradient contributions (a tensor read by several autograd nodes). Unit: "u", one
-[tokens, hidden] tensor in the activation dtype read or written once (an fp32 tensor of that size is 4 / a u).
+reader), authors-code delta_block's differences x - A<b-1>, the residual adds x + v, the sum that hands x out,
+the null source, and autograd's own additions of gradient contributions (a tensor read by several autograd
+nodes). Unit: "u", one [tokens, hidden] tensor in the activation dtype read or written once (an fp32 tensor of
+that size is 4 / a u).
 The same quantities are counted from the real tensors by megatron_delta.core.traffic (tests/test_traffic.py
 holds the two equal for every mode x backend, with and without recompute; tests/triton_cases.py for triton,
 under Triton's interpreter).
@@ -109,6 +110,34 @@ def _route_pass(backend, a, c, kinds, base, null, gate_on, grad, formed=False):
     return out
 
 
+def _group_old_pass_torch(a, c, n, s, unit, null):
+    """group_router._OldPass on PyTorch ops over n older sources for S = s routers (each with a gradient), the
+    sources' gradient sinks aside (_Ledger.settle_groups). Forward: per source an fp32 copy, its norm and its
+    GEMM (2 reads); per router r_k = the first source times its weight (a + c), each further one added in
+    (a + 2c), the null source (2c); X (unit): a copy and an add per further source. Backward: the G_k to fp32;
+    per source an fp32 copy, per router <G_k, s_i> (product: 3c, row sums: c); the null source's <G_k, z_k> and
+    its value gradient (c each); the sum of the G_k (unit); per source again an fp32 copy, dq (c), its gradient
+    (GEMM write, + e s_i: 4c), + each G_k (3c), + the sum of the G_k (3c)."""
+    cv = _conv(a, c)
+    chain = (a + c) + (n - 1) * (a + 2 * c)  # a sum over the n sources into an fp32 accumulator
+    forward = n * (cv + 2 * c) + s * (chain + 2 * c * null) + unit * chain
+    backward = (s * cv + n * (cv + 4 * c * s) + 2 * null * s * c + unit * (2 * c + (s - 1) * 3 * c)
+                + n * (cv + c + 4 * c + 3 * c * s + 3 * c * unit))
+    return {("group_old_pass", "forward"): forward, ("group_old_pass", "backward"): backward}
+
+
+def _group_merge_torch(a, c, k, base, unit):
+    """group_router._Merge on PyTorch ops for a router with k in-group sources (each needing its gradient), the
+    sinks aside. Forward: per source an fp32 copy, its norm and logit (2 reads); beta r_k (2c), + x (2c + a),
+    + X (3c), + each source (2c + a), u cast to the activation dtype. Backward: the gradient to fp32; <G, r_k>
+    and <G, v_i> (product and row sums: 4c, 3c + a); per source an fp32 copy, dq (c) and its gradient (G times
+    its weight 2c, + c q 2c, + e v 3c)."""
+    cv = _conv(a, c)
+    forward = k * (cv + 2 * c) + 2 * c + base * (2 * c + a) + unit * 3 * c + k * (2 * c + a) + cv
+    backward = cv + 4 * c + k * (3 * c + a) + k * (cv + c + 7 * c)
+    return {("group_merge", "forward"): forward, ("group_merge", "backward"): backward}
+
+
 def _project_pass(a, c, grad):
     """router._ProjectSource (a source read by several routers, projected once for all of them): fp32 copy,
     norm and GEMM (2 reads); backward: copy, the gradient from the sink (mm, + e v, added into the sink: 5c,
@@ -192,6 +221,10 @@ class _Ledger:
         else:
             self.entries[name] = [None, None, (partial, v)]
 
+    def hold_difference(self, name, minuend, subtrahend):
+        """SourceBuffer.hold_difference: minuend - subtrahend, a PyTorch subtraction."""
+        self.hold(name, self.elementwise("source_difference", minuend, subtrahend))
+
     def _value(self, entry):
         if entry[0] is None:
             entry[0], entry[2] = self.elementwise("partial_sum", *entry[2]), None
@@ -230,6 +263,13 @@ class _Ledger:
         if self._grouped(key):
             return self._group_route(key, base, base_sums)
         names = self.plan.final_reads() if key == "final" else self.plan.reads(key)
+        if not names:  # authors-code's first router (DepthRouter._no_sources): x + a vector broadcast to every
+            # token (reads x, writes u); backward reads u's gradient once, summing it into the vector
+            if base is None:
+                return self.new()
+            self.read(base)
+            self.add({("route", "forward"): 2 * self.a, ("route", "backward"): self.a})
+            return self.new()
         kinds = []
         formed = False
         sinks = []  # the entries of this router's sources with a KernelSink (triton)
@@ -331,11 +371,13 @@ class _Ledger:
             self._touches.setdefault(t, []).append(kernel)
 
     def _group_route(self, key, base, base_sums):
-        """One router of a group: at the group's first router the pass over the older sources (reads each,
-        writes S fp32 partial mixes r_k and, with x as the sources, their fp32 sum X; backward reads them and
-        the S output gradients G_k in fp32), then this router's merge (reads r_k, X or x, its k in-group
-        sources, writes u in fp32; backward reads its gradient, r_k and the k sources). The sources' gradients
-        are counted per pass in settle_groups."""
+        """One router of a group: at the group's first router the pass over the older sources, then this
+        router's merge (module docstring of group_router.py). The C kernels: the old pass reads each older source
+        once, writes S fp32 partial mixes r_k and, with x as the sources, their fp32 sum X (backward reads them
+        and the S output gradients G_k in fp32); the merge reads r_k, X or x, its k in-group sources and writes
+        u in fp32 (backward reads its gradient, r_k and the k sources). The PyTorch ops: each op a pass
+        (_group_old_pass_torch, _group_merge_torch). The null source's value gradient reads each G_k once more
+        (torch.mv) on both. The sources' gradients are counted per pass in settle_groups."""
         a_, b_ = self.spans[key]
         s = b_ - a_
         unit = base_sums and base is None
@@ -343,15 +385,22 @@ class _Ledger:
         values = [self.entries[n][0] for n in self.plan.reads(key)]
         if key == a_:
             self._group = len(values)
-            self.add({("group_old_pass", "forward"): len(values) * A + s * C + unit * C,
-                      ("group_old_pass", "backward"): len(values) * A + s * C})
+            n = len(values)
+            if self.backend == "torch":
+                self.add(_group_old_pass_torch(A, C, n, s, unit, self.null))
+            else:
+                self.add({("group_old_pass", "forward"): n * A + s * C + unit * C,
+                          ("group_old_pass", "backward"): n * A + s * C + self.null * s * C})
             for v in values:
                 self._touch(v, "group_old_pass")
         inside = values[self._group:]
         if base is not None:
             self.read(base)
-        self.add({("group_merge", "forward"): C + unit * C + (A if base is not None else 0) + len(inside) * A + C,
-                  ("group_merge", "backward"): A + C + len(inside) * A})
+        if self.backend == "torch":
+            self.add(_group_merge_torch(A, C, len(inside), base is not None, unit))
+        else:
+            self.add({("group_merge", "forward"): C + unit * C + (A if base is not None else 0) + len(inside) * A + C,
+                      ("group_merge", "backward"): A + C + len(inside) * A})
         for v in inside:
             self._touch(v, "group_merge")
         return self.new()
@@ -359,9 +408,13 @@ class _Ledger:
     def settle_groups(self):
         """Each source's gradient in the group passes: written by the first pass to reach it in backward (its last
         reader in forward order), read and written by every other one (in place into its sink)."""
+        # PyTorch ops: the first gradient becomes the sink (cast to the source's dtype where it differs); every
+        # later one is added into it (reads the sink and the fp32 gradient, writes the sink)
+        first, later = ((_conv(self.c, self.a), 2 * self.a + self.c) if self.backend == "torch"
+                        else (self.a, 2 * self.a))
         for kernels in self._touches.values():
             for i, kernel in enumerate(kernels):
-                self.totals[kernel, "backward"] += self.a if i == len(kernels) - 1 else 2 * self.a
+                self.totals[kernel, "backward"] += first if i == len(kernels) - 1 else later
         self._touches = {}
         for kernels in self._sink_writers.values():  # each writer but the first in backward (the last) adds in place
             for kernel in kernels[:-1]:
@@ -397,14 +450,15 @@ def _segments(num_layers, recompute):
     raise ValueError(f"recompute method {method!r}: uniform or block")
 
 
-def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size="auto"):
-    """The SourcePlan a model of this mode / depth / router backend runs (as SourcePlan.from_config)."""
+def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size="auto", sources="exact"):
+    """The SourcePlan a model of this mode / depth / router backend / --delta-sources runs (as
+    SourcePlan.from_config)."""
     from types import SimpleNamespace
 
     from megatron_delta.core.sources import SourcePlan
 
     cfg = SimpleNamespace(residual=mode, num_layers=num_layers,
-                          delta_num_blocks=num_blocks if mode in BLOCK_MODES else None, delta_sources="exact",
+                          delta_num_blocks=num_blocks if mode in BLOCK_MODES else None, delta_sources=sources,
                           delta_gate="scalar" if gate else "none",
                           delta_router_kernels=backend if backend in ("fla", "triton") else "torch",
                           delta_router_group_size=group_size if mode in ("delta", "full_attnres") else 1)
@@ -412,19 +466,21 @@ def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size
 
 
 def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, null_source=False, gate=False,
-                 recompute=None, group_size="auto", defer_blocks=True):
+                 recompute=None, group_size="auto", sources="exact", defer_blocks=True):
     """{(kernel, phase): u} of one micro-batch's forward + backward through one pipeline chunk holding all
     ``num_layers`` layers (the embedding output in, the final norm's input out), router ``backend`` (torch, c,
     fla), activations of ``act_bytes`` bytes, with ``recompute`` (None, ("uniform", n) or ("block", n): the
     recomputed chunks run their forward twice, and each is its own buffer scope, as block.py runs them).
     ``group_size``: --delta-router-group-size of delta / full_attnres (auto: the group router on torch / c).
+    ``sources``: --delta-sources (authors-code: delta and delta_block).
     Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), triton_route, triton_block_grad
-    (triton), group_old_pass, group_merge (the group router), partial_sum, x_add, x_sum, autograd_add.
+    (triton), group_old_pass, group_merge (the group router), partial_sum, source_difference (authors-code
+    delta_block), x_add, x_sum, autograd_add.
     ``defer_blocks=False`` prices the Triton kernels with every router adding the completed block sources'
     gradients in place (no block pass: triton_router.BlockDeferral), for comparison."""
     if mode == BASELINE:
         return {}
-    plan = make_plan(mode, num_layers, backend, num_blocks, gate, group_size)
+    plan = make_plan(mode, num_layers, backend, num_blocks, gate, group_size, sources)
     a, c = act_bytes, COMPUTE_BYTES
     totals = defaultdict(float)
     tensors = []
@@ -512,8 +568,8 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_s
     overrides the shape's (gpu_check's layer slice); ``num_blocks``: the block modes' K (default: the command
     line's, modes.default_num_blocks, which refuses a layer count it cannot split into at most 4 blocks).
     ``group_size``: the fine-grained modes' --delta-router-group-size, 1 (the per-router path) by default: the
-    group router has no GPU kernel, and its PyTorch path records each of its passes as one fused pass (its eager
-    temporaries are not counted), so its count would flatter the torch backend on a GPU."""
+    group router has no GPU kernel (on a GPU it runs as PyTorch ops, one pass per op; group_size="auto" prices
+    that)."""
     bw, flops = GPUS[gpu]
     shape = dict(SHAPES[shape_name])
     if num_layers:
