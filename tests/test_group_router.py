@@ -1,6 +1,6 @@
 """core/group_router.py: the group router of delta and full_attnres equals the per-router path (float64, to
 1e-12, outputs and every gradient) for S in {1, 2, 3, 4, all}, with groups cut by pipeline chunks and by
-recompute chunks; its C kernels compute the same function in fp32; its counted traffic is the closed form
+recompute chunks; its C kernels compute the same function in fp32 (its Triton kernels: tests/triton_cases.py); its counted traffic is the closed form
 (group_router.passes); the option is refused outside the fine-grained modes with a line naming the flag."""
 import math
 
@@ -173,12 +173,9 @@ def test_group_spans_and_auto_size():
      "(every sublayer's output is a source), not baseline; drop --delta-router-group-size or set it to 1"),
     (2, "delta", "authors-code", "auto", "--delta-router-group-size 2 needs --delta-sources exact (the authors' "
      "delta starts with a router that reads no source); drop --delta-router-group-size or set it to 1"),
-    (4, "full_attnres", "exact", "fla", "--delta-router-group-size 4 cannot run on fla's kernels "
-     "(--delta-router-kernels fla routes one router per call); use --delta-router-kernels auto, c or torch, or "
-     "--delta-router-group-size 1"),
-    (2, "delta", "exact", "triton", "--delta-router-group-size 2 cannot run on triton's kernels "
-     "(--delta-router-kernels triton routes one router per call); use --delta-router-kernels auto, c or torch, "
-     "or --delta-router-group-size 1"),
+    (4, "full_attnres", "exact", "fla", "--delta-router-group-size 4 cannot run on fla's kernel "
+     "(--delta-router-kernels fla routes one router per call); use --delta-router-kernels auto, triton, c or "
+     "torch, or --delta-router-group-size 1"),
     ("0", "delta", "exact", "auto", "--delta-router-group-size '0' is not 'auto' or a positive integer (1 = one "
      "router per pass)"),
     ("two", "delta", "exact", "auto", "--delta-router-group-size 'two' is not 'auto' or a positive integer (1 = "
@@ -194,6 +191,7 @@ def test_accepted_values():
     assert check_group_size("auto", "delta_block") == "auto"  # auto and 1 mean the per-router path there
     assert check_group_size("1", "attnres") == 1
     assert check_group_size("4", "delta") == 4 and check_group_size(2, "full_attnres", kernels="c") == 2
+    assert check_group_size(3, "delta", kernels="triton") == 3  # the group router's Triton kernels
     assert not SourcePlan("delta_block", 4, 2, router_group_size="auto").groups_routers
     assert not SourcePlan("delta", 4, 1, "authors-code", router_group_size="auto").groups_routers
     assert SourcePlan("delta", 4, 1, router_group_size="auto").groups_routers

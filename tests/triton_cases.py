@@ -12,10 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_delta.core import traffic, triton_router
+from megatron_delta.core import group_router, traffic, triton_router
 from megatron_delta.core.router import DepthRouter, make_source
 from megatron_delta.core.sources import SourcePlan
 from tests import reference_delta as R
+from tests import test_group_router as G
 
 EPS = 1e-6
 
@@ -368,3 +369,63 @@ def test_counted_traffic_is_the_closed_form(interpreter, dist, mode):
                                             null_source=null, gate=gate,
                                             recompute=("uniform", 1) if recompute else None)
         assert counted == pytest.approx(predicted, abs=1e-9), (null, gate, recompute)
+
+
+# ---------------------------------------------------------------------------------------- the group router
+def _group_kernel_calls(monkeypatch):
+    """Counts the calls of the group router's four Triton kernels (core/triton_group_kernels.py)."""
+    from megatron_delta.core import triton_group_kernels
+
+    calls = {}
+    for name in ("old_forward", "old_backward", "merge_forward", "merge_backward"):
+        fn = getattr(triton_group_kernels, name)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(triton_group_kernels, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("config", G.CONFIGS, ids=G._cid)
+def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
+    """The group router of delta / full_attnres on its Triton kernels (fp32), for S in {2, 3, all} with the
+    groups cut by a chunk boundary: the output and every gradient (sublayer weights, so the sources; each
+    router's query, key-norm weight, null source and gate; the embedding output) equal the PyTorch group path's
+    (the same S and cut) and the per-router path's to fp32 round-off; each of the four kernels runs, once per
+    group (old pass) or router (merge) and phase."""
+    calls = _group_kernel_calls(monkeypatch)
+    cut = G.CUTS["chunk"]
+    h0 = G._h0(torch.float32)
+    per_router = G._forward_backward(G._toy(*config, 1, torch.float32, "torch"), h0, ())
+    assert not calls
+    for size in (2, 3, "all"):
+        S = 2 * G.L if size == "all" else size
+        got = G._forward_backward(G._toy(*config, S, torch.float32, "triton"), h0, cut)
+        groups = sum(-(-n // S) for n in G._scopes(cut))
+        assert calls == {"old_forward": groups, "old_backward": groups, "merge_forward": 2 * G.L,
+                         "merge_backward": 2 * G.L}, (size, calls)
+        calls.clear()
+        torch_group = G._forward_backward(G._toy(*config, S, torch.float32, "torch"), h0, cut)
+        assert not calls
+        for name, want, tol in (("torch group", torch_group, 2e-6), ("per-router", per_router, 1e-5)):
+            torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol * want[0].abs().max().item(), msg=name)
+            for i, (g, r) in enumerate(zip(got[1], want[1], strict=True)):
+                assert (g is None) == (r is None), (name, size, i)
+                if r is not None:
+                    torch.testing.assert_close(g, r, rtol=10 * tol, atol=10 * tol * max(r.abs().max().item(), 1e-3),
+                                               msg=lambda m, name=name, i=i: f"{name} S={size} grad {i}: {m}")
+
+
+@pytest.mark.parametrize("config", G.CONFIGS, ids=G._cid)
+def test_group_router_traffic_is_the_closed_form(interpreter, config):
+    """The group router's recorded reads and writes on the Triton kernels are group_router.passes, as on the C
+    kernels (fp32: one pass is one [T, d] fp32 tensor)."""
+    mode, null, gate, xs = config
+    S = 3
+    with traffic.counting() as count:
+        G._forward_backward(G._toy(*config, S, torch.float32, "triton"), G._h0(torch.float32), ())
+    rows = count.rows(G.SEQ * G.BATCH * G.D, act_bytes=4)
+    counted = sum(v for (kernel, _), v in rows.items() if kernel.startswith("group_"))
+    n_read = 2 * G.L  # h0, v0 .. v_{2L-2}: each source a router reads
+    assert counted == group_router.passes(2 * G.L, 1, S, unit=xs, base=gate) - n_read
