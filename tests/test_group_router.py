@@ -1,7 +1,8 @@
 """core/group_router.py: the group router of delta and full_attnres equals the per-router path (float64, to
 1e-12, outputs and every gradient) for S in {1, 2, 3, 4, all}, with groups cut by pipeline chunks and by
-recompute chunks; its C kernels compute the same function in fp32 (its Triton kernels: tests/triton_cases.py); its counted traffic is the closed form
-(group_router.passes); the option is refused outside the fine-grained modes with a line naming the flag."""
+recompute chunks; its C kernels compute the same function in fp32 (its Triton kernels: tests/triton_cases.py);
+its counted traffic is the closed form (group_router.passes); the option is refused outside the fine-grained
+modes with a line naming the flag."""
 import math
 
 import pytest
