@@ -7,7 +7,6 @@ docs/design.md alone) and the routers' PyTorch path (kernels='torch'). That the 
 calls in the traffic count (core/traffic.py), which is also checked against triton_router.call_rows.
 """
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch
 from megatron_delta.core import group_router, traffic, triton_router
 from megatron_delta.core.router import DepthRouter, make_source
 from megatron_delta.core.sources import SourcePlan
+from tests import kernel_models as K
 from tests import reference_delta as R
 from tests import test_group_router as G
 
@@ -196,9 +196,6 @@ def test_partial_sum_formed_in_the_pass(interpreter):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
-B, S, V, HIDDEN = 2, 8, 64, 32
-
-
 @pytest.fixture(scope="module")
 def dist():
     from megatron_delta.platform.distributed import initialize_distributed
@@ -207,35 +204,9 @@ def dist():
     yield
 
 
-def _model(mode, null, gate, kernels, recompute=False):
-    from megatron.core import tensor_parallel
-
-    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
-    from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.core.modes import BLOCK_MODES
-
-    fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
-                  seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,
-                  delta_gate="scalar" if gate else "none", delta_num_blocks=2 if mode in BLOCK_MODES else None,
-                  **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-                     if recompute else {})))
-    torch.manual_seed(1234)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config, options = model_config(fields, delta_router_kernels=kernels)
-    model = build_model_chunks(config, V, **options)[0]
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith(".query"):
-                p.copy_(0.3 * r)
-            elif name.endswith(".key_norm_weight"):
-                p.copy_(1 + 0.2 * r)
-            elif name.endswith(".null_source"):
-                p.copy_(0.05 * r)
-            elif name.endswith(".gate"):
-                p.copy_(0.5 + 0.1 * r)
-    return (model.train() if recompute else model.eval()), SimpleNamespace(**fields)
+def _ran(count, group_calls):
+    """Whether the Triton kernels routed: per-router calls in the traffic count, or the group router's kernels."""
+    return bool(_calls(count)) or bool(group_calls)
 
 
 MODEL_CASES = [("delta_block", False, False), ("delta_block", True, True), ("attnres", False, False),
@@ -246,50 +217,40 @@ MODEL_CASES = [("delta_block", False, False), ("delta_block", True, True), ("att
 def test_model_with_recompute_on_the_kernels(interpreter, dist, mode):
     """Full recompute of every layer (the forward runs once without autograd, again in backward): the logits and
     every parameter's gradient of the model on the kernels equal the PyTorch path's."""
-    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(S)[None].expand(B, S)
-    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    tok, pos, W = K.batch()
     results = {}
     for kind in ("triton", "torch"):
-        model, _ = _model(mode, True, False, kind, recompute=True)
+        model, _ = K.build(mode, True, False, kind, recompute=True)
         with traffic.counting() as count:
             logits = model(tok, pos, None)
             (logits * W).sum().backward()
         assert bool(_calls(count)) == (kind == "triton")
         results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
-    (lf, gf), (lt, gt) = results["triton"], results["torch"]
-    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
-    for n in gt:
-        assert (gf[n] is None) == (gt[n] is None), n
-        if gt[n] is not None:
-            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
+    K.assert_matches_torch(results["triton"], results["torch"])
 
 
 @pytest.mark.parametrize("mode,null,gate", MODEL_CASES, ids=["-".join(map(str, c)) for c in MODEL_CASES])
-def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mode, null, gate):
+def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mode, null, gate, monkeypatch):
     """Every mode's model (4 layers, K = 2) with its routers on the kernels (delta / delta_block without a gate
-    form x from the sources in the kernel's pass, with a gate u = x + a r): the logits and every parameter's
-    gradient equal the PyTorch-path model's, and the logits and the routers' gradients the float64 reference's.
-    For delta_block without a gate the counted traffic of the step is the sum of call_rows over its routers
-    (h0 and D0 read by several routers: gradients added in place; P_b formed in the pass of its reader from
-    the third sublayer of a block on)."""
-    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(S)[None].expand(B, S)
-    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    form x from the sources in the kernel's pass, with a gate u = x + a r; delta's and full_attnres' sublayer
+    routers in groups on the group router's Triton kernels, --delta-router-group-size auto): the logits and every
+    parameter's gradient equal the PyTorch-path model's, and the logits and the routers' gradients the float64
+    reference's. For delta_block without a gate the counted traffic of the step is the sum of call_rows over its
+    routers (h0 and D0 read by several routers: gradients added in place; P_b formed in the pass of its reader
+    from the third sublayer of a block on)."""
+    tok, pos, W = K.batch()
+    group_calls = _group_kernel_calls(monkeypatch)
     results = {}
     for kind in ("triton", "torch"):
-        model, fields = _model(mode, null, gate, kind)
+        model, fields = K.build(mode, null, gate, kind)
+        group_calls.clear()
         with traffic.counting() as count:
             logits = model(tok, pos, None)
             (logits * W).sum().backward()
-        assert bool(_calls(count)) == (kind == "triton")
+        assert _ran(count, group_calls) == (kind == "triton")
         results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields, count)
     (lf, gf, model, fields, count), (lt, gt, _, _, _) = results["triton"], results["torch"]
-    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
-    for n in gt:
-        assert (gf[n] is None) == (gt[n] is None), n
-        if gt[n] is not None:
-            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
+    K.assert_matches_torch((lf, gf), (lt, gt))
     if mode == "delta_block" and not gate:
         plan = SourcePlan.from_config(fields)
         assert plan.x_from_sources  # the kernels form x from the sources
@@ -300,7 +261,7 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
         want = {ph: sum(triton_router.call_rows(len(r), has_base=False, forms_partial=f)[ph]
                         for r, f in zip(reads, formed)) for ph in ("forward", "backward")}
         want["backward"] += sum(k - 1 for k in readers.values())  # h0 and D0: added in place by all but one
-        rows = count.rows(B * S * HIDDEN, act_bytes=4)
+        rows = count.rows(K.B * K.S * K.HIDDEN, act_bytes=4)
         got = {ph: rows[triton_router.KERNEL, ph] for ph in want}  # the kernels' calls (the rest: PyTorch's passes)
         assert sum(formed) == 4 and got == want == {"forward": 34, "backward": 58}
         # the passes outside the kernels: x = h0 + D0 + D1 handed out (2 adds), D0 and D1 formed by PyTorch's add
@@ -308,24 +269,7 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
         # (kernel sink + x's sum) and v0, v4 (their reader's kernel + the kernel that formed P from them)
         assert {k: v for k, v in rows.items() if k[0] != triton_router.KERNEL} == {
             ("x_sum", "forward"): 6, ("partial_sum", "forward"): 6, ("autograd_add", "backward"): 12}
-    w = R.weights_from_megatron_state_dict(model.state_dict())
-    routers = [k for k in w if "router" in k]
-    for k in routers:
-        w[k].requires_grad_(True)
-    cfg = R.RefConfig(vocab_size=V, hidden_size=HIDDEN, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                      kv_channels=fields.kv_channels, ffn_hidden_size=fields.ffn_hidden_size, norm_eps=1e-6,
-                      rotary_base=float(fields.rotary_base),
-                      share_embeddings_and_output_weights=not fields.untie_embeddings_and_output_weights)
-    ref = R.reference_forward(w, cfg, tok, mode=mode, num_blocks=fields.delta_num_blocks, null_source=null,
-                              gate=gate, eps=fields.delta_router_eps)
-    assert ((lf.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    (ref * W.double()).sum().backward()
-    for kind in {k.rsplit(".", 1)[1] for k in routers}:
-        names = [k for k in routers if k.endswith("." + kind)]
-        scale = max(w[k].grad.abs().max().item() for k in names if w[k].grad is not None)
-        for k in names:
-            want = torch.zeros_like(w[k]) if w[k].grad is None else w[k].grad
-            assert (gf[k].double() - want).abs().max().item() / scale < 1e-4, k
+    K.assert_matches_reference(model, fields, lf, gf, tok, W, mode, null, gate)
 
 
 def test_fallback_float64_and_auto_on_cpu(interpreter):
@@ -358,13 +302,12 @@ def test_counted_traffic_is_the_closed_form(interpreter, dist, mode):
     under full recompute (every layer its own checkpoint)."""
     from megatron_delta.perf import cost_model
 
-    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(S)[None].expand(B, S)
+    tok, pos, _ = K.batch()
     for null, gate, recompute in ((False, False, False), (True, mode == "delta_block", False), (False, False, True)):
-        model, fields = _model(mode, null, gate, "triton", recompute=recompute)
+        model, fields = K.build(mode, null, gate, "triton", recompute=recompute)
         with traffic.counting() as count:
             model(tok, pos, None).sum().backward()
-        counted = count.rows(B * S * HIDDEN, act_bytes=4)
+        counted = count.rows(K.B * K.S * K.HIDDEN, act_bytes=4)
         predicted = cost_model.step_traffic(mode, 4, "triton", num_blocks=fields.delta_num_blocks, act_bytes=4,
                                             null_source=null, gate=gate,
                                             recompute=("uniform", 1) if recompute else None)
