@@ -7,7 +7,6 @@ run unchanged. Yardsticks: the float64 reference router (tests/reference_delta.r
 docs/design.md alone) and the routers' PyTorch path (kernels='torch').
 """
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from fla.ops.attnres import naive_attnres
 from megatron_delta.core import fla_router
 from megatron_delta.core.router import KERNEL_CHOICES, DepthRouter, check_kernels, make_source
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
+from tests import kernel_models as K
 from tests import reference_delta as R
 
 EPS = 1e-6
@@ -323,44 +323,12 @@ def test_check_and_start_up_line():
 
 
 # --------------------------------------------------------------------------- the model, every mode
-B, S, V, HIDDEN = 2, 8, 64, 32
-
-
 @pytest.fixture(scope="module")
 def dist():
     from megatron_delta.platform.distributed import initialize_distributed
 
     initialize_distributed(1, 1, None, 1, seed=1234)
     yield
-
-
-def _model(mode, null, gate, kernels):
-    from megatron.core import tensor_parallel
-
-    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
-    from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.core.modes import BLOCK_MODES
-
-    fields = resolve_model_fields(dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
-                  seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null,
-                  delta_gate="scalar" if gate else "none", delta_num_blocks=2 if mode in BLOCK_MODES else None))
-    torch.manual_seed(1234)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config, options = model_config(fields, delta_router_kernels=kernels)
-    model = build_model_chunks(config, V, **options)[0]
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith(".query"):
-                p.copy_(0.3 * r)
-            elif name.endswith(".key_norm_weight"):
-                p.copy_(1 + 0.2 * r)
-            elif name.endswith(".null_source"):
-                p.copy_(0.05 * r)
-            elif name.endswith(".gate"):
-                p.copy_(0.5 + 0.1 * r)
-    return model.eval(), SimpleNamespace(**fields)
 
 
 MODEL_CASES = [("delta", False, False), ("delta", True, True), ("delta_block", False, False),
@@ -374,38 +342,15 @@ def test_model_on_the_kernel_matches_reference_and_torch(dist, kernel, mode, nul
     a gate keep x as a stream here, with a gate base = x, base_sums for delta_block): logits and every
     parameter's gradient equal the PyTorch-path model's, and the logits and router gradients the float64
     reference's (tests/reference_delta.reference_forward)."""
-    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(S)[None].expand(B, S)
-    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    tok, pos, W = K.batch()
     results = {}
     for kind in ("fla", "torch"):
-        model, fields = _model(mode, null, gate, kind)
+        model, fields = K.build(mode, null, gate, kind)
         before = kernel.calls
         logits = model(tok, pos, None)
         assert (kernel.calls > before) == (kind == "fla")
         (logits * W).sum().backward()
         results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields)
     (lf, gf, model, fields), (lt, gt, _, _) = results["fla"], results["torch"]
-    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
-    for n in gt:
-        assert (gf[n] is None) == (gt[n] is None), n
-        if gt[n] is not None:
-            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
-    w = R.weights_from_megatron_state_dict(model.state_dict())
-    routers = [k for k in w if "router" in k]
-    for k in routers:
-        w[k].requires_grad_(True)
-    cfg = R.RefConfig(vocab_size=V, hidden_size=HIDDEN, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                      kv_channels=fields.kv_channels, ffn_hidden_size=fields.ffn_hidden_size, norm_eps=1e-6,
-                      rotary_base=float(fields.rotary_base),
-                      share_embeddings_and_output_weights=not fields.untie_embeddings_and_output_weights)
-    ref = R.reference_forward(w, cfg, tok, mode=mode, num_blocks=fields.delta_num_blocks, null_source=null,
-                              gate=gate, eps=fields.delta_router_eps)
-    assert ((lf.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    (ref * W.double()).sum().backward()
-    for kind in {k.rsplit(".", 1)[1] for k in routers}:
-        names = [k for k in routers if k.endswith("." + kind)]
-        scale = max(w[k].grad.abs().max().item() for k in names if w[k].grad is not None)
-        for k in names:
-            want = torch.zeros_like(w[k]) if w[k].grad is None else w[k].grad
-            assert (gf[k].double() - want).abs().max().item() / scale < 1e-4, k
+    K.assert_matches_torch((lf, gf), (lt, gt))
+    K.assert_matches_reference(model, fields, lf, gf, tok, W, mode, null, gate)

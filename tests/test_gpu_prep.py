@@ -194,9 +194,9 @@ def test_gpu_check_dry_run():
     assert len(r["router"]) == 12 and all(x["ok"] for x in r["router"])
     assert {"query", "key_norm_weight", "null_source", "gate", "x", "s0", "out"} <= set().union(
         *(x["errors"] for x in r["router"]))
-    speed = {(x["shape"], x["mode"], x["kernels"]) for x in r["speed"]}
-    assert {("8B", "delta_block", "fla"), ("8B", "delta", "torch"), ("1B", "delta", "fla"),
-            ("1B", "baseline", "-")} <= speed
+    speed = {(x["shape"], x["mode"], x["kernels"], x["group_size"]) for x in r["speed"]}
+    assert {("8B", "delta_block", "fla", None), ("8B", "delta", "torch", 1), ("1B", "delta", "fla", 1),
+            ("1B", "baseline", "-", None)} <= speed
     assert all(0 < x["predicted_ratio"] <= 1 for x in r["speed"])
     # a training step's micro-batches (8), forward + backward timed, the optimizer step apart; no FP8 on CPU
     assert all(x["micro_batches"] == 8 and x["optimizer_ms"] > 0 and x["step_tokens_per_sec"] < x["tokens_per_sec"]
@@ -205,6 +205,25 @@ def test_gpu_check_dry_run():
     assert all(x["num_blocks"] == (4 if x["mode"] in ("delta_block", "attnres") else None)
                for x in r["speed"] + r["train"])  # K = 4, passed explicitly
     assert all(x["ok"] and x["losses"][-1] < x["losses"][0] for x in r["train"]) and len(r["train"]) == 5
+
+
+def test_gpu_check_compares_the_group_router_on_triton(monkeypatch):
+    """(c) runs delta on triton twice, with the group router (--delta-router-group-size auto) and one router per
+    pass (1), each with its own prediction (router_share with that group size: the group router moves less)."""
+    from types import SimpleNamespace
+
+    from megatron_delta.perf import cost_model, gpu_check
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the dry run plans triton runs only under the interpreter
+    env = SimpleNamespace(dry=True, gpu_kind=lambda: "H200")
+    runs = gpu_check.speed_runs(env)
+    assert [r for r in runs if r[0] == "delta" and r[1] == "triton"] == [("delta", "triton", "auto"),
+                                                                         ("delta", "triton", 1)]
+    assert all(g is None for m, _, g in runs if m != "delta") and ("delta", "fla", 1) in runs
+    group, single = (gpu_check.predicted(env, "1B", "delta", "triton", 28, g) for g in ("auto", 1))
+    assert group == cost_model.router_share("H200", "1B", "delta", "triton", group_size="auto")["tokens_per_sec_ratio"]
+    assert single == cost_model.router_share("H200", "1B", "delta", "triton", group_size=1)["tokens_per_sec_ratio"]
+    assert single < group
 
 
 @pytest.mark.parametrize("total_bytes,fit,layers", [(85_520_809_984, 13, 12),  # an 80 GB H100

@@ -207,20 +207,74 @@ def test_docs_traffic_table_is_the_closed_form():
             assert bf16 == "-"
 
 
+def group_counts(mode, backend, size, recompute=None, extras=False):
+    """(counted, closed form) {(kernel, phase): u} of one step of the 4-layer model of a fine-grained mode with
+    --delta-router-group-size ``size`` on ``backend`` (fp32)."""
+    o = _opts(mode, backend, recompute, extras)
+    o.delta_router_group_size = size
+    with benchmark.router_backend(backend):
+        model, config = benchmark.build_model(o, mode)
+        counted = benchmark.counted_step(model, benchmark.mock_batch(o, o.vocab_size), 4)
+    predicted = cost_model.step_traffic(mode, 4, backend, act_bytes=4, group_size=size, recompute=recompute,
+                                        null_source=config.delta_null_source, gate=config.delta_gate == "scalar")
+    return counted, predicted
+
+
 @pytest.mark.parametrize("mode", ["delta", "full_attnres"])
 def test_group_router_against_the_per_router_path(dist, mode):
-    """The fine-grained modes with --delta-router-group-size 1 (the per-router path router_share prices) and auto
-    (the group router, S resolved per buffer scope): each count equals its closed form, and the group router moves
-    less (C kernels, fp32)."""
+    """The fine-grained modes with --delta-router-group-size 1 (the per-router path) and auto (the group router,
+    S resolved per buffer scope): each count equals its closed form, and the group router moves less (C kernels,
+    fp32)."""
     totals = {}
     for size in (1, "auto"):
-        o = _opts(mode, "c", None, False)
-        o.delta_router_group_size = size
-        with benchmark.router_backend("c"):
-            model, config = benchmark.build_model(o, mode)
-            counted = benchmark.counted_step(model, benchmark.mock_batch(o, o.vocab_size), 4)
-        predicted = cost_model.step_traffic(mode, 4, "c", act_bytes=4, group_size=size)
+        counted, predicted = group_counts(mode, "c", size)
         assert counted == pytest.approx(predicted, abs=1e-9), size
         assert any(k[0].startswith("group_") for k in counted) == (size == "auto")
         totals[size] = cost_model.total_u(predicted)
     assert totals["auto"] < totals[1]
+
+
+def _triton_group_counts():
+    """group_counts of the Triton kernels, in a process running Triton's interpreter (printed as JSON)."""
+    import json
+
+    from megatron_delta.platform.distributed import initialize_distributed
+
+    initialize_distributed(1, 1, None, 1, seed=1234)
+    out = []
+    for mode in ("delta", "full_attnres"):
+        for size, recompute, extras in ((1, None, False), ("auto", None, False), ("auto", ("uniform", 1), False),
+                                        ("auto", None, True)):
+            counted, predicted = group_counts(mode, "triton", size, recompute, extras)
+            out.append([mode, size, recompute, extras, sorted([*k, v] for k, v in counted.items()),
+                        sorted([*k, v] for k, v in predicted.items())])
+    print(json.dumps(out))
+
+
+def test_triton_group_router_count_is_the_closed_form():
+    """The fine-grained modes on the Triton kernels (run by Triton's interpreter, in a fresh process: it must be
+    switched on before anything imports Triton): with --delta-router-group-size auto (the group router on its
+    Triton kernels; with full recompute; with the null source and the gate) and 1 (the per-router kernels), the
+    count equals step_traffic(backend triton), and the group router moves less."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", "from tests.test_traffic import _triton_group_counts as f; f()"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 8
+    totals = {}
+    for mode, size, recompute, extras, counted, predicted in rows:
+        counted, predicted = ({(k, ph): v for k, ph, v in c} for c in (counted, predicted))
+        assert counted == pytest.approx(predicted, abs=1e-9), (mode, size, recompute, extras)
+        assert any(k.startswith("group_") for k, _ in counted) == (size == "auto")
+        if recompute is None and not extras:
+            totals[mode, size] = sum(counted.values())
+    for mode in ("delta", "full_attnres"):
+        assert totals[mode, "auto"] < totals[mode, 1]

@@ -21,8 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tests/triton_cases.py: 24 router cases (12 with a block's deferred pass), the traffic per call, strided sources,
 # the formed partial sum, 6 models, 2 models with full recompute, the fallbacks, the counted traffic against the
 # closed form (2 modes), 6 models of 4 blocks with the deferred passes (2 modes x no recompute / 2 recompute cuts),
-# 4 two-stage pipelines (2 modes x 2 cuts)
-INTERPRETER_CASES = 48
+# 4 two-stage pipelines (2 modes x 2 cuts), the group router on its kernels and its counted traffic (5
+# configurations each)
+INTERPRETER_CASES = 58
 
 
 def test_interpreter_cases():
@@ -130,6 +131,39 @@ def test_cuda_kernels_match_torch_path(dtype, defer):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in zip(results["triton"], results["torch"], strict=True):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_group_kernels_match_torch_path(dtype, monkeypatch):
+    """On a GPU, compiled (not interpreted): the group router of delta and full_attnres (null source, gate) on its
+    Triton kernels, S = 3 with a chunk boundary, fp32 and bf16 sources: the output and every gradient equal the
+    PyTorch group path's (bf16: to a few bf16 units of the largest entry), and the Triton kernels ran."""
+    from megatron_delta.core import triton_group_kernels
+    from tests import test_group_router as G
+
+    ran = []
+    forward = triton_group_kernels.old_forward
+    monkeypatch.setattr(triton_group_kernels, "old_forward", lambda *a: ran.append(1) or forward(*a))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for config in (("delta", True, True, False), ("delta", False, False, True), ("full_attnres", True, False, False)):
+        results = {}
+        for kind in ("triton", "torch"):
+            toy = G._toy(*config, 3, torch.float32, kind)
+            toy.weights = [w.detach().to("cuda", dtype).requires_grad_() for w in toy.weights]
+            for r in toy.routers + ([toy.final] if toy.final else []):
+                r.cuda()
+            h0 = G._h0(torch.float32).detach().to("cuda", dtype).requires_grad_()
+            before = len(ran)
+            results[kind] = G._forward_backward(toy, h0, G.CUTS["chunk"])
+            assert (len(ran) > before) == (kind == "triton")
+        (out, grads), (ref, ref_grads) = results["triton"], results["torch"]
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+        for g, r in zip(grads, ref_grads, strict=True):
+            assert (g is None) == (r is None)
+            if r is not None:
+                torch.testing.assert_close(g.float(), r.float(), rtol=10 * tol,
+                                           atol=10 * tol * max(r.float().abs().max().item(), 1e-3))
 
 
 @pytest.mark.slow

@@ -7,15 +7,16 @@ docs/design.md alone) and the routers' PyTorch path (kernels='torch'). That the 
 calls in the traffic count (core/traffic.py), which is also checked against triton_router.call_rows.
 """
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron_delta.core import traffic, triton_router
+from megatron_delta.core import group_router, traffic, triton_router
 from megatron_delta.core.router import DepthRouter, make_source
 from megatron_delta.core.sources import SourcePlan
+from tests import kernel_models as K
 from tests import reference_delta as R
+from tests import test_group_router as G
 
 EPS = 1e-6
 
@@ -206,9 +207,6 @@ def test_partial_sum_formed_in_the_pass(interpreter):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
-B, S, V, HIDDEN = 2, 8, 64, 32
-
-
 @pytest.fixture(scope="module")
 def dist():
     from megatron_delta.platform.distributed import initialize_distributed
@@ -217,37 +215,9 @@ def dist():
     yield
 
 
-def _model(mode, null, gate, kernels, recompute=False, num_layers=4, num_blocks=2):
-    from megatron.core import tensor_parallel
-
-    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
-    from megatron_delta.core.model import build_model_chunks
-    from megatron_delta.core.modes import BLOCK_MODES
-
-    method, step = recompute if isinstance(recompute, tuple) else ("uniform", 1)  # True: every layer its own
-    fields = resolve_model_fields(dict(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=4,
-                  num_query_groups=2, seq_length=S, vocab_size=V, norm_epsilon=1e-6, residual=mode,
-                  delta_null_source=null, delta_gate="scalar" if gate else "none",
-                  delta_num_blocks=num_blocks if mode in BLOCK_MODES else None,
-                  **(dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=step)
-                     if recompute else {})))
-    torch.manual_seed(1234)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config, options = model_config(fields, delta_router_kernels=kernels)
-    model = build_model_chunks(config, V, **options)[0]
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith(".query"):
-                p.copy_(0.3 * r)
-            elif name.endswith(".key_norm_weight"):
-                p.copy_(1 + 0.2 * r)
-            elif name.endswith(".null_source"):
-                p.copy_(0.05 * r)
-            elif name.endswith(".gate"):
-                p.copy_(0.5 + 0.1 * r)
-    return (model.train() if recompute else model.eval()), SimpleNamespace(**fields)
+def _ran(count, group_calls):
+    """Whether the Triton kernels routed: per-router calls in the traffic count, or the group router's kernels."""
+    return bool(_calls(count)) or bool(group_calls)
 
 
 MODEL_CASES = [("delta_block", False, False), ("delta_block", True, True), ("attnres", False, False),
@@ -258,50 +228,40 @@ MODEL_CASES = [("delta_block", False, False), ("delta_block", True, True), ("att
 def test_model_with_recompute_on_the_kernels(interpreter, dist, mode):
     """Full recompute of every layer (the forward runs once without autograd, again in backward): the logits and
     every parameter's gradient of the model on the kernels equal the PyTorch path's."""
-    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(S)[None].expand(B, S)
-    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    tok, pos, W = K.batch()
     results = {}
     for kind in ("triton", "torch"):
-        model, _ = _model(mode, True, False, kind, recompute=True)
+        model, _ = K.build(mode, True, False, kind, recompute=True)
         with traffic.counting() as count:
             logits = model(tok, pos, None)
             (logits * W).sum().backward()
         assert bool(_calls(count)) == (kind == "triton")
         results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
-    (lf, gf), (lt, gt) = results["triton"], results["torch"]
-    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
-    for n in gt:
-        assert (gf[n] is None) == (gt[n] is None), n
-        if gt[n] is not None:
-            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
+    K.assert_matches_torch(results["triton"], results["torch"])
 
 
 @pytest.mark.parametrize("mode,null,gate", MODEL_CASES, ids=["-".join(map(str, c)) for c in MODEL_CASES])
-def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mode, null, gate):
+def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mode, null, gate, monkeypatch):
     """Every mode's model (4 layers, K = 2) with its routers on the kernels (delta / delta_block without a gate
-    form x from the sources in the kernel's pass, with a gate u = x + a r): the logits and every parameter's
-    gradient equal the PyTorch-path model's, and the logits and the routers' gradients the float64 reference's.
-    For delta_block without a gate the counted traffic of the step is the sum of call_rows over its routers
-    (h0 and D0 read by several routers: gradients added in place; P_b formed in the pass of its reader from
-    the third sublayer of a block on)."""
-    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(S)[None].expand(B, S)
-    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    form x from the sources in the kernel's pass, with a gate u = x + a r; delta's and full_attnres' sublayer
+    routers in groups on the group router's Triton kernels, --delta-router-group-size auto): the logits and every
+    parameter's gradient equal the PyTorch-path model's, and the logits and the routers' gradients the float64
+    reference's. For delta_block without a gate the counted traffic of the step is the sum of call_rows over its
+    routers (h0 and D0 read by several routers: gradients added in place; P_b formed in the pass of its reader
+    from the third sublayer of a block on)."""
+    tok, pos, W = K.batch()
+    group_calls = _group_kernel_calls(monkeypatch)
     results = {}
     for kind in ("triton", "torch"):
-        model, fields = _model(mode, null, gate, kind)
+        model, fields = K.build(mode, null, gate, kind)
+        group_calls.clear()
         with traffic.counting() as count:
             logits = model(tok, pos, None)
             (logits * W).sum().backward()
-        assert bool(_calls(count)) == (kind == "triton")
+        assert _ran(count, group_calls) == (kind == "triton")
         results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields, count)
     (lf, gf, model, fields, count), (lt, gt, _, _, _) = results["triton"], results["torch"]
-    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
-    for n in gt:
-        assert (gf[n] is None) == (gt[n] is None), n
-        if gt[n] is not None:
-            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
+    K.assert_matches_torch((lf, gf), (lt, gt))
     if mode == "delta_block" and not gate:
         plan = SourcePlan.from_config(fields)
         assert plan.x_from_sources  # the kernels form x from the sources
@@ -314,7 +274,7 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
         assert all(triton_router.defers(4, k) for k in (1, 2))
         want = {ph: sum(triton_router.call_rows(len(r), has_base=False, forms_partial=f, grads=len(r) - k)[ph]
                         for r, f, k in zip(reads, formed, completed)) for ph in ("forward", "backward")}
-        rows = count.rows(B * S * HIDDEN, act_bytes=4)
+        rows = count.rows(K.B * K.S * K.HIDDEN, act_bytes=4)
         got = {ph: rows[triton_router.KERNEL, ph] for ph in want}  # the kernels' calls (the rest: PyTorch's passes)
         assert sum(formed) == 4 and got == want == {"forward": 34, "backward": 36}
         # the block passes: each reads its 4 routers' output gradients and its sources once and writes their
@@ -326,24 +286,7 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
         # (kernel sink + x's sum) and v0, v4 (their reader's kernel + the kernel that formed P from them)
         assert {k: v for k, v in rows.items() if k[0] not in (triton_router.KERNEL, triton_router.DEFERRED_KERNEL)} == {
             ("x_sum", "forward"): 6, ("partial_sum", "forward"): 6, ("autograd_add", "backward"): 12}
-    w = R.weights_from_megatron_state_dict(model.state_dict())
-    routers = [k for k in w if "router" in k]
-    for k in routers:
-        w[k].requires_grad_(True)
-    cfg = R.RefConfig(vocab_size=V, hidden_size=HIDDEN, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                      kv_channels=fields.kv_channels, ffn_hidden_size=fields.ffn_hidden_size, norm_eps=1e-6,
-                      rotary_base=float(fields.rotary_base),
-                      share_embeddings_and_output_weights=not fields.untie_embeddings_and_output_weights)
-    ref = R.reference_forward(w, cfg, tok, mode=mode, num_blocks=fields.delta_num_blocks, null_source=null,
-                              gate=gate, eps=fields.delta_router_eps)
-    assert ((lf.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    (ref * W.double()).sum().backward()
-    for kind in {k.rsplit(".", 1)[1] for k in routers}:
-        names = [k for k in routers if k.endswith("." + kind)]
-        scale = max(w[k].grad.abs().max().item() for k in names if w[k].grad is not None)
-        for k in names:
-            want = torch.zeros_like(w[k]) if w[k].grad is None else w[k].grad
-            assert (gf[k].double() - want).abs().max().item() / scale < 1e-4, k
+    K.assert_matches_reference(model, fields, lf, gf, tok, W, mode, null, gate)
 
 
 def test_fallback_float64_and_auto_on_cpu(interpreter):
@@ -376,13 +319,12 @@ def test_counted_traffic_is_the_closed_form(interpreter, dist, mode):
     under full recompute (every layer its own checkpoint)."""
     from megatron_delta.perf import cost_model
 
-    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(S)[None].expand(B, S)
+    tok, pos, _ = K.batch()
     for null, gate, recompute in ((False, False, False), (True, mode == "delta_block", False), (False, False, True)):
-        model, fields = _model(mode, null, gate, "triton", recompute=recompute)
+        model, fields = K.build(mode, null, gate, "triton", recompute=recompute)
         with traffic.counting() as count:
             model(tok, pos, None).sum().backward()
-        counted = count.rows(B * S * HIDDEN, act_bytes=4)
+        counted = count.rows(K.B * K.S * K.HIDDEN, act_bytes=4)
         predicted = cost_model.step_traffic(mode, 4, "triton", num_blocks=fields.delta_num_blocks, act_bytes=4,
                                             null_source=null, gate=gate,
                                             recompute=("uniform", 1) if recompute else None)
@@ -404,23 +346,18 @@ def test_deferred_block_passes_with_recompute_cuts(interpreter, dist, mode, reco
     closed form's (perf.cost_model.step_traffic)."""
     from megatron_delta.perf import cost_model
 
-    L, K = 8, 4
-    tok = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(S)[None].expand(B, S)
-    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3))
+    L, blocks = 8, 4
+    tok, pos, W = K.batch()
     results = {}
     for kind in ("triton", "torch"):
-        model, fields = _model(mode, True, False, kind, recompute=recompute or False, num_layers=L, num_blocks=K)
+        model, fields = K.build(mode, True, False, kind, recompute=recompute or False, num_layers=L,
+                                num_blocks=blocks)
         with traffic.counting() as count:
             logits = model(tok, pos, None)
             (logits * W).sum().backward()
         results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields, count)
     (lf, gf, model, fields, count), (lt, gt, _, _, _) = results["triton"], results["torch"]
-    torch.testing.assert_close(lf, lt, rtol=1e-5, atol=1e-5 * lt.abs().max().item())
-    for n in gt:
-        assert (gf[n] is None) == (gt[n] is None), n
-        if gt[n] is not None:
-            torch.testing.assert_close(gf[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
+    K.assert_matches_torch((lf, gf), (lt, gt))
     # the block passes: per buffer scope (recompute: the checkpoints' recomputed forwards), the blocks whose routers
     # there defer (routers in the scope x sources the block reads through sinks)
     scopes = {None: [range(0, 8)], ("uniform", 5): [range(0, 5), range(5, 8)],
@@ -432,28 +369,11 @@ def test_deferred_block_passes_with_recompute_cuts(interpreter, dist, mode, reco
             passes += triton_router.defers(routers, b + 1)  # h0 (B0) and the b completed sums (B1..Bb)
     assert sum(c.kernel == triton_router.DEFERRED_KERNEL for c in count.calls) == passes
     assert passes == {None: 4, ("uniform", 5): 5, ("block", 3): 4}[recompute]  # block: layers 4..7 (3, 4 sources)
-    counted = count.rows(B * S * HIDDEN, act_bytes=4)
-    predicted = cost_model.step_traffic(mode, L, "triton", num_blocks=K, act_bytes=4, null_source=True,
+    counted = count.rows(K.B * K.S * K.HIDDEN, act_bytes=4)
+    predicted = cost_model.step_traffic(mode, L, "triton", num_blocks=blocks, act_bytes=4, null_source=True,
                                         recompute=recompute)
     assert counted == pytest.approx(predicted, abs=1e-9)
-    w = R.weights_from_megatron_state_dict(model.state_dict())
-    routers = [k for k in w if "router" in k]
-    for k in routers:
-        w[k].requires_grad_(True)
-    cfg = R.RefConfig(vocab_size=V, hidden_size=HIDDEN, num_layers=L, num_attention_heads=4, num_query_groups=2,
-                      kv_channels=fields.kv_channels, ffn_hidden_size=fields.ffn_hidden_size, norm_eps=1e-6,
-                      rotary_base=float(fields.rotary_base),
-                      share_embeddings_and_output_weights=not fields.untie_embeddings_and_output_weights)
-    ref = R.reference_forward(w, cfg, tok, mode=mode, num_blocks=K, null_source=True, gate=False,
-                              eps=fields.delta_router_eps)
-    assert ((lf.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    (ref * W.double()).sum().backward()
-    for kind in {k.rsplit(".", 1)[1] for k in routers}:
-        names = [k for k in routers if k.endswith("." + kind)]
-        scale = max(w[k].grad.abs().max().item() for k in names if w[k].grad is not None)
-        for k in names:
-            want = torch.zeros_like(w[k]) if w[k].grad is None else w[k].grad
-            assert (gf[k].double() - want).abs().max().item() / scale < 1e-4, k
+    K.assert_matches_reference(model, fields, lf, gf, tok, W, mode, True, False)
 
 
 @pytest.mark.parametrize("mode", ["delta_block", "attnres"])
@@ -518,3 +438,63 @@ def test_deferred_block_passes_across_a_pipeline_boundary(interpreter, mode, cut
             if b is not None:
                 torch.testing.assert_close(a, b, rtol=10 * tol, atol=10 * tol * b.abs().max().item(),
                                            msg=lambda m, name=name, i=i: f"{name} grad {i}: {m}")
+
+
+# ---------------------------------------------------------------------------------------- the group router
+def _group_kernel_calls(monkeypatch):
+    """Counts the calls of the group router's four Triton kernels (core/triton_group_kernels.py)."""
+    from megatron_delta.core import triton_group_kernels
+
+    calls = {}
+    for name in ("old_forward", "old_backward", "merge_forward", "merge_backward"):
+        fn = getattr(triton_group_kernels, name)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(triton_group_kernels, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("config", G.CONFIGS, ids=G._cid)
+def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
+    """The group router of delta / full_attnres on its Triton kernels (fp32), for S in {2, 3, all} with the
+    groups cut by a chunk boundary: the output and every gradient (sublayer weights, so the sources; each
+    router's query, key-norm weight, null source and gate; the embedding output) equal the PyTorch group path's
+    (the same S and cut) and the per-router path's to fp32 round-off; each of the four kernels runs, once per
+    group (old pass) or router (merge) and phase."""
+    calls = _group_kernel_calls(monkeypatch)
+    cut = G.CUTS["chunk"]
+    h0 = G._h0(torch.float32)
+    per_router = G._forward_backward(G._toy(*config, 1, torch.float32, "torch"), h0, ())
+    assert not calls
+    for size in (2, 3, "all"):
+        S = 2 * G.L if size == "all" else size
+        got = G._forward_backward(G._toy(*config, S, torch.float32, "triton"), h0, cut)
+        groups = sum(-(-n // S) for n in G._scopes(cut))
+        assert calls == {"old_forward": groups, "old_backward": groups, "merge_forward": 2 * G.L,
+                         "merge_backward": 2 * G.L}, (size, calls)
+        calls.clear()
+        torch_group = G._forward_backward(G._toy(*config, S, torch.float32, "torch"), h0, cut)
+        assert not calls
+        for name, want, tol in (("torch group", torch_group, 2e-6), ("per-router", per_router, 1e-5)):
+            torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol * want[0].abs().max().item(), msg=name)
+            for i, (g, r) in enumerate(zip(got[1], want[1], strict=True)):
+                assert (g is None) == (r is None), (name, size, i)
+                if r is not None:
+                    torch.testing.assert_close(g, r, rtol=10 * tol, atol=10 * tol * max(r.abs().max().item(), 1e-3),
+                                               msg=lambda m, name=name, i=i: f"{name} S={size} grad {i}: {m}")
+
+
+@pytest.mark.parametrize("config", G.CONFIGS, ids=G._cid)
+def test_group_router_traffic_is_the_closed_form(interpreter, config):
+    """The group router's recorded reads and writes on the Triton kernels are group_router.passes, as on the C
+    kernels (fp32: one pass is one [T, d] fp32 tensor)."""
+    mode, null, gate, xs = config
+    S = 3
+    with traffic.counting() as count:
+        G._forward_backward(G._toy(*config, S, torch.float32, "triton"), G._h0(torch.float32), ())
+    rows = count.rows(G.SEQ * G.BATCH * G.D, act_bytes=4)
+    counted = sum(v for (kernel, _), v in rows.items() if kernel.startswith("group_"))
+    n_read = 2 * G.L  # h0, v0 .. v_{2L-2}: each source a router reads
+    assert counted == group_router.passes(2 * G.L, 1, S, unit=xs, base=gate) - n_read

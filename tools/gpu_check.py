@@ -119,21 +119,22 @@ def main(argv=None):
             print(f"\n(c) tokens/s of {opts.speed_micro_batches} micro-batches' forward + backward (optimizer step "
                   f"apart) and peak memory against the baseline; PREDICTED = tools/memory_plan.py's router-share "
                   f"model on {env.gpu_kind()} (bf16)", flush=True)
-            print(f"  {'shape':5s} {'mode':12s} {'router':6s} {'L':>3s} {'tok/s':>10s} {'x base':>7s} "
+            print(f"  {'shape':5s} {'mode':12s} {'router':13s} {'L':>3s} {'tok/s':>10s} {'x base':>7s} "
                   f"{'PREDICTED':>9s} {'FP8 x base':>10s} {'optim ms':>8s} {'peak GiB':>9s} {'x base':>7s} target",
                   flush=True)
             for shape_name in ("8B", "1B"):
                 shape = checks.speed_shape(opts, env, shape_name)
                 base = {}
-                for mode, kern in checks.speed_runs(env):
+                for mode, kern, group in checks.speed_runs(env):
                     runs = {}
+                    label = kern if group is None else f"{kern} S={group}"  # S: --delta-router-group-size
                     for fp8 in precisions:
-                        r = attempt("speed", f"speed {shape_name} {mode} {kern} fp8={fp8}",
+                        r = attempt("speed", f"speed {shape_name} {mode} {label} fp8={fp8}",
                                     lambda: checks.train(opts, env, mode, shape=shape, overrides=router_overrides,
                                                          kernels=kern if kern != "-" else "fla", fp8=fp8,
                                                          iters=opts.speed_iters, warmup=opts.warmup,
-                                                         micro_batches=opts.speed_micro_batches),
-                                    mode=mode, kernels=kern, precision=str(fp8))
+                                                         micro_batches=opts.speed_micro_batches, group_size=group),
+                                    mode=mode, kernels=kern, group_size=group, precision=str(fp8))
                         if r:
                             r["shape"] = shape_name
                             runs[fp8] = r
@@ -143,9 +144,9 @@ def main(argv=None):
                     if not r:
                         continue
                     if "tokens_per_sec" not in r or None not in base:
-                        print(f"  {shape_name:5s} {mode:12s} {kern:6s} {r.get('error', 'no baseline')}", flush=True)
+                        print(f"  {shape_name:5s} {mode:12s} {label:13s} {r.get('error', 'no baseline')}", flush=True)
                         continue
-                    tgt = checks.compare_speed(env, r, base[None], shape_name, mode, kern, shape["layers"])
+                    tgt = checks.compare_speed(env, r, base[None], shape_name, mode, kern, shape["layers"], group)
                     fp8_col = "-"
                     f = runs.get("delayed")
                     if f is not None and "tokens_per_sec" in f and "delayed" in base:
@@ -160,7 +161,7 @@ def main(argv=None):
                     pred = "-" if r["predicted_ratio"] is None else f"{r['predicted_ratio']:.3f}"
                     mem = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
                     memr = "-" if r["peak_mem_ratio"] is None else f"{r['peak_mem_ratio']:.3f}"
-                    print(f"  {shape_name:5s} {mode:12s} {kern:6s} {r['num_layers']:3d} {r['tokens_per_sec']:10,.0f} "
+                    print(f"  {shape_name:5s} {mode:12s} {label:13s} {r['num_layers']:3d} {r['tokens_per_sec']:10,.0f} "
                           f"{r['throughput_ratio']:7.3f} {pred:>9s} {fp8_col:>10s} {r['optimizer_ms']:8.1f} {mem:>9s} "
                           f"{memr:>7s} {tg}", flush=True)
                     run.save()

@@ -31,13 +31,16 @@ recompute chunk), anchored at the scope's first sublayer: they never cross a chu
 The final router of full_attnres routes as before (router.py). Group size: ``--delta-router-group-size``
 (config ``delta_router_group_size``): ``auto``, or S >= 1 (1 = the per-router path). ``auto`` takes
 S = round(sqrt(n + 2 n0)) for a scope of n routers whose first reads n0 sources, the minimum of the
-counted passes (:func:`passes`), and 1 where the routers run on a GPU kernel (Triton's or fla's: one router
-per call; the group router has no GPU kernel yet).
+counted passes (:func:`passes`), where the group runs on the C or Triton kernels; 1 where the routers run on
+PyTorch ops (--delta-router-kernels torch, or tensors neither kernel takes: counted per op, the group router
+moves more bytes than one router per pass) or on fla's kernel (one router per call).
 
-Implementations: PyTorch ops (any device and dtype; the reference) and the fused CPU kernels
+Implementations: PyTorch ops (any device and dtype; the reference), the fused CPU kernels
 (csrc/group_router_kernels.c, fp32 CPU tensors, --delta-router-kernels auto/c): each pass is one C loop
-over the tokens that reads each [T, d] tensor once. Every call records its traffic (core/traffic.py): a C loop
-as one pass, the PyTorch path each op it makes.
+over the tokens that reads each [T, d] tensor once, and the Triton kernels (triton_group_kernels.py, CUDA
+tensors in fp32 / bf16 / fp16, --delta-router-kernels triton, or auto where Triton imports): the same passes
+on tiles of tokens. Every call records its traffic (core/traffic.py): a C loop or Triton kernel as one pass,
+the PyTorch path each op it makes.
 """
 from __future__ import annotations
 
@@ -74,7 +77,7 @@ def parse_group_size(text: Union[str, int]) -> Union[str, int]:
 
 def check_group_size(value, residual: str, sources: str = "exact", kernels: str = "auto") -> Union[str, int]:
     """The resolved option: ``auto`` or S >= 1. An explicit S > 1 is refused (ValueError naming the flag)
-    outside the fine-grained modes' exact sources, and with fla's or the Triton kernels (one router per call)."""
+    outside the fine-grained modes' exact sources, and with fla's kernel (one router per call)."""
     value = parse_group_size(value)
     if value == AUTO or value == 1:
         return value
@@ -84,9 +87,9 @@ def check_group_size(value, residual: str, sources: str = "exact", kernels: str 
     if sources != "exact":
         raise ValueError(f"{FLAG} {value} needs --delta-sources exact (the authors' delta starts with a router "
                          f"that reads no source); drop {FLAG} or set it to 1")
-    if kernels in ("fla", "triton"):  # their kernels route one router per call; no group kernel on GPU yet
-        raise ValueError(f"{FLAG} {value} cannot run on {kernels}'s kernels (--delta-router-kernels {kernels} "
-                         f"routes one router per call); use --delta-router-kernels auto, c or torch, or {FLAG} 1")
+    if kernels == "fla":  # fla-core's kernel routes one router per call
+        raise ValueError(f"{FLAG} {value} cannot run on fla's kernel (--delta-router-kernels fla routes one router "
+                         f"per call); use --delta-router-kernels auto, triton, c or torch, or {FLAG} 1")
     return value
 
 
@@ -179,13 +182,23 @@ def _sink_add(sink: GradSink, grad: Tensor, dtype: torch.dtype, kernel: str) -> 
         traffic.record(kernel, "backward", [sink.grad, grad], [sink.grad])
 
 
-def _kernel_lib(kernels: str, tensors: Sequence[Optional[Tensor]]):
-    """The group kernels' library for fp32 CPU tensors under auto / c, else None (PyTorch ops)."""
+TRITON = "triton"  # _kernel_lib's answer for the Triton kernels (triton_group_kernels.py)
+
+
+def _kernel_lib(kernels: str, tensors: Sequence[Optional[Tensor]], others: Sequence[Optional[Tensor]] = ()):
+    """The group kernels for a router's ``kernels`` choice: TRITON (triton_group_kernels.py) under ``triton``, or
+    ``auto`` on CUDA tensors, where Triton imports and the sources ``tensors`` suit it; the C kernels' library
+    for fp32 CPU tensors under auto / c; else None (PyTorch ops). ``others``: further tensors (r, X, x) the C
+    kernels also need in fp32 and the Triton kernels on the same device."""
+    if kernels == "triton" or (kernels == "auto" and tensors and tensors[0].device.type == "cuda"):
+        from megatron_delta.core import triton_group_kernels
+
+        return TRITON if triton_group_kernels.eligible(kernels, list(tensors), others) else None
     if kernels not in ("auto", "c"):
         return None
     from megatron_delta.core import cpu_kernels
 
-    if not cpu_kernels.eligible(*tensors):
+    if not cpu_kernels.eligible(*tensors, *others):
         return None
     from megatron_delta.core import group_kernels
 
@@ -221,7 +234,13 @@ class _OldPass(torch.autograd.Function):
         z = torch.empty(S, m, T, dtype=cdt, device=v0.device)
         r = torch.empty(S, T, d, dtype=cdt, device=v0.device)
         x = torch.empty(T, d, dtype=cdt, device=v0.device) if unit else None
-        if lib is not None and cdt == torch.float32:
+        if lib == TRITON and cdt == torch.float32:
+            from megatron_delta.core import triton_group_kernels
+
+            flat = [f.contiguous() for f in flat]
+            p, lse = torch.empty_like(z), torch.empty(S, T, dtype=cdt, device=v0.device)
+            triton_group_kernels.old_forward(flat, Q, eps, nl, nv, inv, z, p, lse, r, x)
+        elif lib is not None and cdt == torch.float32:
             from megatron_delta.core import group_kernels
 
             p, lse = torch.empty_like(z), torch.empty(S, T, dtype=cdt, device=v0.device)
@@ -280,7 +299,12 @@ class _OldPass(torch.autograd.Function):
         for k, g in enumerate(grad_lse):
             if g is not None:
                 dlse[k] = g
-        G = [_as(stash[k][0].reshape(T, d), cdt) for k in ks]  # each router's output gradient
+        lib = ctx.lib
+        if lib == TRITON and len({stash[k][0].dtype for k in ks}) <= 1:  # the kernel reads G in its own dtype
+            G = [stash[k][0].reshape(T, d).contiguous() for k in ks]
+        else:
+            lib = None if lib == TRITON else lib
+            G = [_as(stash[k][0].reshape(T, d), cdt) for k in ks]  # each router's output gradient
         w = torch.zeros(S, T, dtype=cdt, device=inv.device)  # gate * beta_k (0 where no gradient came)
         for k in ks:
             w[k] = stash[k][1]
@@ -293,8 +317,8 @@ class _OldPass(torch.autograd.Function):
             fresh = ctx.sinks[i].grad is None
             targets.append((ctx.sinks[i].grad, fresh))
         dq = torch.zeros(S, d, dtype=cdt, device=inv.device)
-        lib = ctx.lib
-        if lib is not None and not all(t.dtype == torch.float32 and t.is_contiguous() for t in G):
+        dnull = None
+        if lib is not None and lib != TRITON and not all(t.dtype == torch.float32 and t.is_contiguous() for t in G):
             lib = None
         if lib is not None:
             from megatron_delta.core import group_kernels
@@ -305,7 +329,14 @@ class _OldPass(torch.autograd.Function):
                     t = ctx.sinks[i].grad = torch.empty(T, d, dtype=values[i].dtype, device=inv.device)
                 outs.append((t, fresh))
             dz = torch.empty_like(z)
-            group_kernels.old_backward(lib, G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq)
+            if lib == TRITON:
+                from megatron_delta.core import triton_group_kernels
+
+                dnull = torch.empty(S, d, dtype=cdt, device=inv.device) if has_null else None
+                flat = [f.contiguous() for f in flat]
+                triton_group_kernels.old_backward(G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq, dnull)
+            else:
+                group_kernels.old_backward(lib, G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq)
             reads = [*flat, *G] + [t for t, f in outs if t is not None and not f]
             traffic.record("group_old_pass", "backward", reads=reads, writes=[t for t, _ in outs if t is not None])
         else:
@@ -359,7 +390,9 @@ class _OldPass(torch.autograd.Function):
         if has_null:
             for k, (ldt, vdt) in enumerate(ctx.null_dtypes):
                 grad_nl.append(dz[k, n].sum().to(ldt))
-                if k in stash:
+                if dnull is not None:  # the Triton kernel's per-program sums
+                    grad_nv.append(dnull[k].to(vdt))
+                elif k in stash:
                     Gk = G[ks.index(k)]
                     grad_nv.append(torch.mv(Gk.t(), w[k] * p[k, n]).to(vdt))
                     traffic.record("group_old_pass", "backward", [Gk], [])
@@ -388,7 +421,15 @@ class _Merge(torch.autograd.Function):
         inv = torch.empty(k, T, dtype=cdt, device=r.device)
         zin = torch.empty(k, T, dtype=cdt, device=r.device)
         a = torch.empty(1 + k, T, dtype=cdt, device=r.device)
-        if lib is not None and cdt == torch.float32 and out_dtype == torch.float32:
+        if lib == TRITON and cdt == torch.float32:
+            from megatron_delta.core import triton_group_kernels
+
+            flat = [f.contiguous() for f in flat]
+            flat_base = None if flat_base is None else flat_base.contiguous()
+            out = torch.empty(T, d, dtype=out_dtype, device=r.device)
+            triton_group_kernels.merge_forward(r, lse, x, flat_base, gate, _as(query, cdt), flat, eps, unit, inv,
+                                               zin, a, out)
+        elif lib is not None and lib != TRITON and cdt == torch.float32 and out_dtype == torch.float32:
             from megatron_delta.core import group_kernels
 
             out = torch.empty(T, d, dtype=cdt, device=r.device)
@@ -442,7 +483,9 @@ class _Merge(torch.autograd.Function):
         needs = ctx.needs_input_grad
         q = _as(query, cdt)
         lib = ctx.lib
-        if lib is not None and not (grad.dtype == torch.float32 and grad.is_contiguous()):
+        if lib == TRITON:
+            grad = grad.contiguous()
+        elif lib is not None and not (grad.dtype == torch.float32 and grad.is_contiguous()):
             lib = None
         targets = []
         for i in range(k):
@@ -462,8 +505,14 @@ class _Merge(torch.autograd.Function):
                 outs.append((t, fresh))
             da = torch.empty_like(a)  # <G, r>, <G, v_i> (without the gate)
             dlog = torch.empty_like(a)
-            group_kernels.merge_backward(lib, grad, r, 1.0 if g is None else float(g), q, flat, inv, zin, a,
-                                         unit, outs, da, dlog, dq)
+            if lib == TRITON:
+                from megatron_delta.core import triton_group_kernels
+
+                triton_group_kernels.merge_backward(grad, r, gate, q, [f.contiguous() for f in flat], inv, zin, a,
+                                                    unit, outs, da, dlog, dq)
+            else:
+                group_kernels.merge_backward(lib, grad, r, 1.0 if g is None else float(g), q, flat, inv, zin, a,
+                                             unit, outs, da, dlog, dq)
         else:
             gr = _as(grad, cdt)
             _record_cast("group_merge", "backward", grad, gr)
@@ -534,8 +583,10 @@ class GroupRouting:
         if self.spans is None:
             size = self.size
             if size == AUTO:
-                if any(r.routes_in_kernel(value) for r in routers):
-                    size = 1  # Triton's or fla's kernel routes one router per call
+                if any(r.gpu_kernel(value) == "fla" for r in routers):
+                    size = 1  # fla's kernel routes one router per call
+                elif _kernel_lib(routers[0].kernels, [value]) is None:
+                    size = 1  # PyTorch ops: counted per op, the group moves more bytes than one router per pass
                 else:
                     size = auto_group_size(len(self.sublayers), n_older)
             self.spans = group_spans(self.sublayers, size)
@@ -579,7 +630,7 @@ class GroupRouting:
             inside = [self._collect(v) for v in values[grp.n_old:]]
             gate = router.gate if (apply_gate and router.gate is not None) else None
             like = base if base is not None else values[0]
-            lib = _kernel_lib(router.kernels, [grp.r[k], *values, base])
+            lib = _kernel_lib(router.kernels, values, [grp.r[k], base])
             u, w = _Merge.apply(k, like.dtype, buf.eps, unit, lib, [s for _, s in inside], grp.stash, k, grp.r[k],
                                 grp.lse[k], grp.x if unit else None, base, gate, buf.query(router),
                                 *[v for v, _ in inside])

@@ -765,6 +765,11 @@ class DepthRouter(torch.nn.Module):
         return (fla_router.kernel_for(self.kernels, value.device.type) is not None
                 and fla_router.fallback_reason([value], value.dtype) is None)
 
+    def gpu_kernel(self, value: Tensor) -> Optional[str]:
+        """'triton' or 'fla' where this router routes sources like ``value`` through that fused GPU kernel
+        (routes_in_kernel), else None."""
+        return self._gpu_backend(value) if self.routes_in_kernel(value) else None
+
     def forms_sums_in_kernel(self, value: Tensor) -> bool:
         """True when this router's kernel forms a partial sum it alone reads (Source.pending) in its own pass."""
         return self._gpu_backend(value) == "triton" and self.routes_in_kernel(value)

@@ -3,8 +3,8 @@
 step_traffic() counts, per kernel and phase, the bytes every pass of the routed residual stream moves for one
 micro-batch: each router call (router.py's PyTorch path, the C kernels of cpu_kernels.py, fla-core's
 fused_attnres around fla_router.py, the Triton kernels of triton_router.py with their block passes over the
-completed block sources' gradients), the group router's passes (delta and
-full_attnres on torch / c, group_router.py), each shared source projection, the sublayers' partial sums
+completed block sources' gradients), the group router's passes (delta and full_attnres on torch / c / triton,
+group_router.py), each shared source projection, the sublayers' partial sums
 (delta_block's P + v, the replacement modes' p + v: a PyTorch add, or formed in the Triton pass of their one
 reader), authors-code delta_block's differences x - A<b-1>, the residual adds x + v, the sum that hands x out,
 the null source, and autograd's own additions of gradient contributions (a tensor read by several autograd
@@ -37,7 +37,7 @@ GEMM_EFFICIENCY = 0.75  # fraction of peak FLOP/s Megatron's GEMMs reach at thes
 HBM_EFFICIENCY = 0.85   # fraction of peak bandwidth a streaming elementwise pass reaches
 BACKENDS = ("torch", "c", "fla", "triton")  # router backends the closed form knows (--delta-router-kernels)
 GPU_BACKENDS = ("torch", "fla", "triton")  # those that run on a GPU (the C kernels are CPU-only, fp32)
-CPU_BACKENDS = ("torch", "c")  # routers the group router (--delta-router-group-size auto) groups
+GROUP_BACKENDS = ("torch", "c", "triton")  # routers the group router (--delta-router-group-size auto) groups
 COMPUTE_BYTES = 4  # the routers' math is fp32 whatever the activation dtype
 
 
@@ -350,17 +350,19 @@ class _Ledger:
         if self.grad:
             self._sink_writers.setdefault(id(entry), []).append(kernel)
 
-    # the group router (group_router.GroupRouting): delta / full_attnres on CPU backends with S > 1
+    # the group router (group_router.GroupRouting): delta / full_attnres with S > 1
     def _grouped(self, key):
         from megatron_delta.core import group_router
 
-        if not self.plan.groups_routers or key == "final" or self.backend not in CPU_BACKENDS:
-            return False  # fla / triton: S = 1 (their kernels route one router per call)
+        if not self.plan.groups_routers or key == "final" or self.backend not in GROUP_BACKENDS:
+            return False  # fla: S = 1 (its kernel routes one router per call)
         if self.group_size is None:
             subs = sorted(k for k in self.scope if isinstance(k, int))
             size = self.plan.router_group_size
-            self.group_size = (group_router.auto_group_size(len(subs), len(self.plan.reads(subs[0])))
-                               if size == group_router.AUTO else size)
+            if size == group_router.AUTO:  # group_router.GroupRouting.resolve: S = 1 on the PyTorch ops
+                size = (1 if self.backend == "torch"
+                        else group_router.auto_group_size(len(subs), len(self.plan.reads(subs[0]))))
+            self.group_size = size
             self.spans = group_router.group_spans(subs, self.group_size)
         return self.group_size != 1
 
@@ -372,16 +374,19 @@ class _Ledger:
 
     def _group_route(self, key, base, base_sums):
         """One router of a group: at the group's first router the pass over the older sources, then this
-        router's merge (module docstring of group_router.py). The C kernels: the old pass reads each older source
-        once, writes S fp32 partial mixes r_k and, with x as the sources, their fp32 sum X (backward reads them
-        and the S output gradients G_k in fp32); the merge reads r_k, X or x, its k in-group sources and writes
-        u in fp32 (backward reads its gradient, r_k and the k sources). The PyTorch ops: each op a pass
+        router's merge (module docstring of group_router.py). The C and Triton kernels: the old pass reads each
+        older source once, writes S fp32 partial mixes r_k and, with x as the sources, their fp32 sum X (backward
+        reads them and the S output gradients G_k); the merge reads r_k, X or x, its k in-group sources and
+        writes u (backward reads its gradient, r_k and the k sources). The C kernels read G_k and write u in
+        fp32, the Triton kernels in the activation dtype. The PyTorch ops: each op a pass
         (_group_old_pass_torch, _group_merge_torch). The null source's value gradient reads each G_k once more
-        (torch.mv) on both. The sources' gradients are counted per pass in settle_groups."""
+        (torch.mv) on torch and c; the Triton old pass sums it per program. The sources' gradients are counted
+        per pass in settle_groups."""
         a_, b_ = self.spans[key]
         s = b_ - a_
         unit = base_sums and base is None
         A, C = self.a, self.c
+        U = A if self.backend == "triton" else C  # G_k read and u written: activation dtype or fp32
         values = [self.entries[n][0] for n in self.plan.reads(key)]
         if key == a_:
             self._group = len(values)
@@ -389,8 +394,9 @@ class _Ledger:
             if self.backend == "torch":
                 self.add(_group_old_pass_torch(A, C, n, s, unit, self.null))
             else:
+                null_reads = self.null * s * C if self.backend == "c" else 0
                 self.add({("group_old_pass", "forward"): n * A + s * C + unit * C,
-                          ("group_old_pass", "backward"): n * A + s * C + self.null * s * C})
+                          ("group_old_pass", "backward"): n * A + s * U + null_reads})
             for v in values:
                 self._touch(v, "group_old_pass")
         inside = values[self._group:]
@@ -399,7 +405,7 @@ class _Ledger:
         if self.backend == "torch":
             self.add(_group_merge_torch(A, C, len(inside), base is not None, unit))
         else:
-            self.add({("group_merge", "forward"): C + unit * C + (A if base is not None else 0) + len(inside) * A + C,
+            self.add({("group_merge", "forward"): C + unit * C + (A if base is not None else 0) + len(inside) * A + U,
                       ("group_merge", "backward"): A + C + len(inside) * A})
         for v in inside:
             self._touch(v, "group_merge")
@@ -471,7 +477,8 @@ def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, nul
     ``num_layers`` layers (the embedding output in, the final norm's input out), router ``backend`` (torch, c,
     fla), activations of ``act_bytes`` bytes, with ``recompute`` (None, ("uniform", n) or ("block", n): the
     recomputed chunks run their forward twice, and each is its own buffer scope, as block.py runs them).
-    ``group_size``: --delta-router-group-size of delta / full_attnres (auto: the group router on torch / c).
+    ``group_size``: --delta-router-group-size of delta / full_attnres (auto: the group router on c / triton, one
+    router per pass on torch and fla).
     ``sources``: --delta-sources (authors-code: delta and delta_block).
     Kernels: route, project (torch / c), fla, fla_null, fla_combine (fla), triton_route, triton_block_grad
     (triton), group_old_pass, group_merge (the group router), partial_sum, source_difference (authors-code
@@ -559,7 +566,7 @@ def layer_gemm_flops(shape, tokens, micro_batch=1):
 
 
 def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_source=False, gate=False,
-                 micro_batch=1, act_bytes=2, num_layers=None, recompute=None, group_size=1):
+                 micro_batch=1, act_bytes=2, num_layers=None, recompute=None, group_size=None):
     """Predicted router time against the layers' GEMM time for one training step (one micro-batch):
     the counted traffic of the routed residual stream (step_traffic, every pass) / (HBM x HBM_EFFICIENCY) vs
     GEMM FLOPs / (peak x GEMM_EFFICIENCY). Returns a dict with both times, the traffic in u, the share of
@@ -567,9 +574,11 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_s
     router): the baseline's step taken as its GEMMs, its own residual adds not counted). ``num_layers``
     overrides the shape's (gpu_check's layer slice); ``num_blocks``: the block modes' K (default: the command
     line's, modes.default_num_blocks, which refuses a layer count it cannot split into at most 4 blocks).
-    ``group_size``: the fine-grained modes' --delta-router-group-size, 1 (the per-router path) by default: the
-    group router has no GPU kernel (on a GPU it runs as PyTorch ops, one pass per op; group_size="auto" prices
-    that)."""
+    ``group_size``: the fine-grained modes' --delta-router-group-size; by default ``auto``, what the flag's
+    default runs: the group router on triton, one router per pass on torch (the group router's PyTorch ops,
+    counted per op, move more than the per-router path) and on fla (its kernel routes one router per call)."""
+    if group_size is None:
+        group_size = "auto"
     bw, flops = GPUS[gpu]
     shape = dict(SHAPES[shape_name])
     if num_layers:

@@ -48,14 +48,26 @@ SPEED_MICRO_BATCHES = 8  # (c): micro-batches per timed step (a training step's 
 
 
 def speed_runs(env):
-    """(c): (mode, router backend) of each run at a shape: the baseline, then the additive modes (those with
-    targets) on every GPU router backend this checkout has (--delta-router-kernels: fla, triton where present,
-    torch; the dry run takes triton only under TRITON_INTERPRET=1, the Triton interpreter)."""
+    """(c): (mode, router backend, group size) of each run at a shape: the baseline, then the additive modes
+    (those with targets) on every GPU router backend this checkout has (--delta-router-kernels: fla, triton where
+    present, torch; the dry run takes triton only under TRITON_INTERPRET=1, the Triton interpreter). delta runs
+    with --delta-router-group-size 1 (one router per pass, what the cost model prices for torch and fla) and, on
+    triton, also with ``auto`` (the group router on its Triton kernels); the group size is None (not applicable)
+    for the other modes."""
+    from megatron_delta.core.group_router import AUTO, FINE_GRAINED_MODES
     from megatron_delta.core.router import KERNEL_CHOICES
 
     backends = [k for k in ("fla", "triton", "torch") if k in KERNEL_CHOICES
                 and (k != "triton" or not env.dry or os.environ.get("TRITON_INTERPRET") == "1")]
-    return [(BASELINE, "-")] + [(m, k) for m in ADDITIVE_MODES for k in backends]
+    runs = [(BASELINE, "-", None)]
+    for m in ADDITIVE_MODES:
+        for k in backends:
+            if m not in FINE_GRAINED_MODES:
+                runs.append((m, k, None))
+            else:
+                runs += [(m, k, AUTO)] if k == "triton" else []
+                runs.append((m, k, 1))
+    return runs
 
 
 def speed_precisions(opts, env):
@@ -154,8 +166,9 @@ def model_fields(opts, env, mode, *, shape, impl=None, fp8=None):
     return fields
 
 
-def build(env, fields, kernels="fla"):
-    """(resolved fields, config, model chunk on the device); ``kernels``: the routers' backend (fla / torch)."""
+def build(env, fields, kernels="fla", group_size=None):
+    """(resolved fields, config, model chunk on the device); ``kernels``: the routers' backend (fla / triton /
+    torch); ``group_size``: delta's / full_attnres' --delta-router-group-size (None: the default)."""
     import torch
     from megatron.core import tensor_parallel
 
@@ -164,6 +177,8 @@ def build(env, fields, kernels="fla"):
 
     fields = resolve_model_fields(fields)
     over = {} if fields["residual"] == BASELINE else {"delta_router_kernels": kernels}
+    if group_size is not None:
+        over["delta_router_group_size"] = group_size
     config, options = model_config(fields, use_cpu_initialization=env.dry, **over)
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
@@ -290,7 +305,8 @@ def router_case(opts, env, dtype, null, gate, with_x, n=5):
 
 
 # ------------------------------------------------------------------------------------------- (c), (d)
-def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=None, warmup=0, micro_batches=1):
+def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=None, warmup=0, micro_batches=1,
+          group_size=None):
     """`iters` iterations with Megatron's DDP + optimizer + forward-backward schedule on a learnable stream,
     ``micro_batches`` micro-batches per iteration. ``overrides(args, standard_overrides)``: the optimizer's
     parameter-group overrides with the routers' group, as pretrain_gpt.py makes them (the trainer's
@@ -304,7 +320,8 @@ def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=N
     free(env)
     env.reset_peak()
     iters = iters or opts.iters
-    fields, config, chunk = build(env, model_fields(opts, env, mode, shape=shape, fp8=fp8), kernels=kernels)
+    fields, config, chunk = build(env, model_fields(opts, env, mode, shape=shape, fp8=fp8), kernels=kernels,
+                                  group_size=group_size)
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=chunk)
     lr = dict(lr=opts.lr, min_lr=opts.lr / 10)
@@ -350,8 +367,9 @@ def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=N
         losses.append(sum(float(r["lm loss"]) for r in reports) / len(reports))
     timed, opt_timed = fb_times[warmup:] or fb_times, opt_times[warmup:] or opt_times
     tokens = s * b * micro_batches * len(timed)
-    out = {"mode": mode, "kernels": kernels if mode != BASELINE else "-", "precision": fp8 and f"fp8-hybrid-{fp8}"
-           or ("fp32" if env.dry else "bf16"), "num_layers": fields["num_layers"],
+    out = {"mode": mode, "kernels": kernels if mode != BASELINE else "-", "group_size": group_size,
+           "precision": fp8 and f"fp8-hybrid-{fp8}" or ("fp32" if env.dry else "bf16"),
+           "num_layers": fields["num_layers"],
            "num_blocks": fields["delta_num_blocks"], "micro_batches": micro_batches, "losses": losses,
            "tokens_per_sec": tokens / sum(timed), "optimizer_ms": 1e3 * sum(opt_timed) / len(opt_timed),
            "step_tokens_per_sec": tokens / (sum(timed) + sum(opt_timed)), "peak_mem_gib": env.peak_gib(),
@@ -388,24 +406,24 @@ def speed_shape(opts, env, shape_name):
     return shape
 
 
-def predicted(env, shape_name, mode, kernels, num_layers):
-    """The cost model's tokens/s ratio to the baseline for this run on this GPU (perf.cost_model.router_share, bf16;
-    None for a backend the closed form does not know yet)."""
+def predicted(env, shape_name, mode, kernels, num_layers, group_size=None):
+    """The cost model's tokens/s ratio to the baseline for this run on this GPU (perf.cost_model.router_share, bf16,
+    with the run's group size; None for a backend the closed form does not know yet)."""
     if mode == BASELINE:
         return 1.0
     if kernels not in cost_model.BACKENDS:
         return None
     r = cost_model.router_share(env.gpu_kind(), shape_name, mode, kernels, num_layers=num_layers,
-                                num_blocks=NUM_BLOCKS if mode in BLOCK_MODES else None)
+                                num_blocks=NUM_BLOCKS if mode in BLOCK_MODES else None, group_size=group_size)
     return r["tokens_per_sec_ratio"]
 
 
-def compare_speed(env, r, base, shape_name, mode, kernels, num_layers):
+def compare_speed(env, r, base, shape_name, mode, kernels, num_layers, group_size=None):
     """(c): set the run ``r``'s throughput and peak-memory ratios to the baseline run ``base``, the predicted ratio
     beside them and, on a GPU for the runs with targets (TARGETS, fused kernel), target_ok. Returns the target
     (tokens/s, memory) ratios or None."""
     r["throughput_ratio"] = r["tokens_per_sec"] / base["tokens_per_sec"]
-    r["predicted_ratio"] = predicted(env, shape_name, mode, kernels, num_layers)
+    r["predicted_ratio"] = predicted(env, shape_name, mode, kernels, num_layers, group_size)
     r["peak_mem_ratio"] = None if r["peak_mem_gib"] is None else r["peak_mem_gib"] / base["peak_mem_gib"]
     target = TARGETS.get((shape_name, mode)) if kernels in ("fla", "triton") else None  # the fused kernels
     if target and not env.dry:

@@ -1,0 +1,404 @@
+"""The group router's Triton kernels (GPU): the four kernels of csrc/group_router_kernels.c on tiles of ``BT``
+tokens x the hidden size, for ``--delta-router-kernels triton`` (and ``auto`` on CUDA tensors when Triton
+imports). group_router.py holds the math and calls them with the same arguments as group_kernels.py's C
+kernels; imported lazily, as triton_router.py (whose start-up check, interpreter switch and dtype rules they
+share): nothing of Triton is imported until a group routes on them. On CPU they run only under Triton's
+interpreter (``TRITON_INTERPRET=1``), which is how the tests run them, in fp32.
+
+Per program (a tile of tokens), S routers of a group at once: the S queries, partial mixes and output
+gradients are [S, hidden] / [tokens, S, hidden] tiles (S padded to a power of two), so
+
+- old forward: ONE read of each older source: its 1/rms, the S logits, and an online softmax per router
+  (running max, sum and fp32 mix, the null source first); writes the S partial mixes r_k (fp32), lse_k, and
+  X = the sum of the sources (unit); the logits and 1/rms as [S, M, T] / [n, T] tables (fp32, small);
+- old backward: loop 1 reads each source for the softmax's s_k = sum_i p_ki dp_ki; loop 2 reads the same tile
+  again (from cache) and writes each source's gradient in place into its sink (assigned by the first pass to
+  reach it, added by the others); the S query gradients and the null sources' are reduced per program into
+  [programs, S, hidden] partial sums, then over the programs;
+- merge forward: an online softmax that starts from (lse_k, r_k) and reads each in-group source once; writes u
+  once, in the output dtype;
+- merge backward: as the per-router kernel's backward over (r_k, in-group sources), each in-group gradient
+  into its sink in place.
+
+The source, gradient and target tables are pointer tables (int64 device tensors), as triton_router.py's.
+"""
+from __future__ import annotations
+
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from megatron_delta.core import triton_router
+from megatron_delta.core.triton_router import TritonUnavailable
+
+__all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward"]
+
+TOKENS_PER_PROGRAM = triton_router.TOKENS_PER_PROGRAM
+TILE_ELEMENTS = triton_router.TILE_ELEMENTS  # at most BT x S x BD fp32 values per [tokens, S, hidden] tile
+
+_lock = threading.Lock()
+_kernels = None
+_error: Optional[str] = None
+
+
+def load():
+    """The four jitted kernels, built on first use. Raises TritonUnavailable."""
+    global _kernels, _error
+    with _lock:
+        if _kernels is None and _error is None:
+            try:
+                _kernels = _build()
+            except Exception as e:  # noqa: BLE001  (ImportError, or a broken Triton install)
+                _error = f"{type(e).__name__}: {e}"
+        if _kernels is None:
+            raise TritonUnavailable(f"triton cannot be imported ({_error}); pip install triton")
+        return _kernels
+
+
+def eligible(kernels: str, values: Sequence[Tensor], others: Sequence[Optional[Tensor]] = ()) -> bool:
+    """Whether a group's pass over ``values`` (one dtype, see triton_router.fallback_reason) runs on these kernels
+    for a router's ``kernels`` choice: ``triton``, or ``auto`` on CUDA tensors; ``others`` (r, X, x, gradients)
+    on the same device."""
+    if kernels not in ("triton", "auto") or not values:
+        return False
+    if kernels == "auto" and values[0].device.type != "cuda":
+        return False  # auto on CPU: the C kernels
+    if triton_router.fallback_reason(list(values)) is not None:
+        return False
+    if any(t is not None and t.device != values[0].device for t in others):
+        return False
+    try:
+        load()
+    except TritonUnavailable:
+        return False
+    return True
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _old_forward(src_ptrs, q_ptr, null_logit_ptr, null_ptr, inv_ptr, z_ptr, lse_ptr, r_ptr, x_ptr, T, d, eps,
+                     N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
+                     UNIT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BT + tl.arange(0, BT)
+        cols = tl.arange(0, BD)
+        ks = tl.arange(0, SP)
+        rmask, cmask, kmask = rows < T, cols < d, ks < S
+        mask = rmask[:, None] & cmask[None, :]
+        tk_mask = rmask[:, None] & kmask[None, :]  # [BT, SP]
+        kd_mask = kmask[:, None] & cmask[None, :]  # [SP, BD]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        M = N + HAS_NULL
+        Q = tl.load(q_ptr + ks[:, None] * d + cols[None, :], mask=kd_mask, other=0.0)  # [SP, BD]
+        if HAS_NULL:  # each router's null source starts its online softmax: max = its logit, sum = 1, mix = z_k
+            zl = tl.load(null_logit_ptr + ks, mask=kmask, other=0.0)
+            m = tl.zeros((BT, SP), tl.float32) + zl[None, :]
+            s = tl.zeros((BT, SP), tl.float32) + 1.0
+            zv = tl.load(null_ptr + ks[:, None] * d + cols[None, :], mask=kd_mask, other=0.0)
+            acc = tl.zeros((BT, SP, BD), tl.float32) + zv[None, :, :]
+            tl.store(z_ptr + (ks[None, :] * M + N) * T + rows[:, None], m, mask=tk_mask)
+        else:
+            m = tl.full((BT, SP), float("-inf"), tl.float32)
+            s = tl.zeros((BT, SP), tl.float32)
+            acc = tl.zeros((BT, SP, BD), tl.float32)
+        total = tl.zeros((BT, BD), tl.float32)
+        for i in tl.static_range(N):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(v * v, 1) / d + eps)
+            tl.store(inv_ptr + i * T + rows, inv, mask=rmask)
+            z = tl.sum(v[:, None, :] * Q[None, :, :], 2) * inv[:, None]  # [BT, SP]
+            tl.store(z_ptr + (ks[None, :] * M + i) * T + rows[:, None], z, mask=tk_mask)
+            m_new = tl.maximum(m, z)
+            scale = tl.exp(m - m_new)
+            p = tl.exp(z - m_new)
+            acc = acc * scale[:, :, None] + p[:, :, None] * v[:, None, :]
+            s = s * scale + p
+            m = m_new
+            if UNIT:
+                total += v
+        tl.store(lse_ptr + ks[None, :] * T + rows[:, None], m + tl.log(s), mask=tk_mask)
+        r_offs = ks.to(tl.int64)[None, :, None] * T * d + offs[:, None, :]
+        tl.store(r_ptr + r_offs, acc / s[:, :, None], mask=tk_mask[:, :, None] & cmask[None, None, :])
+        if UNIT:
+            tl.store(x_ptr + offs, total, mask=mask)
+
+    @triton.jit
+    def _old_backward(g_ptrs, g_flag_ptr, w_ptr, dlse_ptr, src_ptrs, tgt_ptrs, tgt_flag_ptr, inv_ptr, z_ptr, p_ptr,
+                      q_ptr, null_ptr, dz_ptr, part_q_ptr, part_null_ptr, T, d,
+                      N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
+                      UNIT: tl.constexpr, DT: tl.constexpr, GDT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BT + tl.arange(0, BT)
+        cols = tl.arange(0, BD)
+        ks = tl.arange(0, SP)
+        rmask, cmask, kmask = rows < T, cols < d, ks < S
+        mask = rmask[:, None] & cmask[None, :]
+        tk_mask = rmask[:, None] & kmask[None, :]
+        kd_mask = kmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        M = N + HAS_NULL
+        # the S output gradients as one [BT, SP, BD] tile (a router without a gradient: zeros)
+        g_flag = tl.load(g_flag_ptr + ks, mask=kmask, other=0)
+        g_base = tl.load(g_ptrs + ks, mask=kmask, other=0).to(tl.pointer_type(GDT))
+        G = tl.load(g_base[None, :, None] + offs[:, None, :],
+                    mask=(tk_mask & (g_flag[None, :] > 0))[:, :, None] & cmask[None, None, :], other=0.0)
+        G = G.to(tl.float32)
+        w = tl.load(w_ptr + ks[None, :] * T + rows[:, None], mask=tk_mask, other=0.0)  # gate * beta_k
+        dlse = tl.load(dlse_ptr + ks[None, :] * T + rows[:, None], mask=tk_mask, other=0.0)
+        # loop 1: s_k = sum_i p_ki dp_ki, dp_ki = w_k <G_k, v_i>
+        sdp = tl.zeros((BT, SP), tl.float32)
+        for i in tl.static_range(N):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            p_i = tl.load(p_ptr + (ks[None, :] * M + i) * T + rows[:, None], mask=tk_mask, other=0.0)
+            sdp += p_i * (w * tl.sum(G * v[:, None, :], 2))
+        if HAS_NULL:
+            zv = tl.load(null_ptr + ks[:, None] * d + cols[None, :], mask=kd_mask, other=0.0)
+            p_n = tl.load(p_ptr + (ks[None, :] * M + N) * T + rows[:, None], mask=tk_mask, other=0.0)
+            dp_n = w * tl.sum(G * zv[None, :, :], 2)
+            sdp += p_n * dp_n
+            tl.store(dz_ptr + (ks[None, :] * M + N) * T + rows[:, None], p_n * (dp_n - sdp + dlse), mask=tk_mask)
+            part_null = tl.sum((w * p_n)[:, :, None] * G, 0)  # [SP, BD]: the null values' gradients
+            tl.store(part_null_ptr + pid * SP * BD + ks[:, None] * BD + cols[None, :], part_null)
+        Q = tl.load(q_ptr + ks[:, None] * d + cols[None, :], mask=kd_mask, other=0.0)
+        gsum = tl.sum(G, 1)  # [BT, BD]: x = the sum of the sources passes each G_k to every older source
+        dq = tl.zeros((SP, BD), tl.float32)
+        # loop 2: dz, the query gradients, each source's gradient into its sink
+        for i in tl.static_range(N):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            tab = (ks[None, :] * M + i) * T + rows[:, None]
+            p_i = tl.load(p_ptr + tab, mask=tk_mask, other=0.0)
+            z_i = tl.load(z_ptr + tab, mask=tk_mask, other=0.0)
+            iv = tl.load(inv_ptr + i * T + rows, mask=rmask, other=0.0)
+            dz = p_i * (w * tl.sum(G * v[:, None, :], 2) - sdp + dlse)
+            tl.store(dz_ptr + tab, dz, mask=tk_mask)
+            c = dz * iv[:, None]  # [BT, SP]
+            e = -tl.sum(dz * z_i, 1) * iv * iv / d  # [BT]
+            dq += tl.sum(c[:, :, None] * v[:, None, :], 0)
+            gv = e[:, None] * v + tl.sum(c[:, :, None] * Q[None, :, :], 1) + tl.sum((w * p_i)[:, :, None] * G, 1)
+            if UNIT:
+                gv += gsum
+            flag = tl.load(tgt_flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the sink
+            tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
+            gv += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+            tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
+        tl.store(part_q_ptr + pid * SP * BD + ks[:, None] * BD + cols[None, :], dq)
+
+    @triton.jit
+    def _merge_forward(r_ptr, lse_ptr, x_ptr, base_ptr, gate_ptr, q_ptr, src_ptrs, inv_ptr, z_ptr, a_ptr, out_ptr,
+                       T, d, eps, K: tl.constexpr, HAS_X: tl.constexpr, HAS_BASE: tl.constexpr,
+                       HAS_GATE: tl.constexpr, UNIT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr,
+                       BD: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BT + tl.arange(0, BT)
+        cols = tl.arange(0, BD)
+        rmask, cmask = rows < T, cols < d
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        q = tl.load(q_ptr + cols, mask=cmask, other=0.0)
+        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+        m = lse  # the older sources' block: logit lse_k, mix r_k (already normalised)
+        s = tl.zeros((BT,), tl.float32) + 1.0
+        acc = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        total = tl.zeros((BT, BD), tl.float32)
+        for i in tl.static_range(K):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(v * v, 1) / d + eps)
+            z = tl.sum(v * q[None, :], 1) * inv
+            tl.store(inv_ptr + i * T + rows, inv, mask=rmask)
+            tl.store(z_ptr + i * T + rows, z, mask=rmask)
+            m_new = tl.maximum(m, z)
+            scale = tl.exp(m - m_new)
+            p = tl.exp(z - m_new)
+            acc = acc * scale[:, None] + p[:, None] * v
+            s = s * scale + p
+            m = m_new
+            if UNIT:
+                total += v
+        res = acc / s[:, None]
+        if HAS_GATE:
+            res = res * tl.load(gate_ptr)
+        if HAS_BASE:
+            res += tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_X:
+            res += tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if UNIT:
+            res += total
+        tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(a_ptr + rows, tl.exp(lse - m) / s, mask=rmask)  # beta, then the in-group weights
+        for i in tl.static_range(K):
+            z = tl.load(z_ptr + i * T + rows, mask=rmask, other=0.0)
+            tl.store(a_ptr + (1 + i) * T + rows, tl.exp(z - m) / s, mask=rmask)
+
+    @triton.jit
+    def _merge_backward(grad_ptr, r_ptr, gate_ptr, q_ptr, src_ptrs, tgt_ptrs, flag_ptr, inv_ptr, z_ptr, a_ptr,
+                        da_ptr, dlog_ptr, part_q_ptr, T, d, K: tl.constexpr, UNIT: tl.constexpr,
+                        HAS_GATE: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BT + tl.arange(0, BT)
+        cols = tl.arange(0, BD)
+        rmask, cmask = rows < T, cols < d
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + cols, mask=cmask, other=0.0)
+        gate = 1.0
+        if HAS_GATE:
+            gate = tl.load(gate_ptr)
+        # loop 1: da_j = <grad, r or v_i>, s = sum_j a_j gate da_j
+        da0 = tl.sum(g * tl.load(r_ptr + offs, mask=mask, other=0.0), 1)
+        a0 = tl.load(a_ptr + rows, mask=rmask, other=0.0)
+        tl.store(da_ptr + rows, da0, mask=rmask)
+        s = a0 * gate * da0
+        for i in tl.static_range(K):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            da = tl.sum(g * v, 1)
+            tl.store(da_ptr + (1 + i) * T + rows, da, mask=rmask)
+            s += tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0) * gate * da
+        tl.store(dlog_ptr + rows, a0 * (gate * da0 - s), mask=rmask)  # d lse_k
+        # loop 2: each in-group source's gradient into its sink, the query's per program
+        dq = tl.zeros((BD,), tl.float32)
+        for i in tl.static_range(K):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0)
+            dl = a * (gate * tl.sum(g * v, 1) - s)
+            tl.store(dlog_ptr + (1 + i) * T + rows, dl, mask=rmask)
+            iv = tl.load(inv_ptr + i * T + rows, mask=rmask, other=0.0)
+            z = tl.load(z_ptr + i * T + rows, mask=rmask, other=0.0)
+            c = dl * iv
+            e = -dl * z * iv * iv / d
+            dq += tl.sum(c[:, None] * v, 0)
+            wi = gate * a
+            if UNIT:
+                wi += 1.0
+            gv = wi[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
+            flag = tl.load(flag_ptr + i)
+            tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
+            gv += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+            tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
+        tl.store(part_q_ptr + pid * BD + cols, dq)
+
+    return _old_forward, _old_backward, _merge_forward, _merge_backward
+
+
+# ---------------------------------------------------------------------------------------- launching
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _tile(d: int, S: int = 1) -> Tuple[int, int, int, int]:
+    """(tokens per program, padded S, padded hidden size, warps): at most TILE_ELEMENTS fp32 values per
+    [tokens, S, hidden] tile. Not tuned on a GPU yet."""
+    sp, bd = _pow2(S), _pow2(d)
+    return max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // (sp * bd))), sp, bd, 8 if sp * bd >= 2048 else 4
+
+
+def _table(tensors: Sequence[Optional[Tensor]], fill: Tensor, size: Optional[int] = None) -> Tensor:
+    """A pointer table (int64, on the tensors' device): a None entry (masked in the kernel) and the padding to
+    ``size`` point at ``fill``, a valid address."""
+    ptrs = [fill.data_ptr() if t is None else t.data_ptr() for t in tensors]
+    ptrs += [fill.data_ptr()] * max(0, (size or len(ptrs)) - len(ptrs))
+    return torch.tensor(ptrs or [fill.data_ptr()], dtype=torch.int64).to(fill.device)
+
+
+def _flags(values: Sequence[int], device) -> Tensor:
+    return torch.tensor(list(values) or [0], dtype=torch.int32).to(device)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Optional[Tensor],
+                null_values: Optional[Tensor], inv: Tensor, z: Tensor, p: Tensor, lse: Tensor, r: Tensor,
+                x: Optional[Tensor]) -> None:
+    """The old pass (as group_kernels.old_forward): values n x [T, d] (contiguous, one dtype), Q [S, d] fp32,
+    null [S] and [S, d] (or None); writes inv [n, T], z and p [S, M, T], lse [S, T], r [S, T, d] and x [T, d]."""
+    fwd = load()[0]
+    T, d = values[0].shape
+    S = Q.shape[0]
+    has_null = null_values is not None
+    bt, sp, bd, warps = _tile(d, S)
+    Qf = Q.float().contiguous()
+    nl = null_logits.float().contiguous() if has_null else Qf
+    nv = null_values.float().contiguous() if has_null else Qf
+    fwd[(_cdiv(T, bt),)](_table(values, values[0]), Qf, nl, nv, inv, z, lse, r, x if x is not None else r, T, d,
+                         float(eps), N=len(values), S=S, SP=sp, HAS_NULL=has_null, UNIT=x is not None,
+                         DT=triton_router._tl_dtype(values[0].dtype), BT=bt, BD=bd, num_warps=warps)
+    torch.exp(z - lse.unsqueeze(1), out=p)  # the softmax weights, from the logits and lse ([S, M, T]: small)
+
+
+def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor, values: Sequence[Tensor],
+                 inv: Tensor, z: Tensor, p: Tensor, Q: Tensor, null_values: Optional[Tensor],
+                 targets: List[Tuple[Optional[Tensor], bool]], unit: bool, dz: Tensor, dq: Tensor,
+                 dnull: Optional[Tensor] = None) -> None:
+    """The old pass's backward (as group_kernels.old_backward; G[j]: router ks[j]'s output gradient, one dtype,
+    contiguous); also the null values' gradients into ``dnull`` [S, d] (with a null source)."""
+    bwd = load()[1]
+    T, d = values[0].shape
+    S = Q.shape[0]
+    bt, sp, bd, warps = _tile(d, S)
+    programs = _cdiv(T, bt)
+    grads: List[Optional[Tensor]] = [None] * S
+    for k, g in zip(ks, G):
+        grads[k] = g
+    has_null = null_values is not None
+    dev = values[0].device
+    part_q = torch.empty(programs, sp, bd, dtype=torch.float32, device=dev)
+    part_null = torch.empty(programs if has_null else 1, sp, bd, dtype=torch.float32, device=dev)
+    Qf = Q.float().contiguous()
+    fill = G[0] if G else values[0]
+    flags = [0 if t is None else (1 if fresh else 2) for t, fresh in targets]
+    bwd[(programs,)](_table(grads, fill, sp), _flags([int(g is not None) for g in grads] + [0] * (sp - S), dev),
+                     w, dlse, _table(values, values[0]), _table([t for t, _ in targets], values[0]),
+                     _flags(flags, dev), inv, z, p, Qf, null_values.float().contiguous() if has_null else Qf, dz,
+                     part_q, part_null, T, d, N=len(values), S=S, SP=sp, HAS_NULL=has_null, UNIT=bool(unit),
+                     DT=triton_router._tl_dtype(values[0].dtype),
+                     GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, num_warps=warps)
+    dq.copy_(part_q.sum(0)[:S, :d])
+    if has_null and dnull is not None:
+        dnull.copy_(part_null.sum(0)[:S, :d])
+
+
+def merge_forward(r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Tensor], gate: Optional[Tensor],
+                  q: Tensor, values: Sequence[Tensor], eps: float, unit: bool, inv: Tensor, z: Tensor, a: Tensor,
+                  out: Tensor) -> None:
+    """The merge of one router (as group_kernels.merge_forward; ``gate``: a 1-element tensor or None, read on
+    the device; ``out`` in the output dtype)."""
+    fwd = load()[2]
+    T, d = r.shape
+    bt, _, bd, warps = _tile(d)
+    g = gate.detach().float().reshape(1) if gate is not None else lse
+    fwd[(_cdiv(T, bt),)](r, lse.contiguous(), x if x is not None else r, base if base is not None else r, g,
+                         q.float().contiguous(), _table(values, r), inv, z, a, out, T, d, float(eps), K=len(values),
+                         HAS_X=x is not None, HAS_BASE=base is not None, HAS_GATE=gate is not None, UNIT=bool(unit),
+                         DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype), BT=bt, BD=bd,
+                         num_warps=warps)
+
+
+def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, values: Sequence[Tensor],
+                   inv: Tensor, z: Tensor, a: Tensor, unit: bool, targets: List[Tuple[Optional[Tensor], bool]],
+                   da: Tensor, dlog: Tensor, dq: Tensor) -> None:
+    """The merge's backward (as group_kernels.merge_backward)."""
+    bwd = load()[3]
+    T, d = r.shape
+    bt, _, bd, warps = _tile(d)
+    programs = _cdiv(T, bt)
+    part_q = torch.empty(programs, bd, dtype=torch.float32, device=r.device)
+    g = gate.detach().float().reshape(1) if gate is not None else r
+    flags = [0 if t is None else (1 if fresh else 2) for t, fresh in targets]
+    bwd[(programs,)](grad, r, g, q.float().contiguous(), _table(values, r), _table([t for t, _ in targets], r),
+                     _flags(flags, r.device), inv, z, a, da, dlog, part_q, T, d, K=len(values), UNIT=bool(unit),
+                     HAS_GATE=gate is not None, DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
+                     BT=bt, BD=bd, num_warps=warps)
+    dq.copy_(part_q.sum(0)[:d])
