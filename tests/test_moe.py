@@ -114,13 +114,23 @@ MOE_OPTIONS = {
                        "1", "--moe-aux-loss-coeff", "0.01"],
     "moe_recompute": ["--recompute-granularity", "selective", "--recompute-modules", "moe", "--moe-aux-loss-coeff",
                       "0.01"],
+    # router input jitter (random numbers drawn in the same order in both runs), gated shared expert
+    "jitter_shared_gate": ["--moe-input-jitter-eps", "0.01", "--moe-shared-expert-intermediate-size", "32",
+                           "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0.01"],
+    "sqrtsoftplus_fp64_probs_on_input": ["--moe-router-score-function", "sqrtsoftplus", "--moe-router-dtype", "fp64",
+                                         "--moe-router-topk", "1", "--moe-apply-probs-on-input",
+                                         "--moe-aux-loss-coeff", "0.01"],
+    "forced_balance_per_layer_logging": ["--moe-router-force-load-balancing", "--moe-per-layer-logging",
+                                         "--moe-aux-loss-coeff", "0.01"],
 }
 # The aux-loss tracker's name of each load-balancing loss (what Megatron-LM's iteration line logs).
 LOGGED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
           "global_aux_loss": "global_load_balancing_loss", "z_loss": "z_loss",
           "top1_capacity_drop": "load_balancing_loss", "sigmoid_expert_bias_shared": "seq_load_balancing_loss",
           "first_k_dense_fp32_router_allgather": "load_balancing_loss", "full_recompute": "load_balancing_loss",
-          "moe_recompute": "load_balancing_loss"}
+          "moe_recompute": "load_balancing_loss", "jitter_shared_gate": "load_balancing_loss",
+          "sqrtsoftplus_fp64_probs_on_input": "load_balancing_loss",
+          "forced_balance_per_layer_logging": "load_balancing_loss"}
 
 
 def _moe_step(argv, lm_scale):

@@ -47,6 +47,8 @@ ROUTED_MTP_REFUSED = {
                                "sources; one layer shared by every depth is not built or tested for them"),
     "mtp_detach_heads": ("--mtp-detach-heads", "it detaches the depths' hidden-state input only, while the routed "
                          "depths also read the decoder's sources, so the MTP loss would still train the decoder"),
+    "mtp_standalone": ("--mtp-standalone", "it puts the MTP block on a pipeline stage of its own, while the routed "
+                       "depths read the decoder's sources, which stay on the stage of the decoder's last layer"),
 }
 
 
