@@ -5,10 +5,11 @@ Fast (one in-process rank): the trainer's parse_args + model provider build Mega
 weight, one expert MLP per expert, shared experts) in the layers --moe-layer-freq names and the dense MLP
 elsewhere, in baseline and routed layers alike; delta at a = 0 (the baseline's function) gives the baseline's
 losses, logged aux losses and gradients for each MoE option (load-balancing losses, z-loss, capacity and token
-dropping, shared experts, group-limited sigmoid routing with expert bias, first-k dense, router dtype, the
-allgather dispatcher, recompute); --moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is
-refused by name; on CPU the alltoall dispatcher's split sizes reach the all-to-all as upstream's numpy arrays
-(moe_splits_to_host).
+dropping, shared experts and the shared-expert gate, group-limited sigmoid routing with expert bias, the
+sqrtsoftplus score, router input jitter, probabilities applied on the experts' input, forced load balancing,
+per-layer logging, first-k dense, router dtype fp32 / fp64, the allgather dispatcher, recompute);
+--moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is refused by name; on CPU the
+alltoall dispatcher's split sizes reach the all-to-all as upstream's numpy arrays (moe_splits_to_host).
 Slow: gloo's uneven all_gather (moe_uneven_gather, 2 ranks); baseline EP2 through pretrain_gpt.py (2 ranks,
 Megatron logs the load-balancing loss); one 4-rank launch (moe_launch) for expert parallelism in the routed modes:
 EP2, EP2+TP2+SP and EP2+PP2 against EP1, the allgather dispatcher, a checkpoint under EP2+TP2 resumed and
