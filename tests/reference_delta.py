@@ -373,11 +373,13 @@ def reference_forward(weights: Dict[str, torch.Tensor], cfg: RefConfig, tokens, 
                       num_blocks: Optional[int] = None, sources: str = "exact",
                       null_source: bool = False, gate: bool = False, eps: Optional[float] = None,
                       return_routing: bool = False,
-                      debug_hook: Optional[Callable[[dict], None]] = None, mtp_num_layers: int = 0):
+                      debug_hook: Optional[Callable[[dict], None]] = None, mtp_num_layers: int = 0,
+                      mtp_routing: Optional[dict] = None):
     """Logits [b, s, vocab] (float64) of the model in residual ``mode``.
 
     mtp_num_layers D > 0 returns ``(logits, [the logits of MTP depth k for k < D])`` instead
-    (docs/design.md section 1.7; not with return_routing).
+    (docs/design.md section 1.7; not with return_routing). ``mtp_routing``, a dict, gets the replacement modes'
+    MTP routing weights [b, s, N(+1)], keyed ``mtp{k+1}.attn`` / ``.mlp`` / ``.final`` (k: the depth).
 
     num_blocks: K for delta_block / attnres (must divide L). sources: 'exact' | 'authors-code'
     (delta, delta_block only). null_source / gate: whether routers have z / a (gate: additive modes).
@@ -509,19 +511,21 @@ def reference_forward(weights: Dict[str, torch.Tensor], cfg: RefConfig, tokens, 
     if mtp_num_layers:
         assert not return_routing
         return logits, mtp_forward(w, cfg, tokens, mode, x, trunk, mtp_num_layers, null_source, eps, rope_emb,
-                                   out_w)
+                                   out_w, mtp_routing)
     if return_routing:
         return logits, alphas, counts
     return logits
 
 
-def mtp_forward(w, cfg: RefConfig, tokens, mode, h, trunk, mtp_num_layers, null_source, eps, rope_emb, out_w):
+def mtp_forward(w, cfg: RefConfig, tokens, mode, h, trunk, mtp_num_layers, null_source, eps, rope_emb, out_w,
+                routing: Optional[dict] = None):
     """docs/design.md section 1.7. Depth k reads h (the previous depth's output; first the decoder's, after
     its final norm) and the tokens shifted left by k + 1 (a 0 enters at the end), forms
     z = eh_proj([enorm(embedding); hnorm(h)]) and runs one layer on z: a residual layer (baseline and the
     additive modes), or, in the replacement modes, sublayers that route over the decoder's final sources
     ``trunk`` plus the depth's own (attnres: one partial p starting at z; full_attnres: z and each output),
-    and a final router of the depth over the same; then the depth's final norm. Returns the logits per depth."""
+    and a final router of the depth over the same; then the depth's final norm. Returns the logits per depth;
+    ``routing`` (a dict) gets each routed depth's weights, keyed mtp{k+1}.attn / .mlp / .final."""
     out = []
     ids = torch.as_tensor(tokens)
     for k in range(mtp_num_layers):
@@ -531,19 +535,22 @@ def mtp_forward(w, cfg: RefConfig, tokens, mode, h, trunk, mtp_num_layers, null_
         z = torch.cat([e, rms_norm(h, w[p + "hnorm.weight"], cfg.norm_eps)], dim=-1) @ w[p + "eh_proj.weight"].T
         layer = p + "mtp_model_layer."
         if mode in REPLACEMENT_MODES:
-            def read(router, srcs):
+            def read(router, srcs, receiver):
                 zs = w[router + ".null_source"] if null_source else None
-                return route(srcs, w[router + ".query"], w[router + ".key_norm_weight"], zs, eps)[0]
+                r, alpha = route(srcs, w[router + ".query"], w[router + ".key_norm_weight"], zs, eps)
+                if routing is not None:
+                    routing[f"mtp{k + 1}.{receiver}"] = alpha
+                return r
 
             own, partial = [], z
-            for j, router in ((0, "self_attention_router"), (1, "mlp_router")):
-                u = read(layer + router, trunk + own + [partial])
+            for j, router, receiver in ((0, "self_attention_router", "attn"), (1, "mlp_router", "mlp")):
+                u = read(layer + router, trunk + own + [partial], receiver)
                 v = sublayer(j, u, w, cfg, rope_emb, prefix=layer)
                 if mode == "full_attnres":
                     own, partial = own + [partial], v
                 else:
                     partial = partial + v
-            y = read(p + "final_router", trunk + own + [partial])
+            y = read(p + "final_router", trunk + own + [partial], "final")
         else:
             y = z
             for j in (0, 1):

@@ -205,6 +205,11 @@ def test_gpu_check_dry_run():
     assert all(x["num_blocks"] == (4 if x["mode"] in ("delta_block", "attnres") else None)
                for x in r["speed"] + r["train"])  # K = 4, passed explicitly
     assert all(x["ok"] and x["losses"][-1] < x["losses"][0] for x in r["train"]) and len(r["train"]) == 5
+    # (e) the MoE fusions need Transformer Engine: reported, not run, in the dry run
+    assert r["moe"] == [{"ok": True, "available": False, "reason": "dry run: no Transformer Engine (the local "
+                         "backend has no grouped GEMM, fused permutation or router)"}]
+    assert "(e) MoE with --moe-permute-fusion --moe-router-fusion --moe-grouped-gemm" in p.stdout
+    assert "  not available: dry run: no Transformer Engine" in p.stdout
 
 
 def test_gpu_check_compares_the_group_router_on_triton(monkeypatch):

@@ -1,14 +1,15 @@
-"""Mixture of experts in every residual mode: Megatron-Core's MoE layers, as Megatron-LM's pretrain_gpt.py builds
-and trains them, with the routed layer's MLP sublayer the MoE layer (its output is the sublayer's source).
+"""Mixture of experts in every residual mode: Megatron-Core's MoE layers, as Megatron-LM's pretrain_gpt.py builds and
+trains them, with the routed layer's MLP sublayer the MoE layer (its output is the sublayer's source).
 
-Fast (one in-process rank): the trainer's parse_args + model provider build Megatron-Core's MoELayer (router
-weight, one expert MLP per expert, shared experts) in the layers --moe-layer-freq names and the dense MLP
-elsewhere, in baseline and routed layers alike; delta at a = 0 (the baseline's function) gives the baseline's
-losses, logged aux losses and gradients for each MoE option (load-balancing losses, z-loss, capacity and token
-dropping, shared experts, group-limited sigmoid routing with expert bias, first-k dense, router dtype, the
-allgather dispatcher, recompute); --moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is
-refused by name; on CPU the alltoall dispatcher's split sizes reach the all-to-all as upstream's numpy arrays
-(moe_splits_to_host).
+Fast (one in-process rank): the trainer's parse_args + model provider build Megatron-Core's MoELayer (router weight,
+one expert MLP per expert, shared experts) in the layers --moe-layer-freq names and the dense MLP elsewhere, in
+baseline and routed layers alike; delta at a = 0 (the baseline's function) gives the baseline's losses, logged aux
+losses and gradients for each MoE option (load-balancing losses, z-loss, capacity and token dropping, shared experts
+and the shared-expert gate, group-limited sigmoid routing with expert bias, the sqrtsoftplus score, Sinkhorn and
+quantile balancing, a forced random router bias, router input jitter, probabilities applied on the experts' input,
+forced load balancing, per-layer logging, first-k dense, router dtype fp32 / fp64, the allgather dispatcher,
+recompute); --moe-grouped-gemm, which Megatron-Core's local backend has no kernel for, is refused by name; on CPU
+the alltoall dispatcher's split sizes reach the all-to-all as upstream's numpy arrays (moe_splits_to_host).
 Slow: gloo's uneven all_gather (moe_uneven_gather, 2 ranks); baseline EP2 through pretrain_gpt.py (2 ranks,
 Megatron logs the load-balancing loss); one 4-rank launch (moe_launch) for expert parallelism in the routed modes:
 EP2, EP2+TP2+SP and EP2+PP2 against EP1, the allgather dispatcher, a checkpoint under EP2+TP2 resumed and
@@ -114,13 +115,30 @@ MOE_OPTIONS = {
                        "1", "--moe-aux-loss-coeff", "0.01"],
     "moe_recompute": ["--recompute-granularity", "selective", "--recompute-modules", "moe", "--moe-aux-loss-coeff",
                       "0.01"],
+    # router input jitter (random numbers drawn in the same order in both runs), gated shared expert
+    "jitter_shared_gate": ["--moe-input-jitter-eps", "0.01", "--moe-shared-expert-intermediate-size", "32",
+                           "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0.01"],
+    "sqrtsoftplus_fp64_probs_on_input": ["--moe-router-score-function", "sqrtsoftplus", "--moe-router-dtype", "fp64",
+                                         "--moe-router-topk", "1", "--moe-apply-probs-on-input",
+                                         "--moe-aux-loss-coeff", "0.01"],
+    "forced_balance_per_layer_logging": ["--moe-router-force-load-balancing", "--moe-per-layer-logging",
+                                         "--moe-aux-loss-coeff", "0.01"],
+    # balancing inside the router (no aux loss: the z-loss gives the routers their aux-only gradient)
+    "sinkhorn": ["--moe-router-load-balancing-type", "sinkhorn", "--moe-router-topk", "1", "--moe-z-loss-coeff",
+                 "0.001"],
+    "quantile_balancing_forced_bias": ["--moe-router-load-balancing-type", "quantile_balancing",
+                                       "--moe-router-quantile-balancing-ema", "0.9", "--moe-router-force-biased",
+                                       "0.1", "--moe-z-loss-coeff", "0.001"],
 }
 # The aux-loss tracker's name of each load-balancing loss (what Megatron-LM's iteration line logs).
 LOGGED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
           "global_aux_loss": "global_load_balancing_loss", "z_loss": "z_loss",
           "top1_capacity_drop": "load_balancing_loss", "sigmoid_expert_bias_shared": "seq_load_balancing_loss",
           "first_k_dense_fp32_router_allgather": "load_balancing_loss", "full_recompute": "load_balancing_loss",
-          "moe_recompute": "load_balancing_loss"}
+          "moe_recompute": "load_balancing_loss", "jitter_shared_gate": "load_balancing_loss",
+          "sqrtsoftplus_fp64_probs_on_input": "load_balancing_loss",
+          "forced_balance_per_layer_logging": "load_balancing_loss", "sinkhorn": "z_loss",
+          "quantile_balancing_forced_bias": "z_loss"}
 
 
 def _moe_step(argv, lm_scale):

@@ -232,7 +232,9 @@ def test_trainer_refuses_routed_mtp_with_full_recompute_before_startup(monkeypat
     ("--mtp-use-repeated-layer", "each depth has its own routers over the decoder's sources; one layer shared by "
      "every depth is not built or tested for them"),
     ("--mtp-detach-heads", "it detaches the depths' hidden-state input only, while the routed depths also read the "
-     "decoder's sources, so the MTP loss would still train the decoder")])
+     "decoder's sources, so the MTP loss would still train the decoder"),
+    ("--mtp-standalone", "it puts the MTP block on a pipeline stage of its own, while the routed depths read the "
+     "decoder's sources, which stay on the stage of the decoder's last layer")])
 def test_trainer_refuses_routed_mtp_options_it_does_not_build(monkeypatch, capsys, flag, why):
     """Megatron's MTP options the replacement modes' routed depths do not implement: one line at start-up; the
     additive modes (Megatron's own MTP layer) and baseline keep them."""

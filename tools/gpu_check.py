@@ -25,8 +25,12 @@ Prints a table per part and writes JSON (rewritten after every part: a timeout s
 (d) training: every mode trains --iters iterations in BF16 and FP8 (hybrid; delayed scaling, and current
     scaling - recipe `tensorwise` - where the installed TE has it), TE spec, routers on the fused kernel;
     the loss must be finite and fall.
+(e) MoE fusions: baseline, delta_block and attnres with every MLP a Megatron-Core MoE layer (4 experts, top-2,
+    alltoall) and --moe-permute-fusion --moe-router-fusion --moe-grouped-gemm (Transformer Engine's kernels,
+    TEGroupedMLP experts), BF16: the loss must be finite and fall; "not available" where Transformer Engine
+    lacks the kernels (and in the dry run).
 
---dry-run runs all four on CPU at tiny sizes: (a) without the TE spec, (b) in fp32 and bf16, (c) CPU
+--dry-run runs (a)-(d) on CPU at tiny sizes: (a) without the TE spec, (b) in fp32 and bf16, (c) CPU
 tokens/s (no peak memory), (d) fp32 without FP8; fla's pure-PyTorch ``naive_attnres`` stands in for the
 Triton kernel (megatron_delta.core.fla_router.use_kernel). Without --dry-run and without CUDA, Transformer
 Engine or fla it exits at once with status 2 and says why. The checks: megatron_delta/perf/gpu_check.py.
@@ -60,7 +64,7 @@ def parse(argv=None):
     p.add_argument("--num-layers-8b", type=int, default=None,
                    help=f"(c): a multiple of {checks.NUM_BLOCKS} (the block modes' K); default as many as fit "
                         "(memory plan)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["parity", "router", "speed", "train"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["parity", "router", "speed", "train", "moe"])
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--time-budget-s", type=float, default=450, help="skip the remaining runs after this")
     o = p.parse_args(argv)
@@ -178,6 +182,24 @@ def main(argv=None):
                         ls = r.get("losses") or [float("nan")]
                         print(f"  {mode:13s} {r.get('precision', str(fp8)):20s} {'ok ' if r['ok'] else 'BAD'} "
                               f"loss {ls[0]:.3f} -> {ls[-1]:.3f}{' ' + r['error'] if 'error' in r else ''}", flush=True)
+        if "moe" not in opts.skip:
+            print("\n(e) MoE with --moe-permute-fusion --moe-router-fusion --moe-grouped-gemm (alltoall, 4 experts, "
+                  "top-2), BF16", flush=True)
+            unavailable = checks.moe_fusions_unavailable(env)
+            if unavailable:
+                result["moe"].append({"ok": True, "available": False, "reason": unavailable})
+                print(f"  not available: {unavailable}", flush=True)
+            else:
+                for mode in ("baseline", "delta_block", "attnres"):
+                    r = attempt("moe", f"moe fusions {mode}",
+                                lambda: checks.train(opts, env, mode, shape=dict(env.shapes["1B"], layers=4),
+                                                     overrides=router_overrides, moe=True),
+                                mode=mode, moe=True)
+                    if r:
+                        ls = r.get("losses") or [float("nan")]
+                        print(f"  {mode:13s} {'ok ' if r['ok'] else 'BAD'} loss {ls[0]:.3f} -> {ls[-1]:.3f}"
+                              f"{' ' + r['error'] if 'error' in r else ''}", flush=True)
+            run.save()
         run.finish()
         print(f"\ngpu_check{' --dry-run' if env.dry else ''}: {'PASS' if result['ok'] else 'FAIL'}"
               f"{'' if env.dry else ' (targets ' + ('met' if result['targets_met'] else 'MISSED') + ')'}"

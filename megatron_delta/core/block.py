@@ -31,7 +31,7 @@ class DeltaTransformerBlock(TransformerBlock):
         self.plan = SourcePlan.from_config(self.config)
         self.record_routing = False
         self.source_cache = None  # the rank's SourceCache under the interleaved schedule (source_cache.link_chunks)
-        self.routing_records = []  # SourceBuffers of the micro-batches run while recording
+        self.routing_records = []  # SourceBuffers (and core.mtp.MTPRouting) of the micro-batches run while recording
         self.keep_final_sources = False  # set by DeltaGPTModel when MTP depths read the sources (core/mtp.py)
         self.final_sources = None  # the last forward's sources at the end of the decoder, when kept
         if self.config.residual in REPLACEMENT_MODES and self.post_process:

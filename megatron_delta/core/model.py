@@ -18,7 +18,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_delta.core.block import DeltaTransformerBlock
 from megatron_delta.core.config import DeltaTransformerConfig
 from megatron_delta.core.layer import DeltaTransformerLayer
-from megatron_delta.core.mtp import megatron_layer_of, routed_mtp_block_spec, routes_mtp
+from megatron_delta.core.mtp import MTPRouting, megatron_layer_of, routed_mtp_block_spec, routes_mtp
 from megatron_delta.core.norms import LocalNorm
 from megatron_delta.core.source_cache import link_chunks
 from megatron_delta.core.specs import (
@@ -166,10 +166,14 @@ class DeltaGPTModel(GPTModel):
         if self.config.mtp_detach_heads:  # as for the hidden state: no MTP gradient into the decoder
             trunk = [t.detach() for t in trunk]
         inner = [layer.mtp_model_layer for layer in self.mtp.layers]
-        for layer in inner:
-            layer.trunk_sources = trunk
+        recording = MTPRouting() if self.decoder.record_routing else None
+        for depth, layer in enumerate(inner, 1):
+            layer.trunk_sources, layer.routing_recording, layer.depth = trunk, recording, depth
         try:
-            return super()._postprocess(*args, **kwargs)
+            out = super()._postprocess(*args, **kwargs)
         finally:
             for layer in inner:
-                layer.trunk_sources = None
+                layer.trunk_sources, layer.routing_recording = None, None
+        if recording is not None and recording.routing:
+            self.decoder.routing_records.append(recording)
+        return out

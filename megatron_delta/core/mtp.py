@@ -47,6 +47,8 @@ ROUTED_MTP_REFUSED = {
                                "sources; one layer shared by every depth is not built or tested for them"),
     "mtp_detach_heads": ("--mtp-detach-heads", "it detaches the depths' hidden-state input only, while the routed "
                          "depths also read the decoder's sources, so the MTP loss would still train the decoder"),
+    "mtp_standalone": ("--mtp-standalone", "it puts the MTP block on a pipeline stage of its own, while the routed "
+                       "depths read the decoder's sources, which stay on the stage of the decoder's last layer"),
 }
 
 
@@ -72,21 +74,29 @@ class MTPDepthSources:
     docstring). Protocol as SourceBuffer's: ``routed_input(router)`` then ``commit(v)`` per sublayer, then
     ``output(final_router)``. Every source is projected by the router that reads it (a local Source)."""
 
-    def __init__(self, trunk: List, z, eps: float, every_output_is_source: bool):
+    def __init__(self, trunk: List, z, eps: float, every_output_is_source: bool,
+                 recording: Optional["MTPRouting"] = None, depth: int = 0):
         self.trunk = list(trunk)
         self.own: list = []  # full_attnres: the depth's completed sources (z, v_attn)
         self.partial = z  # attnres: z + the outputs so far; full_attnres: the latest one
         self.eps = eps
         self.every_output_is_source = every_output_is_source
+        self.recording, self.depth = recording, depth
+        self._sublayers = iter(("attn", "mlp"))
 
     def values(self) -> list:
         return self.trunk + self.own + [self.partial]
 
-    def _route(self, router: DepthRouter):
-        return router([Source(v, None, {}, self.eps, None) for v in self.values()])
+    def _route(self, router: DepthRouter, receiver: str):
+        sources = [Source(v, None, {}, self.eps, None) for v in self.values()]
+        if self.recording is None:
+            return router(sources)
+        u, alpha = router(sources, True)
+        self.recording.routing[mtp_receiver(self.depth, receiver)] = alpha.detach()
+        return u
 
     def routed_input(self, router: DepthRouter):
-        u = self._route(router)
+        u = self._route(router, next(self._sublayers))
         if self.every_output_is_source:  # the partial becomes a source; the next output starts a new one
             self.own.append(self.partial)
             self.partial = None
@@ -96,7 +106,32 @@ class MTPDepthSources:
         self.partial = v if self.partial is None else self.partial + v
 
     def output(self, final_router: DepthRouter):
-        return self._route(final_router)
+        return self._route(final_router, "final")
+
+
+def mtp_receiver(depth: int, receiver: str) -> str:
+    """The routing statistics' key of MTP depth ``depth``'s (1-based) router ``receiver`` (attn, mlp, final)."""
+    return f"mtp{depth}.{receiver}"
+
+
+def mtp_source_names(depth: int, receiver: str, trunk: List[str], every_output_is_source: bool) -> List[str]:
+    """Names of the sources MTP depth ``depth``'s router ``receiver`` reads, in order (the null source excluded):
+    the trunk tuple's (``trunk``: the decoder's final router's), then the depth's own (MTPDepthSources):
+    full_attnres its input z and each output so far, attnres its one partial sum."""
+    done = {"attn": [], "mlp": ["attn"], "final": ["attn", "mlp"]}[receiver]
+    if every_output_is_source:
+        own = ["z"] + done
+    else:
+        own = ["+".join(["z"] + done)]
+    return list(trunk) + [f"mtp{depth}:{name}" for name in own]
+
+
+class MTPRouting:
+    """The MTP depths' routing weights of one forward pass (``routing``: mtp_receiver key -> alpha [s, b, N(+1)]),
+    recorded beside the decoder's SourceBuffers (DeltaTransformerBlock.routing_records) while it records."""
+
+    def __init__(self) -> None:
+        self.routing: dict = {}
 
 
 class MTPDeltaTransformerLayer(DeltaTransformerLayer):
@@ -106,6 +141,8 @@ class MTPDeltaTransformerLayer(DeltaTransformerLayer):
     state); DeltaMultiTokenPredictionLayer._postprocess applies its final router."""
 
     trunk_sources: Optional[list] = None
+    routing_recording: Optional[MTPRouting] = None  # set with trunk_sources while the decoder records routing
+    depth: int = 0  # 1-based, set with trunk_sources
 
     # Replaces TransformerLayer.forward as Megatron's MultiTokenPredictionLayer calls it (keyword arguments,
     # ``inference_params`` under its old name); every argument is handed on as upstream's forward does.
@@ -116,7 +153,8 @@ class MTPDeltaTransformerLayer(DeltaTransformerLayer):
         kwargs["inference_context"] = deprecate_inference_params(kwargs.get("inference_context"),
                                                                  kwargs.pop("inference_params", None))
         sources = MTPDepthSources(self.trunk_sources, hidden_states, self.config.delta_router_eps,
-                                  every_output_is_source=self.config.residual == FULL_ATTNRES)
+                                  every_output_is_source=self.config.residual == FULL_ATTNRES,
+                                  recording=self.routing_recording, depth=self.depth)
         v, _ = self._forward_attention(sources.routed_input(self.self_attention_router), **kwargs)
         sources.commit(v)
         v = self._forward_mlp(sources.routed_input(self.mlp_router), kwargs.get("inference_context"),

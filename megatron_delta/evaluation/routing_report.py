@@ -9,6 +9,7 @@ plot_curves.
 """
 import json
 import os
+import re
 
 
 def run_from_run_config(cfg, opts, where):
@@ -61,9 +62,16 @@ def datasets_to_report(opts, args, tokenizer):
 def source_columns(plan, stats, null_source):
     """Column names of the receiver x source matrix (first appearance order) and, per receiver,
     the names of the sources its weights refer to."""
+    from megatron_delta.core.modes import FULL_ATTNRES
+    from megatron_delta.core.mtp import mtp_source_names
+
     names_of = {}
     for key in stats["order"]:
-        names = plan.final_reads() if key == "final" else plan.reads(int(key))
+        mtp = _mtp_receiver(key)
+        if mtp:
+            names = mtp_source_names(*mtp, plan.final_reads(), every_output_is_source=plan.mode == FULL_ATTNRES)
+        else:
+            names = plan.final_reads() if key == "final" else plan.reads(int(key))
         names_of[key] = list(names) + (["null"] if null_source else [])
         if len(names_of[key]) != stats["receivers"][key]["num_sources"]:  # defensive: unnamed columns
             names_of[key] = [f"s{i}" for i in range(stats["receivers"][key]["num_sources"])]
@@ -88,9 +96,18 @@ def aligned_matrix(stats, columns, names_of):
     return rows
 
 
+def _mtp_receiver(key):
+    """(depth, router) of an MTP depth's receiver key (core.mtp.mtp_receiver), else None."""
+    m = re.match(r"^mtp(\d+)\.(attn|mlp|final)$", key)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
 def receiver_label(key):
     if key == "final":
         return "final"
+    mtp = _mtp_receiver(key)
+    if mtp:
+        return f"MTP depth {mtp[0]} {mtp[1]}"
     j = int(key)
     return f"{j // 2}.{'attn' if j % 2 == 0 else 'mlp'}"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Dict, List, Union
 
 import torch
@@ -56,15 +57,27 @@ class _Acc:
         self.w_sum = torch.zeros(n, dtype=torch.float64)
 
 
+_MTP_KEY = re.compile(r"^mtp(\d+)\.(attn|mlp|final)$")  # core.mtp.mtp_receiver
+_MTP_SUBLAYERS = ("attn", "mlp", "final")
+
+
 def _key_order(k: Key):
-    return (1, 0, str(k)) if isinstance(k, str) else (0, k, "")
+    """The decoder's sublayers by j, its final router, then each MTP depth's attn, mlp and final routers."""
+    if not isinstance(k, str):
+        return (0, k, 0, "")
+    m = _MTP_KEY.match(k)
+    if m:
+        return (2, int(m.group(1)), _MTP_SUBLAYERS.index(m.group(2)), "")
+    return (1, 0, 0, k)
 
 
 class RoutingStatsAccumulator:
     """Token-weighted averages of the routing stats over batches, per receiver.
 
-    Receivers are keyed by the global sublayer index j (int) or 'final' (the final router of the
-    replacement modes). ``add_buffer`` takes a ``SourceBuffer(record_routing=True)``'s weights.
+    Receivers are keyed by the global sublayer index j (int), 'final' (the final router of the
+    replacement modes) or 'mtp{k}.attn' / '.mlp' / '.final'
+    (MTP depth k's routers, core.mtp.mtp_receiver). ``add_buffer`` takes a ``SourceBuffer(record_routing=True)``'s
+    weights (or a core.mtp.MTPRouting's).
     """
 
     def __init__(self) -> None:
@@ -134,7 +147,8 @@ class RoutingStatsAccumulator:
         return json.dumps(self.to_dict(), **kwargs)
 
     def format_text(self) -> str:
-        """One line per layer: its attention (even j) and MLP (odd j) receivers, then 'final'."""
+        """One line per layer: its attention (even j) and MLP (odd j) receivers, then 'final', then one line per
+        MTP depth (its attn, mlp and final routers)."""
 
         def fmt(k: Key) -> str:
             s = self.stats(k)
@@ -150,6 +164,11 @@ class RoutingStatsAccumulator:
                 if j in self._acc:
                     parts.append(f"{label} {fmt(j)}")
             lines.append(f"layer {layer:3d}: " + " | ".join(parts))
-        for k in sorted((k for k in self._acc if isinstance(k, str)), key=str):
+        named = sorted((k for k in self._acc if isinstance(k, str)), key=_key_order)
+        for k in (k for k in named if not _MTP_KEY.match(k)):
             lines.append(f"{k:>9}: {fmt(k)}")
+        depths = sorted({int(_MTP_KEY.match(k).group(1)) for k in named if _MTP_KEY.match(k)})
+        for depth in depths:
+            parts = [f"{r} {fmt(f'mtp{depth}.{r}')}" for r in _MTP_SUBLAYERS if f"mtp{depth}.{r}" in self._acc]
+            lines.append(f"MTP depth {depth}: " + " | ".join(parts))
         return "\n".join(lines)

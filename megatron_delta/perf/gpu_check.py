@@ -166,9 +166,10 @@ def model_fields(opts, env, mode, *, shape, impl=None, fp8=None):
     return fields
 
 
-def build(env, fields, kernels="fla", group_size=None):
+def build(env, fields, kernels="fla", group_size=None, **config_overrides):
     """(resolved fields, config, model chunk on the device); ``kernels``: the routers' backend (fla / triton /
-    torch); ``group_size``: delta's / full_attnres' --delta-router-group-size (None: the default)."""
+    torch); ``group_size``: delta's / full_attnres' --delta-router-group-size (None: the default);
+    ``config_overrides``: DeltaTransformerConfig fields set directly (the MoE fusions of (e))."""
     import torch
     from megatron.core import tensor_parallel
 
@@ -179,7 +180,7 @@ def build(env, fields, kernels="fla", group_size=None):
     over = {} if fields["residual"] == BASELINE else {"delta_router_kernels": kernels}
     if group_size is not None:
         over["delta_router_group_size"] = group_size
-    config, options = model_config(fields, use_cpu_initialization=env.dry, **over)
+    config, options = model_config(fields, use_cpu_initialization=env.dry, **over, **config_overrides)
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     (chunk,) = build_model_chunks(config, fields["padded_vocab_size"], **options)
@@ -305,13 +306,40 @@ def router_case(opts, env, dtype, null, gate, with_x, n=5):
 
 
 # ------------------------------------------------------------------------------------------- (c), (d)
+# (e): Megatron-Core's MoE layer with Transformer Engine's fused permutation, fused router and grouped GEMM (all
+# inside the MoE layer's forward: the routed modes see its output v only). 4 experts, top-2, alltoall dispatcher.
+MOE_FIELDS = dict(num_experts=4, moe_router_topk=2)
+MOE_FUSIONS = dict(moe_permute_fusion=True, moe_router_fusion=True, moe_grouped_gemm=True,
+                   moe_token_dispatcher_type="alltoall")
+MOE_FUSION_KERNELS = ("fused_permute", "fused_unpermute", "fused_sort_chunks_by_index",
+                      "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss")
+
+
+def moe_fusions_unavailable(env):
+    """Why (e) cannot run here (None where it can): the dry run has no Transformer Engine; a Transformer Engine
+    without the fused MoE kernels Megatron-Core imports (moe_utils), or older than 1.7 (no grouped experts), lacks
+    them."""
+    if env.dry:
+        return "dry run: no Transformer Engine (the local backend has no grouped GEMM, fused permutation or router)"
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.utils import is_te_min_version
+
+    missing = [name for name in MOE_FUSION_KERNELS if getattr(moe_utils, name, None) is None]
+    if missing:
+        return f"this Transformer Engine lacks {', '.join(missing)}"
+    if not is_te_min_version("1.7.0"):
+        return "Transformer Engine < 1.7 has no grouped GEMM experts"
+    return None
+
+
 def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=None, warmup=0, micro_batches=1,
-          group_size=None):
+          group_size=None, moe=False):
     """`iters` iterations with Megatron's DDP + optimizer + forward-backward schedule on a learnable stream,
     ``micro_batches`` micro-batches per iteration. ``overrides(args, standard_overrides)``: the optimizer's
     parameter-group overrides with the routers' group, as pretrain_gpt.py makes them (the trainer's
     router_overrides). tokens_per_sec: the micro-batches' forward + backward alone; the optimizer step is timed
-    apart (optimizer_ms) and step_tokens_per_sec counts it too."""
+    apart (optimizer_ms) and step_tokens_per_sec counts it too. ``moe``: every MLP an MoE layer with the fusions
+    of MOE_FUSIONS (the experts must be Transformer Engine's grouped MLP)."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
@@ -320,8 +348,14 @@ def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=N
     free(env)
     env.reset_peak()
     iters = iters or opts.iters
-    fields, config, chunk = build(env, model_fields(opts, env, mode, shape=shape, fp8=fp8), kernels=kernels,
-                                  group_size=group_size)
+    fields = model_fields(opts, env, mode, shape=shape, fp8=fp8)
+    if moe:
+        fields.update(MOE_FIELDS, moe_ffn_hidden_size=shape["ffn"] // MOE_FIELDS["moe_router_topk"])
+    fields, config, chunk = build(env, fields, kernels=kernels, group_size=group_size, **(MOE_FUSIONS if moe else {}))
+    if moe:
+        experts = {type(layer.mlp.experts).__name__ for layer in chunk.decoder.layers}
+        if experts != {"TEGroupedMLP"}:  # Megatron's spec falls back to SequentialMLP with a warning
+            raise RuntimeError(f"--moe-grouped-gemm built {sorted(experts)}, not TEGroupedMLP")
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=chunk)
     lr = dict(lr=opts.lr, min_lr=opts.lr / 10)
@@ -373,7 +407,7 @@ def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=N
            "num_blocks": fields["delta_num_blocks"], "micro_batches": micro_batches, "losses": losses,
            "tokens_per_sec": tokens / sum(timed), "optimizer_ms": 1e3 * sum(opt_timed) / len(opt_timed),
            "step_tokens_per_sec": tokens / (sum(timed) + sum(opt_timed)), "peak_mem_gib": env.peak_gib(),
-           "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]}
+           "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], "moe": moe}
     free(env, ddp, optimizer, chunk)
     return out
 
@@ -492,7 +526,7 @@ class CheckRun:
         self.t_start = time.time()
         self.result = {"device": env.gpu_name, "dry_run": env.dry, "torch": torch.__version__, "opts": vars(opts),
                        "router_kernels": fla_router.describe("fla", cuda=not env.dry),
-                       "parity": [], "router": [], "speed": [], "train": [], "skipped": []}
+                       "parity": [], "router": [], "speed": [], "train": [], "moe": [], "skipped": []}
         try:
             import transformer_engine
 
@@ -529,7 +563,7 @@ class CheckRun:
     def finish(self):
         """The verdicts (every run ok and nothing skipped; the targets met), the wall time; saved."""
         result = self.result
-        parts = result["parity"] + result["router"] + result["speed"] + result["train"]
+        parts = result["parity"] + result["router"] + result["speed"] + result["train"] + result["moe"]
         result["ok"] = all(r["ok"] for r in parts) and not result["skipped"]
         result["targets_met"] = all(r.get("target_ok", True) for r in result["speed"])
         result["wall_s"] = time.time() - self.t_start
