@@ -254,6 +254,9 @@ def _forked_rank_main(target, env: dict, stdout: str, stderr: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO_ROOT)
+    # a forkserver child inherits the forkserver start method; a new interpreter starts with the platform's default
+    # (fork on Linux), which the data loader's workers rely on (their worker_init_fn is a local function)
+    multiprocessing.set_start_method("fork" if sys.platform == "linux" else "spawn", force=True)
     for fd, path in ((1, stdout), (2, stderr)):
         f = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(f, fd)
