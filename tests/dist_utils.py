@@ -3,19 +3,23 @@
     results = run_distributed(my_module.fn, 2, arg1, arg2, timeout=120)
     results = run_distributed("path/to/script.py", 2, "--flag", "1")
 
-Each rank is a fresh ``python`` subprocess with torchrun's environment (RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), OMP_NUM_THREADS=1 and the
-repo root on PYTHONPATH.  A function must be importable by module and name (defined at module
-level); its JSON-serialisable return value comes back per rank.  A script may write a JSON result
-to the file named by $DIST_RESULT_FILE (else its rank's result is None).  If a rank fails or the
-run times out, the other ranks are killed and :class:`DistributedRunError` carries each failing
-rank's exit status and stderr tail.
+Each rank is a new process with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT on a free port), OMP_NUM_THREADS=1 and the repo root on PYTHONPATH: forked from the
+session's preloaded fork server (see PRELOAD) where the launch's environment is the server's plus those
+variables, else a new ``python`` subprocess. A function must be importable by module and name (defined at
+module level); its JSON-serialisable return value comes back per rank. A script may write a JSON result to the
+file named by $DIST_RESULT_FILE (else its rank's result is None). If a rank fails or the run times out, the
+other ranks are killed and :class:`DistributedRunError` carries each failing rank's exit status and stderr
+tail.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
+import multiprocessing
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -26,6 +30,17 @@ from megatron_delta.platform.distributed import free_port  # noqa: F401  (tests 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TAIL = 6000  # characters of a failing rank's stderr shown in the error
+
+# Why a fork server: a rank spends ~5 CPU-seconds importing torch, Megatron-Core and Megatron-LM before it runs
+# anything, and the suite starts a few hundred ranks on 2 cores. The server (multiprocessing's forkserver,
+# started once per session) imports them once, as pretrain_gpt.py's ranks would, and forks each rank from there:
+# the rank runs the same code on the same modules, without the import. A launch whose environment differs from
+# the server's in more than the launch variables (LAUNCH_VARIABLES: e.g. TRITON_INTERPRET, read at import) and
+# launches that must see a fresh interpreter (``fresh=True``: import-time behaviour) start a subprocess instead.
+PRELOAD = ["tests.rank_preload"]
+LAUNCH_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "DIST_RESULT_FILE", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
+_server: dict = {}  # {"context": the forkserver context, "env": the environment the server started with}
 
 
 class DistributedRunError(RuntimeError):
@@ -55,6 +70,7 @@ def run_distributed(
     kwargs: Optional[dict] = None,
     grace: float = 5.0,
     torchrun_env: bool = True,
+    fresh: bool = False,
 ) -> List[Any]:
     """Run ``fn_or_script`` on ``world_size`` ranks; return the per-rank results (rank order).
 
@@ -62,7 +78,9 @@ def run_distributed(
     command-line arguments.  ``env`` adds environment variables to every rank.  When a rank fails,
     the others get ``grace`` seconds to finish before being killed (they usually block in a
     collective).  ``torchrun_env=False`` (one rank only) leaves out RANK/WORLD_SIZE/MASTER_* so
-    the code under test sees a plain ``python`` launch.
+    the code under test sees a plain ``python`` launch (a new interpreter).  ``fresh=True`` starts
+    each rank as a new interpreter too (not forked from the preloaded server), for code whose
+    import-time behaviour is tested.
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
@@ -78,6 +96,7 @@ def run_distributed(
         PYTHONPATH=os.pathsep.join([REPO_ROOT] + [p for p in [base_env.get("PYTHONPATH")] if p]),
         PYTHONUNBUFFERED="1",
     )
+    plain_env = dict(base_env)  # the environment the fork server starts with
     if not torchrun_env:
         if world_size != 1:
             raise ValueError("torchrun_env=False needs world_size == 1")
@@ -101,6 +120,10 @@ def run_distributed(
         cmd = [sys.executable, str(fn_or_script)] + [str(a) for a in args]
         what = str(fn_or_script)
 
+    target = (("function", spec_file) if callable(fn_or_script)
+              else ("script", [str(fn_or_script)] + [str(a) for a in args]))
+    # a plain-python launch (torchrun_env=False) tests start-up itself: always a fresh interpreter
+    forked = torchrun_env and not fresh and _server_matches(plain_env, base_env)
     procs, outs, errs, result_files = [], [], [], []
     try:
         for rank in range(world_size):
@@ -116,8 +139,10 @@ def run_distributed(
             err = open(os.path.join(tmp, f"stderr_{rank}.txt"), "w+")
             outs.append(out)
             errs.append(err)
-            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=err,
-                                          cwd=REPO_ROOT))
+            if forked:
+                procs.append(_ForkedRank(target, rank_env, out.name, err.name))
+            else:
+                procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=err, cwd=REPO_ROOT))
         deadline = time.monotonic() + timeout
         failed_at = None
         timed_out = False
@@ -170,6 +195,97 @@ def run_distributed(
         for name in os.listdir(tmp):
             os.remove(os.path.join(tmp, name))
         os.rmdir(tmp)
+
+
+# ------------------------------------------------------------------------------------------ the fork server
+def _server_matches(plain_env: dict, env: dict) -> bool:
+    """True when a rank with ``env`` can be forked from the session's server: ``env`` less the launch variables
+    is the server's. Starts the server on first use, with ``plain_env`` (the launch environment of a launch
+    that adds no variables)."""
+    def essential(e):
+        return {k: v for k, v in e.items() if k not in LAUNCH_VARIABLES}
+
+    if not _server:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(plain_env)  # the server (and so every forked rank) starts with it
+        try:
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _server.update(context=context, env=essential(plain_env))
+    return essential(env) == _server["env"]
+
+
+class _ForkedRank:
+    """A rank forked from the server, with the subprocess.Popen methods run_distributed uses."""
+
+    def __init__(self, target, env: dict, stdout: str, stderr: str):
+        self._process = _server["context"].Process(target=_forked_rank_main, args=(target, env, stdout, stderr),
+                                                   name=f"rank{env.get('RANK', '0')}")
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def poll(self):
+        return self._process.exitcode
+
+    def wait(self):
+        self._process.join()
+        return self._process.exitcode
+
+    def kill(self):
+        if self._process.exitcode is None:
+            self._process.kill()
+
+
+def _forked_rank_main(target, env: dict, stdout: str, stderr: str) -> None:
+    """A forked rank (runs in the child): the subprocess rank's environment, working directory, argv and output
+    files, then the function or script; exits with its code, after the atexit handlers a fresh interpreter would
+    run (multiprocessing's children skip them)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO_ROOT)
+    # a forkserver child inherits the forkserver start method; a new interpreter starts with the platform's default
+    # (fork on Linux), which the data loader's workers rely on (their worker_init_fn is a local function)
+    multiprocessing.set_start_method("fork" if sys.platform == "linux" else "spawn", force=True)
+    for fd, path in ((1, stdout), (2, stderr)):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    kind, what = target
+    code = 0
+    try:
+        if kind == "function":
+            sys.argv = ["-c", what]
+            _rank_main(what)
+        else:
+            sys.argv = list(what)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(what[0])))
+            runpy.run_path(what[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _rank_main(spec_file: str) -> None:

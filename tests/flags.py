@@ -5,6 +5,7 @@ QWEN3: the Qwen3-style architecture of the project's models (RMSNorm, SwiGLU, Ro
 qk-layernorm, grouped-query attention, no biases) and the optimiser settings of its default run.
 CPU: what a Megatron-LM job needs on a machine without CUDA: the local (non-TE) layers, gloo, and
 none of the CUDA-only fusions.
+SPEED: what the tests' tiny models leave out for speed alone, none of it part of the function.
 """
 
 QWEN3 = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--qk-layernorm",
@@ -17,6 +18,10 @@ CPU = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--di
        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
        "--use-cpu-initialization", "--no-persist-layer-norm"]
 
+
+# Why: a tiny model's batch is built in microseconds, but each of a run's train / valid / test loaders forks 2 worker
+# processes (Megatron-LM's --num-workers default) and pickles every batch back: about half of a 1 s run.
+SPEED = ["--num-workers", "0"]
 
 def tiny(num_layers=2, hidden=64, heads=4, groups=2, seq=64, mbs=4, gbs=None, vocab=256, lr=3e-3,
          train_iters=None, mock=True, warmup_iters=0, decay_iters=None) -> list[str]:
@@ -33,7 +38,7 @@ def tiny(num_layers=2, hidden=64, heads=4, groups=2, seq=64, mbs=4, gbs=None, vo
         flags += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
     if train_iters is not None:
         flags += ["--train-iters", str(train_iters)]
-    return flags + QWEN3 + CPU
+    return flags + QWEN3 + CPU + SPEED
 
 
 # The tiny model of every multi-process training test (tests/rank_runner.py's runs): 4 layers, hidden 64, 4 heads
