@@ -1,13 +1,6 @@
-"""Shared pytest setup: make the repo root importable (megatron_delta, tests.dist_utils); Megatron's compiled
-helpers run eagerly."""
+"""Shared pytest setup: make the repo root importable (megatron_delta, tests.dist_utils)."""
 import os
 import sys
-
-# Megatron-Core wraps a few small helpers in torch.compile (the SwiGLU fusion, the MoE router's top-k, ...). On CPU,
-# inductor probes and runs the host C++ compiler for them in every process that trains: ~4 CPU-seconds per rank, a
-# few hundred ranks a session. Eager runs the same functions. Set before torch is imported (here, in the session's
-# process; the ranks and subprocesses inherit it).
-os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
