@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from megatron_delta.core import triton_router
+from megatron_delta.core import cpu_kernels, triton_router
 from megatron_delta.core.router import KERNEL_CHOICES, check_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +50,11 @@ def test_check_and_choices(monkeypatch):
         assert str(e.value) == (
             "--delta-router-kernels triton: no CUDA device here, and the Triton kernels run on CUDA tensors only "
             "(or under TRITON_INTERPRET=1); use --delta-router-kernels auto (C kernels on CPU)")
-    monkeypatch.setattr(triton_router, "_kernels", None)
-    monkeypatch.setattr(triton_router, "_error", "ModuleNotFoundError: No module named 'triton'")
+    def no_triton():
+        raise ModuleNotFoundError("No module named 'triton'")
+
+    monkeypatch.setattr(triton_router, "_kernels", cpu_kernels.BuildOnce(no_triton, catch=Exception,
+                                                                          fail=triton_router.unavailable))
     with pytest.raises(ValueError) as e:
         check_kernels("triton")
     assert str(e.value) == ("--delta-router-kernels triton: triton cannot be imported (ModuleNotFoundError: No "

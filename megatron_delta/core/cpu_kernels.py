@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -112,24 +112,26 @@ def _build() -> ctypes.CDLL:
 
 
 class BuildOnce:
-    """A kernel library built on first use and tried once per process: :meth:`load` returns it, or raises the
-    KernelBuildError of that one attempt (group_kernels.py builds its library the same way)."""
+    """Kernels built on first use and tried once per process: :meth:`load` returns them, or raises ``fail(the
+    exception of that one attempt)``. The C libraries (here, group_kernels.py) and the Triton kernels
+    (triton_router.py, triton_group_kernels.py) are all loaded this way."""
 
-    def __init__(self, build: Callable[[], ctypes.CDLL]) -> None:
-        self._build, self._lock = build, threading.Lock()
-        self._lib: Optional[ctypes.CDLL] = None
-        self._error: Optional[str] = None
+    def __init__(self, build: Callable[[], Any], catch=KernelBuildError,
+                 fail: Callable[[BaseException], Exception] = lambda e: KernelBuildError(str(e))) -> None:
+        self._build, self._catch, self._fail, self._lock = build, catch, fail, threading.Lock()
+        self._built: Any = None
+        self._error: Optional[BaseException] = None
 
-    def load(self) -> ctypes.CDLL:
+    def load(self) -> Any:
         with self._lock:
-            if self._lib is None and self._error is None:
+            if self._built is None and self._error is None:
                 try:
-                    self._lib = self._build()
-                except KernelBuildError as e:
-                    self._error = str(e)
-            if self._lib is None:
-                raise KernelBuildError(self._error)
-            return self._lib
+                    self._built = self._build()
+                except self._catch as e:
+                    self._error = e
+            if self._built is None:
+                raise self._fail(self._error)
+            return self._built
 
 
 _library = BuildOnce(_build)

@@ -24,13 +24,12 @@ The source, gradient and target tables are pointer tables (int64 device tensors)
 """
 from __future__ import annotations
 
-import threading
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from megatron_delta.core import triton_router
+from megatron_delta.core import cpu_kernels, triton_router
 from megatron_delta.core.triton_router import TritonUnavailable
 
 __all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward"]
@@ -38,23 +37,9 @@ __all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "
 TOKENS_PER_PROGRAM = triton_router.TOKENS_PER_PROGRAM
 TILE_ELEMENTS = triton_router.TILE_ELEMENTS  # at most BT x S x BD fp32 values per [tokens, S, hidden] tile
 
-_lock = threading.Lock()
-_kernels = None
-_error: Optional[str] = None
-
-
 def load():
     """The four jitted kernels, built on first use. Raises TritonUnavailable."""
-    global _kernels, _error
-    with _lock:
-        if _kernels is None and _error is None:
-            try:
-                _kernels = _build()
-            except Exception as e:  # noqa: BLE001  (ImportError, or a broken Triton install)
-                _error = f"{type(e).__name__}: {e}"
-        if _kernels is None:
-            raise TritonUnavailable(f"triton cannot be imported ({_error}); pip install triton")
-        return _kernels
+    return _kernels.load()
 
 
 def eligible(kernels: str, values: Sequence[Tensor], others: Sequence[Optional[Tensor]] = ()) -> bool:
@@ -289,6 +274,9 @@ def _build():
         tl.store(part_q_ptr + pid * BD + cols, dq)
 
     return _old_forward, _old_backward, _merge_forward, _merge_backward
+
+
+_kernels = cpu_kernels.BuildOnce(_build, catch=Exception, fail=triton_router.unavailable)
 
 
 # ---------------------------------------------------------------------------------------- launching

@@ -43,13 +43,12 @@ Not done here: the sublayer's own input norm is not fused.
 from __future__ import annotations
 
 import os
-import threading
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from megatron_delta.core import traffic
+from megatron_delta.core import cpu_kernels, traffic
 
 __all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check", "interpreting",
            "device_ok", "fallback_reason", "KernelSink", "make_sink", "BlockDeferral", "DeferredSink", "defers",
@@ -66,9 +65,9 @@ class TritonUnavailable(RuntimeError):
     """Triton cannot be imported here, or cannot run on this machine; the message says why."""
 
 
-_lock = threading.Lock()
-_kernels = None  # (forward, backward, block pass) jitted kernels
-_error: Optional[str] = None
+def unavailable(e: BaseException) -> TritonUnavailable:
+    """The error of a failed build: why Triton cannot run here."""
+    return TritonUnavailable(f"triton cannot be imported ({type(e).__name__}: {e}); pip install triton")
 
 
 def interpreting() -> bool:
@@ -77,17 +76,8 @@ def interpreting() -> bool:
 
 
 def load():
-    """The jitted kernels, built on first use. Raises TritonUnavailable."""
-    global _kernels, _error
-    with _lock:
-        if _kernels is None and _error is None:
-            try:
-                _kernels = _build()
-            except Exception as e:  # noqa: BLE001  (ImportError, or a broken Triton install)
-                _error = f"{type(e).__name__}: {e}"
-        if _kernels is None:
-            raise TritonUnavailable(f"triton cannot be imported ({_error}); pip install triton")
-        return _kernels
+    """The jitted kernels (forward, backward, block pass), built on first use. Raises TritonUnavailable."""
+    return _kernels.load()
 
 
 def available() -> bool:
@@ -318,6 +308,8 @@ def _build():
     return _forward, _backward, _block_grad
 
 
+# ImportError, or a broken Triton install: the one attempt's reason in every later error
+_kernels = cpu_kernels.BuildOnce(_build, catch=Exception, fail=unavailable)
 _TL_DTYPES = {}
 
 
