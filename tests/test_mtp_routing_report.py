@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_mtp import DEPTHS, SEQ, VOCAB, _randomise, _routed_model
+from tests.test_modes_reference import randomise
+from tests.test_mtp import DEPTHS, SEQ, VOCAB, _routed_model
 
 RECEIVERS = [f"mtp{k}.{r}" for k in range(1, DEPTHS + 1) for r in ("attn", "mlp", "final")]
 
@@ -23,7 +24,7 @@ def test_routing_report_has_each_mtp_depths_routers(mode, null):
     from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
 
     model = _routed_model(mode, null)
-    _randomise(model)
+    randomise(model)
     model.eval()
     tok = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(SEQ).expand_as(tok)
