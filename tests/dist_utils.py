@@ -36,7 +36,7 @@ _TAIL = 6000  # characters of a failing rank's stderr shown in the error
 # started once per session) imports them once, as pretrain_gpt.py's ranks would, and forks each rank from there:
 # the rank runs the same code on the same modules, without the import. A launch whose environment differs from
 # the server's in more than the launch variables (LAUNCH_VARIABLES: e.g. TRITON_INTERPRET, read at import) and
-# launches that must see a fresh interpreter (``fresh=True``: import-time behaviour) start a subprocess instead.
+# plain-python launches (``torchrun_env=False``: start-up and import-time behaviour) start a subprocess instead.
 PRELOAD = ["tests.rank_preload"]
 LAUNCH_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "DIST_RESULT_FILE", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
@@ -70,7 +70,6 @@ def run_distributed(
     kwargs: Optional[dict] = None,
     grace: float = 5.0,
     torchrun_env: bool = True,
-    fresh: bool = False,
 ) -> List[Any]:
     """Run ``fn_or_script`` on ``world_size`` ranks; return the per-rank results (rank order).
 
@@ -78,9 +77,8 @@ def run_distributed(
     command-line arguments.  ``env`` adds environment variables to every rank.  When a rank fails,
     the others get ``grace`` seconds to finish before being killed (they usually block in a
     collective).  ``torchrun_env=False`` (one rank only) leaves out RANK/WORLD_SIZE/MASTER_* so
-    the code under test sees a plain ``python`` launch (a new interpreter).  ``fresh=True`` starts
-    each rank as a new interpreter too (not forked from the preloaded server), for code whose
-    import-time behaviour is tested.
+    the code under test sees a plain ``python`` launch (a new interpreter: the tests of start-up
+    and import-time behaviour use it).
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
@@ -113,17 +111,17 @@ def run_distributed(
         cmd = [sys.executable, "-c",
                "import sys; from tests.dist_utils import _rank_main; _rank_main(sys.argv[1])",
                spec_file]
+        target = ("function", spec_file)
         what = _target_of(fn_or_script)
     else:
         if kwargs:
             raise ValueError("kwargs are for functions; pass a script's arguments in args")
         cmd = [sys.executable, str(fn_or_script)] + [str(a) for a in args]
+        target = ("script", cmd[1:])
         what = str(fn_or_script)
 
-    target = (("function", spec_file) if callable(fn_or_script)
-              else ("script", [str(fn_or_script)] + [str(a) for a in args]))
-    # a plain-python launch (torchrun_env=False) tests start-up itself: always a fresh interpreter
-    forked = torchrun_env and not fresh and _server_matches(plain_env, base_env)
+    # a plain-python launch (torchrun_env=False) tests start-up itself: always a new interpreter
+    forked = torchrun_env and _server_matches(plain_env, base_env)
     procs, outs, errs, result_files = [], [], [], []
     try:
         for rank in range(world_size):
