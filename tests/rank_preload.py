@@ -57,3 +57,23 @@ def compile_megatron_helpers() -> None:
 
 
 compile_megatron_helpers()
+
+
+def _wait_for_one_thread(seconds: float = 10.0) -> None:
+    """The server forks from its one thread: wait for any helper thread the compilation left (it ends on its own),
+    and refuse to serve if one stays (a forked rank could inherit a lock it held)."""
+    import os
+    import time
+
+    tasks = f"/proc/{os.getpid()}/task"
+    if not os.path.isdir(tasks):  # not Linux
+        return
+    deadline = time.monotonic() + seconds
+    while len(os.listdir(tasks)) > 1:
+        if time.monotonic() > deadline:
+            names = [open(os.path.join(tasks, t, "comm")).read().strip() for t in os.listdir(tasks)]
+            raise RuntimeError(f"tests/rank_preload.py: the fork server still runs threads {names} after preloading")
+        time.sleep(0.05)
+
+
+_wait_for_one_thread()
