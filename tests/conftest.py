@@ -65,19 +65,29 @@ def tp1_reference(tmp_path_factory):
 
 
 TP2_PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+PP4 = ["--pipeline-model-parallel-size", "4"]
 
 
 @pytest.fixture(scope="session")
-def tp2_pp2_sp_runs(tp1_reference):
-    """One 4-rank TP2+PP2+SP launch of every mode from the TP1 reference's initial models: in fp32 (checked by
-    tests/test_parallel_parity.py's tp2_pp2_sp layout), and with the routers at 10x the lr in bf16 (saving the
-    trained model) and fp32 (tests/test_bf16.py). Returns (root, per-rank results)."""
+def four_rank_runs(tp1_reference):
+    """The session's one 4-rank launch of every mode from the TP1 reference's initial models (rank_runner.run_layouts):
+    TP2+PP2+SP in fp32 (tests/test_parallel_parity.py's tp2_pp2_sp layout) and with the routers at 10x the lr in
+    bf16 (saving the trained model) and fp32 (tests/test_bf16.py); PP4 in fp32 (test_parallel_parity's pp4 layout).
+    Returns (root, per-rank {"tp2pp2sp" | "pp4": results})."""
     from megatron_delta.core.modes import RESIDUAL_MODES
     from tests import rank_runner
     from tests.dist_utils import run_distributed
 
     tp1_reference.runs(RESIDUAL_MODES)  # the initial models
-    ranks = run_distributed(rank_runner.run_specs, 4, tp1_reference.root, "tp2pp2sp", TP2_PP2_SP,
-                            [[m, v] for m in RESIDUAL_MODES for v in ("fp32", "bf16_r10", "fp32_r10")],
-                            kwargs={"collect": ["dtypes"], "save": ["bf16_r10"]}, timeout=1800)
+    launches = [["tp2pp2sp", TP2_PP2_SP, [[m, v] for m in RESIDUAL_MODES for v in ("fp32", "bf16_r10", "fp32_r10")]],
+                ["pp4", PP4, [[m, "fp32"] for m in RESIDUAL_MODES]]]
+    ranks = run_distributed(rank_runner.run_layouts, 4, tp1_reference.root, launches,
+                            kwargs={"collect": ["dtypes"], "save": ["bf16_r10"]}, timeout=2400)
     return tp1_reference.root, ranks
+
+
+@pytest.fixture(scope="session")
+def tp2_pp2_sp_runs(four_rank_runs):
+    """The TP2+PP2+SP part of four_rank_runs: (root, per-rank results)."""
+    root, ranks = four_rank_runs
+    return root, [r["tp2pp2sp"] for r in ranks]

@@ -5,8 +5,9 @@ gbs 8, mock data; the routers at 10x the lr) ITERS iterations from the TP1 refer
 (`--load --finetune`; the session's tp1_reference fixture, tests/conftest.py); its per-iteration losses
 (`--delta-metrics-file`) must equal TP1's within 1e-5 and its learning rates TP1's. One launch runs every 2-rank
 layout, all five modes each, in-process. delta_block and attnres use K=2 blocks of 2 layers: under PP4 and
-PP2+VPP2 (one layer per chunk) every block straddles a chunk boundary. The TP2+PP2+SP launch is shared with
-tests/test_bf16.py (the tp2_pp2_sp_runs fixture: its fp32 runs are checked here).
+PP2+VPP2 (one layer per chunk) every block straddles a chunk boundary. The TP2+PP2+SP and PP4 layouts run in the
+session's 4-rank launch, shared with tests/test_bf16.py (tests/conftest.py four_rank_runs: its fp32 TP2+PP2+SP runs
+are checked here).
 """
 import json
 import os
@@ -15,6 +16,7 @@ import pytest
 
 from megatron_delta.core.modes import BLOCK_MODES, RESIDUAL_MODES
 from tests import rank_runner
+from tests.conftest import PP4
 from tests.dist_utils import run_distributed
 from tests.flags import mode_flags
 
@@ -27,7 +29,7 @@ LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
-    "pp4": (4, ["--pipeline-model-parallel-size", "4"]),
+    "pp4": (4, PP4),
     # Every chunk boundary carries a payload; with PP=2 both neighbours are one rank (the payload-shape
     # exchange must pair messages correctly: megatron_delta.core.payload.PayloadP2PCommunicator).
     "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
@@ -71,18 +73,17 @@ def two_rank_runs(reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_tp1(reference, layout, request):
-    """The 2-rank layouts share one launch (two_rank_runs); tp2_pp2_sp is the session's launch shared with
-    tests/test_bf16.py (tests/conftest.py tp2_pp2_sp_runs)."""
-    root, ref = reference
-    world, flags = LAYOUTS[layout]
+    """The 2-rank layouts share one launch (two_rank_runs); tp2_pp2_sp and pp4 run in the session's 4-rank launch,
+    shared with tests/test_bf16.py (tests/conftest.py four_rank_runs)."""
+    _, ref = reference
+    world, _ = LAYOUTS[layout]
     collect = layout == "tp2_sp"
     if world == 2:
         results = [rank[layout] for rank in request.getfixturevalue("two_rank_runs")]
     elif layout == "tp2_pp2_sp":
         _, results = request.getfixturevalue("tp2_pp2_sp_runs")
-    else:
-        results = run_distributed(rank_runner.run_specs, world, root, layout, flags, [[m, "fp32"] for m in MODES],
-                                  timeout=1500)
+    else:  # pp4
+        results = [rank["pp4"] for rank in request.getfixturevalue("four_rank_runs")[1]]
     assert len(results) == world
     grouped = {f"{m}/{v}": results[-1][m][v] for m, v in GROUPED.get(layout, [])}
     results = [{m: r[m]["fp32"] for m in MODES} for r in results]
