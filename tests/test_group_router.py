@@ -158,8 +158,11 @@ def test_counted_traffic_is_the_closed_form(config, kernels):
     predicted = cost_model.step_traffic(mode, L, kernels, act_bytes=4, null_source=null, gate=gate, group_size=S)
     assert counted == pytest.approx({k: v for k, v in predicted.items() if k[0].startswith("group_")}, abs=1e-9)
     if kernels == "c":
-        n_read = 2 * L - 1 + 1  # h0, v0 .. v_{2L-2}: each source a router reads
+        # h0, v0 .. v_{2L-2}: each source a router reads; its first gradient is written, not updated - unless x,
+        # handed out as the sum of the sources, seeded its sink (group_router._FinalSum)
+        n_read = 0 if xs else 2 * L - 1 + 1
         assert sum(counted.values()) == passes(2 * L, 1, S, unit=xs, base=gate, null=null) - n_read
+        assert ("autograd_add", "backward") not in rows or not xs, rows
 
 
 def test_group_spans_and_auto_size():
@@ -288,3 +291,60 @@ def test_closed_form_prices_what_auto_runs():
                                                    group_size=size), (mode, backend)
         assert (sum(cost_model.step_traffic(mode, 12, "torch", act_bytes=4, group_size=5).values())
                 > sum(cost_model.step_traffic(mode, 12, "torch", act_bytes=4, group_size=1).values()))
+
+
+def _source_grads(toy, h0, cut):
+    """The output and the float64 gradient of ``go . x`` with respect to every source: h0 and each sublayer's
+    output v_j (captured as SourceBuffer.commit receives it)."""
+    vs = []
+    commit = SourceBuffer.commit
+
+    def capture(buf, j, out):
+        vs.append(out)
+        return commit(buf, j, out)
+    try:
+        SourceBuffer.commit = capture
+        out = _run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
+    finally:
+        SourceBuffer.commit = commit
+    go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    if cut == "recompute":  # the checkpoints' recomputed outputs are not these tensors: the leaves' gradients
+        return out, torch.autograd.grad(out, [h0] + toy.params(), go, allow_unused=True)
+    return out, torch.autograd.grad(out, [h0] + vs, go)
+
+
+@pytest.mark.parametrize("kernels,dtype", [("torch", torch.float64), ("c", torch.float32)])
+@pytest.mark.parametrize("cut", ["none", "chunk", "recompute"])
+@pytest.mark.parametrize("size", [2, 3, "all"])
+def test_final_sum_seeds_the_sinks_once(size, cut, kernels, dtype, monkeypatch):
+    """delta with x as the sum of its sources: the hand-out sum in a grouped scope (group_router._FinalSum) gives
+    every source exactly x's gradient once - each source's gradient equals the per-router path's (float64 to
+    1e-12; fp32 C kernels to round-off), so a dropped or doubled contribution (off by x's gradient, of norm ~1)
+    fails - and it runs on every grouped scope that hands x out, with no autograd addition of that gradient."""
+    runs = []
+    apply = group_router._FinalSum.apply
+
+    def counted(lib, *a):
+        runs.append(lib)
+        return apply(lib, *a)
+    monkeypatch.setattr(group_router._FinalSum, "apply", counted)
+    config = ("delta", False, False, True)
+    ref_out, ref = _source_grads(_toy(*config, 1), _h0(torch.float64), CUTS[cut])
+    assert runs == []  # S = 1: SourceBuffer.x's chain of adds
+    S = 2 * L if size == "all" else size
+    toy = _toy(*config, S, dtype, kernels)
+    with traffic.counting() as count:
+        out, grads = _source_grads(toy, _h0(dtype), CUTS[cut])
+    # the last scope's hand-out; recompute: this checkpoint's recomputation stops at the last tensor backward needs
+    # (torch.utils.checkpoint's early stop), before the sum, which saves nothing
+    assert len(runs) == 1
+    assert all((lib is None) == (kernels == "torch") for lib in runs)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert (out.double() - ref_out).abs().max().item() <= tol * ref_out.abs().max().item()
+    assert len(grads) == len(ref)
+    for g, r in zip(grads, ref):
+        assert (g is None) == (r is None)
+        if r is not None:
+            assert (g.double() - r).abs().max().item() <= tol * max(1.0, r.abs().max().item())
+    if cut == "none":  # one scope: every source's gradient comes through its sink alone
+        assert ("autograd_add", "backward") not in count.rows(SEQ * BATCH * D, act_bytes=dtype.itemsize)

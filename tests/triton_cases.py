@@ -442,11 +442,11 @@ def test_deferred_block_passes_across_a_pipeline_boundary(interpreter, mode, cut
 
 # ---------------------------------------------------------------------------------------- the group router
 def _group_kernel_calls(monkeypatch):
-    """Counts the calls of the group router's four Triton kernels (core/triton_group_kernels.py)."""
+    """Counts the calls of the group router's five Triton kernels (core/triton_group_kernels.py)."""
     from megatron_delta.core import triton_group_kernels
 
     calls = {}
-    for name in ("old_forward", "old_backward", "merge_forward", "merge_backward"):
+    for name in ("old_forward", "old_backward", "merge_forward", "merge_backward", "final_sum"):
         fn = getattr(triton_group_kernels, name)
 
         def counted(*a, _fn=fn, _name=name, **k):
@@ -462,7 +462,8 @@ def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
     groups cut by a chunk boundary: the output and every gradient (sublayer weights, so the sources; each
     router's query, key-norm weight, null source and gate; the embedding output) equal the PyTorch group path's
     (the same S and cut) and the per-router path's to fp32 round-off; each of the four kernels runs, once per
-    group (old pass) or router (merge) and phase."""
+    group (old pass) or router (merge) and phase, and delta's hand-out of x as the sum of its sources once (its
+    gradient seeds the sources' sinks: a dropped or doubled seed fails the gradients)."""
     calls = _group_kernel_calls(monkeypatch)
     cut = G.CUTS["chunk"]
     h0 = G._h0(torch.float32)
@@ -472,8 +473,10 @@ def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
         S = 2 * G.L if size == "all" else size
         got = G._forward_backward(G._toy(*config, S, torch.float32, "triton"), h0, cut)
         groups = sum(-(-n // S) for n in G._scopes(cut))
-        assert calls == {"old_forward": groups, "old_backward": groups, "merge_forward": 2 * G.L,
-                         "merge_backward": 2 * G.L}, (size, calls)
+        want = {"old_forward": groups, "old_backward": groups, "merge_forward": 2 * G.L, "merge_backward": 2 * G.L}
+        if config[3]:  # x as the sources: the last scope hands it out
+            want["final_sum"] = 1
+        assert calls == want, (size, calls)
         calls.clear()
         torch_group = G._forward_backward(G._toy(*config, S, torch.float32, "torch"), h0, cut)
         assert not calls
@@ -496,5 +499,9 @@ def test_group_router_traffic_is_the_closed_form(interpreter, config):
         G._forward_backward(G._toy(*config, S, torch.float32, "triton"), G._h0(torch.float32), ())
     rows = count.rows(G.SEQ * G.BATCH * G.D, act_bytes=4)
     counted = sum(v for (kernel, _), v in rows.items() if kernel.startswith("group_"))
-    n_read = 2 * G.L  # h0, v0 .. v_{2L-2}: each source a router reads
+    # h0, v0 .. v_{2L-2}: each source a router reads; its first gradient is written, not updated - unless x's
+    # hand-out as the sum of the sources seeded its sink (group_router._FinalSum)
+    n_read = 0 if xs else 2 * G.L
     assert counted == group_router.passes(2 * G.L, 1, S, unit=xs, base=gate) - n_read
+    assert rows.get(("x_sum", "forward"), 0) == (2 * G.L + 2 if xs else 0)  # 2L + 1 sources read, x written
+    assert ("autograd_add", "backward") not in rows or not xs

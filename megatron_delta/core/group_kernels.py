@@ -25,10 +25,13 @@ def _build() -> ctypes.CDLL:
     lib = cpu_kernels.compile_library(SOURCE, "group_router_kernels")
     P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.group_old_forward.argtypes = [I64, I64, INT, INT, P, P, F, INT, P, P, P, P, P, P, P, P, INT]
-    lib.group_old_backward.argtypes = [I64, I64, INT, INT, P, P, P, P, P, P, P, P, INT, P, P, P, INT, P, P, P, INT]
+    lib.group_old_backward.argtypes = [I64, I64, INT, INT, P, P, P, P, P, P, P, P, INT, P, P, P, P, INT, P, P, P,
+                                       INT]
     lib.group_merge_forward.argtypes = [I64, I64, INT, P, P, P, P, F, P, P, F, INT, P, P, P, P, INT]
-    lib.group_merge_backward.argtypes = [I64, I64, INT, P, P, F, P, P, P, P, P, INT, P, P, P, P, P, P, INT]
-    for f in (lib.group_old_forward, lib.group_old_backward, lib.group_merge_forward, lib.group_merge_backward):
+    lib.group_merge_backward.argtypes = [I64, I64, INT, P, P, F, P, P, P, P, P, INT, P, P, P, P, P, P, P, INT]
+    lib.group_final_sum.argtypes = [I64, I64, INT, P, P, INT]
+    for f in (lib.group_old_forward, lib.group_old_backward, lib.group_merge_forward, lib.group_merge_backward,
+              lib.group_final_sum):
         f.restype = None
     return lib
 
@@ -86,22 +89,31 @@ def old_forward(lib, values: Sequence[Tensor], Q: Tensor, eps: float, null_logit
                           _ptrs(list(r.unbind(0))), _ptr(x), _threads())
 
 
+def _modes(targets: Sequence[Tuple[Optional[Tensor], bool, Optional[Tensor]]]):
+    """The kernels' per-target mode (csrc: fresh_i) from (target, fresh, seed): 1 assign, 2 assign seed + the
+    gradient (a sink the final sum seeded), 0 add in place (or no target)."""
+    return [1 if f else (2 if s is not None else 0) for _, f, s in targets]
+
+
 def old_backward(lib, G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor, values: Sequence[Tensor],
                  inv: Tensor, z: Tensor, p: Tensor, Q: Tensor, null_values: Optional[Tensor],
-                 targets: List[Tuple[Optional[Tensor], bool]], unit: bool, dz: Tensor, dq: Tensor) -> None:
-    """The old pass's backward (csrc: group_old_backward): G[j] is router ks[j]'s output gradient."""
+                 targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]], unit: bool, dz: Tensor,
+                 dq: Tensor) -> None:
+    """The old pass's backward (csrc: group_old_backward): G[j] is router ks[j]'s output gradient; targets:
+    (sink gradient, assigned, seed) per source."""
     T, d = values[0].shape
     S = Q.shape[0]
     grads: List[Optional[Tensor]] = [None] * S
     for k, g in zip(ks, G):
         grads[k] = g
-    fresh = (ctypes.c_int * len(values))(*[int(f) for _, f in targets])
+    fresh = (ctypes.c_int * len(values))(*_modes(targets))
     nblk = -(-T // KERNEL_TOKEN_BLOCK)
     part = values[0].new_empty(nblk, S, d)
     nv = null_values.contiguous() if null_values is not None else None
     lib.group_old_backward(T, d, len(values), S, _ptrs(grads), w.data_ptr(), dlse.data_ptr(), _ptrs(values),
                            inv.data_ptr(), z.data_ptr(), p.data_ptr(), Q.contiguous().data_ptr(), int(nv is not None),
-                           _ptr(nv), _ptrs([t for t, _ in targets]), fresh, int(unit), dz.data_ptr(), part.data_ptr(),
+                           _ptr(nv), _ptrs([t for t, _, _ in targets]), fresh,
+                           _ptrs([sd for _, _, sd in targets]), int(unit), dz.data_ptr(), part.data_ptr(),
                            dq.data_ptr(), _threads())
 
 
@@ -116,13 +128,20 @@ def merge_forward(lib, r: Tensor, lse: Tensor, x: Optional[Tensor], base: Option
 
 
 def merge_backward(lib, grad: Tensor, r: Tensor, gate: float, q: Tensor, values: Sequence[Tensor], inv: Tensor,
-                   z: Tensor, a: Tensor, unit: bool, targets: List[Tuple[Optional[Tensor], bool]], da: Tensor,
-                   dlog: Tensor, dq: Tensor) -> None:
+                   z: Tensor, a: Tensor, unit: bool, targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]],
+                   da: Tensor, dlog: Tensor, dq: Tensor) -> None:
     """The merge's backward (csrc: group_merge_backward)."""
     T, d = r.shape
-    fresh = (ctypes.c_int * max(1, len(values)))(*[int(f) for _, f in targets])
+    fresh = (ctypes.c_int * max(1, len(values)))(*_modes(targets))
     part = r.new_empty(-(-T // KERNEL_TOKEN_BLOCK), d)
     lib.group_merge_backward(T, d, len(values), grad.data_ptr(), r.data_ptr(), gate, q.contiguous().data_ptr(),
                              _ptrs(values), inv.data_ptr(), z.data_ptr(), a.data_ptr(), int(unit),
-                             _ptrs([t for t, _ in targets]), fresh, da.data_ptr(), dlog.data_ptr(), part.data_ptr(),
+                             _ptrs([t for t, _, _ in targets]), fresh, _ptrs([sd for _, _, sd in targets]),
+                             da.data_ptr(), dlog.data_ptr(), part.data_ptr(),
                              dq.data_ptr(), _threads())
+
+
+def final_sum(lib, values: Sequence[Tensor], x: Tensor) -> None:
+    """x = the sum of the sources, in order (csrc: group_final_sum): each source read once, x written once."""
+    T, d = x.shape
+    lib.group_final_sum(T, d, len(values), _ptrs(values), x.data_ptr(), _threads())

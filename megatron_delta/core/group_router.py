@@ -26,6 +26,13 @@ source's gradient (accumulated in place into its sink) and the group's query and
 The projection of the older sources (their 1/rms and logits) is part of these passes, so no
 _ProjectSource runs for a grouped router.
 
+delta hands x out as the sum of its sources (x_from_sources; SourceBuffer.x). In a scope whose routers route in
+groups that sum is :class:`_FinalSum`: one pass on the C / Triton kernels (each source read once, x written once;
+PyTorch's chain of adds on the PyTorch path), and in backward x's gradient seeds the sink of every source the
+groups read - by reference, no pass - so that each source keeps one autograd reader and autograd adds nothing; the
+first group pass to reach a seeded sink reads the seed as it writes the sink (one row more than a fresh write,
+instead of autograd's three). Where the scope's routers do not route in groups (S = 1, fla) x is summed as before.
+
 Groups are consecutive sublayers of one SourceBuffer's scope (its pipeline chunk, or the layers of one
 recompute chunk), anchored at the scope's first sublayer: they never cross a chunk or recompute boundary.
 The final router of full_attnres routes as before (router.py). Group size: ``--delta-router-group-size``
@@ -108,7 +115,9 @@ def passes(n_routers: int, n_older: int, size: int, unit: bool = True, base: boo
       the old pass reads the n_g sources and the s G_k and updates the n_g sources' gradients;
 
     4 n_g + s (6 + unit + base) + unit + 2 s (s - 1) per group, less one per source read with a gradient (its
-    first gradient, the last reader's in forward order, is written, not updated). ``null``: the null source's
+    first gradient, the last reader's in forward order, is written, not updated) - none where x is handed out as
+    the sum of the sources in the same scope (unit; :class:`_FinalSum` seeds every sink, so each first gradient
+    adds the seed). ``null``: the null source's
     value gradient reads each G_k once more (s per group); its value and the weight tables are [d] and
     [T]-sized and not counted."""
     total = 0
@@ -154,13 +163,46 @@ class _Collect(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        acc, ctx.sink.grad = ctx.sink.grad, None
+        sink = ctx.sink
+        acc, seeded = (sink.grad, False) if sink.grad is not None else (sink.seed, True)
+        sink.grad = sink.seed = None
         if acc is None:
             return grad, None
         acc = acc.view(ctx.shape)
-        if grad is not None:
-            acc = acc.add_(grad)
+        if grad is not None:  # a seed is shared with other sinks: never written in place
+            acc = acc + grad if seeded else acc.add_(grad)
         return acc, None
+
+
+class _Sink(GradSink):
+    """The gradient sink of a source the scope's groups read. ``seed``: the gradient of x handed out as the sum
+    of the sources (:class:`_FinalSum`), held by reference - the same tensor for every source, never written -
+    until the first pass to reach the sink in backward adds it to its own contribution as it writes the sink
+    (the kernels' mode 2: read the seed, write the sink), or _Collect hands it on where no pass wrote one."""
+
+    __slots__ = ("seed",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seed: Optional[Tensor] = None
+
+
+def _target(sink: Optional[_Sink], needed: bool) -> Tuple[Optional[Tensor], bool, Optional[Tensor]]:
+    """A kernel's gradient target for one source: (the sink's gradient, assigned fresh, seed); (None, False,
+    None) where no gradient is needed."""
+    if not needed or sink is None:
+        return None, False, None
+    return sink.grad, sink.grad is None and sink.seed is None, sink.seed if sink.grad is None else None
+
+
+def _allocate(sink: _Sink, target: Tuple[Optional[Tensor], bool, Optional[Tensor]], like: Tensor,
+              T: int, d: int) -> Tuple[Optional[Tensor], bool, Optional[Tensor]]:
+    """The kernels' target: a new sink gradient where the sink had none (written fresh, or seed + gradient)."""
+    t, fresh, seed = target
+    if t is None and (fresh or seed is not None):
+        t = sink.grad = torch.empty(T, d, dtype=like.dtype, device=like.device)
+        sink.seed = None
+    return t, fresh, seed
 
 
 class _Stash:
@@ -173,8 +215,12 @@ class _Stash:
         self.grads: Dict[int, Tuple[Tensor, Tensor]] = {}
 
 
-def _sink_add(sink: GradSink, grad: Tensor, dtype: torch.dtype, kernel: str) -> None:
-    if sink.grad is None:
+def _sink_add(sink: _Sink, grad: Tensor, dtype: torch.dtype, kernel: str) -> None:
+    if sink.grad is None and sink.seed is not None:  # seed + gradient into a new sink (the seed is shared)
+        sink.grad = torch.add(sink.seed, grad, out=torch.empty_like(sink.seed, dtype=dtype))
+        traffic.record(kernel, "backward", [sink.seed, grad], [sink.grad])
+        sink.seed = None
+    elif sink.grad is None:
         sink.grad = _as(grad, dtype) if grad.dtype != dtype else grad
         _record_cast(kernel, "backward", grad, sink.grad)
     else:
@@ -309,13 +355,7 @@ class _OldPass(torch.autograd.Function):
         for k in ks:
             w[k] = stash[k][1]
         needs_v = [ctx.needs_input_grad[7 + i] and ctx.sinks[i] is not None for i in range(n)]
-        targets = []
-        for i in range(n):  # the first reader to reach a sink creates it
-            if not needs_v[i]:
-                targets.append((None, False))
-                continue
-            fresh = ctx.sinks[i].grad is None
-            targets.append((ctx.sinks[i].grad, fresh))
+        targets = [_target(ctx.sinks[i], needs_v[i]) for i in range(n)]  # the first reader to reach a sink creates it
         dq = torch.zeros(S, d, dtype=cdt, device=inv.device)
         dnull = None
         if lib is not None and lib != TRITON and not all(t.dtype == torch.float32 and t.is_contiguous() for t in G):
@@ -323,11 +363,7 @@ class _OldPass(torch.autograd.Function):
         if lib is not None:
             from megatron_delta.core import group_kernels
 
-            outs = []
-            for i, (t, fresh) in enumerate(targets):
-                if t is None and needs_v[i]:
-                    t = ctx.sinks[i].grad = torch.empty(T, d, dtype=values[i].dtype, device=inv.device)
-                outs.append((t, fresh))
+            outs = [_allocate(ctx.sinks[i], tg, values[i], T, d) for i, tg in enumerate(targets)]
             dz = torch.empty_like(z)
             if lib == TRITON:
                 from megatron_delta.core import triton_group_kernels
@@ -337,8 +373,8 @@ class _OldPass(torch.autograd.Function):
                 triton_group_kernels.old_backward(G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq, dnull)
             else:
                 group_kernels.old_backward(lib, G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq)
-            reads = [*flat, *G] + [t for t, f in outs if t is not None and not f]
-            traffic.record("group_old_pass", "backward", reads=reads, writes=[t for t, _ in outs if t is not None])
+            reads = [*flat, *G] + [t if sd is None else sd for t, f, sd in outs if t is not None and not f]
+            traffic.record("group_old_pass", "backward", reads=reads, writes=[t for t, _, _ in outs if t is not None])
         else:
             for k, Gk in zip(ks, G):
                 _record_cast("group_old_pass", "backward", stash[k][0], Gk)
@@ -487,22 +523,13 @@ class _Merge(torch.autograd.Function):
             grad = grad.contiguous()
         elif lib is not None and not (grad.dtype == torch.float32 and grad.is_contiguous()):
             lib = None
-        targets = []
-        for i in range(k):
-            sink = ctx.sinks[i]
-            if not needs[14 + i] or sink is None:
-                targets.append((None, False))
-            else:
-                targets.append((sink.grad, sink.grad is None))
+        targets = [_target(ctx.sinks[i], needs[14 + i]) for i in range(k)]
+        needed = [i for i, (t, fresh, seed) in enumerate(targets) if t is not None or fresh or seed is not None]
         dq = torch.zeros(d, dtype=cdt, device=r.device)
         if lib is not None:
             from megatron_delta.core import group_kernels
 
-            outs = []
-            for i, (t, fresh) in enumerate(targets):
-                if fresh:
-                    t = ctx.sinks[i].grad = torch.empty(T, d, dtype=values[i].dtype, device=r.device)
-                outs.append((t, fresh))
+            outs = [_allocate(ctx.sinks[i], tg, values[i], T, d) for i, tg in enumerate(targets)]
             da = torch.empty_like(a)  # <G, r>, <G, v_i> (without the gate)
             dlog = torch.empty_like(a)
             if lib == TRITON:
@@ -534,7 +561,7 @@ class _Merge(torch.autograd.Function):
                 c = dlog[1 + i] * inv[i]
                 dq.add_(torch.mv(vf.t(), c))
                 traffic.record("group_merge", "backward", [vf], [])
-                if targets[i][0] is None and not targets[i][1]:
+                if i not in needed:
                     continue
                 e = -(dlog[1 + i] * zin[i]) * inv[i].square() / d
                 gv = torch.mul(gr, (a[1 + i] * gf + float(unit)).unsqueeze(1))
@@ -544,9 +571,9 @@ class _Merge(torch.autograd.Function):
                 traffic.record("group_merge", "backward", [gv, vf], [gv])
                 _sink_add(ctx.sinks[i], gv, values[i].dtype, "group_merge")
         if lib is not None:  # the C loop reads each tensor once (the PyTorch ops above record their own passes)
-            needed = [i for i, (t, fresh) in enumerate(targets) if t is not None or fresh]
-            traffic.record("group_merge", "backward", reads=[grad, r, *flat] + [targets[i][0] for i in needed],
-                           writes=[ctx.sinks[i].grad for i in needed])
+            acc = [targets[i][0] if targets[i][2] is None else targets[i][2] for i in needed]
+            traffic.record("group_merge", "backward", reads=[grad, r, *flat] + acc,
+                           writes=[outs[i][0] for i in needed])
         ctx.stash.grads[ctx.slot] = (grad_out, a[0] * gf)  # the group's backward reads G and gate * beta
         grad_gate = None
         if g is not None and needs[12]:
@@ -556,6 +583,62 @@ class _Merge(torch.autograd.Function):
         if ctx.base_dtype is not None and needs[11]:
             grad_base = _as(grad_out, ctx.base_dtype).view(ctx.base_shape)
         return (None,) * 9 + (dlog[0], None, grad_base, grad_gate, grad_query) + (None,) * k
+
+
+class _FinalSum(torch.autograd.Function):
+    """x handed out as the sum of the sources (delta, x_from_sources; SourceBuffer.x) in a scope whose routers
+    route in groups.
+
+    Inputs: lib, sinks (one per source: the source's group sink, or None), then the values (a source with a sink
+    is passed as its _Collect alias). Forward: one pass on the C or Triton kernels (each source read once, x
+    written once), else PyTorch's chain of adds (each add its own pass, as SourceBuffer.x without groups).
+    Backward: x's gradient is each source's gradient. Where a source has a sink it seeds it by reference (no pass)
+    and the source's first group pass in backward adds it as it writes the sink, so that the source keeps one
+    autograd reader (its _Collect alias) and autograd adds nothing; the other sources get it as is."""
+
+    @staticmethod
+    def forward(ctx, lib, sinks, *values):
+        ctx.set_materialize_grads(False)
+        ctx.sinks = sinks
+        if lib is not None:
+            from megatron_delta.core import group_kernels, triton_group_kernels
+
+            d = values[0].shape[-1]
+            flat = [v.reshape(-1, d).contiguous() for v in values]
+            x = torch.empty_like(flat[0])
+            if lib == TRITON:
+                triton_group_kernels.final_sum(flat, x)
+            else:
+                group_kernels.final_sum(lib, flat, x)
+            traffic.record("x_sum", "forward", flat, [x])
+            return x.view(values[0].shape)
+        x = values[0] + values[1]
+        traffic.record("x_sum", "forward", values[:2], [x])
+        for v in values[2:]:
+            old = x
+            x = x.add_(v) if x.dtype == v.dtype else x + v  # x is a fresh sum nobody saved
+            traffic.record("x_sum", "forward", [old, v], [x])
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return (None,) * (2 + len(ctx.sinks))
+        out = []
+        flat = grad.reshape(-1, grad.shape[-1])  # [T, d], as the group passes write the sinks
+        if not flat.is_contiguous():  # the kernels read the seed as rows
+            flat = flat.contiguous()
+            traffic.record("x_sum", "backward", [grad], [flat])
+        for sink in ctx.sinks:
+            if sink is None:
+                out.append(grad)
+            elif sink.grad is None and sink.seed is None:
+                sink.seed = flat
+                out.append(None)
+            else:  # a pass wrote the sink first (not in one backward of this graph): added in place, its own pass
+                _sink_add(sink, flat, sink.grad.dtype if sink.grad is not None else sink.seed.dtype, "x_sum")
+                out.append(None)
+        return (None, None, *out)
 
 
 # --------------------------------------------------------------------------------------------- the buffer's side
@@ -576,6 +659,7 @@ class GroupRouting:
         self.sublayers = sorted(sublayers)
         self.spans: Optional[Dict[int, Tuple[int, int]]] = None
         self.resolved: Optional[int] = None
+        self.kernels: Optional[str] = None  # the routers' --delta-router-kernels choice, once resolved
         self._group: Optional[_Group] = None
         self._collected: Dict[int, Tuple[Tensor, Tensor, GradSink]] = {}  # id(value) -> (value, alias, sink)
 
@@ -591,6 +675,7 @@ class GroupRouting:
                     size = auto_group_size(len(self.sublayers), n_older)
             self.spans = group_spans(self.sublayers, size)
             self.resolved = size
+            self.kernels = routers[0].kernels
         return self.resolved
 
     def _collect(self, value: Tensor) -> Tuple[Tensor, Optional[GradSink]]:
@@ -600,10 +685,25 @@ class GroupRouting:
         if not value.requires_grad:
             self._collected[id(value)] = (value, value, None)
             return value, None
-        sink = GradSink()
+        sink = _Sink()
         alias = _Collect.apply(value, sink)
         self._collected[id(value)] = (value, alias, sink)
         return alias, sink
+
+    def final_sum(self, values: Sequence[Tensor]) -> Optional[Tensor]:
+        """x = the sum of ``values`` (the held sources, in order) when the scope's routers route in groups
+        (:class:`_FinalSum`: one pass on the C / Triton kernels, and x's gradient seeds the sources' sinks); None
+        where they do not (S = 1, or no router of the scope routed): SourceBuffer.x sums them itself."""
+        if self.resolved in (None, 1) or len(values) < 2:
+            return None
+        collected = [self._collected.get(id(v)) for v in values]
+        inputs = [v if hit is None or hit[0] is not v else hit[1] for v, hit in zip(values, collected)]
+        sinks = [None if hit is None or hit[0] is not v else hit[2] for v, hit in zip(values, collected)]
+        lib = _kernel_lib(self.kernels, values) if len({v.dtype for v in values}) == 1 else None
+        if lib is not None and lib != TRITON and not all(v.is_contiguous() for v in values):
+            lib = None
+        with torch.autocast(device_type=values[0].device.type, enabled=False):
+            return _FinalSum.apply(lib, sinks, *inputs)
 
     def route(self, buf, key: int, router, *, base: Optional[Tensor], apply_gate: bool, base_sums: bool,
               record: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:

@@ -412,6 +412,10 @@ class SourceBuffer:
         self._x_own = False
         if self._x is None and self.plan.x_from_sources and self._entries:
             values = [e.value for e in self._entries.values()]
+            if self._groups is not None:  # one pass, and x's gradient seeds the groups' sinks (group_router._FinalSum)
+                x = self._groups.final_sum(values)
+                if x is not None:
+                    return x
             x = values[0] + values[1] if len(values) > 1 else values[0]
             if len(values) > 1:
                 traffic.record("x_sum", "forward", values[:2], [x])

@@ -32,13 +32,13 @@ from torch import Tensor
 from megatron_delta.core import cpu_kernels, triton_router
 from megatron_delta.core.triton_router import TritonUnavailable
 
-__all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward"]
+__all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward", "final_sum"]
 
 TOKENS_PER_PROGRAM = triton_router.TOKENS_PER_PROGRAM
 TILE_ELEMENTS = triton_router.TILE_ELEMENTS  # at most BT x S x BD fp32 values per [tokens, S, hidden] tile
 
 def load():
-    """The four jitted kernels, built on first use. Raises TritonUnavailable."""
+    """The five jitted kernels, built on first use. Raises TritonUnavailable."""
     return _kernels.load()
 
 
@@ -114,8 +114,8 @@ def _build():
             tl.store(x_ptr + offs, total, mask=mask)
 
     @triton.jit
-    def _old_backward(g_ptrs, g_flag_ptr, w_ptr, dlse_ptr, src_ptrs, tgt_ptrs, tgt_flag_ptr, inv_ptr, z_ptr, p_ptr,
-                      q_ptr, null_ptr, dz_ptr, part_q_ptr, part_null_ptr, T, d,
+    def _old_backward(g_ptrs, g_flag_ptr, w_ptr, dlse_ptr, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flag_ptr, inv_ptr, z_ptr,
+                      p_ptr, q_ptr, null_ptr, dz_ptr, part_q_ptr, part_null_ptr, T, d,
                       N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
                       UNIT: tl.constexpr, DT: tl.constexpr, GDT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         pid = tl.program_id(0)
@@ -170,9 +170,10 @@ def _build():
             gv = e[:, None] * v + tl.sum(c[:, :, None] * Q[None, :, :], 1) + tl.sum((w * p_i)[:, :, None] * G, 1)
             if UNIT:
                 gv += gsum
-            flag = tl.load(tgt_flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the sink
+            flag = tl.load(tgt_flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the sink (or to its seed)
             tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
-            gv += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+            acc = tl.load(acc_ptrs + i).to(tl.pointer_type(DT))  # the sink itself, or the final sum's seed
+            gv += tl.load(acc + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
             tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
         tl.store(part_q_ptr + pid * SP * BD + ks[:, None] * BD + cols[None, :], dq)
 
@@ -224,7 +225,7 @@ def _build():
             tl.store(a_ptr + (1 + i) * T + rows, tl.exp(z - m) / s, mask=rmask)
 
     @triton.jit
-    def _merge_backward(grad_ptr, r_ptr, gate_ptr, q_ptr, src_ptrs, tgt_ptrs, flag_ptr, inv_ptr, z_ptr, a_ptr,
+    def _merge_backward(grad_ptr, r_ptr, gate_ptr, q_ptr, src_ptrs, tgt_ptrs, acc_ptrs, flag_ptr, inv_ptr, z_ptr, a_ptr,
                         da_ptr, dlog_ptr, part_q_ptr, T, d, K: tl.constexpr, UNIT: tl.constexpr,
                         HAS_GATE: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         pid = tl.program_id(0)
@@ -269,11 +270,25 @@ def _build():
             gv = wi[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
             flag = tl.load(flag_ptr + i)
             tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
-            gv += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+            acc = tl.load(acc_ptrs + i).to(tl.pointer_type(DT))
+            gv += tl.load(acc + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
             tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
         tl.store(part_q_ptr + pid * BD + cols, dq)
 
-    return _old_forward, _old_backward, _merge_forward, _merge_backward
+    @triton.jit
+    def _final_sum(src_ptrs, x_ptr, T, d, N: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BT + tl.arange(0, BT)
+        cols = tl.arange(0, BD)
+        mask = (rows < T)[:, None] & (cols < d)[None, :]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        total = tl.zeros((BT, BD), tl.float32)
+        for i in tl.static_range(N):
+            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+            total += tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(x_ptr + offs, total.to(DT), mask=mask)
+
+    return _old_forward, _old_backward, _merge_forward, _merge_backward, _final_sum
 
 
 _kernels = cpu_kernels.BuildOnce(_build, catch=Exception, fail=triton_router.unavailable)
@@ -328,7 +343,8 @@ def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Op
 
 def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor, values: Sequence[Tensor],
                  inv: Tensor, z: Tensor, p: Tensor, Q: Tensor, null_values: Optional[Tensor],
-                 targets: List[Tuple[Optional[Tensor], bool]], unit: bool, dz: Tensor, dq: Tensor,
+                 targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]], unit: bool, dz: Tensor,
+                 dq: Tensor,
                  dnull: Optional[Tensor] = None) -> None:
     """The old pass's backward (as group_kernels.old_backward; G[j]: router ks[j]'s output gradient, one dtype,
     contiguous); also the null values' gradients into ``dnull`` [S, d] (with a null source)."""
@@ -346,10 +362,12 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
     part_null = torch.empty(programs if has_null else 1, sp, bd, dtype=torch.float32, device=dev)
     Qf = Q.float().contiguous()
     fill = G[0] if G else values[0]
-    flags = [0 if t is None else (1 if fresh else 2) for t, fresh in targets]
+    flags = [0 if t is None else (1 if fresh else 2) for t, fresh, _ in targets]
+    accs = [t if seed is None else seed for t, _, seed in targets]
     bwd[(programs,)](_table(grads, fill, sp), _flags([int(g is not None) for g in grads] + [0] * (sp - S), dev),
-                     w, dlse, _table(values, values[0]), _table([t for t, _ in targets], values[0]),
-                     _flags(flags, dev), inv, z, p, Qf, null_values.float().contiguous() if has_null else Qf, dz,
+                     w, dlse, _table(values, values[0]), _table([t for t, _, _ in targets], values[0]),
+                     _table(accs, values[0]), _flags(flags, dev), inv, z, p, Qf,
+                     null_values.float().contiguous() if has_null else Qf, dz,
                      part_q, part_null, T, d, N=len(values), S=S, SP=sp, HAS_NULL=has_null, UNIT=bool(unit),
                      DT=triton_router._tl_dtype(values[0].dtype),
                      GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, num_warps=warps)
@@ -375,7 +393,8 @@ def merge_forward(r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Te
 
 
 def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, values: Sequence[Tensor],
-                   inv: Tensor, z: Tensor, a: Tensor, unit: bool, targets: List[Tuple[Optional[Tensor], bool]],
+                   inv: Tensor, z: Tensor, a: Tensor, unit: bool,
+                   targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]],
                    da: Tensor, dlog: Tensor, dq: Tensor) -> None:
     """The merge's backward (as group_kernels.merge_backward)."""
     bwd = load()[3]
@@ -384,9 +403,19 @@ def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, v
     programs = _cdiv(T, bt)
     part_q = torch.empty(programs, bd, dtype=torch.float32, device=r.device)
     g = gate.detach().float().reshape(1) if gate is not None else r
-    flags = [0 if t is None else (1 if fresh else 2) for t, fresh in targets]
-    bwd[(programs,)](grad, r, g, q.float().contiguous(), _table(values, r), _table([t for t, _ in targets], r),
-                     _flags(flags, r.device), inv, z, a, da, dlog, part_q, T, d, K=len(values), UNIT=bool(unit),
+    flags = [0 if t is None else (1 if fresh else 2) for t, fresh, _ in targets]
+    accs = [t if seed is None else seed for t, _, seed in targets]
+    bwd[(programs,)](grad, r, g, q.float().contiguous(), _table(values, r), _table([t for t, _, _ in targets], r),
+                     _table(accs, r), _flags(flags, r.device), inv, z, a, da, dlog, part_q, T, d, K=len(values),
+                     UNIT=bool(unit),
                      HAS_GATE=gate is not None, DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
                      BT=bt, BD=bd, num_warps=warps)
     dq.copy_(part_q.sum(0)[:d])
+
+
+def final_sum(values: Sequence[Tensor], x: Tensor) -> None:
+    """x = the sum of the sources (as group_kernels.final_sum; fp32 accumulation, x in the sources' dtype)."""
+    T, d = x.shape
+    bt, _, bd, warps = _tile(d)
+    load()[4][(_cdiv(T, bt),)](_table(values, x), x, T, d, N=len(values), DT=triton_router._tl_dtype(x.dtype),
+                               BT=bt, BD=bd, num_warps=warps)

@@ -6,10 +6,11 @@ fused_attnres around fla_router.py, the Triton kernels of triton_router.py with 
 completed block sources' gradients), the group router's passes (delta and full_attnres on torch / c / triton,
 group_router.py), each shared source projection, the sublayers' partial sums
 (delta_block's P + v, the replacement modes' p + v: a PyTorch add, or formed in the Triton pass of their one
-reader), authors-code delta_block's differences x - A<b-1>, the residual adds x + v, the sum that hands x out,
-the null source, and autograd's own additions of gradient contributions (a tensor read by several autograd
-nodes). Unit: "u", one [tokens, hidden] tensor in the activation dtype read or written once (an fp32 tensor of
-that size is 4 / a u).
+reader), authors-code delta_block's differences x - A<b-1>, the residual adds x + v, the sum that hands x out
+(delta in a scope of grouped routers: one pass on c / triton, whose gradient seeds the group passes' sinks
+instead of an autograd addition per source), the null source, and autograd's own additions of gradient
+contributions (a tensor read by several autograd nodes). Unit: "u", one [tokens, hidden] tensor in the activation
+dtype read or written once (an fp32 tensor of that size is 4 / a u).
 The same quantities are counted from the real tensors by megatron_delta.core.traffic (tests/test_traffic.py
 holds the two equal for every mode x backend, with and without recompute; tests/triton_cases.py for triton,
 under Triton's interpreter).
@@ -183,6 +184,7 @@ class _Ledger:
         self.spans = None  # sublayer -> [a, b) of its group (group_router.group_spans)
         self._group = None  # the number of sources older than the group routing now
         self._touches = {}  # a source the groups read -> the passes whose backward update its gradient, in order
+        self._seeded = set()  # sources of _touches whose sink x's gradient seeds (group_router._FinalSum)
         self._formed = []  # partial sums a Triton kernel formed in its pass (their gradient is read if read later)
         self.defer_blocks = True  # triton: the completed sources' gradients deferred to one pass per block
         self._blocks = {}  # block -> ids of the sink entries its pass writes (empty: not deferred)
@@ -250,9 +252,18 @@ class _Ledger:
             values = [self._value(e) for e in self.entries.values()]
             if len(values) == 1:
                 return values[0]
-            # h0 + v0, then one in-place add per further source: each source read once
-            self.add({("x_sum", "forward"): 3 * self.a * (len(values) - 1)})
-            self.read(*values)
+            if self.group_size not in (None, 1) and self.backend != "torch":
+                # group_router._FinalSum on the C / Triton kernels: each source read once, x written once
+                self.add({("x_sum", "forward"): (len(values) + 1) * self.a})
+            else:  # h0 + v0, then one in-place add per further source: each source read once
+                self.add({("x_sum", "forward"): 3 * self.a * (len(values) - 1)})
+            for v in values:
+                if self.group_size not in (None, 1) and v in self._touches:
+                    # the groups' scope: x's gradient seeds the source's sink (no autograd reader, no add); its
+                    # first group pass in backward reads the seed as it writes the sink (settle_groups)
+                    self._seeded.add(v)
+                else:
+                    self.read(v)
             return self.new()
         return self._x
 
@@ -418,10 +429,10 @@ class _Ledger:
         # later one is added into it (reads the sink and the fp32 gradient, writes the sink)
         first, later = ((_conv(self.c, self.a), 2 * self.a + self.c) if self.backend == "torch"
                         else (self.a, 2 * self.a))
-        for kernels in self._touches.values():
+        for t, kernels in self._touches.items():  # a seeded sink's first pass adds the seed: as a later one
             for i, kernel in enumerate(kernels):
-                self.totals[kernel, "backward"] += first if i == len(kernels) - 1 else later
-        self._touches = {}
+                self.totals[kernel, "backward"] += first if i == len(kernels) - 1 and t not in self._seeded else later
+        self._touches, self._seeded = {}, set()
         for kernels in self._sink_writers.values():  # each writer but the first in backward (the last) adds in place
             for kernel in kernels[:-1]:
                 self.totals[kernel, "backward"] += self.a

@@ -95,12 +95,14 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
  *   dp_ki = w_k <G_k, v_i> (null: <G_k, null_value_k>)
  *   dz_ki = p_ki (dp_ki - sum_l p_kl dp_kl) + p_ki dlse_k   -> dz [S, M, T]
  *   c_ki = dz_ki inv_i, e_i = -(sum_k dz_ki z_ki) inv_i^2 / d
- *   target_i[t] (+)= sum_k w_k p_ki G_k + unit sum_k G_k + sum_k c_ki Q_k + e_i v_i   (assigned where fresh_i)
+ *   target_i[t] (+)= sum_k w_k p_ki G_k + unit sum_k G_k + sum_k c_ki Q_k + e_i v_i
+ *   (fresh_i: 1 assigned, 0 added in place, 2 assigned seed_i[t] + the sum: a sink the final sum seeded)
  *   dq_k = sum_t sum_i c_ki v_i[t]                           -> dq [S, d] */
 void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *G, const float *restrict w,
                         const float *restrict dlse, const float *const *v, const float *restrict inv,
                         const float *restrict z, const float *restrict p, const float *restrict Q, int has_null,
-                        const float *restrict null_value, float *const *target, const int *fresh, int unit,
+                        const float *restrict null_value, float *const *target, const int *fresh,
+                        const float *const *seed, int unit,
                         float *restrict dz_out, float *restrict dq_part, float *restrict dq_out, int threads) {
   const int M = n + (has_null != 0);
   const int64_t nblk = (T + TB - 1) / TB;
@@ -150,8 +152,11 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
         e *= -iv * iv / (float)d;
         float *restrict o = target[i] ? target[i] + t * d : NULL;
         if (!o) continue;
-        if (fresh[i]) {
+        if (fresh[i] == 1) {
           for (int64_t c = 0; c < d; ++c) o[c] = e * vi[c];
+        } else if (fresh[i] == 2) {
+          const float *si = seed[i] + t * d;
+          for (int64_t c = 0; c < d; ++c) o[c] = si[c] + e * vi[c];
         } else {
           for (int64_t c = 0; c < d; ++c) o[c] += e * vi[c];
         }
@@ -233,12 +238,12 @@ void group_merge_forward(int64_t T, int64_t d, int k, const float *restrict r, c
  *   da_0 = <grad, r>, da_{1+i} = <grad, v_i>                 -> da [1 + k, T] (without the gate)
  *   dlog_j = a_j (gate da_j - sum_l a_l gate da_l)           -> dlog [1 + k, T] (dlog_0: d lse)
  *   c_i = dlog_{1+i} inv_i, e_i = -dlog_{1+i} z_i inv_i^2 / d
- *   target_i[t] (+)= (unit + gate a_{1+i}) grad + c_i q + e_i v_i   (assigned where fresh_i)
+ *   target_i[t] (+)= (unit + gate a_{1+i}) grad + c_i q + e_i v_i   (fresh_i as in group_old_backward)
  *   dq = sum_t sum_i c_i v_i[t]                              -> dq [d] */
 void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const float *restrict r, float gate,
                           const float *restrict q, const float *const *v, const float *restrict inv,
                           const float *restrict z, const float *restrict a, int unit, float *const *target,
-                          const int *fresh, float *restrict da_out, float *restrict dlog_out,
+                          const int *fresh, const float *const *seed, float *restrict da_out, float *restrict dlog_out,
                           float *restrict dq_part, float *restrict dq_out, int threads) {
   const float one = unit ? 1.0f : 0.0f;
   const int64_t nblk = (T + TB - 1) / TB;
@@ -269,8 +274,11 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
         float *restrict o = target[i] ? target[i] + t * d : NULL;
         if (!o) continue;
         const float wi = one + gate * a[(int64_t)(1 + i) * T + t];
-        if (fresh[i]) {
+        if (fresh[i] == 1) {
           for (int64_t cc = 0; cc < d; ++cc) o[cc] = wi * g[cc] + c * q[cc] + e * vi[cc];
+        } else if (fresh[i] == 2) {
+          const float *si = seed[i] + t * d;
+          for (int64_t cc = 0; cc < d; ++cc) o[cc] = si[cc] + wi * g[cc] + c * q[cc] + e * vi[cc];
         } else {
           for (int64_t cc = 0; cc < d; ++cc) o[cc] += wi * g[cc] + c * q[cc] + e * vi[cc];
         }
@@ -280,4 +288,24 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
   for (int64_t c = 0; c < d; ++c) dq_out[c] = 0.0f;
   for (int64_t blk = 0; blk < nblk; ++blk)
     for (int64_t c = 0; c < d; ++c) dq_out[c] += dq_part[blk * d + c];
+}
+
+/* The residual stream handed out by delta's last layer (x is the sum of the sources, group_router._FinalSum):
+ * x[t] = ((v_0 + v_1) + v_2) + ... , in the order of PyTorch's chain of adds; each source row read once, x
+ * written once. Its backward writes nothing: the gradient of x seeds the sources' sinks (fresh_i = 2 above). */
+void group_final_sum(int64_t T, int64_t d, int n, const float *const *v, float *restrict x, int threads) {
+  const int64_t nblk = (T + TB - 1) / TB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int64_t t1 = (blk + 1) * TB < T ? (blk + 1) * TB : T;
+    for (int64_t t = blk * TB; t < t1; ++t) {
+      float *restrict o = x + t * d;
+      const float *restrict v0 = v[0] + t * d;
+      for (int64_t c = 0; c < d; ++c) o[c] = v0[c];
+      for (int i = 1; i < n; ++i) {
+        const float *restrict vi = v[i] + t * d;
+        for (int64_t c = 0; c < d; ++c) o[c] += vi[c];
+      }
+    }
+  }
 }
