@@ -331,3 +331,99 @@ def test_mtp_params_and_activations_match_the_model(dist, mode):
                                          num_query_groups=groups, seq_length=s, vocab_size=V, mtp_num_layers=2,
                                          pipeline_model_parallel_size=pp) for pp in (1, 2))
     assert memory_model.mtp_params(pp2) - memory_model.mtp_params(pp1) == V * h
+
+
+# ------------------------------------------------------------ the Triton kernels' deferred block pass (issue 28)
+STASH_CASES = [  # (mode, layers, blocks, hidden, seq, micro batch, PP, VPP layers): the scopes the run splits into
+    ("delta_block", 12, 3, 24, 6, 2, 2, None),  # two stages of 6 layers: block 1 cut 4, 5 | 6, 7
+    ("attnres", 12, 3, 24, 6, 2, 2, 3),  # 2 x 2 chunks of 3 layers: chunk 1's layer 3 (block 0) does not defer
+]
+
+
+@pytest.mark.parametrize("case", STASH_CASES, ids=[c[0] for c in STASH_CASES])
+def test_deferred_block_stash_is_what_the_kernels_stash(case):
+    """The plan's deferred_block_stash against the bytes BlockDeferral really holds when each block pass starts
+    (tests/triton_stash_count.py: SourceBuffer over stand-in sublayers on the Triton kernels under the interpreter,
+    fp32, one buffer scope per pipeline chunk): the same passes (routers, completed sources) per chunk, each
+    pass's stash R x (output gradient + 3 x C fp32 coefficients per token + query), and per stage the largest."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    mode, L, K, h, s, b, pp, vpp_layers = case
+    chunks = pp * (L // pp // vpp_layers if vpp_layers else 1)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "triton_stash_count.py"), mode,
+                           *map(str, (L, K, chunks, h, s, b))], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    a = memory_model.plan_config(residual=mode, num_layers=L, delta_num_blocks=K, hidden_size=h, num_attention_heads=4,
+                                 seq_length=s, micro_batch_size=b, pipeline_model_parallel_size=pp,
+                                 num_layers_per_virtual_pipeline_stage=vpp_layers, delta_router_kernels="triton")
+    per_chunk = L // chunks
+    for c in range(chunks):
+        passes = memory_model.block_deferrals(a, c * per_chunk, per_chunk)
+        # backward runs the chunk's blocks last to first; each stashed router holds [T, h] fp32, [3, C, T], [h]
+        assert counted.get(c, []) == [[r, n, r * (s * b * h * 4 + 3 * n * s * b * 4 + h * 4)]
+                                      for _, r, n in reversed(passes)], c
+    assert len(counted) == chunks and any(len(v) > 1 for v in counted.values())
+    for stage in range(pp):
+        largest = max(p[2] for c in range(stage, chunks, pp) for p in counted.get(c, []))
+        plan = memory_model.plan_stage(a, stage)
+        assert plan["deferred_block_stash"] == memory_model.deferred_block_stash(a, stage) == largest
+        without = memory_model.plan_stage(memory_model.plan_config(**{**{k: getattr(a, k) for k in
+                                                                         memory_model.PLAN_DEFAULTS},
+                                                                      "delta_router_kernels": "torch"}), stage)
+        assert plan["total"] - without["total"] == largest and plan["activations"] == without["activations"]
+
+
+def test_deferred_block_stash_where_it_applies(capsys):
+    """The 8B preset (TP2 + SP, bf16): per stage one block's stash, 18 routers x ([1024, 4096] bf16 + 3 x 4 fp32
+    coefficients per token for the last block's 4 completed sources + the fp32 query), about 151 MB, with
+    --delta-router-kernels triton and auto (the trainer's default, the Triton kernels on a GPU); none for fla's
+    kernel, the PyTorch path, --device cpu, the baseline and the fine-grained modes. In the table, the JSON and the
+    total."""
+    from megatron_delta.perf.shapes import PRESETS
+
+    stash = 18 * (1024 * 4096 * 2 + 3 * 4 * 4 * 1024 + 4 * 4096)
+    assert stash == 152_174_592
+    for kernels in ("triton", "auto"):
+        a = memory_model.plan_config(**PRESETS["qwen3-8b"], delta_router_kernels=kernels)
+        assert a.router_backend == "triton" and memory_model.plan_stage(a, 0)["deferred_block_stash"] == stash
+    assert memory_model.plan_config(**PRESETS["qwen3-8b"]).delta_router_kernels == "auto"
+    for change in (dict(delta_router_kernels="fla"), dict(delta_router_kernels="torch"),
+                   dict(delta_router_kernels="c"), dict(device="cpu"), dict(residual="baseline"),
+                   dict(residual="delta"), dict(residual="full_attnres")):
+        a = memory_model.plan_config(**{**PRESETS["qwen3-8b"], **change})
+        assert memory_model.plan_stage(a, 0)["deferred_block_stash"] == 0, change
+    assert memory_plan.main(["--preset", "qwen3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "| in flight | deferred stash (bwd) | total GiB |" in out and "| 1 | 0.14 | 36.31 |" in out
+    stage = json.loads(out[out.index("{"):])["stages"][0]
+    assert stage["deferred_block_stash"] == stash
+    assert stage["total"] == pytest.approx(sum(stage[k] for k in ("weights", "grads", "optimizer", "activations",
+                                                                  "deferred_block_stash")))
+
+
+def test_bad_router_kernels_are_refused(capsys):
+    """--delta-router-kernels takes pretrain_gpt.py's values with its default; others are refused."""
+    import argparse
+
+    from megatron_delta.trainer.arguments import add_delta_args
+
+    def flag(parser):
+        return next(x for x in parser._actions if "--delta-router-kernels" in x.option_strings)
+
+    trainer = flag(add_delta_args(argparse.ArgumentParser()))
+    assert list(flag(memory_plan.build_parser()).choices) == list(trainer.choices)
+    assert memory_plan.parse([]).delta_router_kernels == trainer.default == "auto"
+    with pytest.raises(SystemExit) as e:
+        memory_plan.main(["--preset", "qwen3-8b", "--delta-router-kernels", "cuda"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: argument --delta-router-kernels: invalid choice: 'cuda' (choose from 'auto', 'c', 'torch', 'fla', "
+        "'triton')")
+    with pytest.raises(memory_model.PlanError) as err:
+        memory_model.plan_config(residual="delta_block", num_layers=8, delta_router_kernels="cuda")
+    assert str(err.value) == "--delta-router-kernels 'cuda' is not one of auto, c, torch, fla, triton"

@@ -67,7 +67,7 @@ def test_benchmark_smoke(tmp_path):
         split = rep[mode]["routing_breakdown_ms"]
         assert split["total"] == rep[mode]["routing_alone_ms"] and split["rest"] > 0
         assert f"- {mode}: " in text and "touching each tensor once" in text
-    assert rep["delta"]["fused_router_passes"] == 172  # see test_fused_router_passes_by_hand
+    assert rep["delta"]["fused_router_passes"] == 119  # the group router's passes: test_fused_router_passes_by_hand
     for mode in ("delta_block", "delta", "full_attnres"):  # --model-breakdown: timed with each stand-in
         b = rep[mode]["model_breakdown"]
         assert {len(v) for v in rep[mode]["stand_in_cpu_s"].values()} == {1} and b["both_stand_ins_ratio"] > 0
@@ -96,10 +96,11 @@ def test_fused_router_passes_by_hand():
     from megatron_delta.perf.benchmark import mode_config
     from megatron_delta.perf.router_breakdown import fused_router_passes
 
-    def passes(mode, layers, blocks=None, gate=False):
+    def passes(mode, layers, blocks=None, gate=False, group_size=1, kernels="auto"):
         opts = SimpleNamespace(num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=None,
                                ffn_hidden_size=None, seq_length=16, vocab_size=1024, delta_num_blocks=blocks,
-                               delta_gate="scalar" if gate else "none", delta_router_kernels="auto")
+                               delta_gate="scalar" if gate else "none", delta_router_kernels=kernels,
+                               delta_router_group_size=group_size)
         return fused_router_passes(mode, mode_config(opts, mode)[0])
 
     # Per router with N sources: N (forward, beyond the stand-in's copy) + 3N + 1 (backward) in the
@@ -118,6 +119,27 @@ def test_fused_router_passes_by_hand():
     assert passes("delta_block", 2, 2) == sum(4 * n for n in (1, 2, 2, 3)) + 4 * 2
     # full_attnres, 1 layer: reads [h0] (p = h0), [h0, v0]; final router [h0, v0, v1]; v1 has one reader.
     assert passes("full_attnres", 1) == sum(4 * n for n in (1, 2, 3)) + 4 * 2
+    # The group router (delta / full_attnres, --delta-router-group-size auto on the C kernels): 8 routers whose
+    # first reads 1 source, S = round(sqrt(8 + 2)) = 3: groups [0, 3), [3, 6), [6, 8) over 1, 4, 7 older sources.
+    # Per group of s routers over n_g older sources: the old pass reads the n_g sources and writes s partial mixes
+    # (+ X, the older part of x, when x is the sum of the sources), and in backward reads the n_g sources and the
+    # s output gradients and reads and writes the n_g gradients (4 n_g + s); merge k reads r_k (+ X or the held x)
+    # and its k in-group sources and writes u, and in backward reads its output gradient, r_k and the k sources and
+    # reads and writes their k gradients (s (3 + 2) + (X or x: 1 + 1) ... : 6 s in all, + s with X or x, + 1 for
+    # X's write, + 2 s (s - 1) for the in-group sources); less the stand-in merge's copy (2 per router).
+    def group(n_g, s, extra, unit):
+        return 4 * n_g + s * (6 + extra) + unit + 2 * s * (s - 1)
+
+    assert passes("delta", 4, group_size="auto") == group(1, 3, 1, 1) + group(4, 3, 1, 1) + group(7, 2, 1, 1) - 16
+    assert passes("delta", 4, group_size="auto") == 119 < passes("delta", 4) == 172
+    assert passes("delta", 4, gate=True, group_size="auto") == group(1, 3, 1, 0) + group(4, 3, 1, 0) + group(
+        7, 2, 1, 0) - 16 == 116
+    # full_attnres: neither X nor x; its final router (9 sources, one reader each there) per router: 8 + 28
+    assert passes("full_attnres", 4, group_size="auto") == group(1, 3, 0, 0) + group(4, 3, 0, 0) + group(
+        7, 2, 0, 0) - 16 + 8 + 28 == 144
+    # S = 2 given; on PyTorch ops auto resolves to one router per pass (the per-router count)
+    assert passes("delta", 4, group_size=2) == sum(group(1 + a, 2, 1, 1) for a in (0, 2, 4, 6)) - 16
+    assert passes("delta", 4, group_size="auto", kernels="torch") == 172
 
 
 def test_last_level_cache_bytes(tmp_path):
@@ -134,16 +156,60 @@ def test_last_level_cache_bytes(tmp_path):
 
 def test_stand_ins_are_restored():
     """--routing-breakdown swaps the router's kernels; they must come back, even after an error."""
-    from megatron_delta.core import router
-    from megatron_delta.perf.router_breakdown import ProjectStandIn, RouteStandIn, stand_ins
+    from megatron_delta.core import group_router, router
+    from megatron_delta.perf.router_breakdown import (
+        MergeStandIn,
+        OldPassStandIn,
+        ProjectStandIn,
+        RouteStandIn,
+        stand_ins,
+    )
 
-    originals = router._RouteFunction, router._ProjectSource
+    originals = router._RouteFunction, router._ProjectSource, group_router._OldPass, group_router._Merge
     with pytest.raises(RuntimeError, match="inside"):
         with stand_ins(True, True):
             assert router._RouteFunction is RouteStandIn
             assert router._ProjectSource is ProjectStandIn
+            assert (group_router._OldPass, group_router._Merge) == (OldPassStandIn, MergeStandIn)
             raise RuntimeError("inside")
-    assert (router._RouteFunction, router._ProjectSource) == originals
+    assert (router._RouteFunction, router._ProjectSource, group_router._OldPass, group_router._Merge) == originals
+
+
+@pytest.mark.parametrize("mode,gate", [("delta", False), ("delta", True), ("full_attnres", False)])
+def test_group_router_passes_are_stood_in(mode, gate):
+    """--routing-breakdown's fused-pass stand-ins cover the group router (delta / full_attnres in groups): the
+    routing loop over stand-in sublayers runs the group router's old passes and merges (their calls in the
+    traffic count) as is, none of them with the route stand-ins, and still hands every sublayer's scale and h0
+    a gradient (with the stand-ins: the loop still runs forward and backward, h0 gets a gradient)."""
+    import torch
+
+    from megatron_delta.core import traffic
+    from megatron_delta.core.router import DepthRouter
+    from megatron_delta.core.sources import SourceBuffer, SourcePlan
+    from megatron_delta.perf.router_breakdown import stand_ins
+
+    L, d = 3, 16
+    plan = SourcePlan(mode=mode, num_layers=L, num_blocks=L, x_from_sources=mode == "delta" and not gate,
+                      router_group_size=2)
+    keys = [*range(2 * L)] + (["final"] if plan.final_reads() else [])
+    routers = {k: DepthRouter(d, null_source=False, gate=gate, eps=1e-6) for k in keys}
+
+    def run(stood_in):
+        h0 = torch.randn(4, 2, d, requires_grad=True)
+        scales = [torch.full((d,), 0.5, requires_grad=True) for _ in range(2 * L)]
+        buf = SourceBuffer.start(plan, h0 * 1.0, 1e-6, readers=routers)
+        with traffic.counting() as count:
+            for j in range(2 * L):
+                buf.commit(j, buf.routed_input(j, routers[j]) * scales[j])
+            out = buf.output(routers.get("final"))
+            out.sum().backward()
+        assert out.shape == h0.shape and h0.grad is not None
+        assert stood_in or all(s.grad is not None for s in scales)
+        return {c.kernel for c in count.calls}
+
+    assert {"group_old_pass", "group_merge"} <= run(False)
+    with stand_ins(True, False):
+        assert not {"group_old_pass", "group_merge"} & run(True)
 
 
 # ------------------------------------------------------------------------- routing report (PP2 ckpt)

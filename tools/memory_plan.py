@@ -6,7 +6,9 @@
         --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --bf16 --world-size 16
 
 Takes pretrain_gpt.py's model/parallel flags (plus --world-size) and prints a table and a JSON object
-(--json FILE also writes it). No model is built and no Megatron code runs. The model:
+(--json FILE also writes it). No model is built and no Megatron code runs. "deferred stash (bwd)": the Triton
+kernels' deferred block pass holds one block's router output gradients during backward (block modes,
+--delta-router-kernels triton or auto, --device gpu; included in the total). The model:
 megatron_delta/perf/memory_model.py (below); --router-share: megatron_delta/perf/cost_model.py.
 """
 
@@ -14,7 +16,7 @@ import argparse
 import json
 import sys
 
-from megatron_delta.core.modes import RESIDUAL_MODES, SOURCE_DEFINITIONS
+from megatron_delta.core.modes import KERNEL_CHOICES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 from megatron_delta.perf import cost_model, memory_model
 from megatron_delta.perf.memory_model import GiB
 from megatron_delta.perf.shapes import PRESETS
@@ -58,6 +60,9 @@ def build_parser():
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--global-batch-size", type=int)
     p.add_argument("--world-size", type=int, help="default TP x PP (DP 1)")
+    p.add_argument("--delta-router-kernels", choices=KERNEL_CHOICES,
+                   help="as pretrain_gpt.py's flag (default auto: on a GPU the Triton kernels, whose deferred block "
+                        "pass is counted; fla: fla-core's kernel; c, torch: the PyTorch path on a GPU)")
     p.add_argument("--device", choices=["gpu", "cpu"],
                    help="cpu: the router's fp32 C kernels (delta_block keeps no partial block sums)")
     p.add_argument("--json", default=None, help="also write the JSON here")
@@ -114,19 +119,19 @@ def format_table(plan):
             f"{' VPP ' + str(c['vpp']) if c['vpp'] else ''} DP {c['data_parallel_size']}"
             f"{' dist-opt' if c['use_distributed_optimizer'] else ''} | "
             f"{'fp8-' + c['fp8_format'] if c['fp8_format'] else 'bf16' if c['bf16'] else 'fp32'} "
-            f"{c['transformer_impl']}")
+            f"{c['transformer_impl']}{' | router ' + c['router_backend'] if c['router_backend'] else ''}")
     if c["num_experts"]:
         head += (f" | MoE: {sum(c['moe_layers'])} of {c['num_layers']} layers, {c['num_experts']} experts "
                  f"(ffn {c['moe_ffn_hidden_size']}) top-{c['moe_router_topk']}, EP {c['expert_model_parallel_size']}"
                  f" ETP {c['expert_tensor_parallel_size']}")
     cols = ["stage", "params (M)", "weights", "grads", "optimizer", "activations", "(payload)", "in flight",
-            "total GiB"]
+            "deferred stash (bwd)", "total GiB"]
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for s in plan["stages"]:
         lines.append("| " + " | ".join([
             str(s["stage"]), f"{s['params'] / 1e6:,.0f}", f"{s['weights'] / GiB:.2f}", f"{s['grads'] / GiB:.2f}",
             f"{s['optimizer'] / GiB:.2f}", f"{s['activations'] / GiB:.2f}", f"{s['of_which_payload'] / GiB:.2f}",
-            str(s["in_flight"]), f"{s['total'] / GiB:.2f}"]) + " |")
+            str(s["in_flight"]), f"{s['deferred_block_stash'] / GiB:.2f}", f"{s['total'] / GiB:.2f}"]) + " |")
     lines.append("(GiB; + CUDA context, NCCL buffers, temporaries and fragmentation: plan 10-20 % headroom)")
     cached = any(b["bytes"] != b["bytes_without_cache"] for b in plan["boundaries"])
     for b in plan["boundaries"]:

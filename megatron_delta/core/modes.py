@@ -39,6 +39,9 @@ BASELINE, ATTNRES, FULL_ATTNRES, DELTA, DELTA_BLOCK = "baseline", "attnres", "fu
 EXACT, AUTHORS_CODE = "exact", "authors-code"
 SOURCE_DEFINITIONS = (EXACT, AUTHORS_CODE)
 GATES = ("none", "scalar")
+# --delta-router-kernels: 'auto' (C kernels for fp32 CPU tensors, the Triton kernels for CUDA ones - fla's
+# when Triton does not import), 'c', 'torch', 'fla', 'triton' (here, torch-free, for the planning tools' flags)
+KERNEL_CHOICES = ("auto", "c", "torch", "fla", "triton")
 
 
 class Spelling:

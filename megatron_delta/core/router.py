@@ -31,13 +31,11 @@ import torch
 from torch import Tensor
 
 from megatron_delta.core import cpu_kernels, traffic
+from megatron_delta.core.modes import KERNEL_CHOICES  # --delta-router-kernels' values (modes.py says which)
 from megatron_delta.core.traffic import record
 
 __all__ = ["KERNEL_CHOICES", "check_kernels", "Source", "GradSink", "PendingSum", "make_source", "DepthRouter", "route"]
 
-# --delta-router-kernels: 'auto' (C kernels for fp32 CPU tensors, the Triton kernels for CUDA ones - fla's
-# when Triton does not import), 'c', 'torch', 'fla', 'triton'
-KERNEL_CHOICES = ("auto", "c", "torch", "fla", "triton")
 
 
 def check_kernels(choice: str) -> None:

@@ -25,7 +25,8 @@ opts: tools/benchmark.py's flags) and finalize() adds the ratios to the baseline
   (the model step also shows indirect costs: the router's traffic evicts the backbone's data from cache).
   --routing-breakdown splits it by running the same loop with the router's kernels replaced by
   stand-ins: the routers' fused passes (_RouteFunction: weighted sums, projections of one-reader
-  sources, softmax), the shared source projections (_ProjectSource) and the rest (SourceBuffer
+  sources, softmax; in delta / full_attnres the group router's old passes and merges), the shared
+  source projections (_ProjectSource) and the rest (SourceBuffer
   bookkeeping, partial sums, autograd, Python), and adds the least a router
   touching each [tokens, hidden] tensor once could cost: the rest plus its passes over memory
   (fused_router_passes) at the measured cost of one pass (perf/router_breakdown.py).

@@ -47,6 +47,16 @@ Model of the activations (bytes saved for backward per micro-batch, counted as u
   Adam in fp32 (master weights, m, v: 12 B; fp32 training: m, v: 8 B), sharded over DP by
   --use-distributed-optimizer. Not counted: the CUDA context, NCCL buffers, allocator
   fragmentation and temporary buffers (add 10-20 %).
+- Backward transient of the Triton kernels' deferred block pass (``deferred_block_stash``, block modes on a GPU with
+  --delta-router-kernels triton, or auto: PyTorch's CUDA wheels ship Triton, so auto counts as triton; pass fla
+  where your install lacks it): where triton_router.defers(R, C) says the R routers of a block in one buffer scope
+  (a pipeline chunk here) defer the gradients of the C completed sources they read through KernelSinks, each
+  router's backward stashes its output gradient ([tokens, h] in the activation dtype), three fp32 coefficients
+  per token and completed source and its fp32 query [h] (BlockDeferral), and the block's pass releases them all.
+  Backward runs one block at a time, so a stage holds at most its costliest block's stash, once (one micro-batch's
+  backward at a time). It is added to the stage's activations and total: it is held while a micro-batch's
+  backward runs, when the stage still holds the in-flight activations (an upper bound by at most the part of one
+  micro-batch's activations that backward has already freed).
 """
 import ast
 from types import SimpleNamespace
@@ -55,6 +65,7 @@ from megatron_delta.core.modes import (
     BASELINE,
     BLOCK_MODES,
     GATES,
+    KERNEL_CHOICES,
     REPLACEMENT_MODES,
     SOURCE_DEFINITIONS,
     check_delta_options,
@@ -71,7 +82,7 @@ PLAN_DEFAULTS = dict(
     sequence_parallel=False, use_distributed_optimizer=False, bf16=False, fp8_format=None, transformer_impl=None,
     micro_batch_size=1, global_batch_size=None, world_size=None, device="gpu", mtp_num_layers=None,
     num_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2, moe_shared_expert_intermediate_size=None,
-    moe_layer_freq=1, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    moe_layer_freq=1, expert_model_parallel_size=1, expert_tensor_parallel_size=None, delta_router_kernels="auto")
 
 
 class PlanError(ValueError):
@@ -102,6 +113,9 @@ def resolve_plan_config(a):
     if a.tensor_model_parallel_size == 1:
         a.sequence_parallel = False
     resolve_moe(a)
+    if a.delta_router_kernels not in KERNEL_CHOICES:
+        raise PlanError(f"--delta-router-kernels {a.delta_router_kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    a.router_backend = router_backend(a)
     if a.residual in BLOCK_MODES:  # K as pretrain_gpt.py resolves it: given, or the default (at most 4 blocks)
         try:
             a.delta_num_blocks = check_delta_options(a.residual, a.num_layers, a.delta_num_blocks, False,
@@ -175,12 +189,26 @@ def plan_config(**fields):
     return resolve_plan_config(SimpleNamespace(**{**PLAN_DEFAULTS, **fields}))
 
 
+def router_backend(a):
+    """What routes the sources on the planned device: 'triton' (the project's Triton kernels: --delta-router-kernels
+    triton, or auto on a GPU, where PyTorch's CUDA wheels ship Triton), 'fla', 'c' (auto or c on CPU) or 'torch'
+    (c on a GPU: the C kernels take CPU tensors only); None for the baseline."""
+    if a.residual == BASELINE:
+        return None
+    k = a.delta_router_kernels
+    if a.device == "gpu":
+        return {"auto": "triton", "c": "torch"}.get(k, k)
+    return "c" if k == "auto" else "torch" if k in ("triton", "fla") else k
+
+
 def source_plan(a):
     if a.residual == BASELINE:
         return None
     from megatron_delta.core.sources import SourcePlan
 
-    return SourcePlan.from_config(a)
+    # x_from_sources as for the PyTorch, C and Triton paths (fla's running x stream is not modelled): the plan
+    # reads its kernels' field only through router_backend
+    return SourcePlan.from_config(SimpleNamespace(**{k: v for k, v in vars(a).items() if k != "delta_router_kernels"}))
 
 
 # ----------------------------------------------------------------------------------- parameters
@@ -302,6 +330,52 @@ def layer_activation_bytes(a, first_layer, num_layers):
     return total
 
 
+def block_deferrals(a, first_layer, num_layers):
+    """The deferred block passes of one buffer scope (the layers first_layer .. +num_layers: a pipeline chunk) with
+    the routers on the Triton kernels: per block whose routers defer (triton_router.defers), (block, R routers, C
+    completed sources). As SourceBuffer does: a source read by several receivers of the scope gets a KernelSink at
+    its first read there (a rename keeps it, a commit's new value gets its own); the block's first router in the
+    scope defers the sources it reads through sinks."""
+    from megatron_delta.core.triton_router import defers
+
+    plan = source_plan(a)
+    sublayers = range(2 * first_layer, 2 * (first_layer + num_layers))
+    scope = set(sublayers) | ({"final"} if first_layer + num_layers == a.num_layers and plan.final_reads() else set())
+    sinks, blocks = {}, []
+    for j in sublayers:
+        for name in plan.reads(j):
+            if name not in sinks:
+                sinks[name] = sum(k in scope for k in plan.value_readers(name, j)) > 1
+        b = plan.block_of(j)
+        if j == sublayers[0] or plan.block_of(j - 1) != b:  # the block's first router in the scope
+            routers = sum(plan.block_of(k) == b for k in sublayers)
+            shared = sum(sinks[name] for name in plan.reads(j))
+            if shared and defers(routers, shared):
+                blocks.append((b, routers, shared))
+        old = plan.rules.rewritten_by_commit(j)
+        if old is not None:
+            new = plan.rules.renamed_by_routing(j)
+            kept = sinks.pop(old, None)
+            if new is not None and kept is not None:
+                sinks[new] = kept
+    return blocks
+
+
+def deferred_block_stash(a, stage):
+    """The backward transient of the Triton kernels' deferred block passes on pipeline stage ``stage`` (module
+    docstring): the largest block's stash, R x ([T, h] output gradient + 3 x C fp32 coefficients per token + the
+    [h] fp32 query), over the stage's chunks; 0 where no pass applies (not a block mode, not the Triton kernels)."""
+    if a.residual not in BLOCK_MODES or a.router_backend != "triton":
+        return 0
+    pp, chunks = a.pipeline_model_parallel_size, a.vpp or 1
+    per_chunk = a.num_layers // (pp * chunks)
+    sp = a.tensor_model_parallel_size if a.sequence_parallel else 1
+    T, h, act = a.seq_length * a.micro_batch_size / sp, a.hidden_size, 2 if a.bf16 else 4
+    return max([r * (T * h * act + 3 * 4 * c * T + 4 * h)
+                for ch in range(chunks) for _, r, c in block_deferrals(a, (ch * pp + stage) * per_chunk, per_chunk)],
+               default=0)
+
+
 def mtp_activation_bytes(a):
     """Bytes an MTP block saves for backward per micro-batch (all its depths; module docstring)."""
     if not a.mtp_num_layers:
@@ -410,9 +484,11 @@ def plan_stage(a, stage):
         else:
             extra += T / sp * (a.hidden_size * act + 4)
         extra += mtp_activation_bytes(a)  # the MTP block of that micro-batch (last stage)
-    total = w + g + o + acts + extra
+    stash = deferred_block_stash(a, stage)  # backward-time, one block at a time: on top of the activations
+    total = w + g + o + acts + extra + stash
     return {"stage": stage, "params": n, "weights": w, "grads": g, "optimizer": o,
-            "activations": acts + extra, "of_which_payload": payload, "in_flight": k, "total": total}
+            "activations": acts + extra, "of_which_payload": payload, "in_flight": k,
+            "deferred_block_stash": stash, "total": total}
 
 
 def memory_plan(a):
