@@ -40,6 +40,12 @@ _TAIL = 6000  # characters of a failing rank's stderr shown in the error
 PRELOAD = ["tests.rank_preload"]
 LAUNCH_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "DIST_RESULT_FILE", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
+# Variables code in the test session itself sets or drops as it runs, none read at import: Megatron-LM's argument
+# validation sets the NVTE_* attention switches, inductor sets its data-pointer variable, the terminal's size goes.
+# A forked rank starts with the launch's whole environment anyway (_forked_rank_main); without this list every
+# launch after the first in-process Megatron-LM run would start new interpreters.
+RUNTIME_VARIABLES = {"NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN",
+                     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "COLUMNS", "LINES"}
 _server: dict = {}  # {"context": the forkserver context, "env": the environment the server started with}
 
 
@@ -197,11 +203,11 @@ def run_distributed(
 
 # ------------------------------------------------------------------------------------------ the fork server
 def _server_matches(plain_env: dict, env: dict) -> bool:
-    """True when a rank with ``env`` can be forked from the session's server: ``env`` less the launch variables
-    is the server's. Starts the server on first use, with ``plain_env`` (the launch environment of a launch
+    """True when a rank with ``env`` can be forked from the session's server: ``env`` less the launch and runtime
+    variables is the server's. Starts the server on first use, with ``plain_env`` (the launch environment of a launch
     that adds no variables)."""
     def essential(e):
-        return {k: v for k, v in e.items() if k not in LAUNCH_VARIABLES}
+        return {k: v for k, v in e.items() if k not in LAUNCH_VARIABLES and k not in RUNTIME_VARIABLES}
 
     if not _server:
         context = multiprocessing.get_context("forkserver")

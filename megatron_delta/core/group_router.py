@@ -61,7 +61,7 @@ from megatron_delta.core import traffic
 from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8, _record_cast
 
 __all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_size", "group_spans", "passes",
-           "GroupRouting"]
+           "GroupRouting", "sum_in_order"]
 
 AUTO = "auto"
 FLAG = "--delta-router-group-size"
@@ -585,6 +585,20 @@ class _Merge(torch.autograd.Function):
         return (None,) * 9 + (dlog[0], None, grad_base, grad_gate, grad_query) + (None,) * k
 
 
+def sum_in_order(values: Sequence[Tensor]) -> Tensor:
+    """v0 + v1 + ... in order on PyTorch ops, each add recorded: the additive modes' x from their sources
+    (SourceBuffer.x) where no group kernel sums them in one pass (_FinalSum)."""
+    x = values[0]
+    if len(values) > 1:
+        x = values[0] + values[1]
+        traffic.record("x_sum", "forward", values[:2], [x])
+    for v in values[2:]:
+        old = x
+        x = x.add_(v) if x.dtype == v.dtype else x + v  # x is a fresh sum nobody saved
+        traffic.record("x_sum", "forward", [old, v], [x])
+    return x
+
+
 class _FinalSum(torch.autograd.Function):
     """x handed out as the sum of the sources (delta, x_from_sources; SourceBuffer.x) in a scope whose routers
     route in groups.
@@ -612,13 +626,7 @@ class _FinalSum(torch.autograd.Function):
                 group_kernels.final_sum(lib, flat, x)
             traffic.record("x_sum", "forward", flat, [x])
             return x.view(values[0].shape)
-        x = values[0] + values[1]
-        traffic.record("x_sum", "forward", values[:2], [x])
-        for v in values[2:]:
-            old = x
-            x = x.add_(v) if x.dtype == v.dtype else x + v  # x is a fresh sum nobody saved
-            traffic.record("x_sum", "forward", [old, v], [x])
-        return x
+        return sum_in_order(values)
 
     @staticmethod
     def backward(ctx, grad):

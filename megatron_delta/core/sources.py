@@ -416,14 +416,7 @@ class SourceBuffer:
                 x = self._groups.final_sum(values)
                 if x is not None:
                     return x
-            x = values[0] + values[1] if len(values) > 1 else values[0]
-            if len(values) > 1:
-                traffic.record("x_sum", "forward", values[:2], [x])
-            for v in values[2:]:
-                old = x
-                x = x.add_(v) if x.dtype == v.dtype else x + v  # x is a fresh sum nobody saved
-                traffic.record("x_sum", "forward", [old, v], [x])
-            return x
+            return group_router.sum_in_order(values)
         return self._x
 
     @property
