@@ -224,6 +224,19 @@ def rank_reference(weights_dir, steps, num_microbatches):
     return result
 
 
+def _thread_names():
+    """This process's threads by name (/proc/<pid>/task/*/comm)."""
+    names = {}
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        try:
+            with open(f"/proc/{os.getpid()}/task/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
 def rank_parallel(weights_dir, steps, num_microbatches, layouts):
     """Train the same model from the same weights in several parallel layouts (2 ranks)."""
     import torch
@@ -243,6 +256,11 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
         distributed.initialize_distributed(tensor_model_parallel_size=tp,
                                             pipeline_model_parallel_size=pp,
                                             virtual_pipeline_model_parallel_size=vpp, seed=1234)
+        from torch.distributed import distributed_c10d
+
+        # what this process holds with this layout's groups built (the previous layout's released)
+        held = {"groups": len(distributed_c10d._world.pg_map),
+                "gloo_threads": {k: n for k, n in _thread_names().items() if "gloo" in k}}
         config = _gpt_config(num_layers=layers, tp=tp, pp=pp, vpp=vpp, batch_p2p_comm=patches.batch_p2p_comm(vpp))
         patches.check_p2p_config(config)
         full = torch.load(os.path.join(weights_dir, f"gpt{layers}.pt"))
@@ -255,7 +273,8 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         mbs = num_microbatches // dp
         losses, norms = _train(chunks_fn, config, steps, mbs, dist_opt, first_mb=dp_rank * mbs)
-        results[name] = {"losses": losses, "norms": norms, "dp": dp}
+        results[name] = {"losses": losses, "norms": norms, "dp": dp, **held}
+        config = chunks_fn = None  # (the next layout's release frees this one's model, optimizer and groups)
     distributed.destroy_distributed()
     return results
 
@@ -634,6 +653,21 @@ def test_e2e_pp2_1f1b_and_vpp2_match_tp1(parallel_results):
     _check_losses("pp2", results[1]["pp2"]["losses"], ref["gpt2"]["losses"])
     # 4 layers for VPP (2 stages x 2 virtual stages); batch_p2p_comm=False (Megatron-LM #750)
     _check_losses("pp2_vpp2", results[1]["pp2_vpp2"]["losses"], ref["gpt4"]["losses"])
+
+
+@pytest.mark.slow
+def test_changing_layouts_releases_the_old_groups_and_their_threads(parallel_results):
+    """initialize_distributed destroys the previous layout's groups and frees the models and optimizers
+    built on them: in each of five layouts in one process (the distributed optimizer's among them) the
+    gloo threads are exactly those of the registered groups (a TCP loop and two workers each), and no
+    layout registers more groups than the first (tp2, the most)."""
+    _, results = parallel_results
+    for rank in results:
+        groups = [rank[name]["groups"] for name in LAYOUTS]
+        assert max(groups) == groups[0], groups
+        for name in LAYOUTS:
+            g = rank[name]["groups"]
+            assert rank[name]["gloo_threads"] == {"gloo_tcp_loop": g, "pt_gloo_runloop": 2 * g}, (name, rank[name])
 
 
 def test_dist_utils_reports_failing_rank():

@@ -28,7 +28,7 @@ ENTRIES = [
     "ckpt_writer_manager_exits_with_rank", "expert_parallel_optimizer_reshard",
     "p2p_shape_exchange", "vpp_pp2_batched_p2p", "trainer_hooks",
     "checkpoint_hint",
-    "verify_integrity_default",
+    "verify_integrity_default", "model_parallel_release",
 ]
 CPU_ENTRIES = ENTRIES[:16]  # the CPU adaptation
 FIX_ENTRIES = ENTRIES[16:22]  # upstream fixes applied on every device

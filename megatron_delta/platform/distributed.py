@@ -5,12 +5,15 @@ Public API
 initialize_distributed(...)        torch.distributed (gloo on CPU / nccl on GPU) + Megatron model
                                    parallel groups + model-parallel RNG seeding; activates the CPU
                                    platform (platform/cpu.py) first
+release_model_parallel()          Megatron's model-parallel state and every process group but the
+                                   default one, threads included (before a rebuild, after a run)
 destroy_distributed()
 free_port() -> int
 """
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
 import socket
@@ -20,7 +23,7 @@ import torch
 
 from megatron_delta.platform.cpu import activate_cpu_platform, is_cpu_platform
 
-__all__ = ["initialize_distributed", "destroy_distributed", "free_port"]
+__all__ = ["initialize_distributed", "release_model_parallel", "destroy_distributed", "free_port"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,8 +105,7 @@ def initialize_distributed(
     world_size = torch.distributed.get_world_size()
     _check_divisible(world_size, tp, pp, cp)
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    release_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -134,6 +136,61 @@ def _check_divisible(world_size: int, tp: int, pp: int, cp: int) -> None:
             f"{tp * pp * cp}; launch with a multiple of it (e.g. torchrun --nproc-per-node "
             f"{tp * pp * cp}) or reduce the parallel sizes"
         )
+
+
+def release_model_parallel() -> None:
+    """Drop Megatron's model-parallel state and destroy every process group but the default one.
+
+    Megatron-Core's ``destroy_model_parallel`` only sets its globals to None (and destroys one gloo
+    group): torch.distributed keeps every group registered, and with gloo each keeps its threads (a
+    TCP loop and two workers), ~60 threads per rebuild of the groups.  A process that changes
+    layouts or runs the trainer again therefore grows by thousands of threads.  Destroying a group
+    is local to this rank (no collective), so a rank may release while its peers still finish.
+    The models built on the released groups cannot communicate any more: their DDP hook cycles are
+    cut (_cut_ddp_hook_cycles) so that they, their optimizers and the groups they hold are freed.
+    """
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    # (patches.REGISTRY model_parallel_release) two globals upstream's teardown forgets
+    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
+    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
+    if not torch.distributed.is_initialized():
+        return
+    default = distributed_c10d.GroupMember.WORLD
+    # torch lists its groups only in _world (as Megatron's destroy_model_parallel reads it too)
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not default:
+            torch.distributed.destroy_process_group(group)
+    _cut_ddp_hook_cycles()
+    _clear_rotary_caches()
+    gc.collect()  # a finished run's models and optimizers hold the groups in reference cycles
+
+
+def _cut_ddp_hook_cycles() -> None:
+    """Megatron-Core's DistributedDataParallel registers its backward hook on each parameter's
+    grad-accumulator node, and the hook refers to DDP.  The node is kept alive by DDP (``grad_accs``)
+    and, with the distributed optimizer, by the optimizer's parameter shards (views with a grad_fn),
+    which DDP reaches through ``config.grad_scale_func`` (the optimizer's scale_loss): cycles through
+    autograd's C++ nodes that the garbage collector cannot see.  Without the cut every DDP, its
+    module, optimizer and process groups (gloo threads included) outlive their run."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DistributedDataParallel):  # (type(): no proxy object is asked)
+            obj.grad_accs.clear()  # each node then dies with its hook (a parameter holds it weakly)
+            obj.config.grad_scale_func = None  # DDP -> optimizer -> shard views -> nodes -> hook -> DDP
+
+
+def _clear_rotary_caches() -> None:
+    """Megatron-Core's rotary embeddings cache ``forward`` in a class-level lru_cache keyed by the module
+    (32 entries): each entry keeps a finished model's rotary module and its context-parallel group."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    rotary_pos_embedding.RotaryEmbedding.forward.cache_clear()
+    yarn_rotary_pos_embedding.YarnRotaryEmbedding.forward.cache_clear()
 
 
 def destroy_distributed() -> None:

@@ -200,7 +200,10 @@ def reset_global_state():
 
     if global_vars._GLOBAL_SIGNAL_HANDLER is not None:  # --exit-signal-handler: give SIGTERM back
         global_vars._GLOBAL_SIGNAL_HANDLER.release()  # (upstream's teardown only drops the reference)
+    from megatron_delta.platform.distributed import release_model_parallel
+
     destroy_global_state()
+    release_model_parallel()  # destroy_global_state leaves each group registered, with its gloo threads
     global_vars.unset_global_variables()
     mp_random.initialize_rng_tracker(force_reset=True)
     MTPLossLoggingHelper.tracker.clear()  # its loss tensors are sized by the first run's --mtp-num-layers

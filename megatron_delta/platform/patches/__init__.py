@@ -291,6 +291,17 @@ REGISTRY: Tuple[Patch, ...] = (
           V019, EVERY_DEVICE,
           made_by="megatron_delta/trainer/arguments.py add_delta_args: --no-verify-integrity, default None; "
                   "megatron_delta/checkpoint/integrity.py resolve_default: on for --ckpt-format torch_dist"),
+    Patch("model_parallel_release",
+          ("megatron.core.parallel_state.destroy_model_parallel",
+           "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel.grad_accs",
+           "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward"),
+          "a second layout or run in one process keeps the first's groups and gloo threads: destroy_model_parallel "
+          "leaves every group registered (and two globals set), DDP's grad-accumulator hooks make a cycle through "
+          "C++ that gc cannot free, the rotary lru_cache keeps finished models; ~60 threads per rebuild, thousands "
+          "per test launch",
+          CORE, EVERY_DEVICE,
+          made_by="megatron_delta/platform/distributed.py release_model_parallel (before each rebuild of the "
+                  "groups, and by megatron_delta/trainer/main.py reset_global_state after each run)"),
 )
 
 _BY_NAME: Dict[str, Patch] = {p.name: p for p in REGISTRY}
