@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_delta.core import group_kernels, group_router, traffic
-from megatron_delta.core.group_router import auto_group_size, check_group_size, group_spans, passes
+from megatron_delta.core.group_router import auto_group_sizes, check_group_size, group_spans, passes
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
 from tests.test_sources import EPS, Toy, sublayer
 
@@ -165,15 +165,35 @@ def test_counted_traffic_is_the_closed_form(config, kernels):
         assert ("autograd_add", "backward") not in rows or not xs, rows
 
 
-def test_group_spans_and_auto_size():
+def _compositions(n):
+    """Every split of n consecutive routers into groups, as the groups' sizes in order."""
+    if n == 0:
+        yield ()
+        return
+    for s in range(1, n + 1):
+        for rest in _compositions(n - s):
+            yield (s,) + rest
+
+
+def test_group_spans_and_auto_sizes():
     assert group_spans([0, 1, 2, 3, 4, 5], 4) == {0: (0, 4), 1: (0, 4), 2: (0, 4), 3: (0, 4), 4: (4, 6), 5: (4, 6)}
     assert group_spans([4, 5, 6], 2) == {4: (4, 6), 5: (4, 6), 6: (6, 7)}
     assert group_spans([0, 1, 3], 3) == {0: (0, 2), 1: (0, 2), 3: (3, 4)}  # never across a gap
-    # auto: the S minimising the counted passes of equal groups, sqrt(n + 2 n0), within [1, n]
-    assert auto_group_size(24, 1) == 5 and auto_group_size(8, 1) == 3 and auto_group_size(2, 40) == 2
-    for n, n0 in [(24, 1), (8, 1), (12, 13), (48, 1)]:
-        best = min(range(1, n + 1), key=lambda s: passes(n, n0, s))
-        assert passes(n, n0, auto_group_size(n, n0)) <= 1.1 * passes(n, n0, best), (n, n0)
+    # the groups' sizes in order; the last one repeats, and a gap ends a group early
+    assert group_spans(range(6), (1, 3)) == {0: (0, 1), 1: (1, 4), 2: (1, 4), 3: (1, 4), 4: (4, 6), 5: (4, 6)}
+    assert group_spans([0, 1, 3, 4, 5], (3, 2)) == {0: (0, 2), 1: (0, 2), 3: (3, 5), 4: (3, 5), 5: (5, 6)}
+    assert passes(6, 1, (2, 4)) == passes(2, 1, 2) + passes(4, 3, 4) and passes(7, 2, (3,)) == passes(7, 2, 3)
+    # auto: the split with the fewest counted passes, against every split of up to 10 routers; the groups grow
+    assert auto_group_sizes(24, 1) == (2, 4, 5, 6, 7) and auto_group_sizes(6, 1) == (2, 4)
+    assert auto_group_sizes(1, 5) == 1 and auto_group_sizes(2, 40) == (2,)
+    for n, n0 in [(4, 1), (6, 1), (8, 1), (10, 1), (6, 13), (9, 4)]:
+        sizes = auto_group_sizes(n, n0)
+        assert passes(n, n0, sizes) == min(passes(n, n0, c) for c in _compositions(n)), (n, n0)
+        assert list(sizes) == sorted(sizes), sizes
+    # and never more than the best equal groups: at 24 routers 549 passes against 572 (S = 5)
+    for n, n0 in [(24, 1), (56, 1), (12, 13), (48, 1)]:
+        assert passes(n, n0, auto_group_sizes(n, n0)) <= min(passes(n, n0, s) for s in range(1, n + 1))
+    assert passes(24, 1, auto_group_sizes(24, 1)) == 549 and passes(24, 1, 5) == 577
 
 
 @pytest.mark.parametrize("value,residual,sources,kernels,message", [
@@ -251,9 +271,10 @@ def test_bf16_activations(config):
 
 @pytest.mark.parametrize("cut,groups", [((), 2), ((2,), 3)])
 def test_auto_resolves_per_scope(cut, groups, group_passes):
-    """auto on the C kernels: S = round(sqrt(n + 2 n0)) per buffer scope: one chunk of 6 routers reading 1 source
-    first -> S = 3 (2 groups); chunks of 4 (n0 = 1: S = 2) and 2 routers (n0 = 5: S = 4, clipped to 2) -> 3
-    groups. The result is the float64 per-router path's to fp32 round-off."""
+    """auto on the C kernels: the split with the fewest counted passes per buffer scope (auto_group_sizes): one
+    chunk of 6 routers reading 1 source first -> groups of 2 and 4; chunks of 4 (n0 = 1: 1 and 3) and 2 routers
+    (n0 = 5: one group of 2) -> 3 groups, one of a single router. The result is the float64 per-router path's to
+    fp32 round-off."""
     config = ("delta", True, False, True)
     ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
     out, grads = _forward_backward(_toy(*config, "auto", torch.float32, "c"), _h0(torch.float32), cut)
@@ -267,7 +288,7 @@ def test_auto_resolves_per_scope(cut, groups, group_passes):
                                                    ("torch", torch.float32, False), ("c", torch.float64, False),
                                                    ("auto", torch.float64, False)])
 def test_auto_groups_only_on_the_kernels(kernels, dtype, grouped, group_passes):
-    """auto groups the routers (S = auto_group_size: 6 routers over 1 source -> 3, 2 groups) where the group runs
+    """auto groups the routers (auto_group_sizes: 6 routers over 1 source -> groups of 2 and 4) where the group runs
     on the C kernels (fp32 CPU tensors under c / auto), and keeps one router per pass where it would run on
     PyTorch ops (torch, or float64 which the C kernels do not take): counted per op, the group router's
     PyTorch path moves more than the per-router path."""
@@ -279,16 +300,24 @@ def test_auto_groups_only_on_the_kernels(kernels, dtype, grouped, group_passes):
 
 def test_closed_form_prices_what_auto_runs():
     """perf/cost_model prices auto as group_router.GroupRouting.resolve runs it: one router per pass on torch
-    (and fla), auto_group_size's S on the C and Triton kernels."""
+    (and fla), auto_group_sizes' split on the C and Triton kernels - whose group passes on the C kernels are
+    group_router.passes of that split (less the first gradients the final sum's seed turns into updates: none)."""
     from megatron_delta.perf import cost_model
 
     n = 2 * 12
-    for mode in ("delta", "full_attnres"):
-        grouped = auto_group_size(n, 1)
-        for backend, size in (("torch", 1), ("fla", 1), ("c", grouped), ("triton", grouped)):
+    for mode, unit in (("delta", True), ("full_attnres", False)):
+        for backend in ("torch", "fla"):
             auto = cost_model.step_traffic(mode, 12, backend, act_bytes=4, null_source=True, group_size="auto")
             assert auto == cost_model.step_traffic(mode, 12, backend, act_bytes=4, null_source=True,
-                                                   group_size=size), (mode, backend)
+                                                   group_size=1), (mode, backend)
+        auto = cost_model.step_traffic(mode, 12, "c", act_bytes=4, null_source=True, group_size="auto")
+        grouped = sum(v for (kernel, _), v in auto.items() if kernel.startswith("group_"))
+        first_writes = 0 if unit else n  # h0, v0 .. v_{n-2}: read by the groups; the last by the final router
+        assert grouped == passes(n, 1, auto_group_sizes(n, 1), unit=unit, null=True) - first_writes, mode
+        for backend, act in (("c", 4), ("triton", 4), ("triton", 2)):
+            auto = sum(cost_model.step_traffic(mode, 12, backend, act_bytes=act, group_size="auto").values())
+            assert auto < min(sum(cost_model.step_traffic(mode, 12, backend, act_bytes=act, group_size=s).values())
+                              for s in (3, 4, 5, 6)), (mode, backend, act)
         assert (sum(cost_model.step_traffic(mode, 12, "torch", act_bytes=4, group_size=5).values())
                 > sum(cost_model.step_traffic(mode, 12, "torch", act_bytes=4, group_size=1).values()))
 

@@ -120,7 +120,8 @@ def test_fused_router_passes_by_hand():
     # full_attnres, 1 layer: reads [h0] (p = h0), [h0, v0]; final router [h0, v0, v1]; v1 has one reader.
     assert passes("full_attnres", 1) == sum(4 * n for n in (1, 2, 3)) + 4 * 2
     # The group router (delta / full_attnres, --delta-router-group-size auto on the C kernels): 8 routers whose
-    # first reads 1 source, S = round(sqrt(8 + 2)) = 3: groups [0, 3), [3, 6), [6, 8) over 1, 4, 7 older sources.
+    # first reads 1 source, split as the fewest counted passes (group_router.auto_group_sizes): groups [0, 1),
+    # [1, 4), [4, 8) over 1, 2, 5 older sources.
     # Per group of s routers over n_g older sources: the old pass reads the n_g sources and writes s partial mixes
     # (+ X, the older part of x, when x is the sum of the sources), and in backward reads the n_g sources and the
     # s output gradients and reads and writes the n_g gradients (4 n_g + s); merge k reads r_k (+ X or the held x)
@@ -130,13 +131,13 @@ def test_fused_router_passes_by_hand():
     def group(n_g, s, extra, unit):
         return 4 * n_g + s * (6 + extra) + unit + 2 * s * (s - 1)
 
-    assert passes("delta", 4, group_size="auto") == group(1, 3, 1, 1) + group(4, 3, 1, 1) + group(7, 2, 1, 1) - 16
-    assert passes("delta", 4, group_size="auto") == 119 < passes("delta", 4) == 172
-    assert passes("delta", 4, gate=True, group_size="auto") == group(1, 3, 1, 0) + group(4, 3, 1, 0) + group(
-        7, 2, 1, 0) - 16 == 116
+    def split(extra, unit):
+        return group(1, 1, extra, unit) + group(2, 3, extra, unit) + group(5, 4, extra, unit) - 16
+
+    assert passes("delta", 4, group_size="auto") == split(1, 1) == 111 < passes("delta", 4) == 172
+    assert passes("delta", 4, gate=True, group_size="auto") == split(1, 0) == 108
     # full_attnres: neither X nor x; its final router (9 sources, one reader each there) per router: 8 + 28
-    assert passes("full_attnres", 4, group_size="auto") == group(1, 3, 0, 0) + group(4, 3, 0, 0) + group(
-        7, 2, 0, 0) - 16 + 8 + 28 == 144
+    assert passes("full_attnres", 4, group_size="auto") == split(0, 0) + 8 + 28 == 136
     # S = 2 given; on PyTorch ops auto resolves to one router per pass (the per-router count)
     assert passes("delta", 4, group_size=2) == sum(group(1 + a, 2, 1, 1) for a in (0, 2, 4, 6)) - 16
     assert passes("delta", 4, group_size="auto", kernels="torch") == 172

@@ -102,8 +102,8 @@ class DeltaTransformerConfig(TransformerConfig):
     'fla' (and 'auto' for CUDA tensors): fla-core's fused GPU kernel (fla_router.py)."""
 
     delta_router_group_size: int | str = "auto"
-    """delta / full_attnres: routers per group pass over the older sources (core/group_router.py); 'auto' picks
-    S from each chunk's size, 1 is one router per pass."""
+    """delta / full_attnres: routers per group pass over the older sources (core/group_router.py); 'auto' splits
+    each chunk's routers into the groups with the fewest counted passes, 1 is one router per pass."""
 
     delta_pp_source_cache: bool = True
     """Interleaved pipelines: a rank keeps the sources its earlier chunks held, and a boundary sends only

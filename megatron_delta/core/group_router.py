@@ -36,10 +36,12 @@ instead of autograd's three). Where the scope's routers do not route in groups (
 Groups are consecutive sublayers of one SourceBuffer's scope (its pipeline chunk, or the layers of one
 recompute chunk), anchored at the scope's first sublayer: they never cross a chunk or recompute boundary.
 The final router of full_attnres routes as before (router.py). Group size: ``--delta-router-group-size``
-(config ``delta_router_group_size``): ``auto``, or S >= 1 (1 = the per-router path). ``auto`` takes
-S = round(sqrt(n + 2 n0)) for a scope of n routers whose first reads n0 sources, the minimum of the
-counted passes (:func:`passes`), where the group runs on the C or Triton kernels; 1 where the routers run on
-PyTorch ops (--delta-router-kernels torch, or tensors neither kernel takes: counted per op, the group router
+(config ``delta_router_group_size``): ``auto``, or S >= 1 (1 = the per-router path). ``auto`` takes, for a scope of
+n routers whose first reads n0 sources, the split of the n routers into consecutive groups with the fewest counted
+passes (:func:`passes`, :func:`auto_group_sizes`), where the group runs on the C or Triton kernels: the groups grow
+along the scope (1 .. 24 over 1 source: 2, 4, 5, 6, 7), because a later group's old pass reads more older sources
+and so pays more for each group, while a larger group merges more in-group sources per router; 1 where the routers
+run on PyTorch ops (--delta-router-kernels torch, or tensors neither kernel takes: counted per op, the group router
 moves more bytes than one router per pass) or on fla's kernel (one router per call).
 
 Implementations: PyTorch ops (any device and dtype; the reference), the fused CPU kernels
@@ -51,7 +53,6 @@ the PyTorch path each op it makes.
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -60,7 +61,7 @@ from torch import Tensor
 from megatron_delta.core import traffic
 from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8, _record_cast
 
-__all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_size", "group_spans", "passes",
+__all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_sizes", "group_spans", "passes",
            "GroupRouting", "sum_in_order"]
 
 AUTO = "auto"
@@ -100,11 +101,15 @@ def check_group_size(value, residual: str, sources: str = "exact", kernels: str 
     return value
 
 
-def passes(n_routers: int, n_older: int, size: int, unit: bool = True, base: bool = False, null: bool = False) -> int:
+Sizes = Union[int, Tuple[int, ...]]  # one group size S, or the sizes of consecutive groups (auto_group_sizes)
+
+
+def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: bool = False,
+           null: bool = False) -> int:
     """The closed form of the C kernels' counted traffic (core/traffic.py) for a scope of ``n_routers``
-    routers whose first reads ``n_older`` sources, in groups of ``size``: [T, d] tensors read or written, each
-    counted once (fp32 throughout; with bf16 activations r_k, X and the gradients' fp32 tensors count twice).
-    The PyTorch ops make more passes (one per op; perf/cost_model.py prices them).
+    routers whose first reads ``n_older`` sources, in groups of ``size`` (S, or the groups' sizes in order):
+    [T, d] tensors read or written, each counted once (fp32 throughout; with bf16 activations r_k, X and the
+    gradients' fp32 tensors count twice). The PyTorch ops make more passes (one per op; perf/cost_model.py prices them).
     ``unit``: x is the sum of the sources (delta without a gate: the old pass writes X, each merge reads it);
     ``base``: the merges read the held x (delta with the gate); neither: full_attnres. Per group of s routers
     with n_g older sources:
@@ -117,31 +122,60 @@ def passes(n_routers: int, n_older: int, size: int, unit: bool = True, base: boo
     4 n_g + s (6 + unit + base) + unit + 2 s (s - 1) per group, less one per source read with a gradient (its
     first gradient, the last reader's in forward order, is written, not updated) - none where x is handed out as
     the sum of the sources in the same scope (unit; :class:`_FinalSum` seeds every sink, so each first gradient
-    adds the seed). ``null``: the null source's
-    value gradient reads each G_k once more (s per group); its value and the weight tables are [d] and
-    [T]-sized and not counted."""
-    total = 0
-    for a in range(0, n_routers, size):
-        s = min(size, n_routers - a)
-        n_g = n_older + a
-        total += 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + 2 * s * (s - 1)
+    adds the seed). ``null``: the null source's value gradient reads each G_k once more (s per group); its value
+    and the weight tables are [d] and [T]-sized and not counted."""
+    total, a = 0, 0
+    for s in _sizes(size, n_routers):
+        total += _group_passes(n_older + a, s, unit, base, null)
+        a += s
     return total
 
 
-def auto_group_size(n_routers: int, n_older: int) -> int:
-    """S of ``auto``: the minimum over S of :func:`passes` for n / S equal groups, 4 n0 n / S + 2 n^2 / S + 2 n S
-    (+ terms linear in n): S = sqrt(n + 2 n0), rounded, within [1, n]."""
-    return max(1, min(n_routers, int(round(math.sqrt(n_routers + 2 * n_older)))))
+def _group_passes(n_g: int, s: int, unit: bool = True, base: bool = False, null: bool = False) -> int:
+    """:func:`passes` of one group of ``s`` routers over ``n_g`` older sources."""
+    return 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + 2 * s * (s - 1)
 
 
-def group_spans(sublayers: Sequence[int], size: int) -> Dict[int, Tuple[int, int]]:
-    """Sublayer -> [a, b) of its group: consecutive runs of ``sublayers`` cut into groups of ``size``."""
+def _sizes(size: Sizes, n: int) -> List[int]:
+    """The sizes of the groups that cut ``n`` consecutive routers: S, S, .., the rest; or the given sizes, the last
+    one repeated where they cover fewer than n routers, the last group clipped."""
+    sizes = [size] if isinstance(size, int) else list(size)
+    out, a = [], 0
+    while a < n:
+        s = min(sizes[min(len(out), len(sizes) - 1)], n - a)
+        out.append(s)
+        a += s
+    return out
+
+
+def auto_group_sizes(n_routers: int, n_older: int) -> Sizes:
+    """The groups of ``auto``: the split of ``n_routers`` consecutive routers (the first reads ``n_older``
+    sources) into consecutive groups with the fewest counted passes (:func:`passes`; the only terms a split
+    changes are 4 n_g per group, its old pass's sources read and their gradients, against 2 s (s - 1) in its
+    merges and one X per group), by dynamic programming over where each group starts. The sizes grow along
+    the scope; 1 where single routers are cheapest (one router per pass)."""
+    n = n_routers
+    best: List[Tuple[int, Tuple[int, ...]]] = [(0, ())] * (n + 1)  # best[a]: the routers a .. n - 1
+    for a in range(n - 1, -1, -1):
+        best[a] = min((_group_passes(n_older + a, s) + best[a + s][0], (s,) + best[a + s][1])
+                      for s in range(1, n - a + 1))
+    sizes = best[0][1]
+    return 1 if all(s == 1 for s in sizes) else sizes
+
+
+def group_spans(sublayers: Sequence[int], size: Sizes) -> Dict[int, Tuple[int, int]]:
+    """Sublayer -> [a, b) of its group: consecutive runs of ``sublayers`` cut into groups of ``size`` (S, or the
+    groups' sizes in order, as :func:`_sizes`); a group never crosses a gap in the run (the next group starts
+    after it with the next size)."""
+    sizes = [size] if isinstance(size, int) else list(size)
     out: Dict[int, Tuple[int, int]] = {}
     js = sorted(sublayers)
-    start = 0
+    start = groups = 0
     while start < len(js):
+        limit = sizes[min(groups, len(sizes) - 1)]
+        groups += 1
         end = start
-        while end + 1 < len(js) and js[end + 1] == js[end] + 1 and end + 1 - start < size:
+        while end + 1 < len(js) and js[end + 1] == js[end] + 1 and end + 1 - start < limit:
             end += 1
         span = (js[start], js[end] + 1)
         for j in js[start:end + 1]:
@@ -666,12 +700,12 @@ class GroupRouting:
         self.size = size
         self.sublayers = sorted(sublayers)
         self.spans: Optional[Dict[int, Tuple[int, int]]] = None
-        self.resolved: Optional[int] = None
+        self.resolved: Optional[Sizes] = None  # 1 (one router per pass), S, or the groups' sizes (auto)
         self.kernels: Optional[str] = None  # the routers' --delta-router-kernels choice, once resolved
         self._group: Optional[_Group] = None
         self._collected: Dict[int, Tuple[Tensor, Tensor, GradSink]] = {}  # id(value) -> (value, alias, sink)
 
-    def resolve(self, routers: Sequence, value: Tensor, n_older: int) -> int:
+    def resolve(self, routers: Sequence, value: Tensor, n_older: int) -> Sizes:
         if self.spans is None:
             size = self.size
             if size == AUTO:
@@ -680,7 +714,7 @@ class GroupRouting:
                 elif _kernel_lib(routers[0].kernels, [value]) is None:
                     size = 1  # PyTorch ops: counted per op, the group moves more bytes than one router per pass
                 else:
-                    size = auto_group_size(len(self.sublayers), n_older)
+                    size = auto_group_sizes(len(self.sublayers), n_older)
             self.spans = group_spans(self.sublayers, size)
             self.resolved = size
             self.kernels = routers[0].kernels

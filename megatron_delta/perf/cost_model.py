@@ -180,7 +180,7 @@ class _Ledger:
         self.backend, self.a, self.c, self.null, self.gate, self.grad = backend, a, c, null, gate, grad
         self.entries = {}  # name -> [tensor, projection]; projection: None, "local" or [readers seen]
         self._x = None
-        self.group_size = None  # the group router's S in this scope (core/group_router.py), once resolved
+        self.group_size = None  # the group router's S or groups' sizes here (core/group_router.py), once resolved
         self.spans = None  # sublayer -> [a, b) of its group (group_router.group_spans)
         self._group = None  # the number of sources older than the group routing now
         self._touches = {}  # a source the groups read -> the passes whose backward update its gradient, in order
@@ -372,7 +372,7 @@ class _Ledger:
             size = self.plan.router_group_size
             if size == group_router.AUTO:  # group_router.GroupRouting.resolve: S = 1 on the PyTorch ops
                 size = (1 if self.backend == "torch"
-                        else group_router.auto_group_size(len(subs), len(self.plan.reads(subs[0]))))
+                        else group_router.auto_group_sizes(len(subs), len(self.plan.reads(subs[0]))))
             self.group_size = size
             self.spans = group_router.group_spans(subs, self.group_size)
         return self.group_size != 1

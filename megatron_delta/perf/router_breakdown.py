@@ -161,7 +161,7 @@ def fused_router_passes(mode, config):
     plan = SourcePlan.from_config(config, mode)
     base = 1 if plan.additive and not plan.x_from_sources else 0  # a router that reads x
     size = group_size(plan, config)
-    if size > 1:
+    if size != 1:
         n = plan.num_sublayers
         grouped = group_router.passes(n, plan.num_sources_read(0), size, unit=plan.x_from_sources, base=bool(base),
                                       null=bool(getattr(config, "delta_null_source", False)))
@@ -187,9 +187,9 @@ def fused_router_passes(mode, config):
     return route + 4 * sum(multi for _, multi in shared.values())
 
 
-def group_size(plan, config) -> int:
-    """The group size the sublayer routers of the benchmark's one scope (every layer) resolve to on fp32 CPU
-    tensors (GroupRouting.resolve): 1 where they route one router per pass."""
+def group_size(plan, config) -> group_router.Sizes:
+    """The group size (S, or the groups' sizes under auto) the sublayer routers of the benchmark's one scope (every
+    layer) resolve to on fp32 CPU tensors (GroupRouting.resolve): 1 where they route one router per pass."""
     if not plan.groups_routers:
         return 1
     from megatron_delta.core.router import DepthRouter

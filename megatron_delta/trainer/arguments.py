@@ -44,8 +44,8 @@ def add_delta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "kernel (docs/gpu.md)")
     g.add_argument("--delta-router-group-size", default="auto", metavar="S",
                    help="delta and full_attnres: S consecutive routers share one pass over the sources older than "
-                        "their group (core/group_router.py); auto (default): S from each chunk's size; 1: one "
-                        "router per pass")
+                        "their group (core/group_router.py); auto (default): each chunk's routers split into the "
+                        "groups with the fewest counted passes; 1: one router per pass")
     g.add_argument("--delta-pp-source-cache", choices=["on", "off"], default=None,
                    help="interleaved pipelines (routed modes): each rank keeps the sources its earlier virtual "
                         "chunks held and a boundary sends only what the receiving rank lacks (default: on where "
