@@ -59,6 +59,21 @@ def compile_megatron_helpers() -> None:
 compile_megatron_helpers()
 
 
+def _stop_tqdm_monitor() -> None:
+    """Inductor's FX interpreter opens a (disabled) tqdm bar while it compiles a graph its cache does not hold - on a
+    fresh machine, every helper above - and tqdm starts its monitor thread for the first bar, a thread that runs
+    until told to stop. Stop it (a rank that opens a bar starts its own), so that the server can fork."""
+    from tqdm import std as tqdm_std
+
+    monitor = getattr(tqdm_std.tqdm, "monitor", None)
+    if monitor is not None:
+        monitor.exit()
+        tqdm_std.tqdm.monitor = None
+
+
+_stop_tqdm_monitor()
+
+
 def _wait_for_one_thread(seconds: float = 10.0) -> None:
     """The server forks from its one thread: wait for any helper thread the compilation left (it ends on its own),
     and refuse to serve if one stays (a forked rank could inherit a lock it held)."""
