@@ -136,13 +136,16 @@ def _group_passes(n_g: int, s: int, unit: bool = True, base: bool = False, null:
     return 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + 2 * s * (s - 1)
 
 
+def _nth_size(size: Sizes, i: int) -> int:
+    """The size of group ``i``: S, or the i-th of the given sizes, the last one repeated."""
+    return size if isinstance(size, int) else size[min(i, len(size) - 1)]
+
+
 def _sizes(size: Sizes, n: int) -> List[int]:
-    """The sizes of the groups that cut ``n`` consecutive routers: S, S, .., the rest; or the given sizes, the last
-    one repeated where they cover fewer than n routers, the last group clipped."""
-    sizes = [size] if isinstance(size, int) else list(size)
+    """The sizes of the groups that cut ``n`` consecutive routers (:func:`_nth_size`), the last group clipped."""
     out, a = [], 0
     while a < n:
-        s = min(sizes[min(len(out), len(sizes) - 1)], n - a)
+        s = min(_nth_size(size, len(out)), n - a)
         out.append(s)
         a += s
     return out
@@ -165,14 +168,13 @@ def auto_group_sizes(n_routers: int, n_older: int) -> Sizes:
 
 def group_spans(sublayers: Sequence[int], size: Sizes) -> Dict[int, Tuple[int, int]]:
     """Sublayer -> [a, b) of its group: consecutive runs of ``sublayers`` cut into groups of ``size`` (S, or the
-    groups' sizes in order, as :func:`_sizes`); a group never crosses a gap in the run (the next group starts
+    groups' sizes in order, as :func:`_nth_size`); a group never crosses a gap in the run (the next group starts
     after it with the next size)."""
-    sizes = [size] if isinstance(size, int) else list(size)
     out: Dict[int, Tuple[int, int]] = {}
     js = sorted(sublayers)
     start = groups = 0
     while start < len(js):
-        limit = sizes[min(groups, len(sizes) - 1)]
+        limit = _nth_size(size, groups)
         groups += 1
         end = start
         while end + 1 < len(js) and js[end + 1] == js[end] + 1 and end + 1 - start < limit:
