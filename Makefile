@@ -28,12 +28,17 @@ $(STAMP): requirements-lock.txt requirements-nodeps.txt pyproject.toml
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist, --dist loadgroup). tests/conftest.py keeps the tests of one
+# module on one worker, and all the tests that share the session's TP1 reference, so every fixture is built once.
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
 
 # Everything except the tests marked `slow` (CI runs them all through `make test`).
 test-fast: lint
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
 
 demo: setup
 	$(PY) pretrain_gpt.py --residual delta_block

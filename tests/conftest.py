@@ -8,6 +8,19 @@ if REPO_ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
+SHARED_REFERENCE_GROUP = "tp1_reference"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Worker groups for pytest-xdist's --dist loadgroup (make test): a fixture is built once per worker that runs a
+    test needing it, so the tests of one module share a group (its module-scoped fixtures are built once), and every
+    module with a test on the session's TP1 reference (tp1_reference, four_rank_runs) shares one group (the
+    reference and the 4-rank launch are built once). Without xdist the markers are inert."""
+    shared = {item.module.__name__ for item in items if "tp1_reference" in item.fixturenames}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(SHARED_REFERENCE_GROUP if module in shared else module))
+
 
 @pytest.fixture
 def offline_single_thread(monkeypatch):
