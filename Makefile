@@ -28,17 +28,16 @@ $(STAMP): requirements-lock.txt requirements-nodeps.txt pyproject.toml
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# The suite runs on TEST_WORKERS processes (pytest-xdist, --dist loadgroup). tests/conftest.py keeps the tests of one
-# module on one worker, and all the tests that share the session's TP1 reference, so every fixture is built once.
-# TEST_WORKERS=0 runs the suite in one process.
+# The suite runs on TEST_WORKERS processes (pytest-xdist). tests/conftest.py schedules the work: a module's tests on
+# one worker, the modules of the shared 4-rank launch together, the longest first. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 tests
 
 # Everything except the tests marked `slow` (CI runs them all through `make test`).
 test-fast: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 demo: setup
 	$(PY) pretrain_gpt.py --residual delta_block

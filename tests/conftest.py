@@ -8,18 +8,52 @@ if REPO_ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
-SHARED_REFERENCE_GROUP = "tp1_reference"
+# ------------------------------------------------------------------------------ two workers (make test)
+# make test runs the suite on two pytest-xdist workers. A fixture is built once per worker that needs it, so a
+# module's tests stay on one worker (its module-scoped fixtures are built once), and the modules of the session's
+# 4-rank launch (four_rank_runs) share one worker. The session's TP1 reference is lazy per configuration
+# (TP1Reference), so modules that share only a few of its runs may run apart: each worker runs those it needs.
+FOUR_RANK_MODULES = ("tests/test_bf16.py", "tests/test_parallel_parity.py")
+FOUR_RANK_GROUP = "four_rank_runs"
+# Work units handed out first, longest first (the order of their pytest times on 2 cores), so that no long one
+# starts last while the other worker idles; the rest follow in collection order.
+LONGEST_FIRST = (FOUR_RANK_GROUP, "tests/test_moe.py", "tests/test_source_cache.py", "tests/test_trainer_cluster.py",
+                 "tests/test_conversion.py", "tests/test_trainer_resume.py", "tests/test_traffic.py",
+                 "tests/test_checkpoint_faults.py", "tests/test_triton_router.py", "tests/test_run_safety.py",
+                 "tests/test_cli_errors.py", "tests/test_evaluation.py", "tests/test_tools_analysis.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or FOUR_RANK_GROUP."""
+    module = nodeid.split("::", 1)[0]
+    return FOUR_RANK_GROUP if module in FOUR_RANK_MODULES else module
 
 
 def pytest_collection_modifyitems(config, items):
-    """Worker groups for pytest-xdist's --dist loadgroup (make test): a fixture is built once per worker that runs a
-    test needing it, so the tests of one module share a group (its module-scoped fixtures are built once), and every
-    module with a test on the session's TP1 reference (tp1_reference, four_rank_runs) shares one group (the
-    reference and the 4-rank launch are built once). Without xdist the markers are inert."""
-    shared = {item.module.__name__ for item in items if "tp1_reference" in item.fixturenames}
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(SHARED_REFERENCE_GROUP if module in shared else module))
+    """A test on four_rank_runs outside FOUR_RANK_MODULES would rebuild the 4-rank launch on the other worker."""
+    stray = sorted({item.nodeid.split("::", 1)[0] for item in items if "four_rank_runs" in item.fixturenames} -
+                   set(FOUR_RANK_MODULES))
+    if stray:
+        raise pytest.UsageError(f"{stray} use the four_rank_runs fixture: add them to FOUR_RANK_MODULES in "
+                                f"tests/conftest.py")
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own (--dist)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        """xdist's loadscope with work units of work_unit(), handed out LONGEST_FIRST."""
+
+        def _split_scope(self, nodeid: str) -> str:  # replaces LoadScopeScheduling's: module, class -> work_unit
+            return work_unit(nodeid)
+
+        def _assign_work_unit(self, node) -> None:  # the parent's, after moving the next unit of LONGEST_FIRST up
+            rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+            self.workqueue.move_to_end(min(self.workqueue, key=lambda u: rank.get(u, len(rank))), last=False)
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture
