@@ -21,6 +21,7 @@ LONGEST_FIRST = (FOUR_RANK_GROUP, "tests/test_moe.py", "tests/test_source_cache.
                  "tests/test_conversion.py", "tests/test_trainer_resume.py", "tests/test_traffic.py",
                  "tests/test_checkpoint_faults.py", "tests/test_triton_router.py", "tests/test_run_safety.py",
                  "tests/test_cli_errors.py", "tests/test_evaluation.py", "tests/test_tools_analysis.py")
+_ORDER = {unit: i for i, unit in enumerate(LONGEST_FIRST)}  # units not listed come after, in collection order
 
 
 def work_unit(nodeid: str) -> str:
@@ -31,8 +32,8 @@ def work_unit(nodeid: str) -> str:
 
 def pytest_collection_modifyitems(config, items):
     """A test on four_rank_runs outside FOUR_RANK_MODULES would rebuild the 4-rank launch on the other worker."""
-    stray = sorted({item.nodeid.split("::", 1)[0] for item in items if "four_rank_runs" in item.fixturenames} -
-                   set(FOUR_RANK_MODULES))
+    stray = sorted({work_unit(item.nodeid) for item in items if "four_rank_runs" in item.fixturenames} -
+                   {FOUR_RANK_GROUP})
     if stray:
         raise pytest.UsageError(f"{stray} use the four_rank_runs fixture: add them to FOUR_RANK_MODULES in "
                                 f"tests/conftest.py")
@@ -49,8 +50,7 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid)
 
         def _assign_work_unit(self, node) -> None:  # the parent's, after moving the next unit of LONGEST_FIRST up
-            rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
-            self.workqueue.move_to_end(min(self.workqueue, key=lambda u: rank.get(u, len(rank))), last=False)
+            self.workqueue.move_to_end(min(self.workqueue, key=lambda u: _ORDER.get(u, len(_ORDER))), last=False)
             super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
