@@ -60,7 +60,7 @@ def _run_recompute(toy, h0, per):
 def _forward_backward(toy, h0, cut):
     out = _run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
     leaves = toy.params() + [h0]
-    go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
     return out, torch.autograd.grad(out, leaves, go, allow_unused=True)
 
 
@@ -258,7 +258,7 @@ def test_bf16_activations(config):
             r.float()  # as Megatron's --bf16 keeps them trainable in fp32 math (query_vector is fp32)
         h0 = _h0(torch.bfloat16)
         out = toy.run(h0, (2,))[0]
-        go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+        go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
         leaves = toy.params() + [h0]
         first = torch.autograd.grad(out, leaves, go, retain_graph=True, allow_unused=True)
         second = torch.autograd.grad(out, leaves, go, allow_unused=True)
@@ -336,7 +336,7 @@ def _source_grads(toy, h0, cut):
         out = _run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
     finally:
         SourceBuffer.commit = commit
-    go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
     if cut == "recompute":  # the checkpoints' recomputed outputs are not these tensors: the leaves' gradients
         return out, torch.autograd.grad(out, [h0] + toy.params(), go, allow_unused=True)
     return out, torch.autograd.grad(out, [h0] + vs, go)

@@ -140,6 +140,36 @@ def test_cuda_kernels_match_torch_path(dtype, defer):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
+def test_cuda_kernels_do_not_wait_for_the_gpu():
+    """On a GPU: the per-router kernels (a block's deferred pass included) and the group router's kernels queue
+    their work without a stream synchronisation (torch.cuda.set_sync_debug_mode("error") raises at one), so that
+    the CPU runs ahead of the GPU as it does for the baseline's layers."""
+    from megatron_delta.core.router import DepthRouter, make_source
+    from tests import test_group_router as G
+
+    d, shape = 256, (64, 2)
+    rs = [DepthRouter(d, null_source=True, gate=True, eps=1e-6, kernels="triton").cuda() for _ in range(2)]
+    vals = [torch.randn(*shape, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    toy = G._toy("delta", True, True, False, 3, torch.float32, "triton")
+    toy.weights = [w.detach().cuda().requires_grad_() for w in toy.weights]
+    for r in toy.routers:
+        r.cuda()
+    h0 = G._h0(torch.float32).detach().cuda().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (sink,) = triton_router.BlockDeferral([vals[0]], [rs[0].kernel_sink(vals[0])]).slots()
+        total = sum(r([make_source(vals[0], 1e-6)._replace(sink=sink), make_source(vals[i + 1], 1e-6)],
+                      apply_gate=True, base_sums=True).float().sum() for i, r in enumerate(rs))
+        total.backward()
+        out, _ = toy.run(h0, G.CUTS["chunk"])
+        out.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(v.grad is not None for v in vals) and h0.grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_group_kernels_match_torch_path(dtype, monkeypatch):
     """On a GPU, compiled (not interpreted): the group router of delta and full_attnres (null source, gate) on its

@@ -311,11 +311,11 @@ def _table(tensors: Sequence[Optional[Tensor]], fill: Tensor, size: Optional[int
     ``size`` point at ``fill``, a valid address."""
     ptrs = [fill.data_ptr() if t is None else t.data_ptr() for t in tensors]
     ptrs += [fill.data_ptr()] * max(0, (size or len(ptrs)) - len(ptrs))
-    return torch.tensor(ptrs or [fill.data_ptr()], dtype=torch.int64).to(fill.device)
+    return triton_router.device_table(ptrs or [fill.data_ptr()], torch.int64, fill.device)
 
 
 def _flags(values: Sequence[int], device) -> Tensor:
-    return torch.tensor(list(values) or [0], dtype=torch.int32).to(device)
+    return triton_router.device_table(list(values) or [0], torch.int32, device)
 
 
 def _cdiv(a: int, b: int) -> int:

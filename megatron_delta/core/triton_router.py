@@ -52,7 +52,7 @@ from megatron_delta.core import cpu_kernels, traffic
 
 __all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check", "interpreting",
            "device_ok", "fallback_reason", "KernelSink", "make_sink", "BlockDeferral", "DeferredSink", "defers",
-           "defer_block", "route", "route_router", "call_rows", "TOKENS_PER_PROGRAM"]
+           "defer_block", "route", "route_router", "call_rows", "device_table", "TOKENS_PER_PROGRAM"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL = "triton_route"  # the name the kernels' calls are recorded under (traffic.py)
@@ -328,8 +328,19 @@ def _tile(d: int) -> Tuple[int, int, int]:
     return max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // bd)), bd, 8 if bd >= 2048 else 4
 
 
+def device_table(values: Sequence[int], dtype: torch.dtype, device) -> Tensor:
+    """A kernel's table of small integers (tensor addresses, flags, slots) on ``device``, without waiting for the
+    GPU: on CUDA it is copied from pinned memory, non-blocking. A plain ``.to("cuda")`` from pageable memory
+    synchronises the stream (PyTorch's memcpy_and_sync); several per router call stalled the GPU until the CPU
+    had launched the next kernels (docs/gpu.md, the first GPU run)."""
+    table = torch.tensor(list(values), dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
+
+
 def _pointers(tensors: Sequence[Optional[Tensor]], device) -> Tensor:
-    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+    return device_table([0 if t is None else t.data_ptr() for t in tensors], torch.int64, device)
 
 
 def _row_table(tensors: Sequence[Tensor], rows: int, d: int, device) -> Tuple[List[Tensor], Tensor]:
@@ -340,7 +351,7 @@ def _row_table(tensors: Sequence[Tensor], rows: int, d: int, device) -> Tuple[Li
 
 
 def _ints(values: Sequence[int], device) -> Tensor:
-    return torch.tensor(values, dtype=torch.int32).to(device)
+    return device_table(values, torch.int32, device)
 
 
 # ---------------------------------------------------------------------------------------- gradient sinks
