@@ -191,6 +191,9 @@ def test_gpu_check_dry_run():
         r = json.load(open(out))
     assert r["ok"] and r["dry_run"] and not r["skipped"]
     assert {x["mode"] for x in r["parity"]} == {"baseline", "attnres", "full_attnres", "delta", "delta_block"}
+    # each backend's logits against the fp32 model with PyTorch routers (fp32 throughout here: to 1e-4)
+    assert all(x["reference"] == "fp32" and x["limit"] == 1e-4 and x["rel_l2"]["local-torch-router"] == 0
+               and 0 < x["rel_l2"]["local-fla-router"] < 1e-4 for x in r["parity"] if x["mode"] != "baseline")
     assert len(r["router"]) == 12 and all(x["ok"] for x in r["router"])
     assert {"query", "key_norm_weight", "null_source", "gate", "x", "s0", "out"} <= set().union(
         *(x["errors"] for x in r["router"]))
@@ -210,6 +213,29 @@ def test_gpu_check_dry_run():
                          "backend has no grouped GEMM, fused permutation or router)"}]
     assert "(e) MoE with --moe-permute-fusion --moe-router-fusion --moe-grouped-gemm" in p.stdout
     assert "  not available: dry run: no Transformer Engine" in p.stdout
+
+
+def test_gpu_check_runs_local_layers_without_transformer_engine(monkeypatch):
+    """--transformer-impl local: a GPU without Transformer Engine runs (a)-(d) on Megatron's local layers. The
+    default (transformer_engine) refuses such a machine, naming the flag; local drops the TE spec, FP8 and the MoE
+    fusions, and says so: FP8 training is recorded as skipped, so the run does not pass."""
+    from types import SimpleNamespace
+
+    from megatron_delta.perf import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the checks after the CUDA one
+    monkeypatch.setattr(gpu_check, "transformer_engine_installed", lambda: False)
+    reason = gpu_check.missing_requirement("transformer_engine")
+    assert reason.startswith("Transformer Engine is not installed") and "--transformer-impl local" in reason
+    assert gpu_check.missing_requirement("local") is None  # fla imports here (its kernel needs CUDA only to run)
+    opts = SimpleNamespace(no_fp8=False)
+    env = SimpleNamespace(dry=False, impl="local")
+    skipped = []
+    assert gpu_check.speed_precisions(opts, env) == [None]
+    assert gpu_check.train_precisions(opts, env, skipped) == [None]
+    assert skipped == ["fp8 training: --transformer-impl local (FP8 needs Transformer Engine)"]
+    assert gpu_check.moe_fusions_unavailable(env) == ("--transformer-impl local: no Transformer Engine (the local "
+                                                      "backend has no grouped GEMM, fused permutation or router)")
 
 
 def test_gpu_check_compares_the_group_router_on_triton(monkeypatch):
