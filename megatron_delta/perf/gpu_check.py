@@ -136,15 +136,22 @@ class Env:
             torch.cuda.synchronize()
 
     def reset_peak(self):
+        """Starts a run's peak memory; returns the GiB still allocated from before (None in the dry run): the first
+        H200 run's peaks carried about 15 GiB from earlier runs into later ones (docs/gpu.md), so a run's own peak is
+        counted above what it found allocated."""
         import torch
 
-        if not self.dry:
-            torch.cuda.reset_peak_memory_stats()
+        if self.dry:
+            return None
+        torch.cuda.reset_peak_memory_stats()
+        self.resident = torch.cuda.memory_allocated()
+        return self.resident / 2**30
 
     def peak_gib(self):
+        """The GiB the run allocated at its peak, above what was allocated when it started (reset_peak)."""
         import torch
 
-        return None if self.dry else torch.cuda.max_memory_allocated() / 2**30
+        return None if self.dry else (torch.cuda.max_memory_allocated() - self.resident) / 2**30
 
     def gpu_kind(self):
         """cost_model.GPUS key for the prediction (H100 where the name says neither)."""
@@ -404,7 +411,7 @@ def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=N
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     free(env)
-    env.reset_peak()
+    resident_gib = env.reset_peak()
     iters = iters or opts.iters
     fields = model_fields(opts, env, mode, shape=shape, fp8=fp8)
     if moe:
@@ -465,6 +472,7 @@ def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=N
            "num_blocks": fields["delta_num_blocks"], "micro_batches": micro_batches, "losses": losses,
            "tokens_per_sec": tokens / sum(timed), "optimizer_ms": 1e3 * sum(opt_timed) / len(opt_timed),
            "step_tokens_per_sec": tokens / (sum(timed) + sum(opt_timed)), "peak_mem_gib": env.peak_gib(),
+           "resident_gib": resident_gib,
            "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], "moe": moe}
     free(env, ddp, optimizer, chunk)
     return out
@@ -511,6 +519,20 @@ def predicted(env, shape_name, mode, kernels, num_layers, group_size=None):
     return r["tokens_per_sec_ratio"]
 
 
+def planned_gib(env, shape_name, mode, num_layers):
+    """tools/memory_plan.py's memory per GPU (GiB) for a run of (c): its shape, mode and layers, bf16, this run's
+    layers (TE or local), one micro-batch in flight (None in the dry run: no peak to set it beside)."""
+    if env.dry:
+        return None
+    s = env.shapes[shape_name]
+    a = memory_model.plan_config(num_layers=num_layers, hidden_size=s["hidden"], ffn_hidden_size=s["ffn"],
+                                 num_attention_heads=s["heads"], num_query_groups=s["groups"], seq_length=s["seq"],
+                                 residual=mode, bf16=True, transformer_impl=env.impl,
+                                 untie_embeddings_and_output_weights=True,
+                                 **({"delta_num_blocks": NUM_BLOCKS} if mode in BLOCK_MODES else {}))
+    return memory_model.memory_plan(a)["stages"][0]["total"] / 2**30
+
+
 def compare_speed(env, r, base, shape_name, mode, kernels, num_layers, group_size=None):
     """(c): set the run ``r``'s throughput and peak-memory ratios to the baseline run ``base``, the predicted ratio
     beside them and, on a GPU for the runs with targets (TARGETS, fused kernel), target_ok. Returns the target
@@ -518,6 +540,7 @@ def compare_speed(env, r, base, shape_name, mode, kernels, num_layers, group_siz
     r["throughput_ratio"] = r["tokens_per_sec"] / base["tokens_per_sec"]
     r["predicted_ratio"] = predicted(env, shape_name, mode, kernels, num_layers, group_size)
     r["peak_mem_ratio"] = None if r["peak_mem_gib"] is None else r["peak_mem_gib"] / base["peak_mem_gib"]
+    r["planned_mem_gib"] = planned_gib(env, shape_name, mode, num_layers)
     target = TARGETS.get((shape_name, mode)) if kernels in ("fla", "triton") else None  # the fused kernels
     if target and not env.dry:
         r["target_ok"] = (r["throughput_ratio"] >= target[0]
