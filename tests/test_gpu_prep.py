@@ -197,6 +197,13 @@ def test_gpu_check_dry_run():
     assert len(r["router"]) == 12 and all(x["ok"] for x in r["router"])
     assert {"query", "key_norm_weight", "null_source", "gate", "x", "s0", "out"} <= set().union(
         *(x["errors"] for x in r["router"]))
+    # (b2) each router backend's call: its counted bytes over its time, beside the copy rate; fla's kernel moves
+    # fewer bytes than PyTorch's ops (one read of each source per pass)
+    bw = {(x["shape"], x["kernel"], x["sources"]): x for x in r["bandwidth"]}
+    assert set(bw) == {(s, k, n) for s in ("8B", "1B") for k in ("torch", "fla") for n in (5, 17)}
+    assert r["copy_gbps"] > 0 and all(x["gbps"] > 0 and x["of_copy"] > 0 for x in bw.values())
+    assert all(bw[s, "fla", n]["bytes"] < bw[s, "torch", n]["bytes"] for s in ("8B", "1B") for n in (5, 17))
+    assert "(b2) router kernels' rate" in p.stdout
     speed = {(x["shape"], x["mode"], x["kernels"], x["group_size"]) for x in r["speed"]}
     assert {("8B", "delta_block", "fla", None), ("8B", "delta", "torch", 1), ("1B", "delta", "fla", 1),
             ("1B", "baseline", "-", None)} <= speed
@@ -248,6 +255,9 @@ def test_gpu_check_compares_the_group_router_on_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the dry run plans triton runs only under the interpreter
     env = SimpleNamespace(dry=True, gpu_kind=lambda: "H200")
     runs = gpu_check.speed_runs(env)
+    # each shape's target mode right after its baseline (a run cut short by the time budget has measured it)
+    assert [m for m, _, _ in gpu_check.speed_runs(env, "8B")][:2] == ["baseline", "delta_block"]
+    assert [m for m, _, _ in gpu_check.speed_runs(env, "1B")][:2] == ["baseline", "delta"]
     assert [r for r in runs if r[0] == "delta" and r[1] == "triton"] == [("delta", "triton", "auto"),
                                                                          ("delta", "triton", 1)]
     assert all(g is None for m, _, g in runs if m != "delta") and ("delta", "fla", 1) in runs

@@ -1,27 +1,38 @@
 #!/usr/bin/env python
-"""The one acceptance run for a GPU (issues 7 and 19): at most 8 minutes on one H100 / H200.
+"""The one acceptance run for a GPU (issues 7, 19 and 28) on one H100 / H200. On the first H200 run
+(docs/performance.md) a run of (c) took 20 s (4 layers of the 8B slice) to 70 s (8 layers, Triton compiling);
+--time-budget-s (450 s) skips what no longer fits, and --num-layers-8b 4 keeps (c) short.
 
     python tools/gpu_check.py --out runs/gpu_check.json    # one GPU, Transformer Engine and fla-core installed
+    python tools/gpu_check.py --transformer-impl local ...  # no Transformer Engine: no TE spec, FP8, MoE fusions
     python tools/gpu_check.py --dry-run --out /tmp/dry.json  # CPU: everything except CUDA / TE, tiny sizes
 
 Prints a table per part and writes JSON (rewritten after every part: a timeout still leaves results), in order:
 
-(a) parity: every mode built three ways with the SAME weights - Transformer Engine spec, local spec, and
-    the local spec with the routers on PyTorch ops instead of fla's fused kernel - BF16 logits compared
-    (relative L2 error below --parity-tol). TE-spec names: `input_layernorm.weight` ->
-    `self_attention.linear_qkv.layer_norm_weight`, `pre_mlp_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight`.
-(b) router: fla's fused kernel vs the PyTorch router on the same bf16 sources, with and without null
-    source, gate and x: the output and every gradient (sources, x, query, key-norm weight, null, gate),
-    errors relative to each tensor's scale (--router-tol).
+(a) parity: every mode built with the SAME weights on each backend - the local spec with the routers on fla's
+    kernel, on PyTorch ops and on our Triton kernels (delta: the group router), and the Transformer Engine spec
+    - BF16 logits against the same model in fp32 (local spec, PyTorch routers). A backend passes when its
+    relative L2 error is below --parity-tol or at most 1.5x the PyTorch routers' own (sharp routing makes bf16
+    rounding alone move the attention-residual modes' logits by a few per cent). TE-spec names:
+    `input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`, `pre_mlp_layernorm.weight` ->
+    `mlp.linear_fc1.layer_norm_weight`.
+(b) router: fla's fused kernel and our Triton kernels vs the PyTorch router on the same bf16 sources, with and
+    without null source, gate and x: the output and every gradient (sources, x, query, key-norm weight, null,
+    gate), errors relative to each tensor's scale (--router-tol), and the CUDA stream synchronisations each
+    call makes (ours must make none).
+(b2) router kernels' rate: one router call's forward + backward per backend (5 and 17 sources at the 8B and 1B
+    widths): its counted bytes (megatron_delta.core.traffic) over its time, against this machine's copy rate
+    measured in the same run. The cost model assumes the kernels move their bytes at the copy rate.
 (c) speed and memory: tokens/s of a training step's forward + backward (--speed-micro-batches micro-batches,
-    8 by default; the optimizer step timed apart) and peak memory (torch.cuda.max_memory_allocated) against
-    the baseline, at an 8B layer slice (hidden 4096, FFN 12288, 32 heads / 8 groups, seq 2048, as many layers
-    as fit, a multiple of 4; the memory plan picks them) and at the paper's 1B width (Qwen3-1.7B shape), for
-    delta_block and delta, on every router backend (fla, triton where this checkout has it, torch); beside
-    each, tools/memory_plan.py's PREDICTED ratio (the counted traffic vs GEMM FLOPs on this GPU, bf16); in BF16
-    and, where Transformer Engine has FP8, an FP8 column (hybrid, delayed scaling, each against the FP8
-    baseline). The block modes run with --delta-num-blocks 4 throughout. Targets (BF16, fused kernel):
-    delta_block >= 0.95x tokens/s and <= 1.10x peak memory at the 8B slice, delta >= 0.85x at 1B.
+    8 by default; the optimizer step timed apart) and peak memory (torch.cuda.max_memory_allocated, above what
+    the run found allocated) against the baseline, at an 8B layer slice (hidden 4096, FFN 12288, 32 heads / 8
+    groups, seq 2048, as many layers as fit unless --num-layers-8b, a multiple of 4) and at the paper's 1B
+    width (Qwen3-1.7B shape), for delta_block and delta (each shape's target mode first), on every router
+    backend (fla, triton where this checkout has it, torch); beside each, tools/memory_plan.py's PREDICTED ratio
+    (the counted traffic vs GEMM FLOPs on this GPU, bf16) and planned memory; in BF16 and, where Transformer
+    Engine has FP8, an FP8 column (hybrid, delayed scaling, each against the FP8 baseline). The block modes run
+    with --delta-num-blocks 4 throughout. Targets (BF16, fused kernel): delta_block >= 0.95x tokens/s and
+    <= 1.10x peak memory at the 8B slice, delta >= 0.85x at 1B.
 (d) training: every mode trains --iters iterations in BF16 and FP8 (hybrid; delayed scaling, and current
     scaling - recipe `tensorwise` - where the installed TE has it), TE spec, routers on the fused kernel;
     the loss must be finite and fall.
@@ -30,10 +41,11 @@ Prints a table per part and writes JSON (rewritten after every part: a timeout s
     TEGroupedMLP experts), BF16: the loss must be finite and fall; "not available" where Transformer Engine
     lacks the kernels (and in the dry run).
 
---dry-run runs (a)-(d) on CPU at tiny sizes: (a) without the TE spec, (b) in fp32 and bf16, (c) CPU
-tokens/s (no peak memory), (d) fp32 without FP8; fla's pure-PyTorch ``naive_attnres`` stands in for the
-Triton kernel (megatron_delta.core.fla_router.use_kernel). Without --dry-run and without CUDA, Transformer
-Engine or fla it exits at once with status 2 and says why. The checks: megatron_delta/perf/gpu_check.py.
+--dry-run runs (a)-(d) on CPU at tiny sizes: (a) without the TE spec, (b) in fp32 and bf16, (b2) and (c) CPU
+rates (no peak memory), (d) fp32 without FP8; fla's pure-PyTorch ``naive_attnres`` stands in for the Triton
+kernel (megatron_delta.core.fla_router.use_kernel); our Triton kernels join (a), (b) and (b2) under
+TRITON_INTERPRET=1. Without --dry-run and without CUDA, Transformer Engine (unless --transformer-impl local) or
+fla it exits at once with status 2 and says why. The checks: megatron_delta/perf/gpu_check.py.
 """
 
 import argparse
@@ -65,7 +77,8 @@ def parse(argv=None):
     p.add_argument("--num-layers-8b", type=int, default=None,
                    help=f"(c): a multiple of {checks.NUM_BLOCKS} (the block modes' K); default as many as fit "
                         "(memory plan)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["parity", "router", "speed", "train", "moe"])
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["parity", "router", "bandwidth", "speed", "train", "moe"])
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"],
                    help="the GPU run's layers; local: Megatron's own, for a GPU without Transformer Engine (no TE "
@@ -130,6 +143,24 @@ def main(argv=None):
                                   f"{'ok ' if r['ok'] else 'BAD'} {r.get('max_rel', float('nan')):.2e} "
                                   f"syncs {r.get('syncs', '-')}"
                                   f"{' ' + r['error'] if 'error' in r else ''}", flush=True)
+        if "bandwidth" not in opts.skip:
+            copy_gbps = checks.copy_bandwidth(env)
+            result["copy_gbps"] = copy_gbps
+            print(f"\n(b2) router kernels' rate: one call's forward + backward, its counted bytes over its time, "
+                  f"against this machine's copy rate ({copy_gbps:,.0f} GB/s)", flush=True)
+            print(f"  {'shape':5s} {'router':7s} {'sources':>7s} {'ms':>8s} {'MB moved':>9s} {'GB/s':>8s} "
+                  f"{'x copy':>7s}", flush=True)
+            for shape_name in ("8B", "1B"):
+                for n in checks.BANDWIDTH_SOURCES:
+                    for kern in ["torch", *checks.router_kernels(env)]:
+                        r = attempt("bandwidth", f"bandwidth {shape_name} {kern} {n}",
+                                    lambda: checks.kernel_bandwidth(opts, env, kern, shape_name, n, copy_gbps),
+                                    kernel=kern, shape=shape_name, sources=n)
+                        if r and "gbps" in r:
+                            print(f"  {shape_name:5s} {kern:7s} {n:7d} {r['ms']:8.3f} {r['bytes'] / 1e6:9.1f} "
+                                  f"{r['gbps']:8.1f} {r['of_copy']:7.3f}", flush=True)
+                        elif r:
+                            print(f"  {shape_name:5s} {kern:7s} {n:7d} {r.get('error')}", flush=True)
         if "speed" not in opts.skip:
             precisions = checks.speed_precisions(opts, env)
             print(f"\n(c) tokens/s of {opts.speed_micro_batches} micro-batches' forward + backward (optimizer step "
@@ -142,7 +173,7 @@ def main(argv=None):
             for shape_name in ("8B", "1B"):
                 shape = checks.speed_shape(opts, env, shape_name)
                 base = {}
-                for mode, kern, group in checks.speed_runs(env):
+                for mode, kern, group in checks.speed_runs(env, shape_name):
                     runs = {}
                     label = kern if group is None else f"{kern} S={group}"  # S: --delta-router-group-size
                     for fp8 in precisions:

@@ -47,11 +47,12 @@ ROUTER_CASES = [(False, False, False), (False, False, True), (True, False, True)
 SPEED_MICRO_BATCHES = 8  # (c): micro-batches per timed step (a training step's forward + backward, not one)
 
 
-def speed_runs(env):
+def speed_runs(env, shape_name=None):
     """(c): (mode, router backend, group size) of each run at a shape: the baseline, then the additive modes
-    (those with targets) on every GPU router backend this checkout has (--delta-router-kernels: fla, triton where
-    present, torch; the dry run takes triton only under TRITON_INTERPRET=1, the Triton interpreter). delta runs
-    with --delta-router-group-size 1 (one router per pass, what the cost model prices for torch and fla) and, on
+    (those with targets; the shape's target mode first, so that a run cut short by --time-budget-s has measured
+    it) on every GPU router backend this checkout has (--delta-router-kernels: fla, triton where present, torch;
+    the dry run takes triton only under TRITON_INTERPRET=1, the Triton interpreter). delta runs with
+    --delta-router-group-size 1 (one router per pass, what the cost model prices for torch and fla) and, on
     triton, also with ``auto`` (the group router on its Triton kernels); the group size is None (not applicable)
     for the other modes."""
     from megatron_delta.core.group_router import AUTO, FINE_GRAINED_MODES
@@ -60,7 +61,7 @@ def speed_runs(env):
     backends = [k for k in ("fla", "triton", "torch") if k in KERNEL_CHOICES
                 and (k != "triton" or not env.dry or os.environ.get("TRITON_INTERPRET") == "1")]
     runs = [(BASELINE, "-", None)]
-    for m in ADDITIVE_MODES:
+    for m in sorted(ADDITIVE_MODES, key=lambda m: (shape_name, m) not in TARGETS):
         for k in backends:
             if m not in FINE_GRAINED_MODES:
                 runs.append((m, k, None))
@@ -369,6 +370,83 @@ def router_case(opts, env, dtype, null, gate, with_x, n=5, kernel="fla"):
             "ok": all(errs[k] < tols[k] for k in errs) and (kernel != "triton" or kernel_syncs == 0)}
 
 
+# ------------------------------------------------------------------------------------------- (b2)
+BANDWIDTH_SOURCES = (5, 17)  # (b2): sources per router call (delta_block's K + 1 at K = 4; a deep delta router)
+
+
+def copy_bandwidth(env, nbytes=1 << 30, reps=10):
+    """This machine's device-to-device copy rate in GB/s (bytes read + written), the ceiling (b2) sets each
+    router kernel's rate against (the dry run: a CPU copy of 64 MiB)."""
+    import torch
+
+    n = (nbytes if not env.dry else 1 << 26) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device=env.device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    seconds = _timed(env, lambda: b.copy_(a), reps)
+    out = 2 * 2 * n / seconds / 1e9
+    free(env, a, b)
+    return out
+
+
+def _timed(env, fn, reps):
+    """Seconds per call of fn() over ``reps`` calls after one more (CUDA events on a GPU, wall clock in the dry
+    run)."""
+    import torch
+
+    fn()
+    if env.dry:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def kernel_bandwidth(opts, env, kernel, shape_name, n_sources, copy_gbps, reps=20):
+    """(b2): one router call's forward + backward on ``kernel`` (torch / fla / triton): ``n_sources`` bf16 sources
+    of [seq, 1, hidden] at the shape's width (the dry run: fp32, tiny), x added (delta's u = x + r). Its time per
+    call, its counted bytes (core.traffic: every tensor of [tokens, hidden] or more that its kernels read or
+    write), so its rate in GB/s and that rate's share of the copy bandwidth: near 1, the call moves its bytes as
+    fast as a copy does; the cost model assumes exactly that."""
+    import torch
+
+    from megatron_delta.core import traffic
+    from megatron_delta.core.router import DepthRouter, make_source
+
+    s = env.shapes[shape_name]
+    t, d = s["seq"], s["hidden"]
+    dtype = torch.float32 if env.dry else torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(7)
+    vals = [torch.randn(t, 1, d, generator=g).to(env.device, dtype).requires_grad_() for _ in range(n_sources)]
+    x = torch.randn(t, 1, d, generator=g).to(env.device, dtype).requires_grad_()
+    grad = torch.randn(t, 1, d, generator=g).to(env.device, dtype)
+    r = DepthRouter(d, null_source=False, gate=False, eps=1e-6, kernels=kernel).to(env.device)
+    with torch.no_grad():
+        r.query.copy_(0.1 * torch.randn(d, generator=g).to(env.device))
+
+    def call():
+        out = r([make_source(v, 1e-6) for v in vals], base=x, apply_gate=True)
+        return torch.autograd.grad(out, [*vals, x, r.query], grad)
+
+    with traffic.counting() as count:
+        call()
+    moved = sum(rd + wr for rd, wr in count.bytes(t * d).values())
+    seconds = _timed(env, call, reps)
+    gbps = moved / seconds / 1e9
+    out = {"kernel": kernel, "shape": shape_name, "sources": n_sources, "ms": 1e3 * seconds, "bytes": moved,
+           "gbps": gbps, "of_copy": gbps / copy_gbps, "ok": True}
+    free(env, vals, x, grad, r)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- (c), (d)
 # (e): Megatron-Core's MoE layer with Transformer Engine's fused permutation, fused router and grouped GEMM (all
 # inside the MoE layer's forward: the routed modes see its output v only). 4 experts, top-2, alltoall dispatcher.
@@ -610,7 +688,8 @@ class CheckRun:
         self.t_start = time.time()
         self.result = {"device": env.gpu_name, "dry_run": env.dry, "torch": torch.__version__, "opts": vars(opts),
                        "router_kernels": fla_router.describe("fla", cuda=not env.dry),
-                       "parity": [], "router": [], "speed": [], "train": [], "moe": [], "skipped": []}
+                       "parity": [], "router": [], "bandwidth": [], "speed": [], "train": [], "moe": [],
+                       "skipped": []}
         try:
             import transformer_engine
 
@@ -647,7 +726,8 @@ class CheckRun:
     def finish(self):
         """The verdicts (every run ok and nothing skipped; the targets met), the wall time; saved."""
         result = self.result
-        parts = result["parity"] + result["router"] + result["speed"] + result["train"] + result["moe"]
+        parts = (result["parity"] + result["router"] + result["bandwidth"] + result["speed"] + result["train"]
+                 + result["moe"])
         result["ok"] = all(r["ok"] for r in parts) and not result["skipped"]
         result["targets_met"] = all(r.get("target_ok", True) for r in result["speed"])
         result["wall_s"] = time.time() - self.t_start
