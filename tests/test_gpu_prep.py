@@ -258,6 +258,8 @@ def test_gpu_check_compares_the_group_router_on_triton(monkeypatch):
     # each shape's target mode right after its baseline (a run cut short by the time budget has measured it)
     assert [m for m, _, _ in gpu_check.speed_runs(env, "8B")][:2] == ["baseline", "delta_block"]
     assert [m for m, _, _ in gpu_check.speed_runs(env, "1B")][:2] == ["baseline", "delta"]
+    assert gpu_check.speed_runs(env, "8B", ("fla",)) == [("baseline", "-", None), ("delta_block", "fla", None),
+                                                         ("delta", "fla", 1)]  # --speed-routers fla
     assert [r for r in runs if r[0] == "delta" and r[1] == "triton"] == [("delta", "triton", "auto"),
                                                                          ("delta", "triton", 1)]
     assert all(g is None for m, _, g in runs if m != "delta") and ("delta", "fla", 1) in runs

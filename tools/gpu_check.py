@@ -77,6 +77,8 @@ def parse(argv=None):
     p.add_argument("--num-layers-8b", type=int, default=None,
                    help=f"(c): a multiple of {checks.NUM_BLOCKS} (the block modes' K); default as many as fit "
                         "(memory plan)")
+    p.add_argument("--speed-routers", nargs="+", default=["fla", "triton", "torch"], choices=["fla", "triton", "torch"],
+                   help="(c): the router backends to time (those this checkout has; default all)")
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["parity", "router", "bandwidth", "speed", "train", "moe"])
     p.add_argument("--no-fp8", action="store_true")
@@ -173,7 +175,7 @@ def main(argv=None):
             for shape_name in ("8B", "1B"):
                 shape = checks.speed_shape(opts, env, shape_name)
                 base = {}
-                for mode, kern, group in checks.speed_runs(env, shape_name):
+                for mode, kern, group in checks.speed_runs(env, shape_name, opts.speed_routers):
                     runs = {}
                     label = kern if group is None else f"{kern} S={group}"  # S: --delta-router-group-size
                     for fp8 in precisions:

@@ -301,9 +301,11 @@ def _pow2(n: int) -> int:
 
 def _tile(d: int, S: int = 1) -> Tuple[int, int, int, int]:
     """(tokens per program, padded S, padded hidden size, warps): at most TILE_ELEMENTS fp32 values per
-    [tokens, S, hidden] tile. Not tuned on a GPU yet."""
+    [tokens, S, hidden] tile, or one token where S x hidden alone is more (then 16 warps: triton_router.warps_for).
+    Not tuned on a GPU yet."""
     sp, bd = _pow2(S), _pow2(d)
-    return max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // (sp * bd))), sp, bd, 8 if sp * bd >= 2048 else 4
+    bt = max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // (sp * bd)))
+    return bt, sp, bd, triton_router.warps_for(bt * sp * bd)
 
 
 def _table(tensors: Sequence[Optional[Tensor]], fill: Tensor, size: Optional[int] = None) -> Tensor:

@@ -321,11 +321,19 @@ def _tl_dtype(dtype: torch.dtype):
     return _TL_DTYPES[dtype]
 
 
+def warps_for(elements: int) -> int:
+    """Warps of a program whose live arrays hold ``elements`` fp32 values each: 4 below 2,048, 8 up to
+    TILE_ELEMENTS, 16 above (a group tile [1, S, hidden]: at the 8B width with S = 8, 64 values per thread and
+    array instead of 128 on 8 warps). Not tuned on a GPU yet."""
+    return 4 if elements < 2048 else 8 if elements <= TILE_ELEMENTS else 16
+
+
 def _tile(d: int) -> Tuple[int, int, int]:
     """(tokens per program, padded hidden size, warps). Not tuned on a GPU yet: a tile of at most
-    TILE_ELEMENTS fp32 values per live [tokens, hidden] array, 8 warps for wide rows."""
+    TILE_ELEMENTS fp32 values per live [tokens, hidden] array (one token where the row alone is wider)."""
     bd = 1 << max(0, (d - 1).bit_length())
-    return max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // bd)), bd, 8 if bd >= 2048 else 4
+    bt = max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // bd))
+    return bt, bd, warps_for(bt * bd)
 
 
 def device_table(values: Sequence[int], dtype: torch.dtype, device) -> Tensor:

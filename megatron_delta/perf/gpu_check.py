@@ -47,18 +47,18 @@ ROUTER_CASES = [(False, False, False), (False, False, True), (True, False, True)
 SPEED_MICRO_BATCHES = 8  # (c): micro-batches per timed step (a training step's forward + backward, not one)
 
 
-def speed_runs(env, shape_name=None):
+def speed_runs(env, shape_name=None, routers=("fla", "triton", "torch")):
     """(c): (mode, router backend, group size) of each run at a shape: the baseline, then the additive modes
     (those with targets; the shape's target mode first, so that a run cut short by --time-budget-s has measured
     it) on every GPU router backend this checkout has (--delta-router-kernels: fla, triton where present, torch;
     the dry run takes triton only under TRITON_INTERPRET=1, the Triton interpreter). delta runs with
     --delta-router-group-size 1 (one router per pass, what the cost model prices for torch and fla) and, on
     triton, also with ``auto`` (the group router on its Triton kernels); the group size is None (not applicable)
-    for the other modes."""
+    for the other modes. ``routers``: the backends to time (--speed-routers)."""
     from megatron_delta.core.group_router import AUTO, FINE_GRAINED_MODES
     from megatron_delta.core.router import KERNEL_CHOICES
 
-    backends = [k for k in ("fla", "triton", "torch") if k in KERNEL_CHOICES
+    backends = [k for k in ("fla", "triton", "torch") if k in KERNEL_CHOICES and k in routers
                 and (k != "triton" or not env.dry or os.environ.get("TRITON_INTERPRET") == "1")]
     runs = [(BASELINE, "-", None)]
     for m in sorted(ADDITIVE_MODES, key=lambda m: (shape_name, m) not in TARGETS):
