@@ -199,8 +199,12 @@ def test_gpu_check_dry_run():
         *(x["errors"] for x in r["router"]))
     # (b2) each router backend's call: its counted bytes over its time, beside the copy rate; fla's kernel moves
     # fewer bytes than PyTorch's ops (one read of each source per pass)
-    bw = {(x["shape"], x["kernel"], x["sources"]): x for x in r["bandwidth"]}
+    bw = {(x["shape"], x["kernel"], x["sources"]): x for x in r["bandwidth"] if "sources" in x}
     assert set(bw) == {(s, k, n) for s in ("8B", "1B") for k in ("torch", "fla") for n in (5, 17)}
+    # and delta's routed stream alone over 8 layers, one router per pass on each backend
+    stack = {(x["shape"], x["kernel"], x["group_size"]): x for x in r["bandwidth"] if "layers" in x}
+    assert set(stack) == {(s, k, 1) for s in ("8B", "1B") for k in ("torch", "fla")}
+    assert all(x["layers"] == 8 and x["bytes"] > 0 and x["ms_per_router"] > 0 for x in stack.values())
     assert r["copy_gbps"] > 0 and all(x["gbps"] > 0 and x["of_copy"] > 0 for x in bw.values())
     assert all(bw[s, "fla", n]["bytes"] < bw[s, "torch", n]["bytes"] for s in ("8B", "1B") for n in (5, 17))
     assert "(b2) router kernels' rate" in p.stdout

@@ -21,8 +21,10 @@ Prints a table per part and writes JSON (rewritten after every part: a timeout s
     gate), errors relative to each tensor's scale (--router-tol), and the CUDA stream synchronisations each
     call makes (ours must make none).
 (b2) router kernels' rate: one router call's forward + backward per backend (5 and 17 sources at the 8B and 1B
-    widths): its counted bytes (megatron_delta.core.traffic) over its time, against this machine's copy rate
-    measured in the same run. The cost model assumes the kernels move their bytes at the copy rate.
+    widths), and delta's whole routed stream over 8 layers of identity sublayers (one router per pass on each
+    backend; the group router on triton): counted bytes (megatron_delta.core.traffic) over time, against this
+    machine's copy rate measured in the same run. The cost model assumes the kernels move their bytes at the
+    copy rate.
 (c) speed and memory: tokens/s of a training step's forward + backward (--speed-micro-batches micro-batches,
     8 by default; the optimizer step timed apart) and peak memory (torch.cuda.max_memory_allocated, above what
     the run found allocated) against the baseline, at an 8B layer slice (hidden 4096, FFN 12288, 32 heads / 8
@@ -163,6 +165,21 @@ def main(argv=None):
                                   f"{r['gbps']:8.1f} {r['of_copy']:7.3f}", flush=True)
                         elif r:
                             print(f"  {shape_name:5s} {kern:7s} {n:7d} {r.get('error')}", flush=True)
+            print(f"  delta's routed stream alone, {checks.STACK_LAYERS} layers of identity sublayers, forward + "
+                  f"backward:", flush=True)
+            print(f"  {'shape':5s} {'router':13s} {'ms':>8s} {'ms/router':>9s} {'MB moved':>9s} {'GB/s':>8s} "
+                  f"{'x copy':>7s}", flush=True)
+            for shape_name in ("8B", "1B"):
+                for kern, group in checks.stack_runs(env):
+                    label = f"{kern} S={group}"
+                    r = attempt("bandwidth", f"stack {shape_name} {label}",
+                                lambda: checks.stack_bandwidth(opts, env, kern, group, shape_name, copy_gbps),
+                                kernel=kern, group_size=group, shape=shape_name)
+                    if r and "gbps" in r:
+                        print(f"  {shape_name:5s} {label:13s} {r['ms']:8.2f} {r['ms_per_router']:9.3f} "
+                              f"{r['bytes'] / 1e6:9.1f} {r['gbps']:8.1f} {r['of_copy']:7.3f}", flush=True)
+                    elif r:
+                        print(f"  {shape_name:5s} {label:13s} {r.get('error')}", flush=True)
         if "speed" not in opts.skip:
             precisions = checks.speed_precisions(opts, env)
             print(f"\n(c) tokens/s of {opts.speed_micro_batches} micro-batches' forward + backward (optimizer step "

@@ -447,6 +447,59 @@ def kernel_bandwidth(opts, env, kernel, shape_name, n_sources, copy_gbps, reps=2
     return out
 
 
+STACK_LAYERS = 8  # (b2): layers of delta's routed stream timed whole (16 routers, the last reading 16 sources)
+
+
+def stack_runs(env):
+    """(b2)'s runs of delta's whole routed stream: (router backend, group size) - one router per pass on each
+    backend, and the group router (``auto``) on triton (group_router.GroupRouting: its sizes for 16 routers)."""
+    return [("torch", 1)] + [(k, g) for k in router_kernels(env) for g in ((1, "auto") if k == "triton" else (1,))]
+
+
+def stack_bandwidth(opts, env, kernel, group_size, shape_name, copy_gbps, layers=STACK_LAYERS, reps=5):
+    """(b2): delta's routed stream alone over ``layers`` layers (2 layers' routers each, x the sum of the sources,
+    as delta runs) with identity sublayers (each sublayer's output is its routed input, so no GEMM runs), forward
+    + backward, at the shape's width and sequence: its time, its counted bytes (every router pass, the sums of
+    x and autograd's adds: core/traffic.py), their rate against the copy rate, and the time per router call.
+    For the group router this is the one measurement of its kernels at full width (the old pass's tile holds S
+    partial mixes of a whole row)."""
+    import torch
+
+    from megatron_delta.core import traffic
+    from megatron_delta.core.router import DepthRouter
+    from megatron_delta.core.sources import SourceBuffer, SourcePlan
+
+    s = env.shapes[shape_name]
+    t, d = s["seq"], s["hidden"]
+    dtype = torch.float32 if env.dry else torch.bfloat16
+    plan = SourcePlan(DELTA, layers, layers, x_from_sources=True, router_group_size=group_size)
+    g = torch.Generator(device="cpu").manual_seed(8)
+    routers = [DepthRouter(d, null_source=False, gate=False, eps=1e-6, kernels=kernel).to(env.device)
+               for _ in range(2 * layers)]
+    with torch.no_grad():
+        for r in routers:
+            r.query.copy_(0.1 * torch.randn(d, generator=g).to(env.device))
+    h0 = torch.randn(t, 1, d, generator=g).to(env.device, dtype).requires_grad_()
+    grad = torch.randn(t, 1, d, generator=g).to(env.device, dtype)
+
+    def call():
+        buf = SourceBuffer.start(plan, h0, 1e-6, readers=dict(enumerate(routers)))
+        for j in range(2 * layers):
+            buf.commit(j, buf.routed_input(j, routers[j]))
+        return torch.autograd.grad(buf.output(None), [h0, *(r.query for r in routers)], grad)
+
+    with traffic.counting() as count:
+        call()
+    moved = sum(rd + wr for rd, wr in count.bytes(t * d).values())
+    seconds = _timed(env, call, reps)
+    gbps = moved / seconds / 1e9
+    out = {"kernel": kernel, "group_size": group_size, "shape": shape_name, "layers": layers, "ms": 1e3 * seconds,
+           "ms_per_router": 1e3 * seconds / (2 * layers), "bytes": moved, "gbps": gbps,
+           "of_copy": gbps / copy_gbps, "ok": True}
+    free(env, routers, h0, grad)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- (c), (d)
 # (e): Megatron-Core's MoE layer with Transformer Engine's fused permutation, fused router and grouped GEMM (all
 # inside the MoE layer's forward: the routed modes see its output v only). 4 experts, top-2, alltoall dispatcher.
