@@ -58,7 +58,7 @@ def test_counted_traffic_equals_closed_form(dist, mode, backend):
         assert predicted and counted == pytest.approx(predicted, abs=1e-9), (recompute, extras)
 
 
-def _stand_in_step(mode, backend, dtype, null, gate, sources="exact"):
+def _stand_in_step(mode, backend, dtype, null, gate, sources="exact", group_size="auto"):
     """The routed residual stream of a 4-layer model over stand-in sublayers (v = u * s), one forward and
     backward, counted: {(kernel, phase): u} with u in ``dtype``'s bytes."""
     from megatron_delta.core.router import DepthRouter
@@ -66,7 +66,7 @@ def _stand_in_step(mode, backend, dtype, null, gate, sources="exact"):
 
     L, d, tokens = 4, 64, (8, 2)
     plan = cost_model.make_plan(mode, L, backend, num_blocks=2 if mode in BLOCK_MODES else None, gate=gate,
-                                sources=sources)
+                                sources=sources, group_size=group_size)
     g = torch.Generator().manual_seed(0)
     keys = [*range(2 * L)] + (["final"] if plan.final_reads() else [])
     routers = {k: DepthRouter(d, null_source=null, gate=gate, eps=1e-6, kernels=backend) for k in keys}
@@ -94,6 +94,20 @@ def test_bf16_counted_traffic_equals_closed_form(mode, backend):
         counted = _stand_in_step(mode, backend, torch.bfloat16, extras, gate)
         predicted = cost_model.step_traffic(mode, 4, backend, num_blocks=2 if mode in BLOCK_MODES else None,
                                             act_bytes=2, null_source=extras, gate=gate)
+        assert counted == pytest.approx(predicted, abs=1e-9), extras
+
+
+@pytest.mark.parametrize("mode", ["delta", "full_attnres"])
+def test_bf16_group_router_on_torch_counted_traffic_equals_closed_form(mode):
+    """The group router on PyTorch ops (--delta-router-group-size 3: auto keeps one router per pass there) in
+    bf16: its fp32 partial mixes at 2 u, delta's X = the older sources' sum at 1 u, every op counted, equal to
+    step_traffic(act_bytes=2, group_size=3), with and without the null source and gate."""
+    for extras in (False, True):
+        gate = extras and mode == "delta"
+        counted = _stand_in_step(mode, "torch", torch.bfloat16, extras, gate, group_size=3)
+        assert any(k[0].startswith("group_") for k in counted)
+        predicted = cost_model.step_traffic(mode, 4, "torch", act_bytes=2, null_source=extras, gate=gate,
+                                            group_size=3)
         assert counted == pytest.approx(predicted, abs=1e-9), extras
 
 

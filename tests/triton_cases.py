@@ -2,9 +2,10 @@
 (megatron_delta/core/triton_router.py), on CPU. Run by that test in a fresh process with TRITON_INTERPRET=1:
 Triton reads the variable when its own functions are jitted, at its import, so it must be set before anything
 imports Triton (in a whole-suite pytest process fla's tests import it first). fp32 only (the interpreter's bf16
-is not trustworthy). Yardsticks: the float64 reference router (tests/reference_delta.route, written from
-docs/design.md alone) and the routers' PyTorch path (kernels='torch'). That the kernels ran is proven by their
-calls in the traffic count (core/traffic.py), which is also checked against triton_router.call_rows.
+is not trustworthy), except one count of bf16 traffic, where only the tensors each call passes matter.
+Yardsticks: the float64 reference router (tests/reference_delta.route, written from docs/design.md alone) and
+the routers' PyTorch path (kernels='torch'). That the kernels ran is proven by their calls in the traffic count
+(core/traffic.py), which is also checked against triton_router.call_rows.
 """
 import itertools
 
@@ -505,3 +506,21 @@ def test_group_router_traffic_is_the_closed_form(interpreter, config):
     assert counted == group_router.passes(2 * G.L, 1, S, unit=xs, base=gate) - n_read
     assert rows.get(("x_sum", "forward"), 0) == (2 * G.L + 2 if xs else 0)  # 2L + 1 sources read, x written
     assert ("autograd_add", "backward") not in rows or not xs
+
+
+@pytest.mark.parametrize("mode", ["delta", "full_attnres"])
+def test_bf16_group_router_traffic_is_the_closed_form(interpreter, mode):
+    """In bf16 the counts only (the interpreter's bf16 values are not trustworthy; the tensors each call reads and
+    writes are the call's): a 4-layer stream of delta / full_attnres with the group router on its kernels - the fp32
+    partial mixes at 2 u, delta's X in the sources' dtype at 1 u, u and the gradients in bf16 - moves what
+    cost_model.step_traffic(act_bytes=2), the figures router_share prices, says; with and without the null source
+    and gate."""
+    from megatron_delta.perf import cost_model
+    from tests.test_traffic import _stand_in_step
+
+    for extras in (False, True):
+        gate = extras and mode == "delta"
+        counted = _stand_in_step(mode, "triton", torch.bfloat16, extras, gate)
+        assert any(k[0].startswith("group_") for k in counted)
+        predicted = cost_model.step_traffic(mode, 4, "triton", act_bytes=2, null_source=extras, gate=gate)
+        assert counted == pytest.approx(predicted, abs=1e-9), extras

@@ -10,7 +10,7 @@ already exists. One pass over them gives each router k of the group
     z_ki  = (s_i . q_k) inv_i                 inv_i = rsqrt(mean(s_i^2) + eps), the null source's logit too
     lse_k = logsumexp_i z_ki                  [T]
     r_k   = sum_i softmax_i(z_k)_i s_i        [T, d] in fp32 (compute dtype): the older sources' partial mix
-    X     = sum_i s_i                         [T, d] (x_from_sources only: the older part of x)
+    X     = sum_i s_i                         [T, d] in the sources' dtype (x_from_sources only: the older part of x)
 
 and router a + k, when its turn comes, merges the k sources made inside the group (v_a..v_{a+k-1}) by an
 online-softmax merge: the softmax over (lse_k, z_a, .., z_{a+k-1}) gives the old block's weight beta and
@@ -108,7 +108,7 @@ def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: b
            null: bool = False) -> int:
     """The closed form of the C kernels' counted traffic (core/traffic.py) for a scope of ``n_routers``
     routers whose first reads ``n_older`` sources, in groups of ``size`` (S, or the groups' sizes in order):
-    [T, d] tensors read or written, each counted once (fp32 throughout; with bf16 activations r_k, X and the
+    [T, d] tensors read or written, each counted once (fp32 throughout; with bf16 activations r_k and the
     gradients' fp32 tensors count twice). The PyTorch ops make more passes (one per op; perf/cost_model.py prices them).
     ``unit``: x is the sum of the sources (delta without a gate: the old pass writes X, each merge reads it);
     ``base``: the merges read the held x (delta with the gate); neither: full_attnres. Per group of s routers
@@ -292,8 +292,8 @@ class _OldPass(torch.autograd.Function):
 
     Inputs: n, S, eps, unit (also return X = sum of the sources), lib, sinks (one per source), stash, then
     the n values, the S queries, and (null source) the S null logits (0-dim) and S null values [d].
-    Outputs: S partial mixes r_k [T, d], S log-sum-exps [T] (compute dtype), X [T, d] (or None) and the
-    softmax weights p [S, M, T] (non-differentiable; M = n + null, the null source last).
+    Outputs: S partial mixes r_k [T, d], S log-sum-exps [T] (compute dtype), X [T, d] (the sources' dtype, or
+    None) and the softmax weights p [S, M, T] (non-differentiable; M = n + null, the null source last).
     """
 
     @staticmethod
@@ -315,7 +315,9 @@ class _OldPass(torch.autograd.Function):
         inv = torch.empty(n, T, dtype=cdt, device=v0.device)
         z = torch.empty(S, m, T, dtype=cdt, device=v0.device)
         r = torch.empty(S, T, d, dtype=cdt, device=v0.device)
-        x = torch.empty(T, d, dtype=cdt, device=v0.device) if unit else None
+        # X in the sources' dtype: the merges add it to u in fp32 and nothing differentiates through it (x's gradient
+        # reaches the sources through the old pass's unit term), so a bf16 X moves half the bytes of an fp32 one
+        x = torch.empty(T, d, dtype=v0.dtype, device=v0.device) if unit else None
         if lib == TRITON and cdt == torch.float32:
             from megatron_delta.core import triton_group_kernels
 

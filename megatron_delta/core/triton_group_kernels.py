@@ -110,8 +110,8 @@ def _build():
         tl.store(lse_ptr + ks[None, :] * T + rows[:, None], m + tl.log(s), mask=tk_mask)
         r_offs = ks.to(tl.int64)[None, :, None] * T * d + offs[:, None, :]
         tl.store(r_ptr + r_offs, acc / s[:, :, None], mask=tk_mask[:, :, None] & cmask[None, None, :])
-        if UNIT:
-            tl.store(x_ptr + offs, total, mask=mask)
+        if UNIT:  # X in the sources' dtype (group_router._OldPass)
+            tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _old_backward(g_ptrs, g_flag_ptr, w_ptr, dlse_ptr, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flag_ptr, inv_ptr, z_ptr,
@@ -215,7 +215,7 @@ def _build():
         if HAS_BASE:
             res += tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_X:
-            res += tl.load(x_ptr + offs, mask=mask, other=0.0)
+            res += tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if UNIT:
             res += total
         tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)

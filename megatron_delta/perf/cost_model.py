@@ -115,13 +115,14 @@ def _group_old_pass_torch(a, c, n, s, unit, null):
     """group_router._OldPass on PyTorch ops over n older sources for S = s routers (each with a gradient), the
     sources' gradient sinks aside (_Ledger.settle_groups). Forward: per source an fp32 copy, its norm and its
     GEMM (2 reads); per router r_k = the first source times its weight (a + c), each further one added in
-    (a + 2c), the null source (2c); X (unit): a copy and an add per further source. Backward: the G_k to fp32;
+    (a + 2c), the null source (2c); X (unit, in the sources' dtype): a copy and an add per further source.
+    Backward: the G_k to fp32;
     per source an fp32 copy, per router <G_k, s_i> (product: 3c, row sums: c); the null source's <G_k, z_k> and
     its value gradient (c each); the sum of the G_k (unit); per source again an fp32 copy, dq (c), its gradient
     (GEMM write, + e s_i: 4c), + each G_k (3c), + the sum of the G_k (3c)."""
     cv = _conv(a, c)
     chain = (a + c) + (n - 1) * (a + 2 * c)  # a sum over the n sources into an fp32 accumulator
-    forward = n * (cv + 2 * c) + s * (chain + 2 * c * null) + unit * chain
+    forward = n * (cv + 2 * c) + s * (chain + 2 * c * null) + unit * (2 * a + (n - 1) * 3 * a)
     backward = (s * cv + n * (cv + 4 * c * s) + 2 * null * s * c + unit * (2 * c + (s - 1) * 3 * c)
                 + n * (cv + c + 4 * c + 3 * c * s + 3 * c * unit))
     return {("group_old_pass", "forward"): forward, ("group_old_pass", "backward"): backward}
@@ -130,11 +131,11 @@ def _group_old_pass_torch(a, c, n, s, unit, null):
 def _group_merge_torch(a, c, k, base, unit):
     """group_router._Merge on PyTorch ops for a router with k in-group sources (each needing its gradient), the
     sinks aside. Forward: per source an fp32 copy, its norm and logit (2 reads); beta r_k (2c), + x (2c + a),
-    + X (3c), + each source (2c + a), u cast to the activation dtype. Backward: the gradient to fp32; <G, r_k>
+    + X (2c + a), + each source (2c + a), u cast to the activation dtype. Backward: the gradient to fp32; <G, r_k>
     and <G, v_i> (product and row sums: 4c, 3c + a); per source an fp32 copy, dq (c) and its gradient (G times
     its weight 2c, + c q 2c, + e v 3c)."""
     cv = _conv(a, c)
-    forward = k * (cv + 2 * c) + 2 * c + base * (2 * c + a) + unit * 3 * c + k * (2 * c + a) + cv
+    forward = k * (cv + 2 * c) + 2 * c + base * (2 * c + a) + unit * (2 * c + a) + k * (2 * c + a) + cv
     backward = cv + 4 * c + k * (3 * c + a) + k * (cv + c + 7 * c)
     return {("group_merge", "forward"): forward, ("group_merge", "backward"): backward}
 
@@ -386,7 +387,8 @@ class _Ledger:
     def _group_route(self, key, base, base_sums):
         """One router of a group: at the group's first router the pass over the older sources, then this
         router's merge (module docstring of group_router.py). The C and Triton kernels: the old pass reads each
-        older source once, writes S fp32 partial mixes r_k and, with x as the sources, their fp32 sum X (backward
+        older source once, writes S fp32 partial mixes r_k and, with x as the sources, their sum X in the sources'
+        dtype (backward
         reads them and the S output gradients G_k); the merge reads r_k, X or x, its k in-group sources and
         writes u (backward reads its gradient, r_k and the k sources). The C kernels read G_k and write u in
         fp32, the Triton kernels in the activation dtype. The PyTorch ops: each op a pass
@@ -406,7 +408,7 @@ class _Ledger:
                 self.add(_group_old_pass_torch(A, C, n, s, unit, self.null))
             else:
                 null_reads = self.null * s * C if self.backend == "c" else 0
-                self.add({("group_old_pass", "forward"): n * A + s * C + unit * C,
+                self.add({("group_old_pass", "forward"): n * A + s * C + unit * A,
                           ("group_old_pass", "backward"): n * A + s * U + null_reads})
             for v in values:
                 self._touch(v, "group_old_pass")
@@ -416,7 +418,7 @@ class _Ledger:
         if self.backend == "torch":
             self.add(_group_merge_torch(A, C, len(inside), base is not None, unit))
         else:
-            self.add({("group_merge", "forward"): C + unit * C + (A if base is not None else 0) + len(inside) * A + U,
+            self.add({("group_merge", "forward"): C + unit * A + (A if base is not None else 0) + len(inside) * A + U,
                       ("group_merge", "backward"): A + C + len(inside) * A})
         for v in inside:
             self._touch(v, "group_merge")
