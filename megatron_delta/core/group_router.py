@@ -641,30 +641,35 @@ class _FinalSum(torch.autograd.Function):
     """x handed out as the sum of the sources (delta, x_from_sources; SourceBuffer.x) in a scope whose routers
     route in groups.
 
-    Inputs: lib, sinks (one per source: the source's group sink, or None), then the values (a source with a sink
-    is passed as its _Collect alias). Forward: one pass on the C or Triton kernels (each source read once, x
-    written once), else PyTorch's chain of adds (each add its own pass, as SourceBuffer.x without groups).
+    Inputs: lib, sinks (one per source: the source's group sink, or None), ``older`` (the scope's last group's X,
+    the sum of the first ``n_older`` values, or None), n_older, then the values (a source with a sink is passed as
+    its _Collect alias). Forward: x = X + the later values (or the sum of all values), one pass on the C or Triton
+    kernels (each tensor read once, x written once), else PyTorch's chain of adds (each add its own pass, as
+    SourceBuffer.x without groups). X is a sum the old pass has made already: the values it covers are not read
+    again (at the 1B shape, 3 rows of [tokens, hidden] instead of 58).
     Backward: x's gradient is each source's gradient. Where a source has a sink it seeds it by reference (no pass)
     and the source's first group pass in backward adds it as it writes the sink, so that the source keeps one
     autograd reader (its _Collect alias) and autograd adds nothing; the other sources get it as is."""
 
     @staticmethod
-    def forward(ctx, lib, sinks, *values):
+    def forward(ctx, lib, sinks, older, n_older, *values):
         ctx.set_materialize_grads(False)
         ctx.sinks = sinks
+        shape = values[0].shape
+        terms = list(values) if older is None else [older.view(shape), *values[n_older:]]
         if lib is not None:
             from megatron_delta.core import group_kernels, triton_group_kernels
 
-            d = values[0].shape[-1]
-            flat = [v.reshape(-1, d).contiguous() for v in values]
+            d = shape[-1]
+            flat = [v.reshape(-1, d).contiguous() for v in terms]
             x = torch.empty_like(flat[0])
             if lib == TRITON:
                 triton_group_kernels.final_sum(flat, x)
             else:
                 group_kernels.final_sum(lib, flat, x)
             traffic.record("x_sum", "forward", flat, [x])
-            return x.view(values[0].shape)
-        return sum_in_order(values)
+            return x.view(shape)
+        return sum_in_order(terms)
 
     @staticmethod
     def backward(ctx, grad):
@@ -684,7 +689,7 @@ class _FinalSum(torch.autograd.Function):
             else:  # a pass wrote the sink first (not in one backward of this graph): added in place, its own pass
                 _sink_add(sink, flat, sink.grad.dtype if sink.grad is not None else sink.seed.dtype, "x_sum")
                 out.append(None)
-        return (None, None, *out)
+        return (None, None, None, None, *out)
 
 
 # --------------------------------------------------------------------------------------------- the buffer's side
@@ -707,6 +712,7 @@ class GroupRouting:
         self.resolved: Optional[Sizes] = None  # 1 (one router per pass), S, or the groups' sizes (auto)
         self.kernels: Optional[str] = None  # the routers' --delta-router-kernels choice, once resolved
         self._group: Optional[_Group] = None
+        self._last: Optional[_Group] = None  # the latest group started: its X can start the final sum
         self._collected: Dict[int, Tuple[Tensor, Tensor, GradSink]] = {}  # id(value) -> (value, alias, sink)
 
     def resolve(self, routers: Sequence, value: Tensor, n_older: int) -> Sizes:
@@ -738,18 +744,24 @@ class GroupRouting:
 
     def final_sum(self, values: Sequence[Tensor]) -> Optional[Tensor]:
         """x = the sum of ``values`` (the held sources, in order) when the scope's routers route in groups
-        (:class:`_FinalSum`: one pass on the C / Triton kernels, and x's gradient seeds the sources' sinks); None
-        where they do not (S = 1, or no router of the scope routed): SourceBuffer.x sums them itself."""
+        (:class:`_FinalSum`: one pass on the C / Triton kernels, from the last group's X where it covers the first
+        values, and x's gradient seeds the sources' sinks); None where they do not (S = 1, or no router of the
+        scope routed): SourceBuffer.x sums them itself."""
         if self.resolved in (None, 1) or len(values) < 2:
             return None
         collected = [self._collected.get(id(v)) for v in values]
         inputs = [v if hit is None or hit[0] is not v else hit[1] for v, hit in zip(values, collected)]
         sinks = [None if hit is None or hit[0] is not v else hit[2] for v, hit in zip(values, collected)]
-        lib = _kernel_lib(self.kernels, values) if len({v.dtype for v in values}) == 1 else None
-        if lib is not None and lib != TRITON and not all(v.is_contiguous() for v in values):
+        last, older, n_older = self._last, None, 0
+        if (last is not None and last.x is not None and last.n_old < len(values) and last.x.dtype == values[0].dtype
+                and all(a is b for a, b in zip(values, last.old_values))):
+            older, n_older = last.x.detach(), last.n_old  # X = the sum of the values the last group's old pass read
+        terms = values if older is None else [older, *values[n_older:]]
+        lib = _kernel_lib(self.kernels, terms) if len({v.dtype for v in terms}) == 1 else None
+        if lib is not None and lib != TRITON and not all(v.is_contiguous() for v in terms):
             lib = None
         with torch.autocast(device_type=values[0].device.type, enabled=False):
-            return _FinalSum.apply(lib, sinks, *inputs)
+            return _FinalSum.apply(lib, sinks, older, n_older, *inputs)
 
     def route(self, buf, key: int, router, *, base: Optional[Tensor], apply_gate: bool, base_sums: bool,
               record: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
@@ -808,4 +820,4 @@ class GroupRouting:
         out = _OldPass.apply(len(values), S, buf.eps, unit, lib, [s for _, s in collected], grp.stash,
                              *[v for v, _ in collected], *queries, *null)
         grp.r, grp.lse, grp.x, grp.p = out[:S], out[S:2 * S], out[2 * S], out[2 * S + 1]
-        self._group = grp
+        self._group = self._last = grp

@@ -253,11 +253,15 @@ class _Ledger:
             values = [self._value(e) for e in self.entries.values()]
             if len(values) == 1:
                 return values[0]
+            # group_router._FinalSum: the last group's X (the sum of the sources its old pass read) and the later
+            # sources; without groups, every source
+            later = len(values) - self._group if self.group_size not in (None, 1) and self._group else None
+            terms = len(values) if later is None or later < 1 else 1 + later
             if self.group_size not in (None, 1) and self.backend != "torch":
-                # group_router._FinalSum on the C / Triton kernels: each source read once, x written once
-                self.add({("x_sum", "forward"): (len(values) + 1) * self.a})
-            else:  # h0 + v0, then one in-place add per further source: each source read once
-                self.add({("x_sum", "forward"): 3 * self.a * (len(values) - 1)})
+                # on the C / Triton kernels: each term read once, x written once
+                self.add({("x_sum", "forward"): (terms + 1) * self.a})
+            else:  # the first two terms added, then one in-place add per further term: each term read once
+                self.add({("x_sum", "forward"): 3 * self.a * (terms - 1)})
             for v in values:
                 if self.group_size not in (None, 1) and v in self._touches:
                     # the groups' scope: x's gradient seeds the source's sink (no autograd reader, no add); its
