@@ -52,6 +52,7 @@ fla it exits at once with status 2 and says why. The checks: megatron_delta/perf
 
 import argparse
 import sys
+from functools import partial
 
 from megatron_delta.core.modes import BASELINE
 from megatron_delta.core.modes import RESIDUAL_MODES as MODES
@@ -150,36 +151,24 @@ def main(argv=None):
         if "bandwidth" not in opts.skip:
             copy_gbps = checks.copy_bandwidth(env)
             result["copy_gbps"] = copy_gbps
-            print(f"\n(b2) router kernels' rate: one call's forward + backward, its counted bytes over its time, "
-                  f"against this machine's copy rate ({copy_gbps:,.0f} GB/s)", flush=True)
-            print(f"  {'shape':5s} {'router':7s} {'sources':>7s} {'ms':>8s} {'MB moved':>9s} {'GB/s':>8s} "
-                  f"{'x copy':>7s}", flush=True)
-            for shape_name in ("8B", "1B"):
-                for n in checks.BANDWIDTH_SOURCES:
-                    for kern in ["torch", *checks.router_kernels(env)]:
-                        r = attempt("bandwidth", f"bandwidth {shape_name} {kern} {n}",
-                                    lambda: checks.kernel_bandwidth(opts, env, kern, shape_name, n, copy_gbps),
-                                    kernel=kern, shape=shape_name, sources=n)
-                        if r and "gbps" in r:
-                            print(f"  {shape_name:5s} {kern:7s} {n:7d} {r['ms']:8.3f} {r['bytes'] / 1e6:9.1f} "
-                                  f"{r['gbps']:8.1f} {r['of_copy']:7.3f}", flush=True)
-                        elif r:
-                            print(f"  {shape_name:5s} {kern:7s} {n:7d} {r.get('error')}", flush=True)
-            print(f"  delta's routed stream alone, {checks.STACK_LAYERS} layers of identity sublayers, forward + "
-                  f"backward:", flush=True)
-            print(f"  {'shape':5s} {'router':13s} {'ms':>8s} {'ms/router':>9s} {'MB moved':>9s} {'GB/s':>8s} "
-                  f"{'x copy':>7s}", flush=True)
-            for shape_name in ("8B", "1B"):
-                for kern, group in checks.stack_runs(env):
-                    label = f"{kern} S={group}"
-                    r = attempt("bandwidth", f"stack {shape_name} {label}",
-                                lambda: checks.stack_bandwidth(opts, env, kern, group, shape_name, copy_gbps),
-                                kernel=kern, group_size=group, shape=shape_name)
-                    if r and "gbps" in r:
-                        print(f"  {shape_name:5s} {label:13s} {r['ms']:8.2f} {r['ms_per_router']:9.3f} "
-                              f"{r['bytes'] / 1e6:9.1f} {r['gbps']:8.1f} {r['of_copy']:7.3f}", flush=True)
-                    elif r:
-                        print(f"  {shape_name:5s} {label:13s} {r.get('error')}", flush=True)
+            print(f"\n(b2) router kernels' rate, forward + backward, counted bytes over time, against this machine's "
+                  f"copy rate ({copy_gbps:,.0f} GB/s): one router call over N sources, and delta's routed stream "
+                  f"alone ({checks.STACK_LAYERS} layers of identity sublayers, S = group size)", flush=True)
+            print(f"  {'shape':5s} {'router':22s} {'ms':>8s} {'MB moved':>9s} {'GB/s':>8s} {'x copy':>7s}", flush=True)
+            kernels = ["torch", *checks.router_kernels(env)]
+            runs = [(s, f"{k} call, N={n}", partial(checks.kernel_bandwidth, opts, env, k, s, n, copy_gbps),
+                     dict(kernel=k, shape=s, sources=n))
+                    for s in ("8B", "1B") for n in checks.BANDWIDTH_SOURCES for k in kernels]
+            runs += [(s, f"{k} stream, S={g}", partial(checks.stack_bandwidth, opts, env, k, g, s, copy_gbps),
+                      dict(kernel=k, group_size=g, shape=s))
+                     for s in ("8B", "1B") for k, g in checks.stack_runs(env)]
+            for shape_name, label, fn, fields in runs:
+                r = attempt("bandwidth", f"bandwidth {shape_name} {label}", fn, **fields)
+                if r and "gbps" in r:
+                    print(f"  {shape_name:5s} {label:22s} {r['ms']:8.3f} {r['bytes'] / 1e6:9.1f} {r['gbps']:8.1f} "
+                          f"{r['of_copy']:7.3f}", flush=True)
+                elif r:
+                    print(f"  {shape_name:5s} {label:22s} {r.get('error')}", flush=True)
         if "speed" not in opts.skip:
             precisions = checks.speed_precisions(opts, env)
             print(f"\n(c) tokens/s of {opts.speed_micro_batches} micro-batches' forward + backward (optimizer step "
