@@ -32,11 +32,6 @@ from torch import Tensor
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "router_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-# x86: use 512-bit vectors where the CPU has them (gcc and clang default to 256 bits under -march=native); the
-# kernels' row loops run about 12 % faster on the AVX-512 development machine (tools/benchmark.py
-# --routing-breakdown). Other architectures do not know the flag.
-if platform.machine().lower() in ("x86_64", "amd64"):
-    FLAGS = FLAGS[:2] + ("-mprefer-vector-width=512",) + FLAGS[2:]
 LIBS = ("-lm",)  # after the source: linkers with --as-needed drop libraries named before their user
 KERNEL_TOKEN_BLOCK = 64  # TB in router_kernels.c: tokens per block of the query gradient's partial sums
 
