@@ -197,12 +197,18 @@ def test_argparse_error_without_megatron_usage(capsys):
 @pytest.mark.parametrize("env", [{"LOCAL_RANK": "1"}, {"RANK": "2", "LOCAL_RANK": "0"}], ids=["local1", "node2"])
 def test_argument_error_printed_by_the_first_rank_only(monkeypatch, capsys, env):
     """Every rank of a launch parses the same flags: global rank 0 says it once (not the first process of every
-    node); the others exit with the status and say nothing."""
+    node); the others say nothing and exit with the status after a wait, so that under torchrun (which stops every
+    rank once one exits) rank 0 has printed first."""
+    from megatron_delta.trainer import main as trainer_main
+
+    waits = []
+    monkeypatch.setattr(trainer_main.time, "sleep", waits.append)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert main(TINY + MOCK + ["--residual", "bogus"]) == 2
     assert main(TINY + MOCK + ["--load", "run/iter_0000020"]) == 2
     assert capsys.readouterr().err == ""
+    assert waits == [trainer_main.SILENT_RANK_EXIT_DELAY_S] * 2
 
 
 def _refused(argv, capsys, base=TINY) -> str:

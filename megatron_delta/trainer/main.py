@@ -67,9 +67,15 @@ def _error(msg: str, code: int) -> int:
     return code
 
 
+# How long a rank that does not print an argument error waits before it exits with its status: torchrun stops
+# every rank once one exits, so a silent rank that exited first could stop rank 0 before it had printed the error
+# (seen: the launch ended with no error line). Rank 0 exits at once; torchrun then stops the waiting ranks.
+SILENT_RANK_EXIT_DELAY_S = 10.0
+
+
 def _prints_start_up_errors() -> bool:
     """An argument error is the same on every rank of a launch: global rank 0 prints it once (RANK, else
-    LOCAL_RANK, 0 or unset), the others only exit with its status."""
+    LOCAL_RANK, 0 or unset), the others only exit with its status (after SILENT_RANK_EXIT_DELAY_S)."""
     rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
     return rank.strip() in ("", "0")
 
@@ -308,6 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     except (TrainerArgumentError, EmbeddedRunError) as e:
         if not _prints_start_up_errors():
+            time.sleep(SILENT_RANK_EXIT_DELAY_S)  # rank 0 prints first (torchrun stops this rank once it exits)
             return 2
         if isinstance(e, ArgparseError):
             print(SHORT_USAGE, file=sys.stderr)
