@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 
@@ -237,6 +238,19 @@ def _thread_names():
     return names
 
 
+def _gloo_threads(groups, timeout=10.0):
+    """This process's gloo threads by name once the groups' threads have all taken their names (a TCP loop and
+    two workers per group): a thread starts under its parent's name and renames itself a moment later, so a count
+    taken right after the groups are built can miss the newest. More threads than that (a leak) return at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        threads = {k: n for k, n in _thread_names().items() if "gloo" in k}
+        if (threads.get("gloo_tcp_loop", 0) >= groups and threads.get("pt_gloo_runloop", 0) >= 2 * groups
+                or time.monotonic() > deadline):
+            return threads
+        time.sleep(0.05)
+
+
 def rank_parallel(weights_dir, steps, num_microbatches, layouts):
     """Train the same model from the same weights in several parallel layouts (2 ranks)."""
     import torch
@@ -259,8 +273,8 @@ def rank_parallel(weights_dir, steps, num_microbatches, layouts):
         from torch.distributed import distributed_c10d
 
         # what this process holds with this layout's groups built (the previous layout's released)
-        held = {"groups": len(distributed_c10d._world.pg_map),
-                "gloo_threads": {k: n for k, n in _thread_names().items() if "gloo" in k}}
+        groups = len(distributed_c10d._world.pg_map)
+        held = {"groups": groups, "gloo_threads": _gloo_threads(groups)}
         config = _gpt_config(num_layers=layers, tp=tp, pp=pp, vpp=vpp, batch_p2p_comm=patches.batch_p2p_comm(vpp))
         patches.check_p2p_config(config)
         full = torch.load(os.path.join(weights_dir, f"gpt{layers}.pt"))
