@@ -56,10 +56,8 @@ def speed_runs(env, shape_name=None, routers=("fla", "triton", "torch")):
     triton, also with ``auto`` (the group router on its Triton kernels); the group size is None (not applicable)
     for the other modes. ``routers``: the backends to time (--speed-routers)."""
     from megatron_delta.core.group_router import AUTO, FINE_GRAINED_MODES
-    from megatron_delta.core.router import KERNEL_CHOICES
 
-    backends = [k for k in ("fla", "triton", "torch") if k in KERNEL_CHOICES and k in routers
-                and (k != "triton" or not env.dry or os.environ.get("TRITON_INTERPRET") == "1")]
+    backends = [k for k in ("fla", "triton", "torch") if k in routers and k in (*router_kernels(env), "torch")]
     runs = [(BASELINE, "-", None)]
     for m in sorted(ADDITIVE_MODES, key=lambda m: (shape_name, m) not in TARGETS):
         for k in backends:
@@ -236,13 +234,12 @@ def parity(opts, env, mode):
     of one bf16 backend with another cannot attribute."""
     import torch
 
-    from megatron_delta.core.router import KERNEL_CHOICES
 
     shape = dict(hidden=opts.parity_hidden_size, ffn=3 * opts.parity_hidden_size,
                  heads=max(4, opts.parity_hidden_size // 128), groups=2, seq=opts.parity_seq_length, layers=4)
     local = model_fields(opts, env, mode, shape=shape, impl="local")
     models = {"local-fla-router": build(env, local)[2], "local-torch-router": build(env, local, kernels="torch")[2]}
-    if "triton" in KERNEL_CHOICES and (not env.dry or os.environ.get("TRITON_INTERPRET") == "1"):
+    if "triton" in router_kernels(env):
         models["local-triton-router"] = build(env, local, kernels="triton")[2]
     if env.impl == "transformer_engine":
         models["te"] = build(env, model_fields(opts, env, mode, shape=shape, impl="transformer_engine"))[2]
@@ -410,6 +407,19 @@ def _timed(env, fn, reps):
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def _rate(env, call, row_numel, reps, copy_gbps):
+    """(b2): one call()'s counted bytes (core.traffic: the tensors of ``row_numel`` elements or more its kernels
+    read and write) over its time (_timed): ms, bytes, gbps, of_copy (the share of the copy rate)."""
+    from megatron_delta.core import traffic
+
+    with traffic.counting() as count:
+        call()
+    moved = sum(rd + wr for rd, wr in count.bytes(row_numel).values())
+    seconds = _timed(env, call, reps)
+    gbps = moved / seconds / 1e9
+    return {"ms": 1e3 * seconds, "bytes": moved, "gbps": gbps, "of_copy": gbps / copy_gbps, "ok": True}
+
+
 def kernel_bandwidth(opts, env, kernel, shape_name, n_sources, copy_gbps, reps=20):
     """(b2): one router call's forward + backward on ``kernel`` (torch / fla / triton): ``n_sources`` bf16 sources
     of [seq, 1, hidden] at the shape's width (the dry run: fp32, tiny), x added (delta's u = x + r). Its time per
@@ -418,7 +428,6 @@ def kernel_bandwidth(opts, env, kernel, shape_name, n_sources, copy_gbps, reps=2
     fast as a copy does; the cost model assumes exactly that."""
     import torch
 
-    from megatron_delta.core import traffic
     from megatron_delta.core.router import DepthRouter, make_source
 
     s = env.shapes[shape_name]
@@ -436,13 +445,7 @@ def kernel_bandwidth(opts, env, kernel, shape_name, n_sources, copy_gbps, reps=2
         out = r([make_source(v, 1e-6) for v in vals], base=x, apply_gate=True)
         return torch.autograd.grad(out, [*vals, x, r.query], grad)
 
-    with traffic.counting() as count:
-        call()
-    moved = sum(rd + wr for rd, wr in count.bytes(t * d).values())
-    seconds = _timed(env, call, reps)
-    gbps = moved / seconds / 1e9
-    out = {"kernel": kernel, "shape": shape_name, "sources": n_sources, "ms": 1e3 * seconds, "bytes": moved,
-           "gbps": gbps, "of_copy": gbps / copy_gbps, "ok": True}
+    out = dict(kernel=kernel, shape=shape_name, sources=n_sources, **_rate(env, call, t * d, reps, copy_gbps))
     free(env, vals, x, grad, r)
     return out
 
@@ -465,7 +468,6 @@ def stack_bandwidth(opts, env, kernel, group_size, shape_name, copy_gbps, layers
     partial mixes of a whole row)."""
     import torch
 
-    from megatron_delta.core import traffic
     from megatron_delta.core.router import DepthRouter
     from megatron_delta.core.sources import SourceBuffer, SourcePlan
 
@@ -488,14 +490,9 @@ def stack_bandwidth(opts, env, kernel, group_size, shape_name, copy_gbps, layers
             buf.commit(j, buf.routed_input(j, routers[j]))
         return torch.autograd.grad(buf.output(None), [h0, *(r.query for r in routers)], grad)
 
-    with traffic.counting() as count:
-        call()
-    moved = sum(rd + wr for rd, wr in count.bytes(t * d).values())
-    seconds = _timed(env, call, reps)
-    gbps = moved / seconds / 1e9
-    out = {"kernel": kernel, "group_size": group_size, "shape": shape_name, "layers": layers, "ms": 1e3 * seconds,
-           "ms_per_router": 1e3 * seconds / (2 * layers), "bytes": moved, "gbps": gbps,
-           "of_copy": gbps / copy_gbps, "ok": True}
+    out = dict(kernel=kernel, group_size=group_size, shape=shape_name, layers=layers,
+               **_rate(env, call, t * d, reps, copy_gbps))
+    out["ms_per_router"] = out["ms"] / (2 * layers)
     free(env, routers, h0, grad)
     return out
 
@@ -615,13 +612,20 @@ def layers_that_fit(shape, total_bytes, frac=0.8, transformer_impl="transformer_
     memory); NUM_BLOCKS at the least (the run then fails and says so where even that does not fit)."""
     best = NUM_BLOCKS
     for L in range(NUM_BLOCKS, MODEL_SHAPES["8B"]["num_layers"] + 1, NUM_BLOCKS):
-        a = memory_model.plan_config(num_layers=L, hidden_size=shape["hidden"], ffn_hidden_size=shape["ffn"],
-                                     num_attention_heads=shape["heads"], num_query_groups=shape["groups"],
-                                     seq_length=shape["seq"], residual=DELTA, bf16=True,
-                                     transformer_impl=transformer_impl, untie_embeddings_and_output_weights=True)
-        if memory_model.memory_plan(a)["stages"][0]["total"] * 1.15 <= frac * total_bytes:
+        if planned_bytes(shape, L, DELTA, transformer_impl) * 1.15 <= frac * total_bytes:
             best = L
     return best
+
+
+def planned_bytes(shape, num_layers, mode, transformer_impl):
+    """tools/memory_plan.py's memory per GPU (bytes) for a model of (c)'s ``shape`` with ``num_layers`` layers,
+    ``mode`` (the block modes with K = NUM_BLOCKS), bf16, on ``transformer_impl``'s layers, one micro-batch."""
+    a = memory_model.plan_config(num_layers=num_layers, hidden_size=shape["hidden"], ffn_hidden_size=shape["ffn"],
+                                 num_attention_heads=shape["heads"], num_query_groups=shape["groups"],
+                                 seq_length=shape["seq"], residual=mode, bf16=True, transformer_impl=transformer_impl,
+                                 untie_embeddings_and_output_weights=True,
+                                 **({"delta_num_blocks": NUM_BLOCKS} if mode in BLOCK_MODES else {}))
+    return memory_model.memory_plan(a)["stages"][0]["total"]
 
 
 def speed_shape(opts, env, shape_name):
@@ -653,15 +657,7 @@ def predicted(env, shape_name, mode, kernels, num_layers, group_size=None):
 def planned_gib(env, shape_name, mode, num_layers):
     """tools/memory_plan.py's memory per GPU (GiB) for a run of (c): its shape, mode and layers, bf16, this run's
     layers (TE or local), one micro-batch in flight (None in the dry run: no peak to set it beside)."""
-    if env.dry:
-        return None
-    s = env.shapes[shape_name]
-    a = memory_model.plan_config(num_layers=num_layers, hidden_size=s["hidden"], ffn_hidden_size=s["ffn"],
-                                 num_attention_heads=s["heads"], num_query_groups=s["groups"], seq_length=s["seq"],
-                                 residual=mode, bf16=True, transformer_impl=env.impl,
-                                 untie_embeddings_and_output_weights=True,
-                                 **({"delta_num_blocks": NUM_BLOCKS} if mode in BLOCK_MODES else {}))
-    return memory_model.memory_plan(a)["stages"][0]["total"] / 2**30
+    return None if env.dry else planned_bytes(env.shapes[shape_name], num_layers, mode, env.impl) / 2**30
 
 
 def compare_speed(env, r, base, shape_name, mode, kernels, num_layers, group_size=None):
