@@ -753,7 +753,7 @@ class GroupRouting:
         inputs = [v if hit is None or hit[0] is not v else hit[1] for v, hit in zip(values, collected)]
         sinks = [None if hit is None or hit[0] is not v else hit[2] for v, hit in zip(values, collected)]
         last, older, n_older = self._last, None, 0
-        if (last is not None and last.x is not None and last.n_old < len(values) and last.x.dtype == values[0].dtype
+        if (last is not None and last.x is not None and last.n_old < len(values)
                 and all(a is b for a, b in zip(values, last.old_values))):
             older, n_older = last.x.detach(), last.n_old  # X = the sum of the values the last group's old pass read
         terms = values if older is None else [older, *values[n_older:]]
