@@ -139,6 +139,17 @@ def test_cuda_kernels_match_torch_path(dtype, defer):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+def test_tiles_and_warps():
+    """The kernels' tiles: at most TILE_ELEMENTS fp32 values per live array, fewer tokens for wider rows, and a
+    group tile that one token of S x hidden already overfills ([1, 8, 4096] at the 8B width) on 16 warps, not 8."""
+    from megatron_delta.core import triton_group_kernels
+
+    assert triton_router._tile(4096) == (2, 4096, 8) and triton_router._tile(64) == (16, 64, 4)
+    assert triton_group_kernels._tile(4096, 8) == (1, 8, 4096, 16)
+    assert triton_group_kernels._tile(2048, 4) == (1, 4, 2048, 8)
+    assert triton_group_kernels._tile(64, 3) == (16, 4, 64, 8)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
 def test_cuda_kernels_do_not_wait_for_the_gpu():
     """On a GPU: the per-router kernels (a block's deferred pass included) and the group router's kernels queue
