@@ -36,8 +36,8 @@ def _toy(mode, null, gate, xs, size, dtype=torch.float64, kernels="torch"):
     return toy
 
 
-def _h0(dtype):
-    h0 = torch.randn(SEQ, BATCH, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+def _h0(dtype, seq=SEQ, batch=BATCH):
+    h0 = torch.randn(seq, batch, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     return h0.to(dtype).requires_grad_()
 
 

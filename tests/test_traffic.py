@@ -58,9 +58,12 @@ def test_counted_traffic_equals_closed_form(dist, mode, backend):
         assert predicted and counted == pytest.approx(predicted, abs=1e-9), (recompute, extras)
 
 
-def _stand_in_step(mode, backend, dtype, null, gate, sources="exact", group_size="auto"):
+STAND_IN_TOKENS, STAND_IN_HIDDEN = 16, 64
+
+
+def _stand_in_step(mode, backend, dtype, null, gate, sources="exact", group_size="auto", with_count=False):
     """The routed residual stream of a 4-layer model over stand-in sublayers (v = u * s), one forward and
-    backward, counted: {(kernel, phase): u} with u in ``dtype``'s bytes."""
+    backward, counted: {(kernel, phase): u} with u in ``dtype``'s bytes (and the count, ``with_count``)."""
     from megatron_delta.core.router import DepthRouter
     from megatron_delta.core.sources import SourceBuffer
 
@@ -81,7 +84,9 @@ def _stand_in_step(mode, backend, dtype, null, gate, sources="exact", group_size
             buf.commit(j, buf.routed_input(j, routers[j]) * scales[j])
         out = buf.output(routers.get("final")).float()
         out.backward(torch.ones_like(out))  # a contiguous gradient, as the final norm's backward hands x
-    return count.rows(tokens[0] * tokens[1] * d, torch.tensor([], dtype=dtype).element_size())
+    assert tokens[0] * tokens[1] == STAND_IN_TOKENS and d == STAND_IN_HIDDEN
+    rows = count.rows(tokens[0] * tokens[1] * d, torch.tensor([], dtype=dtype).element_size())
+    return (rows, count) if with_count else rows
 
 
 @pytest.mark.parametrize("backend", ["torch", "fla"])

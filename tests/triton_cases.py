@@ -58,7 +58,10 @@ def test_routers_match_reference_and_torch_path(interpreter, null, gate, base, d
     coefficients, one pass writes both gradients; router 0 does not read source 1). The outputs, the routing
     weights and EVERY gradient (sources, x, query, key-norm weight, null source, gate) equal the PyTorch path's to
     fp32 round-off and the float64 reference's."""
-    d, shape = 40, (7, 3)  # d not a power of two: the tile's masked columns
+    # d not a power of two: the tile's masked columns; 35 tokens: three tiles of 16, so that a reducing program
+    # (triton_router.reducing_programs: two under the interpreter) takes two tiles and the other one
+    d, shape = 40, (7, 5)
+    assert triton_router.reducing_programs(-(-35 // triton_router._tile(d)[0]), "cpu") == 2
     torch.manual_seed(3)
     vals64 = [torch.randn(*shape, d, dtype=torch.float64) * (1 + i) for i in range(3)]
     x64 = torch.randn(*shape, d, dtype=torch.float64)
@@ -326,10 +329,12 @@ def test_counted_traffic_is_the_closed_form(interpreter, dist, mode):
         with traffic.counting() as count:
             model(tok, pos, None).sum().backward()
         counted = count.rows(K.B * K.S * K.HIDDEN, act_bytes=4)
+        reductions = []
         predicted = cost_model.step_traffic(mode, 4, "triton", num_blocks=fields.delta_num_blocks, act_bytes=4,
                                             null_source=null, gate=gate,
-                                            recompute=("uniform", 1) if recompute else None)
+                                            recompute=("uniform", 1) if recompute else None, reductions=reductions)
         assert counted == pytest.approx(predicted, abs=1e-9), (null, gate, recompute)
+        _assert_partials_priced(count, reductions, K.B * K.S, K.HIDDEN)
 
 
 # 8 layers, K = 4 (two layers, four routers per block): blocks 0..3 read 1..4 completed sources. Recompute uniform 5
@@ -467,7 +472,10 @@ def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
     gradient seeds the sources' sinks: a dropped or doubled seed fails the gradients)."""
     calls = _group_kernel_calls(monkeypatch)
     cut = G.CUTS["chunk"]
-    h0 = G._h0(torch.float32)
+    # 51 tokens: four tiles of 16, so that each of the two reducing programs of a backward kernel takes two
+    # (triton_router.reducing_programs) and sums its query gradients over both
+    h0 = G._h0(torch.float32, seq=17, batch=3)
+    assert triton_router.reducing_programs(-(-51 // 16), "cpu") == 2
     per_router = G._forward_backward(G._toy(*config, 1, torch.float32, "torch"), h0, ())
     assert not calls
     for size in (2, 3, "all"):
@@ -481,7 +489,8 @@ def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
         calls.clear()
         torch_group = G._forward_backward(G._toy(*config, S, torch.float32, "torch"), h0, cut)
         assert not calls
-        for name, want, tol in (("torch group", torch_group, 2e-6), ("per-router", per_router, 1e-5)):
+        # fp32 round-off of a different summation order (tiles, programs) over 51 tokens, both paths
+        for name, want, tol in (("torch group", torch_group, 1e-5), ("per-router", per_router, 1e-5)):
             torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol * want[0].abs().max().item(), msg=name)
             for i, (g, r) in enumerate(zip(got[1], want[1], strict=True)):
                 assert (g is None) == (r is None), (name, size, i)
@@ -518,11 +527,26 @@ def test_bf16_group_router_traffic_is_the_closed_form(interpreter, mode):
     cost_model.step_traffic(act_bytes=2), the figures router_share prices, says; with and without the null source
     and gate."""
     from megatron_delta.perf import cost_model
-    from tests.test_traffic import _stand_in_step
+    from tests.test_traffic import STAND_IN_HIDDEN, STAND_IN_TOKENS, _stand_in_step
 
     for extras in (False, True):
         gate = extras and mode == "delta"
-        counted = _stand_in_step(mode, "triton", torch.bfloat16, extras, gate)
+        counted, count = _stand_in_step(mode, "triton", torch.bfloat16, extras, gate, with_count=True)
         assert any(k[0].startswith("group_") for k in counted)
-        predicted = cost_model.step_traffic(mode, 4, "triton", act_bytes=2, null_source=extras, gate=gate)
+        reductions = []
+        predicted = cost_model.step_traffic(mode, 4, "triton", act_bytes=2, null_source=extras, gate=gate,
+                                            reductions=reductions)
         assert counted == pytest.approx(predicted, abs=1e-9), extras
+        _assert_partials_priced(count, reductions, STAND_IN_TOKENS, STAND_IN_HIDDEN)
+
+
+def _assert_partials_priced(count, reductions, tokens, hidden):
+    """The per-program partial sums the kernels wrote and their sums read back (triton_router.REDUCE_KERNEL, below
+    a row, so outside count.rows) are the bytes cost_model.reduction_bytes prices from the closed form's calls, at
+    the interpreter's program count."""
+    from megatron_delta.perf import cost_model
+
+    read, written = count.bytes().get((triton_router.REDUCE_KERNEL, "backward"), (0, 0))
+    assert reductions and read == written
+    assert read + written == cost_model.reduction_bytes(reductions, triton_router.INTERPRETER_REDUCING_PROGRAMS,
+                                                        tokens, hidden)

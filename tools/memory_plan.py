@@ -98,7 +98,9 @@ def format_router_share(gpu, rows):
         by_key.setdefault((r["shape"], r["mode"]), {})[r["backend"]] = r
     lines = [f"Predicted on {gpu}: bf16, one micro-batch of 2048 tokens, no recompute; GEMMs at "
              f"{cost_model.GEMM_EFFICIENCY:.0%} of peak, HBM at {cost_model.HBM_EFFICIENCY:.0%}; u = one [tokens, "
-             f"hidden] tensor read or written once (perf/cost_model.step_traffic).", "",
+             f"hidden] tensor read or written once (perf/cost_model.step_traffic; triton's with its kernels' "
+             f"per-program partial sums, {cost_model.triton_router_programs_per_sm()} programs per SM: "
+             f"cost_model.reduction_u).", "",
              "| shape | mode | layers | " + " | ".join(f"{b} u/step" for b in backends) + " | "
              + " | ".join(f"{b} tokens/s x baseline" for b in backends) + " |",
              "|---|---|---|" + "---|" * (2 * len(backends))]

@@ -14,7 +14,8 @@ gradients are [S, hidden] / [tokens, S, hidden] tiles (S padded to a power of tw
 - old backward: loop 1 reads each source for the softmax's s_k = sum_i p_ki dp_ki; loop 2 reads the same tile
   again (from cache) and writes each source's gradient in place into its sink (assigned by the first pass to
   reach it, added by the others); the S query gradients and the null sources' are reduced per program into
-  [programs, S, hidden] partial sums, then over the programs;
+  [programs, S, hidden] partial sums (persistent programs, triton_router.reducing_programs), then over the
+  programs;
 - merge forward: an online softmax that starts from (lse_k, r_k) and reads each in-group source once; writes u
   once, in the output dtype;
 - merge backward: as the per-router kernel's backward over (r_k, in-group sources), each in-group gradient
@@ -29,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron_delta.core import cpu_kernels, triton_router
+from megatron_delta.core import cpu_kernels, traffic, triton_router
 from megatron_delta.core.triton_router import TritonUnavailable
 
 __all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward", "final_sum"]
@@ -118,64 +119,69 @@ def _build():
                       p_ptr, q_ptr, null_ptr, dz_ptr, part_q_ptr, part_null_ptr, T, d,
                       N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
                       UNIT: tl.constexpr, DT: tl.constexpr, GDT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * BT + tl.arange(0, BT)
+        pid = tl.program_id(0)  # persistent (triton_router.reducing_programs): tiles pid, pid + programs, ...
         cols = tl.arange(0, BD)
         ks = tl.arange(0, SP)
-        rmask, cmask, kmask = rows < T, cols < d, ks < S
-        mask = rmask[:, None] & cmask[None, :]
-        tk_mask = rmask[:, None] & kmask[None, :]
+        cmask, kmask = cols < d, ks < S
         kd_mask = kmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
         M = N + HAS_NULL
-        # the S output gradients as one [BT, SP, BD] tile (a router without a gradient: zeros)
-        g_flag = tl.load(g_flag_ptr + ks, mask=kmask, other=0)
-        g_base = tl.load(g_ptrs + ks, mask=kmask, other=0).to(tl.pointer_type(GDT))
-        G = tl.load(g_base[None, :, None] + offs[:, None, :],
-                    mask=(tk_mask & (g_flag[None, :] > 0))[:, :, None] & cmask[None, None, :], other=0.0)
-        G = G.to(tl.float32)
-        w = tl.load(w_ptr + ks[None, :] * T + rows[:, None], mask=tk_mask, other=0.0)  # gate * beta_k
-        dlse = tl.load(dlse_ptr + ks[None, :] * T + rows[:, None], mask=tk_mask, other=0.0)
-        # loop 1: s_k = sum_i p_ki dp_ki, dp_ki = w_k <G_k, v_i>
-        sdp = tl.zeros((BT, SP), tl.float32)
-        for i in tl.static_range(N):
-            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
-            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            p_i = tl.load(p_ptr + (ks[None, :] * M + i) * T + rows[:, None], mask=tk_mask, other=0.0)
-            sdp += p_i * (w * tl.sum(G * v[:, None, :], 2))
+        Q = tl.load(q_ptr + ks[:, None] * d + cols[None, :], mask=kd_mask, other=0.0)
+        dq = tl.zeros((SP, BD), tl.float32)
+        null_acc = tl.zeros((SP, BD), tl.float32)
         if HAS_NULL:
             zv = tl.load(null_ptr + ks[:, None] * d + cols[None, :], mask=kd_mask, other=0.0)
-            p_n = tl.load(p_ptr + (ks[None, :] * M + N) * T + rows[:, None], mask=tk_mask, other=0.0)
-            dp_n = w * tl.sum(G * zv[None, :, :], 2)
-            sdp += p_n * dp_n
-            tl.store(dz_ptr + (ks[None, :] * M + N) * T + rows[:, None], p_n * (dp_n - sdp + dlse), mask=tk_mask)
-            part_null = tl.sum((w * p_n)[:, :, None] * G, 0)  # [SP, BD]: the null values' gradients
-            tl.store(part_null_ptr + pid * SP * BD + ks[:, None] * BD + cols[None, :], part_null)
-        Q = tl.load(q_ptr + ks[:, None] * d + cols[None, :], mask=kd_mask, other=0.0)
-        gsum = tl.sum(G, 1)  # [BT, BD]: x = the sum of the sources passes each G_k to every older source
-        dq = tl.zeros((SP, BD), tl.float32)
-        # loop 2: dz, the query gradients, each source's gradient into its sink
-        for i in tl.static_range(N):
-            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
-            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            tab = (ks[None, :] * M + i) * T + rows[:, None]
-            p_i = tl.load(p_ptr + tab, mask=tk_mask, other=0.0)
-            z_i = tl.load(z_ptr + tab, mask=tk_mask, other=0.0)
-            iv = tl.load(inv_ptr + i * T + rows, mask=rmask, other=0.0)
-            dz = p_i * (w * tl.sum(G * v[:, None, :], 2) - sdp + dlse)
-            tl.store(dz_ptr + tab, dz, mask=tk_mask)
-            c = dz * iv[:, None]  # [BT, SP]
-            e = -tl.sum(dz * z_i, 1) * iv * iv / d  # [BT]
-            dq += tl.sum(c[:, :, None] * v[:, None, :], 0)
-            gv = e[:, None] * v + tl.sum(c[:, :, None] * Q[None, :, :], 1) + tl.sum((w * p_i)[:, :, None] * G, 1)
-            if UNIT:
-                gv += gsum
-            flag = tl.load(tgt_flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the sink (or to its seed)
-            tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
-            acc = tl.load(acc_ptrs + i).to(tl.pointer_type(DT))  # the sink itself, or the final sum's seed
-            gv += tl.load(acc + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
-            tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
+        for tile in range(pid, tl.cdiv(T, BT), tl.num_programs(0)):
+            rows = tile * BT + tl.arange(0, BT)
+            rmask = rows < T
+            mask = rmask[:, None] & cmask[None, :]
+            tk_mask = rmask[:, None] & kmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+            # the S output gradients as one [BT, SP, BD] tile (a router without a gradient: zeros)
+            g_flag = tl.load(g_flag_ptr + ks, mask=kmask, other=0)
+            g_base = tl.load(g_ptrs + ks, mask=kmask, other=0).to(tl.pointer_type(GDT))
+            G = tl.load(g_base[None, :, None] + offs[:, None, :],
+                        mask=(tk_mask & (g_flag[None, :] > 0))[:, :, None] & cmask[None, None, :], other=0.0)
+            G = G.to(tl.float32)
+            w = tl.load(w_ptr + ks[None, :] * T + rows[:, None], mask=tk_mask, other=0.0)  # gate * beta_k
+            dlse = tl.load(dlse_ptr + ks[None, :] * T + rows[:, None], mask=tk_mask, other=0.0)
+            # loop 1: s_k = sum_i p_ki dp_ki, dp_ki = w_k <G_k, v_i>
+            sdp = tl.zeros((BT, SP), tl.float32)
+            for i in tl.static_range(N):
+                src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+                v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+                p_i = tl.load(p_ptr + (ks[None, :] * M + i) * T + rows[:, None], mask=tk_mask, other=0.0)
+                sdp += p_i * (w * tl.sum(G * v[:, None, :], 2))
+            if HAS_NULL:
+                p_n = tl.load(p_ptr + (ks[None, :] * M + N) * T + rows[:, None], mask=tk_mask, other=0.0)
+                dp_n = w * tl.sum(G * zv[None, :, :], 2)
+                sdp += p_n * dp_n
+                tl.store(dz_ptr + (ks[None, :] * M + N) * T + rows[:, None], p_n * (dp_n - sdp + dlse), mask=tk_mask)
+                null_acc += tl.sum((w * p_n)[:, :, None] * G, 0)  # [SP, BD]: the null values' gradients
+            gsum = tl.sum(G, 1)  # [BT, BD]: x = the sum of the sources passes each G_k to every older source
+            # loop 2: dz, the query gradients, each source's gradient into its sink
+            for i in tl.static_range(N):
+                src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+                v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+                tab = (ks[None, :] * M + i) * T + rows[:, None]
+                p_i = tl.load(p_ptr + tab, mask=tk_mask, other=0.0)
+                z_i = tl.load(z_ptr + tab, mask=tk_mask, other=0.0)
+                iv = tl.load(inv_ptr + i * T + rows, mask=rmask, other=0.0)
+                dz = p_i * (w * tl.sum(G * v[:, None, :], 2) - sdp + dlse)
+                tl.store(dz_ptr + tab, dz, mask=tk_mask)
+                c = dz * iv[:, None]  # [BT, SP]
+                e = -tl.sum(dz * z_i, 1) * iv * iv / d  # [BT]
+                dq += tl.sum(c[:, :, None] * v[:, None, :], 0)
+                gv = e[:, None] * v + tl.sum(c[:, :, None] * Q[None, :, :], 1) + tl.sum((w * p_i)[:, :, None] * G, 1)
+                if UNIT:
+                    gv += gsum
+                flag = tl.load(tgt_flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the sink (or to its seed)
+                tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
+                acc = tl.load(acc_ptrs + i).to(tl.pointer_type(DT))  # the sink itself, or the final sum's seed
+                gv += tl.load(acc + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+                tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
         tl.store(part_q_ptr + pid * SP * BD + ks[:, None] * BD + cols[None, :], dq)
+        if HAS_NULL:
+            tl.store(part_null_ptr + pid * SP * BD + ks[:, None] * BD + cols[None, :], null_acc)
 
     @triton.jit
     def _merge_forward(r_ptr, lse_ptr, x_ptr, base_ptr, gate_ptr, q_ptr, src_ptrs, inv_ptr, z_ptr, a_ptr, out_ptr,
@@ -228,51 +234,53 @@ def _build():
     def _merge_backward(grad_ptr, r_ptr, gate_ptr, q_ptr, src_ptrs, tgt_ptrs, acc_ptrs, flag_ptr, inv_ptr, z_ptr, a_ptr,
                         da_ptr, dlog_ptr, part_q_ptr, T, d, K: tl.constexpr, UNIT: tl.constexpr,
                         HAS_GATE: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * BT + tl.arange(0, BT)
+        pid = tl.program_id(0)  # persistent (triton_router.reducing_programs): tiles pid, pid + programs, ...
         cols = tl.arange(0, BD)
-        rmask, cmask = rows < T, cols < d
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        cmask = cols < d
         q = tl.load(q_ptr + cols, mask=cmask, other=0.0)
         gate = 1.0
         if HAS_GATE:
             gate = tl.load(gate_ptr)
-        # loop 1: da_j = <grad, r or v_i>, s = sum_j a_j gate da_j
-        da0 = tl.sum(g * tl.load(r_ptr + offs, mask=mask, other=0.0), 1)
-        a0 = tl.load(a_ptr + rows, mask=rmask, other=0.0)
-        tl.store(da_ptr + rows, da0, mask=rmask)
-        s = a0 * gate * da0
-        for i in tl.static_range(K):
-            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
-            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            da = tl.sum(g * v, 1)
-            tl.store(da_ptr + (1 + i) * T + rows, da, mask=rmask)
-            s += tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0) * gate * da
-        tl.store(dlog_ptr + rows, a0 * (gate * da0 - s), mask=rmask)  # d lse_k
-        # loop 2: each in-group source's gradient into its sink, the query's per program
         dq = tl.zeros((BD,), tl.float32)
-        for i in tl.static_range(K):
-            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
-            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0)
-            dl = a * (gate * tl.sum(g * v, 1) - s)
-            tl.store(dlog_ptr + (1 + i) * T + rows, dl, mask=rmask)
-            iv = tl.load(inv_ptr + i * T + rows, mask=rmask, other=0.0)
-            z = tl.load(z_ptr + i * T + rows, mask=rmask, other=0.0)
-            c = dl * iv
-            e = -dl * z * iv * iv / d
-            dq += tl.sum(c[:, None] * v, 0)
-            wi = gate * a
-            if UNIT:
-                wi += 1.0
-            gv = wi[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
-            flag = tl.load(flag_ptr + i)
-            tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
-            acc = tl.load(acc_ptrs + i).to(tl.pointer_type(DT))
-            gv += tl.load(acc + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
-            tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
+        for tile in range(pid, tl.cdiv(T, BT), tl.num_programs(0)):
+            rows = tile * BT + tl.arange(0, BT)
+            rmask = rows < T
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+            g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            # loop 1: da_j = <grad, r or v_i>, s = sum_j a_j gate da_j
+            da0 = tl.sum(g * tl.load(r_ptr + offs, mask=mask, other=0.0), 1)
+            a0 = tl.load(a_ptr + rows, mask=rmask, other=0.0)
+            tl.store(da_ptr + rows, da0, mask=rmask)
+            s = a0 * gate * da0
+            for i in tl.static_range(K):
+                src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+                v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+                da = tl.sum(g * v, 1)
+                tl.store(da_ptr + (1 + i) * T + rows, da, mask=rmask)
+                s += tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0) * gate * da
+            tl.store(dlog_ptr + rows, a0 * (gate * da0 - s), mask=rmask)  # d lse_k
+            # loop 2: each in-group source's gradient into its sink, the query's per program
+            for i in tl.static_range(K):
+                src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+                v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+                a = tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0)
+                dl = a * (gate * tl.sum(g * v, 1) - s)
+                tl.store(dlog_ptr + (1 + i) * T + rows, dl, mask=rmask)
+                iv = tl.load(inv_ptr + i * T + rows, mask=rmask, other=0.0)
+                z = tl.load(z_ptr + i * T + rows, mask=rmask, other=0.0)
+                c = dl * iv
+                e = -dl * z * iv * iv / d
+                dq += tl.sum(c[:, None] * v, 0)
+                wi = gate * a
+                if UNIT:
+                    wi += 1.0
+                gv = wi[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
+                flag = tl.load(flag_ptr + i)
+                tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
+                acc = tl.load(acc_ptrs + i).to(tl.pointer_type(DT))
+                gv += tl.load(acc + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+                tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
         tl.store(part_q_ptr + pid * BD + cols, dq)
 
     @triton.jit
@@ -354,7 +362,7 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
     T, d = values[0].shape
     S = Q.shape[0]
     bt, sp, bd, warps = _tile(d, S)
-    programs = _cdiv(T, bt)
+    programs = triton_router.reducing_programs(_cdiv(T, bt), values[0].device)
     grads: List[Optional[Tensor]] = [None] * S
     for k, g in zip(ks, G):
         grads[k] = g
@@ -373,6 +381,7 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
                      part_q, part_null, T, d, N=len(values), S=S, SP=sp, HAS_NULL=has_null, UNIT=bool(unit),
                      DT=triton_router._tl_dtype(values[0].dtype),
                      GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, num_warps=warps)
+    _record_partials([part_q, part_null if has_null else None])
     dq.copy_(part_q.sum(0)[:S, :d])
     if has_null and dnull is not None:
         dnull.copy_(part_null.sum(0)[:S, :d])
@@ -402,7 +411,7 @@ def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, v
     bwd = load()[3]
     T, d = r.shape
     bt, _, bd, warps = _tile(d)
-    programs = _cdiv(T, bt)
+    programs = triton_router.reducing_programs(_cdiv(T, bt), r.device)
     part_q = torch.empty(programs, bd, dtype=torch.float32, device=r.device)
     g = gate.detach().float().reshape(1) if gate is not None else r
     flags = [0 if t is None else (1 if fresh else 2) for t, fresh, _ in targets]
@@ -412,7 +421,14 @@ def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, v
                      UNIT=bool(unit),
                      HAS_GATE=gate is not None, DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
                      BT=bt, BD=bd, num_warps=warps)
+    _record_partials([part_q])
     dq.copy_(part_q.sum(0)[:d])
+
+
+def _record_partials(parts: Sequence[Optional[Tensor]]) -> None:
+    """The per-program partial sums a kernel wrote and their sum reads (traffic.py; [programs, .., hidden] fp32,
+    far below a row of [tokens, hidden] at the GPU's program count: reported apart from the rows)."""
+    traffic.record(triton_router.REDUCE_KERNEL, "backward", reads=parts, writes=parts)
 
 
 def final_sum(values: Sequence[Tensor], x: Tensor) -> None:

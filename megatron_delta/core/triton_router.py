@@ -21,7 +21,8 @@ computed in the pass that reads it for the weighted sum), q = w * g, optional nu
   its projection's) IN PLACE into the source's gradient buffer: assigned by its first reader, added
   by the others (:class:`KernelSink`, the GradSink pattern of router.py), so autograd adds nothing.
   The query's, the null source's and the gate's gradients are reduced per program into [programs, d]
-  partial sums (fp32, small), then over the programs: no [tokens, hidden] fp32 buffer.
+  partial sums (fp32, small: persistent programs, :func:`reducing_programs`), then over the programs: no
+  [tokens, hidden] fp32 buffer.
 - the partial sums (delta_block's P_b + v, attnres' p + v; SourceBuffer.hold_sum): where the router that
   alone reads the sum runs on these kernels, the forward reads the two parts and writes the sum once (no
   separate add, which read both and wrote the sum for the router to read again); the backward reads the
@@ -57,6 +58,7 @@ __all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL = "triton_route"  # the name the kernels' calls are recorded under (traffic.py)
 DEFERRED_KERNEL = "triton_block_grad"  # the block pass of the deferred gradients (BlockDeferral)
+REDUCE_KERNEL = "triton_reduce"  # the sums of the kernels' per-program partial gradients (reducing_programs)
 TOKENS_PER_PROGRAM = 16  # BT at most: the tile is BT tokens x the hidden size (padded to a power of two)
 TILE_ELEMENTS = 8192  # at most BT x BD fp32 values per tile (BT shrinks for large hidden sizes)
 
@@ -213,64 +215,74 @@ def _build():
                   gate_ptr, part_q_ptr, part_null_ptr, part_scalar_ptr, partial_grad_ptr, slot_ptr, coef_ptr, T, d,
                   C, N: tl.constexpr, UNIT: tl.constexpr, HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr,
                   PARTIAL_GRAD: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        # persistent programs (reducing_programs): program pid takes tiles pid, pid + programs, ... and writes one
+        # partial sum of the query's, the null source's and the gate's gradients over all of them
         pid = tl.program_id(0)
-        rows = pid * BT + tl.arange(0, BT)
+        programs = tl.num_programs(0)
         cols = tl.arange(0, BD)
-        rmask = rows < T
         cmask = cols < d
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         a = 1.0
         if HAS_GATE:
             a = tl.load(gate_ptr).to(tl.float32)
-        # loop 1: s = sum_i alpha_i <grad, v_i> (the null source's share included)
-        s = tl.zeros((BT,), tl.float32)
-        for i in tl.static_range(N):
-            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
-            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            s += tl.load(alpha_ptr + i * T + rows, mask=rmask, other=0.0) * tl.sum(g * v, 1)
-        if HAS_NULL:
-            zv = tl.load(null_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            an = tl.load(alpha_ptr + N * T + rows, mask=rmask, other=0.0)
-            dwn = tl.sum(g * zv[None, :], 1)
-            s += an * dwn
-            dln = an * a * (dwn - s)  # the null logit's gradient per token (s is complete here)
-        # loop 2: each source's gradient, into its buffer; the query's gradient per program
         dq = tl.zeros((BD,), tl.float32)
-        for i in tl.static_range(N):
-            src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
-            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            al = tl.load(alpha_ptr + i * T + rows, mask=rmask, other=0.0)
-            iv = tl.load(inv_ptr + i * T + rows, mask=rmask, other=0.0)
-            z = tl.load(logit_ptr + i * T + rows, mask=rmask, other=0.0)
-            dl = al * a * (tl.sum(g * v, 1) - s)
-            c = dl * iv
-            e = -dl * z * iv * iv / d
-            dq += tl.sum(c[:, None] * v, 0)
-            flag = tl.load(flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the buffer, 3: deferred
-            w = al * a
-            if UNIT:
-                w += 1.0
-            # deferred (BlockDeferral): the gradient is w g + c q + e v; its block's pass forms it from w, c, e
-            dmask = rmask & (flag == 3)
-            coef = coef_ptr + tl.maximum(tl.load(slot_ptr + i), 0) * T + rows
-            tl.store(coef, w, mask=dmask)
-            tl.store(coef + C * T, c, mask=dmask)
-            tl.store(coef + 2 * C * T, e, mask=dmask)
-            gv = w[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
-            if PARTIAL_GRAD and i == N - 1:  # the formed partial's gradient from its later readers
-                gv += tl.load(partial_grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
-            gv += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
-            tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0) & (flag < 3))
+        null_acc = tl.zeros((BD,), tl.float32)
+        gate_acc = tl.zeros((BT,), tl.float32)
+        dln_acc = tl.zeros((BT,), tl.float32)
+        for tile in range(pid, tl.cdiv(T, BT), programs):
+            rows = tile * BT + tl.arange(0, BT)
+            rmask = rows < T
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+            g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            # loop 1: s = sum_i alpha_i <grad, v_i> (the null source's share included)
+            s = tl.zeros((BT,), tl.float32)
+            for i in tl.static_range(N):
+                src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+                v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+                s += tl.load(alpha_ptr + i * T + rows, mask=rmask, other=0.0) * tl.sum(g * v, 1)
+            if HAS_NULL:
+                zv = tl.load(null_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+                an = tl.load(alpha_ptr + N * T + rows, mask=rmask, other=0.0)
+                dwn = tl.sum(g * zv[None, :], 1)
+                s += an * dwn
+                dln = an * a * (dwn - s)  # the null logit's gradient per token (s is complete here)
+            # loop 2: each source's gradient, into its buffer; the query's gradient per program
+            for i in tl.static_range(N):
+                src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
+                v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+                al = tl.load(alpha_ptr + i * T + rows, mask=rmask, other=0.0)
+                iv = tl.load(inv_ptr + i * T + rows, mask=rmask, other=0.0)
+                z = tl.load(logit_ptr + i * T + rows, mask=rmask, other=0.0)
+                dl = al * a * (tl.sum(g * v, 1) - s)
+                c = dl * iv
+                e = -dl * z * iv * iv / d
+                dq += tl.sum(c[:, None] * v, 0)
+                flag = tl.load(flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the buffer, 3: deferred
+                w = al * a
+                if UNIT:
+                    w += 1.0
+                # deferred (BlockDeferral): the gradient is w g + c q + e v; its block's pass forms it from w, c, e
+                dmask = rmask & (flag == 3)
+                coef = coef_ptr + tl.maximum(tl.load(slot_ptr + i), 0) * T + rows
+                tl.store(coef, w, mask=dmask)
+                tl.store(coef + C * T, c, mask=dmask)
+                tl.store(coef + 2 * C * T, e, mask=dmask)
+                gv = w[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
+                if PARTIAL_GRAD and i == N - 1:  # the formed partial's gradient from its later readers
+                    gv += tl.load(partial_grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
+                gv += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+                tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0) & (flag < 3))
+            gate_acc += s  # sum_i alpha_i dw_i per token: summed over the tokens, the gate's gradient
+            if HAS_NULL:
+                null_acc += tl.sum((an * a)[:, None] * g, 0)
+                dln_acc += dln
         tl.store(part_q_ptr + pid * BD + cols, dq, mask=cmask)
-        gate_part = tl.sum(s, 0)  # sum_t sum_i alpha_i dw_i: the gate's gradient
         if HAS_NULL:
-            tl.store(part_null_ptr + pid * BD + cols, tl.sum((an * a)[:, None] * g, 0), mask=cmask)
-            tl.store(part_scalar_ptr + 2 * pid + 1, tl.sum(dln, 0))
-        tl.store(part_scalar_ptr + 2 * pid, gate_part)
+            tl.store(part_null_ptr + pid * BD + cols, null_acc, mask=cmask)
+            tl.store(part_scalar_ptr + 2 * pid + 1, tl.sum(dln_acc, 0))
+        tl.store(part_scalar_ptr + 2 * pid, tl.sum(gate_acc, 0))
 
     @triton.jit
     def _block_grad(grad_ptrs, coef_ptrs, q_ptr, src_ptrs, tgt_ptrs, flag_ptr, T, d, C,
@@ -590,7 +602,7 @@ class _TritonRoute(torch.autograd.Function):
         coef = None if deferral is None else torch.zeros(3, sources, rows, dtype=torch.float32, device=dev)  # w, c, e
         has_null = null_value is not None
         bt, bd, warps = _tile(d)
-        programs = _cdiv(rows, bt)
+        programs = reducing_programs(_cdiv(rows, bt), dev)
         part_q = torch.empty(programs, bd, dtype=torch.float32, device=dev)
         part_null = torch.empty(programs if has_null else 1, bd, dtype=torch.float32, device=dev)
         part_scalar = torch.zeros(programs, 2, dtype=torch.float32, device=dev)
@@ -606,6 +618,8 @@ class _TritonRoute(torch.autograd.Function):
             PARTIAL_GRAD=flat_gp is not None, DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
         traffic.record(KERNEL, "backward", reads=[grad, *flat, flat_gp, *[t for t, f in zip(targets, flags) if f == 2]],
                        writes=[t for t in targets if t is not None] + [coef])
+        parts = [part_q, part_null if has_null else None]  # [programs, hidden]: written, then read by their sums
+        traffic.record(REDUCE_KERNEL, "backward", reads=parts, writes=parts)
         if deferral is not None:
             deferral.stash.append((grad, coef, q))
         grad_query = part_q.sum(0)[:d].to(query.dtype) if needs[9] else None
@@ -630,6 +644,35 @@ class _TritonRoute(torch.autograd.Function):
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+REDUCING_PROGRAMS_PER_SM = 2  # persistent programs per SM of a kernel that reduces over the tokens (not tuned yet)
+INTERPRETER_REDUCING_PROGRAMS = 2  # under Triton's interpreter: few, so that the tests run programs of several tiles
+
+
+def reducing_programs(tiles: int, device) -> int:
+    """The programs of a kernel that reduces gradients over the tokens (the query's, the null source's, the
+    gate's): persistent, each takes every programs-th tile of tokens and writes ONE partial sum, so the
+    [programs, .., hidden] fp32 partials scale with the GPU, not with the tokens. (One program per tile made
+    them [tokens / BT, .., hidden]: at the 8B width, BT = 2, an fp32 buffer of half the tokens - a row of
+    activations written and read back per router call.) On CUDA REDUCING_PROGRAMS_PER_SM per SM; under the
+    interpreter INTERPRETER_REDUCING_PROGRAMS."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        cap = REDUCING_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None
+                                                   else torch.cuda.current_device())
+    else:
+        cap = INTERPRETER_REDUCING_PROGRAMS
+    return max(1, min(tiles, cap))
+
+
+_SM_COUNTS: Dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def route(values: Sequence[Tensor], *, query: Tensor, eps: float, sinks: Optional[Sequence] = None,

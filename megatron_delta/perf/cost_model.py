@@ -34,6 +34,7 @@ GPUS = {  # name: (HBM bytes/s, dense bf16 FLOP/s) - datasheet peaks of the SXM 
     "H200": (4.8e12, 989e12),   # NVIDIA H200 Tensor Core GPU datasheet (SXM): 4.8 TB/s HBM3e, same Hopper core
     "B200": (8.0e12, 2250e12),  # NVIDIA HGX B200 datasheet (1000 W): 8 TB/s HBM3e, 2.25 PFLOPS BF16 dense (4.5 sparse)
 }
+SMS = {"H100": 132, "H200": 132, "B200": 148}  # streaming multiprocessors (the same datasheets)
 GEMM_EFFICIENCY = 0.75  # fraction of peak FLOP/s Megatron's GEMMs reach at these shapes (H200: ~790 of 989)
 HBM_EFFICIENCY = 0.85   # fraction of peak bandwidth a streaming elementwise pass reaches
 BACKENDS = ("torch", "c", "fla", "triton")  # router backends the closed form knows (--delta-router-kernels)
@@ -190,6 +191,13 @@ class _Ledger:
         self.defer_blocks = True  # triton: the completed sources' gradients deferred to one pass per block
         self._blocks = {}  # block -> ids of the sink entries its pass writes (empty: not deferred)
         self._sink_writers = {}  # id(sink entry) -> the kernels writing its gradient, in forward order
+        self.reductions = []  # triton: (S, [hidden]-wide rows per program) of each backward's partial sums
+
+    def reduce(self, s, rows):
+        """A Triton backward call that sums gradients over the tokens through per-program partials
+        (triton_router.reducing_programs): ``s`` routers in its tile, ``rows`` fp32 [hidden] rows per program."""
+        if self.grad and self.backend == "triton":
+            self.reductions.append((s, rows))
 
     def new(self):
         return _Tensor(self)
@@ -332,6 +340,7 @@ class _Ledger:
             self.read(base)
         self.add(_route_pass(self.backend, self.a, self.c, kinds, base is not None, self.null,
                              apply_gate and self.gate, self.grad, formed))
+        self.reduce(1, 1 + int(self.null))  # the query's (and the null value's) gradient
         return self.new()
 
     # the Triton kernels' sinks and their block passes (triton_router.BlockDeferral, SourceBuffer._deferral)
@@ -414,6 +423,7 @@ class _Ledger:
                 null_reads = self.null * s * C if self.backend == "c" else 0
                 self.add({("group_old_pass", "forward"): n * A + s * C + unit * A,
                           ("group_old_pass", "backward"): n * A + s * U + null_reads})
+            self.reduce(s, _pow2(s) * (1 + int(self.null)))  # the S queries' (and null values') gradients
             for v in values:
                 self._touch(v, "group_old_pass")
         inside = values[self._group:]
@@ -424,6 +434,7 @@ class _Ledger:
         else:
             self.add({("group_merge", "forward"): C + unit * A + (A if base is not None else 0) + len(inside) * A + U,
                       ("group_merge", "backward"): A + C + len(inside) * A})
+        self.reduce(1, 1)  # the query's gradient
         for v in inside:
             self._touch(v, "group_merge")
         return self.new()
@@ -489,7 +500,7 @@ def make_plan(mode, num_layers, backend, num_blocks=None, gate=False, group_size
 
 
 def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, null_source=False, gate=False,
-                 recompute=None, group_size="auto", sources="exact", defer_blocks=True):
+                 recompute=None, group_size="auto", sources="exact", defer_blocks=True, reductions=None):
     """{(kernel, phase): u} of one micro-batch's forward + backward through one pipeline chunk holding all
     ``num_layers`` layers (the embedding output in, the final norm's input out), router ``backend`` (torch, c,
     fla), activations of ``act_bytes`` bytes, with ``recompute`` (None, ("uniform", n) or ("block", n): the
@@ -501,7 +512,9 @@ def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, nul
     (triton), group_old_pass, group_merge (the group router), partial_sum, source_difference (authors-code
     delta_block), x_add, x_sum, autograd_add.
     ``defer_blocks=False`` prices the Triton kernels with every router adding the completed block sources'
-    gradients in place (no block pass: triton_router.BlockDeferral), for comparison."""
+    gradients in place (no block pass: triton_router.BlockDeferral), for comparison. ``reductions``: a list that
+    receives (S, rows) of every Triton backward call's per-program partial sums (_Ledger.reduce;
+    :func:`reduction_u` prices them for a GPU)."""
     if mode == BASELINE:
         return {}
     plan = make_plan(mode, num_layers, backend, num_blocks, gate, group_size, sources)
@@ -563,8 +576,41 @@ def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, nul
         last.hand_out([rules.output(last, routers.get("final"))])
     for ledger in ledgers:
         ledger.settle_groups()
+        if reductions is not None:
+            reductions.extend(ledger.reductions)
     _settle(tensors, totals, a)
     return {k: v / a for k, v in totals.items() if v}
+
+
+def _pow2(n):
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def reduction_bytes(reductions, max_programs, tokens, hidden):
+    """The bytes of the Triton kernels' per-program partial sums (step_traffic's ``reductions``): each backward
+    call that reduces over the tokens writes [programs, rows, hidden] fp32 partials and its sum reads them back,
+    programs = min(its tiles of tokens, ``max_programs``) (triton_router.reducing_programs)."""
+    from megatron_delta.core import triton_group_kernels
+
+    total = 0
+    for s, rows in reductions:
+        bt, _, bd, _ = triton_group_kernels._tile(hidden, s)
+        programs = min(-(-tokens // bt), max_programs)
+        total += 2 * programs * rows * bd * COMPUTE_BYTES
+    return total
+
+
+def triton_router_programs_per_sm():
+    from megatron_delta.core import triton_router
+
+    return triton_router.REDUCING_PROGRAMS_PER_SM
+
+
+def reduction_u(reductions, gpu, tokens, hidden, act_bytes=2):
+    """:func:`reduction_bytes` on ``gpu`` (REDUCING_PROGRAMS_PER_SM programs per SM) in u. Priced at HBM speed,
+    though a few MiB written and read back at once may stay in L2."""
+    cap = triton_router_programs_per_sm() * SMS[gpu]
+    return reduction_bytes(reductions, cap, tokens, hidden) / (tokens * hidden * act_bytes)
 
 
 def total_u(traffic, phase=None):
@@ -603,12 +649,17 @@ def router_share(gpu, shape_name, mode, backend="torch", num_blocks=None, null_s
     L = shape["num_layers"]
     tokens = shape["seq_length"] * micro_batch
     gemm_s = L * layer_gemm_flops(shape, tokens, micro_batch) / (flops * GEMM_EFFICIENCY)
-    u = 0.0
+    u = reduce_u = 0.0
     if mode != BASELINE:
+        reductions = []
         u = total_u(step_traffic(mode, L, backend, num_blocks=num_blocks, act_bytes=act_bytes,
-                                 null_source=null_source, gate=gate, recompute=recompute, group_size=group_size))
+                                 null_source=null_source, gate=gate, recompute=recompute, group_size=group_size,
+                                 reductions=reductions))
+        reduce_u = reduction_u(reductions, gpu, tokens, shape["hidden_size"], act_bytes)
+        u += reduce_u
     router_s = u * tokens * shape["hidden_size"] * act_bytes / (bw * HBM_EFFICIENCY)
     return {"gpu": gpu, "shape": shape_name, "mode": mode, "backend": backend, "num_layers": L, "traffic_u": u,
+            "reduction_u": reduce_u,
             "gemm_ms": gemm_s * 1e3, "router_ms": router_s * 1e3, "router_share": router_s / (gemm_s + router_s),
             "tokens_per_sec_ratio": gemm_s / (gemm_s + router_s)}
 
