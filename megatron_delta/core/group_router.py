@@ -31,7 +31,8 @@ groups that sum is :class:`_FinalSum`: one pass on the C / Triton kernels (each 
 PyTorch's chain of adds on the PyTorch path), and in backward x's gradient seeds the sink of every source the
 groups read - by reference, no pass - so that each source keeps one autograd reader and autograd adds nothing; the
 first group pass to reach a seeded sink reads the seed as it writes the sink (one row more than a fresh write,
-instead of autograd's three). Where the scope's routers do not route in groups (S = 1, fla) x is summed as before.
+instead of autograd's three; on the C and Triton kernels one row per pass for all the sinks it seeds: the seed is
+the same tensor for every source). Where the scope's routers do not route in groups (S = 1, fla) x is summed as before.
 
 Groups are consecutive sublayers of one SourceBuffer's scope (its pipeline chunk, or the layers of one
 recompute chunk), anchored at the scope's first sublayer: they never cross a chunk or recompute boundary.
@@ -120,14 +121,20 @@ def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: b
       the old pass reads the n_g sources and the s G_k and updates the n_g sources' gradients;
 
     4 n_g + s (6 + unit + base) + unit + 2 s (s - 1) per group, less one per source read with a gradient (its
-    first gradient, the last reader's in forward order, is written, not updated) - none where x is handed out as
-    the sum of the sources in the same scope (unit; :class:`_FinalSum` seeds every sink, so each first gradient
-    adds the seed). ``null``: the null source's value gradient reads each G_k once more (s per group); its value
-    and the weight tables are [d] and [T]-sized and not counted."""
+    first gradient, the last reader's in forward order, is written, not updated). Where x is handed out as the sum
+    of the sources in the same scope (unit), :class:`_FinalSum` seeds every sink and each first gradient adds the
+    seed; the call that writes a sink first reads the seed once for all the sinks it writes first - the last
+    group's old pass (every older source) and its last merge (the group's other sources) - so less all but one of
+    those calls' seed reads instead. ``null``: the null source's value gradient reads each G_k once more (s per
+    group); its value and the weight tables are [d] and [T]-sized and not counted."""
     total, a = 0, 0
-    for s in _sizes(size, n_routers):
+    sizes = _sizes(size, n_routers)
+    for s in sizes:
         total += _group_passes(n_older + a, s, unit, base, null)
         a += s
+    if unit and sizes:
+        last = sizes[-1]
+        total -= (n_older + n_routers - last - 1) + max(0, last - 2)
     return total
 
 
@@ -155,13 +162,18 @@ def auto_group_sizes(n_routers: int, n_older: int) -> Sizes:
     """The groups of ``auto``: the split of ``n_routers`` consecutive routers (the first reads ``n_older``
     sources) into consecutive groups with the fewest counted passes (:func:`passes`; the only terms a split
     changes are 4 n_g per group, its old pass's sources read and their gradients, against 2 s (s - 1) in its
-    merges and one X per group), by dynamic programming over where each group starts. The sizes grow along
+    merges and one X per group, and the last group's seed reads), by dynamic programming over where each group
+    starts. The sizes grow along
     the scope; 1 where single routers are cheapest (one router per pass)."""
     n = n_routers
     best: List[Tuple[int, Tuple[int, ...]]] = [(0, ())] * (n + 1)  # best[a]: the routers a .. n - 1
+
+    def cost(a: int, s: int) -> int:  # group [a, a + s); the last one reads the final sum's seed once per call
+        last = (n_older + a - 1) + max(0, s - 2) if a + s == n else 0
+        return _group_passes(n_older + a, s) - last
+
     for a in range(n - 1, -1, -1):
-        best[a] = min((_group_passes(n_older + a, s) + best[a + s][0], (s,) + best[a + s][1])
-                      for s in range(1, n - a + 1))
+        best[a] = min((cost(a, s) + best[a + s][0], (s,) + best[a + s][1]) for s in range(1, n - a + 1))
     sizes = best[0][1]
     return 1 if all(s == 1 for s in sizes) else sizes
 
@@ -262,6 +274,19 @@ def _sink_add(sink: _Sink, grad: Tensor, dtype: torch.dtype, kernel: str) -> Non
     else:
         sink.grad.add_(grad)
         traffic.record(kernel, "backward", [sink.grad, grad], [sink.grad])
+
+
+def _once(tensors: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
+    """The tensors a kernel call reads, each once: the final sum's seed (x's gradient, the same tensor for every
+    source it seeds) is read by the call for all the sinks it seeds - per token (C) or per tile (Triton) one row,
+    the first from memory and the others from cache."""
+    seen, out = set(), []
+    for t in tensors:
+        if t is None or id(t) not in seen:
+            out.append(t)
+            if t is not None:
+                seen.add(id(t))
+    return out
 
 
 TRITON = "triton"  # _kernel_lib's answer for the Triton kernels (triton_group_kernels.py)
@@ -411,7 +436,7 @@ class _OldPass(torch.autograd.Function):
                 triton_group_kernels.old_backward(G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq, dnull)
             else:
                 group_kernels.old_backward(lib, G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq)
-            reads = [*flat, *G] + [t if sd is None else sd for t, f, sd in outs if t is not None and not f]
+            reads = [*flat, *G] + _once([t if sd is None else sd for t, f, sd in outs if t is not None and not f])
             traffic.record("group_old_pass", "backward", reads=reads, writes=[t for t, _, _ in outs if t is not None])
         else:
             for k, Gk in zip(ks, G):
@@ -609,7 +634,7 @@ class _Merge(torch.autograd.Function):
                 traffic.record("group_merge", "backward", [gv, vf], [gv])
                 _sink_add(ctx.sinks[i], gv, values[i].dtype, "group_merge")
         if lib is not None:  # the C loop reads each tensor once (the PyTorch ops above record their own passes)
-            acc = [targets[i][0] if targets[i][2] is None else targets[i][2] for i in needed]
+            acc = _once([targets[i][0] if targets[i][2] is None else targets[i][2] for i in needed])
             traffic.record("group_merge", "backward", reads=[grad, r, *flat] + acc,
                            writes=[outs[i][0] for i in needed])
         ctx.stash.grads[ctx.slot] = (grad_out, a[0] * gf)  # the group's backward reads G and gate * beta

@@ -391,11 +391,12 @@ class _Ledger:
             self.spans = group_router.group_spans(subs, self.group_size)
         return self.group_size != 1
 
-    def _touch(self, t, kernel):
+    def _touch(self, t, kernel, call):
+        """Source ``t`` read by group pass ``call`` (one kernel call) of ``kernel``: its gradient written there."""
         if self.grad:
             if t not in self._touches:
                 self.read(t)  # one autograd reader per source the scope's groups read (its _Collect alias)
-            self._touches.setdefault(t, []).append(kernel)
+            self._touches.setdefault(t, []).append((kernel, call))
 
     def _group_route(self, key, base, base_sums):
         """One router of a group: at the group's first router the pass over the older sources, then this
@@ -425,7 +426,7 @@ class _Ledger:
                           ("group_old_pass", "backward"): n * A + s * U + null_reads})
             self.reduce(s, _pow2(s) * (1 + int(self.null)))  # the S queries' (and null values') gradients
             for v in values:
-                self._touch(v, "group_old_pass")
+                self._touch(v, "group_old_pass", ("old", a_))
         inside = values[self._group:]
         if base is not None:
             self.read(base)
@@ -436,7 +437,7 @@ class _Ledger:
                       ("group_merge", "backward"): A + C + len(inside) * A})
         self.reduce(1, 1)  # the query's gradient
         for v in inside:
-            self._touch(v, "group_merge")
+            self._touch(v, "group_merge", ("merge", key))
         return self.new()
 
     def settle_groups(self):
@@ -446,9 +447,20 @@ class _Ledger:
         # later one is added into it (reads the sink and the fp32 gradient, writes the sink)
         first, later = ((_conv(self.c, self.a), 2 * self.a + self.c) if self.backend == "torch"
                         else (self.a, 2 * self.a))
-        for t, kernels in self._touches.items():  # a seeded sink's first pass adds the seed: as a later one
-            for i, kernel in enumerate(kernels):
-                self.totals[kernel, "backward"] += first if i == len(kernels) - 1 and t not in self._seeded else later
+        seed_reads = {}  # a kernel call that adds the seed to sinks it writes first -> its kernel
+        for t, passes in self._touches.items():
+            for i, (kernel, call) in enumerate(passes):
+                if i < len(passes) - 1:
+                    self.totals[kernel, "backward"] += later
+                elif t not in self._seeded:
+                    self.totals[kernel, "backward"] += first
+                elif self.backend == "torch":  # one add per sink: the seed and the gradient read, the sink written
+                    self.totals[kernel, "backward"] += later
+                else:  # C / Triton: the sink written; the call reads the seed once for all the sinks it seeds
+                    self.totals[kernel, "backward"] += first
+                    seed_reads[call] = kernel
+        for kernel in seed_reads.values():
+            self.totals[kernel, "backward"] += self.a
         self._touches, self._seeded = {}, set()
         for kernels in self._sink_writers.values():  # each writer but the first in backward (the last) adds in place
             for kernel in kernels[:-1]:
