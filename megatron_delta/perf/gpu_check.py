@@ -409,15 +409,19 @@ def _timed(env, fn, reps):
 
 def _rate(env, call, row_numel, reps, copy_gbps):
     """(b2): one call()'s counted bytes (core.traffic: the tensors of ``row_numel`` elements or more its kernels
-    read and write) over its time (_timed): ms, bytes, gbps, of_copy (the share of the copy rate)."""
-    from megatron_delta.core import traffic
+    read and write, and the Triton kernels' per-program partial sums, smaller but priced by the cost model too:
+    partial_bytes) over its time (_timed): ms, bytes, partial_bytes, gbps, of_copy (the share of the copy rate)."""
+    from megatron_delta.core import traffic, triton_router
 
     with traffic.counting() as count:
         call()
-    moved = sum(rd + wr for rd, wr in count.bytes(row_numel).values())
+    partial = sum(rd + wr for (kernel, _), (rd, wr) in count.bytes().items() if kernel == triton_router.REDUCE_KERNEL)
+    moved = partial + sum(rd + wr for (kernel, _), (rd, wr) in count.bytes(row_numel).items()
+                          if kernel != triton_router.REDUCE_KERNEL)
     seconds = _timed(env, call, reps)
     gbps = moved / seconds / 1e9
-    return {"ms": 1e3 * seconds, "bytes": moved, "gbps": gbps, "of_copy": gbps / copy_gbps, "ok": True}
+    return {"ms": 1e3 * seconds, "bytes": moved, "partial_bytes": partial, "gbps": gbps, "of_copy": gbps / copy_gbps,
+            "ok": True}
 
 
 def kernel_bandwidth(opts, env, kernel, shape_name, n_sources, copy_gbps, reps=20):
