@@ -21,6 +21,25 @@ static float dot(const float *restrict a, const float *restrict b, int64_t d) {
   return acc;
 }
 
+/* out[j] = <g, b_j> for four rows b_0..b_3 at once: g is read once for the four (the dot products of one output
+ * gradient with several sources are load-bound, two loads per multiply-add one at a time) */
+static void dot4(const float *restrict g, const float *restrict b0, const float *restrict b1,
+                 const float *restrict b2, const float *restrict b3, int64_t d, float *out) {
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t k = 0; k < d; ++k) {
+    const float gk = g[k];
+    s0 += gk * b0[k];
+    s1 += gk * b1[k];
+    s2 += gk * b2[k];
+    s3 += gk * b3[k];
+  }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
+}
+
 /* The old pass. Per token t, router k < S, source i < n (M = n + has_null, the null source last):
  *   inv_i = 1/sqrt(mean(v_i[t]^2) + eps)                    -> inv [n, T]
  *   z_ki = (v_i[t] . Q_k) inv_i, z_kn = null_logit_k        -> z [S, M, T]
@@ -42,7 +61,14 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
       for (int64_t c = 0; c < d; ++c) ss += vi[c] * vi[c];
       const float iv = 1.0f / sqrtf(ss / (float)d + eps);
       inv[(int64_t)i * T + t] = iv;
-      for (int k = 0; k < S; ++k) zt[k * M + i] = dot(vi, Q + (int64_t)k * d, d) * iv;
+      int k0 = 0;
+      for (; k0 + 4 <= S; k0 += 4) {
+        float zq[4];
+        dot4(vi, Q + (int64_t)k0 * d, Q + (int64_t)(k0 + 1) * d, Q + (int64_t)(k0 + 2) * d, Q + (int64_t)(k0 + 3) * d,
+             d, zq);
+        for (int k = k0; k < k0 + 4; ++k) zt[k * M + i] = zq[k - k0] * iv;
+      }
+      for (int k = k0; k < S; ++k) zt[k * M + i] = dot(vi, Q + (int64_t)k * d, d) * iv;
     }
     if (has_null)
       for (int k = 0; k < S; ++k) zt[k * M + n] = null_logit[k];
@@ -118,12 +144,18 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
         const float *gk = G[k] ? G[k] + t * d : NULL;
         const float wk = w[(int64_t)k * T + t];
         float s = 0.0f;
-        for (int i = 0; i < M; ++i) {
+        int i0 = 0;
+        if (gk)
+          for (; i0 + 4 <= n; i0 += 4) {
+            dot4(gk, v[i0] + t * d, v[i0 + 1] + t * d, v[i0 + 2] + t * d, v[i0 + 3] + t * d, d, dz + k * M + i0);
+            for (int i = i0; i < i0 + 4; ++i) dz[k * M + i] *= wk;
+          }
+        for (int i = i0; i < M; ++i) {
           float dp = 0.0f;
           if (gk) dp = wk * (i < n ? dot(gk, v[i] + t * d, d) : dot(gk, null_value + (int64_t)k * d, d));
           dz[k * M + i] = dp;
-          s += p[((int64_t)k * M + i) * T + t] * dp;
         }
+        for (int i = 0; i < M; ++i) s += p[((int64_t)k * M + i) * T + t] * dz[k * M + i];
         const float dl = dlse[(int64_t)k * T + t];
         for (int i = 0; i < M; ++i) {
           const int64_t it = ((int64_t)k * M + i) * T + t;
@@ -143,33 +175,41 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
         const float *restrict vi = v[i] + t * d;
         const float iv = inv[(int64_t)i * T + t];
         float e = 0.0f;
-        for (int k = 0; k < S; ++k) {
-          const float ck = dz[k * M + i] * iv;
-          e += dz[k * M + i] * z[((int64_t)k * M + i) * T + t];
-          float *restrict pk = part + (int64_t)k * d;
-          for (int64_t c = 0; c < d; ++c) pk[c] += ck * vi[c];
-        }
+        for (int k = 0; k < S; ++k) e += dz[k * M + i] * z[((int64_t)k * M + i) * T + t];
         e *= -iv * iv / (float)d;
         float *restrict o = target[i] ? target[i] + t * d : NULL;
-        if (!o) continue;
-        if (fresh[i] == 1) {
-          for (int64_t c = 0; c < d; ++c) o[c] = e * vi[c];
-        } else if (fresh[i] == 2) {
-          const float *si = seed[i] + t * d;
-          for (int64_t c = 0; c < d; ++c) o[c] = si[c] + e * vi[c];
-        } else {
-          for (int64_t c = 0; c < d; ++c) o[c] += e * vi[c];
+        if (o) {
+          if (fresh[i] == 1) {
+            for (int64_t c = 0; c < d; ++c) o[c] = e * vi[c];
+          } else if (fresh[i] == 2) {
+            const float *si = seed[i] + t * d;
+            for (int64_t c = 0; c < d; ++c) o[c] = si[c] + e * vi[c];
+          } else {
+            for (int64_t c = 0; c < d; ++c) o[c] += e * vi[c];
+          }
+          if (unit)
+            for (int64_t c = 0; c < d; ++c) o[c] += gsum[c];
         }
-        if (unit)
-          for (int64_t c = 0; c < d; ++c) o[c] += gsum[c];
+        /* one sweep per router: the query gradient's share and the source gradient's (its query and output
+         * gradient terms) in the same loop, so each row is read once per router, not once per term */
         for (int k = 0; k < S; ++k) {
           const float ck = dz[k * M + i] * iv;
+          float *restrict pk = part + (int64_t)k * d;
           const float *restrict qk = Q + (int64_t)k * d;
-          for (int64_t c = 0; c < d; ++c) o[c] += ck * qk[c];
-          if (G[k]) {
+          if (!o) {
+            for (int64_t c = 0; c < d; ++c) pk[c] += ck * vi[c];
+          } else if (G[k]) {
             const float a = w[(int64_t)k * T + t] * p[((int64_t)k * M + i) * T + t];
             const float *restrict gk = G[k] + t * d;
-            for (int64_t c = 0; c < d; ++c) o[c] += a * gk[c];
+            for (int64_t c = 0; c < d; ++c) {
+              pk[c] += ck * vi[c];
+              o[c] += ck * qk[c] + a * gk[c];
+            }
+          } else {
+            for (int64_t c = 0; c < d; ++c) {
+              pk[c] += ck * vi[c];
+              o[c] += ck * qk[c];
+            }
           }
         }
       }
@@ -217,14 +257,15 @@ void group_merge_forward(int64_t T, int64_t d, int k, const float *restrict r, c
     float *restrict o = out + t * d;
     const float *restrict rt = r + t * d;
     const float w0 = gate * l[0];
-    for (int64_t c = 0; c < d; ++c) o[c] = w0 * rt[c];
-    if (base) {
-      const float *restrict b = base + t * d;
-      for (int64_t c = 0; c < d; ++c) o[c] += b[c];
-    }
-    if (x) {
-      const float *restrict xt = x + t * d;
-      for (int64_t c = 0; c < d; ++c) o[c] += xt[c];
+    const float *restrict b = base ? base + t * d : NULL;
+    const float *restrict xt = x ? x + t * d : NULL;
+    if (b && xt) {
+      for (int64_t c = 0; c < d; ++c) o[c] = w0 * rt[c] + b[c] + xt[c];
+    } else if (b || xt) {
+      const float *restrict y = b ? b : xt;
+      for (int64_t c = 0; c < d; ++c) o[c] = w0 * rt[c] + y[c];
+    } else {
+      for (int64_t c = 0; c < d; ++c) o[c] = w0 * rt[c];
     }
     for (int i = 0; i < k; ++i) {
       const float wi = one + gate * l[1 + i];
@@ -256,8 +297,15 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
     for (int64_t t = blk * TB; t < t1; ++t) {
       const float *restrict g = grad + t * d;
       float s = 0.0f;
+      int j0 = 0;
+      for (; j0 + 4 <= k + 1; j0 += 4) {
+        const float *rows[4];
+        for (int j = j0; j < j0 + 4; ++j) rows[j - j0] = j == 0 ? r + t * d : v[j - 1] + t * d;
+        dot4(g, rows[0], rows[1], rows[2], rows[3], d, dl + j0);
+      }
+      for (int j = j0; j <= k; ++j) dl[j] = dot(g, j == 0 ? r + t * d : v[j - 1] + t * d, d);
       for (int j = 0; j <= k; ++j) {
-        const float dj = dot(g, j == 0 ? r + t * d : v[j - 1] + t * d, d);
+        const float dj = dl[j];
         da_out[(int64_t)j * T + t] = dj;
         dl[j] = gate * dj;
         s += a[(int64_t)j * T + t] * dl[j];
@@ -270,17 +318,29 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
         const float *restrict vi = v[i] + t * d;
         const float iv = inv[(int64_t)i * T + t];
         const float c = dl[1 + i] * iv, e = -dl[1 + i] * z[(int64_t)i * T + t] * iv * iv / (float)d;
-        for (int64_t cc = 0; cc < d; ++cc) part[cc] += c * vi[cc];
         float *restrict o = target[i] ? target[i] + t * d : NULL;
-        if (!o) continue;
+        if (!o) {
+          for (int64_t cc = 0; cc < d; ++cc) part[cc] += c * vi[cc];
+          continue;
+        }
+        /* the query gradient's share in the same sweep as the source's gradient (v_i read once) */
         const float wi = one + gate * a[(int64_t)(1 + i) * T + t];
         if (fresh[i] == 1) {
-          for (int64_t cc = 0; cc < d; ++cc) o[cc] = wi * g[cc] + c * q[cc] + e * vi[cc];
+          for (int64_t cc = 0; cc < d; ++cc) {
+            part[cc] += c * vi[cc];
+            o[cc] = wi * g[cc] + c * q[cc] + e * vi[cc];
+          }
         } else if (fresh[i] == 2) {
           const float *si = seed[i] + t * d;
-          for (int64_t cc = 0; cc < d; ++cc) o[cc] = si[cc] + wi * g[cc] + c * q[cc] + e * vi[cc];
+          for (int64_t cc = 0; cc < d; ++cc) {
+            part[cc] += c * vi[cc];
+            o[cc] = si[cc] + wi * g[cc] + c * q[cc] + e * vi[cc];
+          }
         } else {
-          for (int64_t cc = 0; cc < d; ++cc) o[cc] += wi * g[cc] + c * q[cc] + e * vi[cc];
+          for (int64_t cc = 0; cc < d; ++cc) {
+            part[cc] += c * vi[cc];
+            o[cc] += wi * g[cc] + c * q[cc] + e * vi[cc];
+          }
         }
       }
     }
