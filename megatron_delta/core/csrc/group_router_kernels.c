@@ -86,17 +86,27 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
         p[it] = zk[i] = expf(zk[i] - l);  /* zt now holds p */
       }
     }
+    /* r_k = sum_i p_ki v_i: four sources per sweep of r_k (r_k read and written once for the four) */
+    for (int k = 0; k < S; ++k) {
+      float *restrict rk = r[k] + t * d;
+      const float *pk = zt + k * M;
+      const float *restrict v0 = v[0] + t * d;
+      for (int64_t c = 0; c < d; ++c) rk[c] = pk[0] * v0[c];
+      int i0 = 1;
+      for (; i0 + 4 <= n; i0 += 4) {
+        const float *restrict a0 = v[i0] + t * d, *restrict a1 = v[i0 + 1] + t * d, *restrict a2 = v[i0 + 2] + t * d,
+                          *restrict a3 = v[i0 + 3] + t * d;
+        const float w0 = pk[i0], w1 = pk[i0 + 1], w2 = pk[i0 + 2], w3 = pk[i0 + 3];
+        for (int64_t c = 0; c < d; ++c) rk[c] += w0 * a0[c] + w1 * a1[c] + w2 * a2[c] + w3 * a3[c];
+      }
+      for (int i = i0; i < n; ++i) {
+        const float *restrict vi = v[i] + t * d;
+        const float w = pk[i];
+        for (int64_t c = 0; c < d; ++c) rk[c] += w * vi[c];
+      }
+    }
     for (int i = 0; i < n; ++i) {
       const float *restrict vi = v[i] + t * d;
-      for (int k = 0; k < S; ++k) {
-        float *restrict rk = r[k] + t * d;
-        const float pk = zt[k * M + i];
-        if (i == 0) {
-          for (int64_t c = 0; c < d; ++c) rk[c] = pk * vi[c];
-        } else {
-          for (int64_t c = 0; c < d; ++c) rk[c] += pk * vi[c];
-        }
-      }
       if (x) {
         float *restrict xt = x + t * d;
         if (i == 0) {
@@ -137,6 +147,7 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
     float *restrict part = dq_part + blk * (int64_t)S * d;
     for (int64_t c = 0; c < (int64_t)S * d; ++c) part[c] = 0.0f;
     float dz[S * M];
+    float cf[S * n > 0 ? S * n : 1], af[S * n > 0 ? S * n : 1];
     float gsum[unit ? d : 1];
     const int64_t t1 = (blk + 1) * TB < T ? (blk + 1) * TB : T;
     for (int64_t t = blk * TB; t < t1; ++t) {
@@ -171,46 +182,62 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
             for (int64_t c = 0; c < d; ++c) gsum[c] += gk[c];
           }
       }
+      /* per (router k, source i): c_ki = dz_ki inv_i (query terms) and a_ki = w_k p_ki (output gradient terms) */
+      for (int k = 0; k < S; ++k)
+        for (int i = 0; i < n; ++i) {
+          cf[k * n + i] = dz[k * M + i] * inv[(int64_t)i * T + t];
+          af[k * n + i] = G[k] ? w[(int64_t)k * T + t] * p[((int64_t)k * M + i) * T + t] : 0.0f;
+        }
+      /* the query gradients: part_k += sum_i c_ki v_i, four sources per sweep of part_k */
+      for (int k = 0; k < S; ++k) {
+        float *restrict pk = part + (int64_t)k * d;
+        const float *ck = cf + k * n;
+        int i0 = 0;
+        for (; i0 + 4 <= n; i0 += 4) {
+          const float *restrict a0 = v[i0] + t * d, *restrict a1 = v[i0 + 1] + t * d,
+                            *restrict a2 = v[i0 + 2] + t * d, *restrict a3 = v[i0 + 3] + t * d;
+          const float c0 = ck[i0], c1 = ck[i0 + 1], c2 = ck[i0 + 2], c3 = ck[i0 + 3];
+          for (int64_t c = 0; c < d; ++c) pk[c] += c0 * a0[c] + c1 * a1[c] + c2 * a2[c] + c3 * a3[c];
+        }
+        for (int i = i0; i < n; ++i) {
+          const float *restrict vi = v[i] + t * d;
+          const float c0 = ck[i];
+          for (int64_t c = 0; c < d; ++c) pk[c] += c0 * vi[c];
+        }
+      }
+      /* each source's gradient: e_i v_i (+ seed, + the sum of the G_k) + sum_k (c_ki Q_k + a_ki G_k), two routers
+       * per sweep of the target */
       for (int i = 0; i < n; ++i) {
+        float *restrict o = target[i] ? target[i] + t * d : NULL;
+        if (!o) continue;
         const float *restrict vi = v[i] + t * d;
         const float iv = inv[(int64_t)i * T + t];
         float e = 0.0f;
         for (int k = 0; k < S; ++k) e += dz[k * M + i] * z[((int64_t)k * M + i) * T + t];
         e *= -iv * iv / (float)d;
-        float *restrict o = target[i] ? target[i] + t * d : NULL;
-        if (o) {
-          if (fresh[i] == 1) {
-            for (int64_t c = 0; c < d; ++c) o[c] = e * vi[c];
-          } else if (fresh[i] == 2) {
-            const float *si = seed[i] + t * d;
-            for (int64_t c = 0; c < d; ++c) o[c] = si[c] + e * vi[c];
-          } else {
-            for (int64_t c = 0; c < d; ++c) o[c] += e * vi[c];
-          }
-          if (unit)
-            for (int64_t c = 0; c < d; ++c) o[c] += gsum[c];
+        const float u1 = unit ? 1.0f : 0.0f;
+        const float *restrict gs = unit ? gsum : vi;  /* without unit: u1 = 0, any valid row */
+        if (fresh[i] == 1) {
+          for (int64_t c = 0; c < d; ++c) o[c] = e * vi[c] + u1 * gs[c];
+        } else if (fresh[i] == 2) {
+          const float *restrict si = seed[i] + t * d;
+          for (int64_t c = 0; c < d; ++c) o[c] = si[c] + e * vi[c] + u1 * gs[c];
+        } else {
+          for (int64_t c = 0; c < d; ++c) o[c] += e * vi[c] + u1 * gs[c];
         }
-        /* one sweep per router: the query gradient's share and the source gradient's (its query and output
-         * gradient terms) in the same loop, so each row is read once per router, not once per term */
-        for (int k = 0; k < S; ++k) {
-          const float ck = dz[k * M + i] * iv;
-          float *restrict pk = part + (int64_t)k * d;
-          const float *restrict qk = Q + (int64_t)k * d;
-          if (!o) {
-            for (int64_t c = 0; c < d; ++c) pk[c] += ck * vi[c];
-          } else if (G[k]) {
-            const float a = w[(int64_t)k * T + t] * p[((int64_t)k * M + i) * T + t];
-            const float *restrict gk = G[k] + t * d;
-            for (int64_t c = 0; c < d; ++c) {
-              pk[c] += ck * vi[c];
-              o[c] += ck * qk[c] + a * gk[c];
-            }
-          } else {
-            for (int64_t c = 0; c < d; ++c) {
-              pk[c] += ck * vi[c];
-              o[c] += ck * qk[c];
-            }
-          }
+        int k0 = 0;
+        for (; k0 + 2 <= S; k0 += 2) {
+          const float c0 = cf[k0 * n + i], c1 = cf[(k0 + 1) * n + i];
+          const float a0 = af[k0 * n + i], a1 = af[(k0 + 1) * n + i];
+          const float *restrict q0 = Q + (int64_t)k0 * d, *restrict q1 = q0 + d;
+          const float *restrict g0 = G[k0] ? G[k0] + t * d : q0, *restrict g1 = G[k0 + 1] ? G[k0 + 1] + t * d : q1;
+          for (int64_t c = 0; c < d; ++c) o[c] += c0 * q0[c] + a0 * g0[c] + c1 * q1[c] + a1 * g1[c];
+        }
+        for (int k = k0; k < S; ++k) {
+          const float c0 = cf[k * n + i], a0 = af[k * n + i];
+          const float *restrict q0 = Q + (int64_t)k * d;
+          const float *restrict g0 = G[k] ? G[k] + t * d : q0;
+          for (int64_t c = 0; c < d; ++c) o[c] += c0 * q0[c] + a0 * g0[c];
         }
       }
     }
@@ -267,7 +294,15 @@ void group_merge_forward(int64_t T, int64_t d, int k, const float *restrict r, c
     } else {
       for (int64_t c = 0; c < d; ++c) o[c] = w0 * rt[c];
     }
-    for (int i = 0; i < k; ++i) {
+    int i0 = 0;
+    for (; i0 + 4 <= k; i0 += 4) {  /* four in-group sources per sweep of out */
+      const float w0 = one + gate * l[1 + i0], w1 = one + gate * l[2 + i0], w2 = one + gate * l[3 + i0],
+                  w3 = one + gate * l[4 + i0];
+      const float *restrict a0 = v[i0] + t * d, *restrict a1 = v[i0 + 1] + t * d, *restrict a2 = v[i0 + 2] + t * d,
+                        *restrict a3 = v[i0 + 3] + t * d;
+      for (int64_t c = 0; c < d; ++c) o[c] += w0 * a0[c] + w1 * a1[c] + w2 * a2[c] + w3 * a3[c];
+    }
+    for (int i = i0; i < k; ++i) {
       const float wi = one + gate * l[1 + i];
       const float *restrict vi = v[i] + t * d;
       for (int64_t c = 0; c < d; ++c) o[c] += wi * vi[c];
