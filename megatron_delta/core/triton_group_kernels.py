@@ -21,7 +21,11 @@ gradients are [S, hidden] / [tokens, S, hidden] tiles (S padded to a power of tw
 - merge backward: as the per-router kernel's backward over (r_k, in-group sources), each in-group gradient
   into its sink in place.
 
-The source, gradient and target tables are pointer tables (int64 device tensors), as triton_router.py's.
+The source, gradient and target tables are pointer tables (int64 device tensors), as triton_router.py's. The
+number of sources a kernel loops over (N: the older sources of the old pass; K: a merge's in-group sources) is a
+runtime loop bound, not a compile-time constant, so one compiled kernel serves every group of a run whatever its
+position (a constant N compiled a variant per group, with its loop unrolled up to 2L times); S, the group size,
+is a dimension of the tiles and stays a constant.
 """
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ def _build():
 
     @triton.jit
     def _old_forward(src_ptrs, q_ptr, null_logit_ptr, null_ptr, inv_ptr, z_ptr, lse_ptr, r_ptr, x_ptr, T, d, eps,
-                     N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
+                     N, M, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
                      UNIT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
@@ -79,7 +83,6 @@ def _build():
         tk_mask = rmask[:, None] & kmask[None, :]  # [BT, SP]
         kd_mask = kmask[:, None] & cmask[None, :]  # [SP, BD]
         offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
-        M = N + HAS_NULL
         Q = tl.load(q_ptr + ks[:, None] * d + cols[None, :], mask=kd_mask, other=0.0)  # [SP, BD]
         if HAS_NULL:  # each router's null source starts its online softmax: max = its logit, sum = 1, mix = z_k
             zl = tl.load(null_logit_ptr + ks, mask=kmask, other=0.0)
@@ -93,7 +96,7 @@ def _build():
             s = tl.zeros((BT, SP), tl.float32)
             acc = tl.zeros((BT, SP, BD), tl.float32)
         total = tl.zeros((BT, BD), tl.float32)
-        for i in tl.static_range(N):
+        for i in range(N):
             src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
             v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(v * v, 1) / d + eps)
@@ -117,14 +120,13 @@ def _build():
     @triton.jit
     def _old_backward(g_ptrs, g_flag_ptr, w_ptr, dlse_ptr, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flag_ptr, inv_ptr, z_ptr,
                       p_ptr, q_ptr, null_ptr, dz_ptr, part_q_ptr, part_null_ptr, T, d,
-                      N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
+                      N, M, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
                       UNIT: tl.constexpr, DT: tl.constexpr, GDT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         pid = tl.program_id(0)  # persistent (triton_router.reducing_programs): tiles pid, pid + programs, ...
         cols = tl.arange(0, BD)
         ks = tl.arange(0, SP)
         cmask, kmask = cols < d, ks < S
         kd_mask = kmask[:, None] & cmask[None, :]
-        M = N + HAS_NULL
         Q = tl.load(q_ptr + ks[:, None] * d + cols[None, :], mask=kd_mask, other=0.0)
         dq = tl.zeros((SP, BD), tl.float32)
         null_acc = tl.zeros((SP, BD), tl.float32)
@@ -146,7 +148,7 @@ def _build():
             dlse = tl.load(dlse_ptr + ks[None, :] * T + rows[:, None], mask=tk_mask, other=0.0)
             # loop 1: s_k = sum_i p_ki dp_ki, dp_ki = w_k <G_k, v_i>
             sdp = tl.zeros((BT, SP), tl.float32)
-            for i in tl.static_range(N):
+            for i in range(N):
                 src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
                 p_i = tl.load(p_ptr + (ks[None, :] * M + i) * T + rows[:, None], mask=tk_mask, other=0.0)
@@ -159,7 +161,7 @@ def _build():
                 null_acc += tl.sum((w * p_n)[:, :, None] * G, 0)  # [SP, BD]: the null values' gradients
             gsum = tl.sum(G, 1)  # [BT, BD]: x = the sum of the sources passes each G_k to every older source
             # loop 2: dz, the query gradients, each source's gradient into its sink
-            for i in tl.static_range(N):
+            for i in range(N):
                 src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
                 tab = (ks[None, :] * M + i) * T + rows[:, None]
@@ -185,7 +187,7 @@ def _build():
 
     @triton.jit
     def _merge_forward(r_ptr, lse_ptr, x_ptr, base_ptr, gate_ptr, q_ptr, src_ptrs, inv_ptr, z_ptr, a_ptr, out_ptr,
-                       T, d, eps, K: tl.constexpr, HAS_X: tl.constexpr, HAS_BASE: tl.constexpr,
+                       T, d, eps, K, HAS_X: tl.constexpr, HAS_BASE: tl.constexpr,
                        HAS_GATE: tl.constexpr, UNIT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr,
                        BD: tl.constexpr):
         pid = tl.program_id(0)
@@ -200,7 +202,7 @@ def _build():
         s = tl.zeros((BT,), tl.float32) + 1.0
         acc = tl.load(r_ptr + offs, mask=mask, other=0.0)
         total = tl.zeros((BT, BD), tl.float32)
-        for i in tl.static_range(K):
+        for i in range(K):
             src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
             v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(v * v, 1) / d + eps)
@@ -226,13 +228,13 @@ def _build():
             res += total
         tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(a_ptr + rows, tl.exp(lse - m) / s, mask=rmask)  # beta, then the in-group weights
-        for i in tl.static_range(K):
+        for i in range(K):
             z = tl.load(z_ptr + i * T + rows, mask=rmask, other=0.0)
             tl.store(a_ptr + (1 + i) * T + rows, tl.exp(z - m) / s, mask=rmask)
 
     @triton.jit
     def _merge_backward(grad_ptr, r_ptr, gate_ptr, q_ptr, src_ptrs, tgt_ptrs, acc_ptrs, flag_ptr, inv_ptr, z_ptr, a_ptr,
-                        da_ptr, dlog_ptr, part_q_ptr, T, d, K: tl.constexpr, UNIT: tl.constexpr,
+                        da_ptr, dlog_ptr, part_q_ptr, T, d, K, UNIT: tl.constexpr,
                         HAS_GATE: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         pid = tl.program_id(0)  # persistent (triton_router.reducing_programs): tiles pid, pid + programs, ...
         cols = tl.arange(0, BD)
@@ -253,7 +255,7 @@ def _build():
             a0 = tl.load(a_ptr + rows, mask=rmask, other=0.0)
             tl.store(da_ptr + rows, da0, mask=rmask)
             s = a0 * gate * da0
-            for i in tl.static_range(K):
+            for i in range(K):
                 src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
                 da = tl.sum(g * v, 1)
@@ -261,7 +263,7 @@ def _build():
                 s += tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0) * gate * da
             tl.store(dlog_ptr + rows, a0 * (gate * da0 - s), mask=rmask)  # d lse_k
             # loop 2: each in-group source's gradient into its sink, the query's per program
-            for i in tl.static_range(K):
+            for i in range(K):
                 src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
                 a = tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0)
@@ -284,14 +286,14 @@ def _build():
         tl.store(part_q_ptr + pid * BD + cols, dq)
 
     @triton.jit
-    def _final_sum(src_ptrs, x_ptr, T, d, N: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    def _final_sum(src_ptrs, x_ptr, T, d, N, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
         cols = tl.arange(0, BD)
         mask = (rows < T)[:, None] & (cols < d)[None, :]
         offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
         total = tl.zeros((BT, BD), tl.float32)
-        for i in tl.static_range(N):
+        for i in range(N):
             src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
             total += tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(x_ptr + offs, total.to(DT), mask=mask)
@@ -346,7 +348,8 @@ def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Op
     nl = null_logits.float().contiguous() if has_null else Qf
     nv = null_values.float().contiguous() if has_null else Qf
     fwd[(_cdiv(T, bt),)](_table(values, values[0]), Qf, nl, nv, inv, z, lse, r, x if x is not None else r, T, d,
-                         float(eps), N=len(values), S=S, SP=sp, HAS_NULL=has_null, UNIT=x is not None,
+                         float(eps), N=len(values), M=len(values) + int(has_null), S=S, SP=sp, HAS_NULL=has_null,
+                         UNIT=x is not None,
                          DT=triton_router._tl_dtype(values[0].dtype), BT=bt, BD=bd, num_warps=warps)
     torch.exp(z - lse.unsqueeze(1), out=p)  # the softmax weights, from the logits and lse ([S, M, T]: small)
 
@@ -378,7 +381,8 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
                      w, dlse, _table(values, values[0]), _table([t for t, _, _ in targets], values[0]),
                      _table(accs, values[0]), _flags(flags, dev), inv, z, p, Qf,
                      null_values.float().contiguous() if has_null else Qf, dz,
-                     part_q, part_null, T, d, N=len(values), S=S, SP=sp, HAS_NULL=has_null, UNIT=bool(unit),
+                     part_q, part_null, T, d, N=len(values), M=len(values) + int(has_null), S=S, SP=sp,
+                     HAS_NULL=has_null, UNIT=bool(unit),
                      DT=triton_router._tl_dtype(values[0].dtype),
                      GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, num_warps=warps)
     _record_partials([part_q, part_null if has_null else None])
