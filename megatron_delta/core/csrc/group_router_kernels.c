@@ -40,6 +40,24 @@ static void dot4(const float *restrict g, const float *restrict b0, const float 
   out[3] = s3;
 }
 
+/* out[0:d] += sum_{i in [from, to)} w[i] v[i][off : off + d], four rows per sweep of out (out read and written once
+ * for four rows: one output row per loop, which the compiler vectorises) */
+static void add_rows(float *restrict out, const float *const *v, const float *w, int from, int to, int64_t off,
+                     int64_t d) {
+  int i = from;
+  for (; i + 4 <= to; i += 4) {
+    const float *restrict a0 = v[i] + off, *restrict a1 = v[i + 1] + off, *restrict a2 = v[i + 2] + off,
+                      *restrict a3 = v[i + 3] + off;
+    const float w0 = w[i], w1 = w[i + 1], w2 = w[i + 2], w3 = w[i + 3];
+    for (int64_t c = 0; c < d; ++c) out[c] += w0 * a0[c] + w1 * a1[c] + w2 * a2[c] + w3 * a3[c];
+  }
+  for (; i < to; ++i) {
+    const float *restrict a0 = v[i] + off;
+    const float w0 = w[i];
+    for (int64_t c = 0; c < d; ++c) out[c] += w0 * a0[c];
+  }
+}
+
 /* The old pass. Per token t, router k < S, source i < n (M = n + has_null, the null source last):
  *   inv_i = 1/sqrt(mean(v_i[t]^2) + eps)                    -> inv [n, T]
  *   z_ki = (v_i[t] . Q_k) inv_i, z_kn = null_logit_k        -> z [S, M, T]
@@ -92,18 +110,7 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
       const float *pk = zt + k * M;
       const float *restrict v0 = v[0] + t * d;
       for (int64_t c = 0; c < d; ++c) rk[c] = pk[0] * v0[c];
-      int i0 = 1;
-      for (; i0 + 4 <= n; i0 += 4) {
-        const float *restrict a0 = v[i0] + t * d, *restrict a1 = v[i0 + 1] + t * d, *restrict a2 = v[i0 + 2] + t * d,
-                          *restrict a3 = v[i0 + 3] + t * d;
-        const float w0 = pk[i0], w1 = pk[i0 + 1], w2 = pk[i0 + 2], w3 = pk[i0 + 3];
-        for (int64_t c = 0; c < d; ++c) rk[c] += w0 * a0[c] + w1 * a1[c] + w2 * a2[c] + w3 * a3[c];
-      }
-      for (int i = i0; i < n; ++i) {
-        const float *restrict vi = v[i] + t * d;
-        const float w = pk[i];
-        for (int64_t c = 0; c < d; ++c) rk[c] += w * vi[c];
-      }
+      add_rows(rk, v, pk, 1, n, t * d, d);
     }
     for (int i = 0; i < n; ++i) {
       const float *restrict vi = v[i] + t * d;
@@ -189,22 +196,7 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
           af[k * n + i] = G[k] ? w[(int64_t)k * T + t] * p[((int64_t)k * M + i) * T + t] : 0.0f;
         }
       /* the query gradients: part_k += sum_i c_ki v_i, four sources per sweep of part_k */
-      for (int k = 0; k < S; ++k) {
-        float *restrict pk = part + (int64_t)k * d;
-        const float *ck = cf + k * n;
-        int i0 = 0;
-        for (; i0 + 4 <= n; i0 += 4) {
-          const float *restrict a0 = v[i0] + t * d, *restrict a1 = v[i0 + 1] + t * d,
-                            *restrict a2 = v[i0 + 2] + t * d, *restrict a3 = v[i0 + 3] + t * d;
-          const float c0 = ck[i0], c1 = ck[i0 + 1], c2 = ck[i0 + 2], c3 = ck[i0 + 3];
-          for (int64_t c = 0; c < d; ++c) pk[c] += c0 * a0[c] + c1 * a1[c] + c2 * a2[c] + c3 * a3[c];
-        }
-        for (int i = i0; i < n; ++i) {
-          const float *restrict vi = v[i] + t * d;
-          const float c0 = ck[i];
-          for (int64_t c = 0; c < d; ++c) pk[c] += c0 * vi[c];
-        }
-      }
+      for (int k = 0; k < S; ++k) add_rows(part + (int64_t)k * d, v, cf + k * n, 0, n, t * d, d);
       /* each source's gradient: e_i v_i (+ seed, + the sum of the G_k) + sum_k (c_ki Q_k + a_ki G_k), two routers
        * per sweep of the target */
       for (int i = 0; i < n; ++i) {
@@ -294,19 +286,8 @@ void group_merge_forward(int64_t T, int64_t d, int k, const float *restrict r, c
     } else {
       for (int64_t c = 0; c < d; ++c) o[c] = w0 * rt[c];
     }
-    int i0 = 0;
-    for (; i0 + 4 <= k; i0 += 4) {  /* four in-group sources per sweep of out */
-      const float w0 = one + gate * l[1 + i0], w1 = one + gate * l[2 + i0], w2 = one + gate * l[3 + i0],
-                  w3 = one + gate * l[4 + i0];
-      const float *restrict a0 = v[i0] + t * d, *restrict a1 = v[i0 + 1] + t * d, *restrict a2 = v[i0 + 2] + t * d,
-                        *restrict a3 = v[i0 + 3] + t * d;
-      for (int64_t c = 0; c < d; ++c) o[c] += w0 * a0[c] + w1 * a1[c] + w2 * a2[c] + w3 * a3[c];
-    }
-    for (int i = i0; i < k; ++i) {
-      const float wi = one + gate * l[1 + i];
-      const float *restrict vi = v[i] + t * d;
-      for (int64_t c = 0; c < d; ++c) o[c] += wi * vi[c];
-    }
+    for (int i = 0; i < k; ++i) l[1 + i] = one + gate * l[1 + i];  /* each in-group source's weight in u */
+    add_rows(o, v, l + 1, 0, k, t * d, d);
   }
 }
 
