@@ -14,34 +14,57 @@
 
 enum { TB = 64 };
 
-static float dot(const float *restrict a, const float *restrict b, int64_t d) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t k = 0; k < d; ++k) acc += a[k] * b[k];
-  return acc;
+/* Dot products over LANES partial sums (lane l sums the elements k = l mod LANES, in order), then the lanes in
+ * order: dot() and dot4() do exactly this arithmetic, so a product has the same bits whichever computes it - the
+ * same pair of rows gives the same logit or gradient whatever group it falls in (the parallel layouts cut the
+ * groups differently). LANES independent sums also keep the vector units busy. */
+enum { LANES = 32 };
+
+static float lanes_sum(const float *acc) {
+  float s = 0.0f;
+  for (int l = 0; l < LANES; ++l) s += acc[l];
+  return s;
 }
 
-/* out[j] = <g, b_j> for four rows b_0..b_3 at once: g is read once for the four (the dot products of one output
- * gradient with several sources are load-bound, two loads per multiply-add one at a time) */
+static float dot(const float *restrict a, const float *restrict b, int64_t d) {
+  float acc[LANES] = {0.0f};
+  int64_t k = 0;
+  for (; k + LANES <= d; k += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] += a[k + l] * b[k + l];
+  for (int l = 0; k + l < d; ++l) acc[l] += a[k + l] * b[k + l];
+  return lanes_sum(acc);
+}
+
+/* out[j] = <g, b_j> for four rows b_0..b_3 at once, each exactly as dot() computes it: g is read once for the four
+ * (the dot products of one output gradient with several sources are load-bound one at a time) */
 static void dot4(const float *restrict g, const float *restrict b0, const float *restrict b1,
                  const float *restrict b2, const float *restrict b3, int64_t d, float *out) {
-  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t k = 0; k < d; ++k) {
-    const float gk = g[k];
-    s0 += gk * b0[k];
-    s1 += gk * b1[k];
-    s2 += gk * b2[k];
-    s3 += gk * b3[k];
+  float s0[LANES] = {0.0f}, s1[LANES] = {0.0f}, s2[LANES] = {0.0f}, s3[LANES] = {0.0f};
+  int64_t k = 0;
+  for (; k + LANES <= d; k += LANES)
+    for (int l = 0; l < LANES; ++l) {
+      const float gk = g[k + l];
+      s0[l] += gk * b0[k + l];
+      s1[l] += gk * b1[k + l];
+      s2[l] += gk * b2[k + l];
+      s3[l] += gk * b3[k + l];
+    }
+  for (int l = 0; k + l < d; ++l) {
+    const float gk = g[k + l];
+    s0[l] += gk * b0[k + l];
+    s1[l] += gk * b1[k + l];
+    s2[l] += gk * b2[k + l];
+    s3[l] += gk * b3[k + l];
   }
-  out[0] = s0;
-  out[1] = s1;
-  out[2] = s2;
-  out[3] = s3;
+  out[0] = lanes_sum(s0);
+  out[1] = lanes_sum(s1);
+  out[2] = lanes_sum(s2);
+  out[3] = lanes_sum(s3);
 }
 
 /* out[0:d] += sum_{i in [from, to)} w[i] v[i][off : off + d], four rows per sweep of out (out read and written once
- * for four rows: one output row per loop, which the compiler vectorises) */
+ * for four rows: one output row per loop, which the compiler vectorises), added one row after the other as a loop
+ * over the rows would: the same bits however the rows fall into sweeps */
 static void add_rows(float *restrict out, const float *const *v, const float *w, int from, int to, int64_t off,
                      int64_t d) {
   int i = from;
@@ -49,7 +72,7 @@ static void add_rows(float *restrict out, const float *const *v, const float *w,
     const float *restrict a0 = v[i] + off, *restrict a1 = v[i + 1] + off, *restrict a2 = v[i + 2] + off,
                       *restrict a3 = v[i + 3] + off;
     const float w0 = w[i], w1 = w[i + 1], w2 = w[i + 2], w3 = w[i + 3];
-    for (int64_t c = 0; c < d; ++c) out[c] += w0 * a0[c] + w1 * a1[c] + w2 * a2[c] + w3 * a3[c];
+    for (int64_t c = 0; c < d; ++c) out[c] = (((out[c] + w0 * a0[c]) + w1 * a1[c]) + w2 * a2[c]) + w3 * a3[c];
   }
   for (; i < to; ++i) {
     const float *restrict a0 = v[i] + off;
@@ -215,7 +238,7 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
           const float *restrict si = seed[i] + t * d;
           for (int64_t c = 0; c < d; ++c) o[c] = si[c] + e * vi[c] + u1 * gs[c];
         } else {
-          for (int64_t c = 0; c < d; ++c) o[c] += e * vi[c] + u1 * gs[c];
+          for (int64_t c = 0; c < d; ++c) o[c] = (o[c] + e * vi[c]) + u1 * gs[c];
         }
         int k0 = 0;
         for (; k0 + 2 <= S; k0 += 2) {
@@ -223,13 +246,13 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
           const float a0 = af[k0 * n + i], a1 = af[(k0 + 1) * n + i];
           const float *restrict q0 = Q + (int64_t)k0 * d, *restrict q1 = q0 + d;
           const float *restrict g0 = G[k0] ? G[k0] + t * d : q0, *restrict g1 = G[k0 + 1] ? G[k0 + 1] + t * d : q1;
-          for (int64_t c = 0; c < d; ++c) o[c] += c0 * q0[c] + a0 * g0[c] + c1 * q1[c] + a1 * g1[c];
+          for (int64_t c = 0; c < d; ++c) o[c] = (((o[c] + c0 * q0[c]) + a0 * g0[c]) + c1 * q1[c]) + a1 * g1[c];
         }
         for (int k = k0; k < S; ++k) {
           const float c0 = cf[k * n + i], a0 = af[k * n + i];
           const float *restrict q0 = Q + (int64_t)k * d;
           const float *restrict g0 = G[k] ? G[k] + t * d : q0;
-          for (int64_t c = 0; c < d; ++c) o[c] += c0 * q0[c] + a0 * g0[c];
+          for (int64_t c = 0; c < d; ++c) o[c] = (o[c] + c0 * q0[c]) + a0 * g0[c];
         }
       }
     }
