@@ -62,6 +62,14 @@ static void dot4(const float *restrict g, const float *restrict b0, const float 
   out[3] = lanes_sum(s3);
 }
 
+/* out[i] = <g, rows[i] + off> for i < n: four rows per sweep of g (dot4), the rest one by one (dot) - the same
+ * bits either way */
+static void dots(const float *restrict g, const float *const *rows, int64_t off, int n, int64_t d, float *out) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) dot4(g, rows[i] + off, rows[i + 1] + off, rows[i + 2] + off, rows[i + 3] + off, d, out + i);
+  for (; i < n; ++i) out[i] = dot(g, rows[i] + off, d);
+}
+
 /* out[0:d] += sum_{i in [from, to)} w[i] v[i][off : off + d], four rows per sweep of out (out read and written once
  * for four rows: one output row per loop, which the compiler vectorises), added one row after the other as a loop
  * over the rows would: the same bits however the rows fall into sweeps */
@@ -92,6 +100,8 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
                        float *restrict inv, float *restrict z, float *restrict p, float *restrict lse,
                        float *const *r, float *restrict x, int threads) {
   const int M = n + (has_null != 0);
+  const float *qrows[S];
+  for (int k = 0; k < S; ++k) qrows[k] = Q + (int64_t)k * d;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < T; ++t) {
     float zt[S * M];
@@ -102,14 +112,9 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
       for (int64_t c = 0; c < d; ++c) ss += vi[c] * vi[c];
       const float iv = 1.0f / sqrtf(ss / (float)d + eps);
       inv[(int64_t)i * T + t] = iv;
-      int k0 = 0;
-      for (; k0 + 4 <= S; k0 += 4) {
-        float zq[4];
-        dot4(vi, Q + (int64_t)k0 * d, Q + (int64_t)(k0 + 1) * d, Q + (int64_t)(k0 + 2) * d, Q + (int64_t)(k0 + 3) * d,
-             d, zq);
-        for (int k = k0; k < k0 + 4; ++k) zt[k * M + i] = zq[k - k0] * iv;
-      }
-      for (int k = k0; k < S; ++k) zt[k * M + i] = dot(vi, Q + (int64_t)k * d, d) * iv;
+      float zq[S];
+      dots(vi, qrows, 0, S, d, zq);
+      for (int k = 0; k < S; ++k) zt[k * M + i] = zq[k] * iv;
     }
     if (has_null)
       for (int k = 0; k < S; ++k) zt[k * M + n] = null_logit[k];
@@ -185,16 +190,12 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
         const float *gk = G[k] ? G[k] + t * d : NULL;
         const float wk = w[(int64_t)k * T + t];
         float s = 0.0f;
-        int i0 = 0;
-        if (gk)
-          for (; i0 + 4 <= n; i0 += 4) {
-            dot4(gk, v[i0] + t * d, v[i0 + 1] + t * d, v[i0 + 2] + t * d, v[i0 + 3] + t * d, d, dz + k * M + i0);
-            for (int i = i0; i < i0 + 4; ++i) dz[k * M + i] *= wk;
-          }
-        for (int i = i0; i < M; ++i) {
-          float dp = 0.0f;
-          if (gk) dp = wk * (i < n ? dot(gk, v[i] + t * d, d) : dot(gk, null_value + (int64_t)k * d, d));
-          dz[k * M + i] = dp;
+        if (gk) {
+          dots(gk, v, t * d, n, d, dz + k * M);
+          for (int i = 0; i < n; ++i) dz[k * M + i] *= wk;
+          if (has_null) dz[k * M + n] = wk * dot(gk, null_value + (int64_t)k * d, d);
+        } else {
+          for (int i = 0; i < M; ++i) dz[k * M + i] = 0.0f;
         }
         for (int i = 0; i < M; ++i) s += p[((int64_t)k * M + i) * T + t] * dz[k * M + i];
         const float dl = dlse[(int64_t)k * T + t];
@@ -327,6 +328,9 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
                           float *restrict dq_part, float *restrict dq_out, int threads) {
   const float one = unit ? 1.0f : 0.0f;
   const int64_t nblk = (T + TB - 1) / TB;
+  const float *rows[k + 1];  /* r, then the in-group sources: the rows the output gradient is dotted with */
+  rows[0] = r;
+  for (int i = 0; i < k; ++i) rows[1 + i] = v[i];
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t blk = 0; blk < nblk; ++blk) {
     float *restrict part = dq_part + blk * d;
@@ -336,13 +340,7 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
     for (int64_t t = blk * TB; t < t1; ++t) {
       const float *restrict g = grad + t * d;
       float s = 0.0f;
-      int j0 = 0;
-      for (; j0 + 4 <= k + 1; j0 += 4) {
-        const float *rows[4];
-        for (int j = j0; j < j0 + 4; ++j) rows[j - j0] = j == 0 ? r + t * d : v[j - 1] + t * d;
-        dot4(g, rows[0], rows[1], rows[2], rows[3], d, dl + j0);
-      }
-      for (int j = j0; j <= k; ++j) dl[j] = dot(g, j == 0 ? r + t * d : v[j - 1] + t * d, d);
+      dots(g, rows, t * d, k + 1, d, dl);
       for (int j = 0; j <= k; ++j) {
         const float dj = dl[j];
         da_out[(int64_t)j * T + t] = dj;
