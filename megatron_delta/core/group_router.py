@@ -133,14 +133,20 @@ def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: b
         total += _group_passes(n_older + a, s, unit, base, null)
         a += s
     if unit and sizes:
-        last = sizes[-1]
-        total -= (n_older + n_routers - last - 1) + max(0, last - 2)
+        total -= _seed_reads_saved(n_older + n_routers - sizes[-1], sizes[-1])
     return total
 
 
 def _group_passes(n_g: int, s: int, unit: bool = True, base: bool = False, null: bool = False) -> int:
     """:func:`passes` of one group of ``s`` routers over ``n_g`` older sources."""
     return 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + 2 * s * (s - 1)
+
+
+def _seed_reads_saved(n_g: int, s: int) -> int:
+    """The seed reads a scope's last group (``s`` routers over ``n_g`` older sources) saves where x's gradient seeds
+    every sink (unit): its old pass reads the seed once for its n_g sinks, its last merge once for the group's other
+    s - 1 sources."""
+    return (n_g - 1) + max(0, s - 2)
 
 
 def _nth_size(size: Sizes, i: int) -> int:
@@ -169,8 +175,7 @@ def auto_group_sizes(n_routers: int, n_older: int) -> Sizes:
     best: List[Tuple[int, Tuple[int, ...]]] = [(0, ())] * (n + 1)  # best[a]: the routers a .. n - 1
 
     def cost(a: int, s: int) -> int:  # group [a, a + s); the last one reads the final sum's seed once per call
-        last = (n_older + a - 1) + max(0, s - 2) if a + s == n else 0
-        return _group_passes(n_older + a, s) - last
+        return _group_passes(n_older + a, s) - (_seed_reads_saved(n_older + a, s) if a + s == n else 0)
 
     for a in range(n - 1, -1, -1):
         best[a] = min((cost(a, s) + best[a + s][0], (s,) + best[a + s][1]) for s in range(1, n - a + 1))
