@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron_delta.core import cpu_kernels, traffic, triton_router
+from megatron_delta.core import cpu_kernels, triton_router
 from megatron_delta.core.triton_router import TritonUnavailable
 
 __all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward", "final_sum"]
@@ -385,7 +385,7 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
                      HAS_NULL=has_null, UNIT=bool(unit),
                      DT=triton_router._tl_dtype(values[0].dtype),
                      GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, num_warps=warps)
-    _record_partials([part_q, part_null if has_null else None])
+    triton_router.record_partials([part_q, part_null if has_null else None])
     dq.copy_(part_q.sum(0)[:S, :d])
     if has_null and dnull is not None:
         dnull.copy_(part_null.sum(0)[:S, :d])
@@ -425,14 +425,8 @@ def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, v
                      UNIT=bool(unit),
                      HAS_GATE=gate is not None, DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
                      BT=bt, BD=bd, num_warps=warps)
-    _record_partials([part_q])
+    triton_router.record_partials([part_q])
     dq.copy_(part_q.sum(0)[:d])
-
-
-def _record_partials(parts: Sequence[Optional[Tensor]]) -> None:
-    """The per-program partial sums a kernel wrote and their sum reads (traffic.py; [programs, .., hidden] fp32,
-    far below a row of [tokens, hidden] at the GPU's program count: reported apart from the rows)."""
-    traffic.record(triton_router.REDUCE_KERNEL, "backward", reads=parts, writes=parts)
 
 
 def final_sum(values: Sequence[Tensor], x: Tensor) -> None:

@@ -43,6 +43,7 @@ Not done here: the sublayer's own input norm is not fused.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -618,8 +619,7 @@ class _TritonRoute(torch.autograd.Function):
             PARTIAL_GRAD=flat_gp is not None, DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
         traffic.record(KERNEL, "backward", reads=[grad, *flat, flat_gp, *[t for t, f in zip(targets, flags) if f == 2]],
                        writes=[t for t in targets if t is not None] + [coef])
-        parts = [part_q, part_null if has_null else None]  # [programs, hidden]: written, then read by their sums
-        traffic.record(REDUCE_KERNEL, "backward", reads=parts, writes=parts)
+        record_partials([part_q, part_null if has_null else None])
         if deferral is not None:
             deferral.stash.append((grad, coef, q))
         grad_query = part_q.sum(0)[:d].to(query.dtype) if needs[9] else None
@@ -666,13 +666,16 @@ def reducing_programs(tiles: int, device) -> int:
     return max(1, min(tiles, cap))
 
 
-_SM_COUNTS: Dict[int, int] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def record_partials(parts: Sequence[Optional[Tensor]]) -> None:
+    """The per-program partial sums a reducing kernel wrote and their sum reads back (traffic.py: REDUCE_KERNEL;
+    [programs, .., hidden] fp32, below a row of [tokens, hidden] at the GPU's program count, so reported apart from
+    the rows and priced by cost_model.reduction_bytes)."""
+    traffic.record(REDUCE_KERNEL, "backward", reads=parts, writes=parts)
 
 
 def route(values: Sequence[Tensor], *, query: Tensor, eps: float, sinks: Optional[Sequence] = None,

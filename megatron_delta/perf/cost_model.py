@@ -191,11 +191,12 @@ class _Ledger:
         self.defer_blocks = True  # triton: the completed sources' gradients deferred to one pass per block
         self._blocks = {}  # block -> ids of the sink entries its pass writes (empty: not deferred)
         self._sink_writers = {}  # id(sink entry) -> the kernels writing its gradient, in forward order
-        self.reductions = []  # triton: (S, [hidden]-wide rows per program) of each backward's partial sums
+        self.reductions = []  # triton: (S, [hidden]-wide rows per router) of each backward's partial sums
 
     def reduce(self, s, rows):
         """A Triton backward call that sums gradients over the tokens through per-program partials
-        (triton_router.reducing_programs): ``s`` routers in its tile, ``rows`` fp32 [hidden] rows per program."""
+        (triton_router.reducing_programs): ``s`` routers in its tile, ``rows`` fp32 [hidden] rows per router
+        (padded, as the tile, to a power of two of routers: reduction_bytes)."""
         if self.grad and self.backend == "triton":
             self.reductions.append((s, rows))
 
@@ -424,7 +425,7 @@ class _Ledger:
                 null_reads = self.null * s * C if self.backend == "c" else 0
                 self.add({("group_old_pass", "forward"): n * A + s * C + unit * A,
                           ("group_old_pass", "backward"): n * A + s * U + null_reads})
-            self.reduce(s, _pow2(s) * (1 + int(self.null)))  # the S queries' (and null values') gradients
+            self.reduce(s, 1 + int(self.null))  # the S queries' (and null values') gradients
             for v in values:
                 self._touch(v, "group_old_pass", ("old", a_))
         inside = values[self._group:]
@@ -594,21 +595,18 @@ def step_traffic(mode, num_layers, backend, *, num_blocks=None, act_bytes=2, nul
     return {k: v / a for k, v in totals.items() if v}
 
 
-def _pow2(n):
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def reduction_bytes(reductions, max_programs, tokens, hidden):
     """The bytes of the Triton kernels' per-program partial sums (step_traffic's ``reductions``): each backward
-    call that reduces over the tokens writes [programs, rows, hidden] fp32 partials and its sum reads them back,
-    programs = min(its tiles of tokens, ``max_programs``) (triton_router.reducing_programs)."""
+    call that reduces over the tokens writes [programs, rows x S padded, hidden] fp32 partials and its sum reads
+    them back, programs = min(its tiles of tokens, ``max_programs``) (triton_router.reducing_programs); S and the
+    hidden size are padded as the kernel's tile (triton_group_kernels._tile)."""
     from megatron_delta.core import triton_group_kernels
 
     total = 0
     for s, rows in reductions:
-        bt, _, bd, _ = triton_group_kernels._tile(hidden, s)
+        bt, sp, bd, _ = triton_group_kernels._tile(hidden, s)
         programs = min(-(-tokens // bt), max_programs)
-        total += 2 * programs * rows * bd * COMPUTE_BYTES
+        total += 2 * programs * rows * sp * bd * COMPUTE_BYTES
     return total
 
 
