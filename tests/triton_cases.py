@@ -158,6 +158,33 @@ def test_traffic_per_call_is_call_rows(interpreter):
     assert count.total_rows(rows, act_bytes=4) == sum(want)
 
 
+def test_gpu_check_rate_counts_the_partial_sums(interpreter):
+    """gpu_check's (b2) rate of a router call on the kernels counts the bytes of every row-sized tensor its kernels
+    move and the per-program partial sums below a row (partial_bytes: the backward's fp32 [programs, hidden]
+    partials, written and read back by their sum), as the cost model prices them."""
+    from types import SimpleNamespace
+
+    from megatron_delta.perf import gpu_check
+
+    d, shape = 40, (7, 5)  # three tiles of 16 tokens: the interpreter's two reducing programs
+    torch.manual_seed(0)
+    (r,) = _routers("triton", 1, d, False, None, 3)
+    vals = [torch.randn(*shape, d, requires_grad=True) for _ in range(2)]
+
+    def call():
+        out = r([make_source(v, EPS) for v in vals], apply_gate=True)
+        return torch.autograd.grad(out.square().sum(), vals)
+
+    with traffic.counting() as count:
+        call()
+    rows = 35 * d
+    row_bytes = sum(rd + wr for (k, _), (rd, wr) in count.bytes(rows).items() if k != triton_router.REDUCE_KERNEL)
+    programs, bd = triton_router.reducing_programs(3, "cpu"), triton_router._tile(d)[1]
+    out = gpu_check._rate(SimpleNamespace(dry=True), call, rows, 1, 1.0)
+    assert out["partial_bytes"] == 2 * programs * bd * 4 > 0  # part_q written and read: no null source
+    assert out["bytes"] == row_bytes + out["partial_bytes"]
+
+
 def test_strided_sources(interpreter):
     """Sources that are strided views (a transposed tensor, a slice of a wider one) route as their contiguous
     copies would: outputs and gradients equal the PyTorch path's."""
