@@ -577,3 +577,36 @@ def _assert_partials_priced(count, reductions, tokens, hidden):
     assert reductions and read == written
     assert read + written == cost_model.reduction_bytes(reductions, triton_router.INTERPRETER_REDUCING_PROGRAMS,
                                                         tokens, hidden)
+
+
+# ---------------------------------------------------------------------------------------- host work per launch
+@pytest.mark.parametrize("mode", ["delta_block", "delta"])
+def test_one_table_copy_per_launch(interpreter, dist, mode, monkeypatch):
+    """Every launch of the kernels (per-router, deferred block pass, group passes, final sum) sends all its tables
+    of addresses, flags and slots in ONE copy (triton_router.device_tables), each table 16 bytes aligned: on a
+    GPU each copy costs the host tens of microseconds, and at the 1B shape the host, not the GPU, sets the step's
+    pace (docs/performance.md). A model step with null source and gate, on the kernels (delta: the group router)."""
+    import triton.runtime.interpreter as interp
+
+    launches, copies = [], []
+    run, tables = interp.InterpretedFunction.run, triton_router.device_tables
+
+    def counted_run(self, *a, **k):
+        launches.append(self.fn.__name__)
+        return run(self, *a, **k)
+
+    def counted_tables(*lists, device):
+        views = tables(*lists, device=device)
+        copies.append(len({v.untyped_storage().data_ptr() for v in views}))
+        assert all(v.data_ptr() % 16 == 0 for v in views) and [len(v) for v in views] == [len(t) for t in lists]
+        return views
+
+    monkeypatch.setattr(interp.InterpretedFunction, "run", counted_run)
+    monkeypatch.setattr(triton_router, "device_tables", counted_tables)
+    tok, pos, W = K.batch()
+    model, _ = K.build(mode, True, True, "triton")
+    (model(tok, pos, None) * W).sum().backward()
+    kernels = set(launches)
+    assert kernels >= ({"_forward", "_backward", "_block_grad"} if mode == "delta_block" else
+                       {"_old_forward", "_old_backward", "_merge_forward", "_merge_backward"}), kernels
+    assert copies == [1] * len(launches), (len(copies), len(launches))

@@ -54,6 +54,7 @@ the PyTorch path each op it makes.
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -164,6 +165,7 @@ def _sizes(size: Sizes, n: int) -> List[int]:
     return out
 
 
+@functools.lru_cache(maxsize=256)  # every micro-batch's SourceBuffer asks again: O(n^2) in Python per ask
 def auto_group_sizes(n_routers: int, n_older: int) -> Sizes:
     """The groups of ``auto``: the split of ``n_routers`` consecutive routers (the first reads ``n_older``
     sources) into consecutive groups with the fewest counted passes (:func:`passes`; the only terms a split

@@ -318,16 +318,11 @@ def _tile(d: int, S: int = 1) -> Tuple[int, int, int, int]:
     return bt, sp, bd, triton_router.warps_for(bt * sp * bd)
 
 
-def _table(tensors: Sequence[Optional[Tensor]], fill: Tensor, size: Optional[int] = None) -> Tensor:
-    """A pointer table (int64, on the tensors' device): a None entry (masked in the kernel) and the padding to
-    ``size`` point at ``fill``, a valid address."""
-    ptrs = [fill.data_ptr() if t is None else t.data_ptr() for t in tensors]
-    ptrs += [fill.data_ptr()] * max(0, (size or len(ptrs)) - len(ptrs))
-    return triton_router.device_table(ptrs or [fill.data_ptr()], torch.int64, fill.device)
-
-
-def _flags(values: Sequence[int], device) -> Tensor:
-    return triton_router.device_table(list(values) or [0], torch.int32, device)
+def _table(tensors: Sequence[Optional[Tensor]], fill: Tensor, size: Optional[int] = None) -> List[int]:
+    """A pointer table's entries: a None entry (masked in the kernel) and the padding to ``size`` point at
+    ``fill``, a valid address. A launch sends all its tables in one copy (triton_router.device_tables)."""
+    ptrs = triton_router.addresses(tensors, fill.data_ptr())
+    return ptrs + [fill.data_ptr()] * max(0, (size or len(ptrs)) - len(ptrs))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -347,7 +342,8 @@ def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Op
     Qf = Q.float().contiguous()
     nl = null_logits.float().contiguous() if has_null else Qf
     nv = null_values.float().contiguous() if has_null else Qf
-    fwd[(_cdiv(T, bt),)](_table(values, values[0]), Qf, nl, nv, inv, z, lse, r, x if x is not None else r, T, d,
+    src_ptrs, = triton_router.device_tables(_table(values, values[0]), device=values[0].device)
+    fwd[(_cdiv(T, bt),)](src_ptrs, Qf, nl, nv, inv, z, lse, r, x if x is not None else r, T, d,
                          float(eps), N=len(values), M=len(values) + int(has_null), S=S, SP=sp, HAS_NULL=has_null,
                          UNIT=x is not None,
                          DT=triton_router._tl_dtype(values[0].dtype), BT=bt, BD=bd, num_warps=warps)
@@ -377,9 +373,10 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
     fill = G[0] if G else values[0]
     flags = [0 if t is None else (1 if fresh else 2) for t, fresh, _ in targets]
     accs = [t if seed is None else seed for t, _, seed in targets]
-    bwd[(programs,)](_table(grads, fill, sp), _flags([int(g is not None) for g in grads] + [0] * (sp - S), dev),
-                     w, dlse, _table(values, values[0]), _table([t for t, _, _ in targets], values[0]),
-                     _table(accs, values[0]), _flags(flags, dev), inv, z, p, Qf,
+    g_ptrs, g_flags, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flags = triton_router.device_tables(
+        _table(grads, fill, sp), [int(g is not None) for g in grads] + [0] * (sp - S), _table(values, values[0]),
+        _table([t for t, _, _ in targets], values[0]), _table(accs, values[0]), flags, device=dev)
+    bwd[(programs,)](g_ptrs, g_flags, w, dlse, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flags, inv, z, p, Qf,
                      null_values.float().contiguous() if has_null else Qf, dz,
                      part_q, part_null, T, d, N=len(values), M=len(values) + int(has_null), S=S, SP=sp,
                      HAS_NULL=has_null, UNIT=bool(unit),
@@ -400,8 +397,9 @@ def merge_forward(r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Te
     T, d = r.shape
     bt, _, bd, warps = _tile(d)
     g = gate.detach().float().reshape(1) if gate is not None else lse
+    src_ptrs, = triton_router.device_tables(_table(values, r), device=r.device)
     fwd[(_cdiv(T, bt),)](r, lse.contiguous(), x if x is not None else r, base if base is not None else r, g,
-                         q.float().contiguous(), _table(values, r), inv, z, a, out, T, d, float(eps), K=len(values),
+                         q.float().contiguous(), src_ptrs, inv, z, a, out, T, d, float(eps), K=len(values),
                          HAS_X=x is not None, HAS_BASE=base is not None, HAS_GATE=gate is not None, UNIT=bool(unit),
                          DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype), BT=bt, BD=bd,
                          num_warps=warps)
@@ -420,10 +418,11 @@ def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, v
     g = gate.detach().float().reshape(1) if gate is not None else r
     flags = [0 if t is None else (1 if fresh else 2) for t, fresh, _ in targets]
     accs = [t if seed is None else seed for t, _, seed in targets]
-    bwd[(programs,)](grad, r, g, q.float().contiguous(), _table(values, r), _table([t for t, _, _ in targets], r),
-                     _table(accs, r), _flags(flags, r.device), inv, z, a, da, dlog, part_q, T, d, K=len(values),
-                     UNIT=bool(unit),
-                     HAS_GATE=gate is not None, DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
+    src_ptrs, tgt_ptrs, acc_ptrs, flag_tab = triton_router.device_tables(
+        _table(values, r), _table([t for t, _, _ in targets], r), _table(accs, r), flags, device=r.device)
+    bwd[(programs,)](grad, r, g, q.float().contiguous(), src_ptrs, tgt_ptrs, acc_ptrs, flag_tab, inv, z, a, da, dlog,
+                     part_q, T, d, K=len(values), UNIT=bool(unit), HAS_GATE=gate is not None,
+                     DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
                      BT=bt, BD=bd, num_warps=warps)
     triton_router.record_partials([part_q])
     dq.copy_(part_q.sum(0)[:d])
@@ -433,5 +432,6 @@ def final_sum(values: Sequence[Tensor], x: Tensor) -> None:
     """x = the sum of the sources (as group_kernels.final_sum; fp32 accumulation, x in the sources' dtype)."""
     T, d = x.shape
     bt, _, bd, warps = _tile(d)
-    load()[4][(_cdiv(T, bt),)](_table(values, x), x, T, d, N=len(values), DT=triton_router._tl_dtype(x.dtype),
+    src_ptrs, = triton_router.device_tables(_table(values, x), device=x.device)
+    load()[4][(_cdiv(T, bt),)](src_ptrs, x, T, d, N=len(values), DT=triton_router._tl_dtype(x.dtype),
                                BT=bt, BD=bd, num_warps=warps)

@@ -54,7 +54,7 @@ from megatron_delta.core import cpu_kernels, traffic
 
 __all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check", "interpreting",
            "device_ok", "fallback_reason", "KernelSink", "make_sink", "BlockDeferral", "DeferredSink", "defers",
-           "defer_block", "route", "route_router", "call_rows", "device_table", "TOKENS_PER_PROGRAM"]
+           "defer_block", "route", "route_router", "call_rows", "device_tables", "TOKENS_PER_PROGRAM"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL = "triton_route"  # the name the kernels' calls are recorded under (traffic.py)
@@ -349,30 +349,40 @@ def _tile(d: int) -> Tuple[int, int, int]:
     return bt, bd, warps_for(bt * bd)
 
 
-def device_table(values: Sequence[int], dtype: torch.dtype, device) -> Tensor:
-    """A kernel's table of small integers (tensor addresses, flags, slots) on ``device``, without waiting for the
-    GPU: on CUDA it is copied from pinned memory, non-blocking. A plain ``.to("cuda")`` from pageable memory
-    synchronises the stream (PyTorch's memcpy_and_sync); several per router call stalled the GPU until the CPU
-    had launched the next kernels (docs/gpu.md, the first GPU run)."""
-    table = torch.tensor(list(values), dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return table.to(device)
-    return table.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
+TABLE_ALIGN = 2  # int64 entries per 16 bytes: each table of a launch starts 16-byte aligned (below)
 
 
-def _pointers(tensors: Sequence[Optional[Tensor]], device) -> Tensor:
-    return device_table([0 if t is None else t.data_ptr() for t in tensors], torch.int64, device)
+def device_tables(*tables: Sequence[int], device) -> List[Tensor]:
+    """A kernel launch's tables of small integers (tensor addresses, flags, slots) on ``device`` in ONE int64
+    tensor, one copy for all of them, without waiting for the GPU: on CUDA it is copied from pinned memory,
+    non-blocking (a plain ``.to("cuda")`` from pageable memory synchronises the stream: PyTorch's
+    memcpy_and_sync). Returns one view per table. Each starts at a 16-byte boundary, so a launch's pointer
+    arguments keep the alignment Triton specialises on whatever the tables' lengths (one compiled variant).
+    One copy per launch, not per table: each pinned copy costs the host tens of microseconds, and where the
+    GPU outruns the host (the 1B shape on the H200, docs/performance.md) that time is the step's."""
+    flat: List[int] = []
+    spans = []
+    for table in tables:
+        spans.append((len(flat), len(table)))
+        flat.extend(table)
+        flat.extend([0] * (-len(flat) % TABLE_ALIGN))
+    if torch.device(device).type == "cuda":
+        # the caching host allocator keeps the pinned block until the copy has run
+        buf = torch.tensor(flat or [0], dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    else:
+        buf = torch.tensor(flat or [0], dtype=torch.int64, device=device)
+    return [buf[start:start + n] for start, n in spans]
 
 
-def _row_table(tensors: Sequence[Tensor], rows: int, d: int, device) -> Tuple[List[Tensor], Tensor]:
+def addresses(tensors: Sequence[Optional[Tensor]], fill: int = 0) -> List[int]:
+    """The addresses of ``tensors`` for a pointer table; ``fill`` for a None entry (masked in the kernel)."""
+    return [fill if t is None else t.data_ptr() for t in tensors]
+
+
+def _rows(tensors: Sequence[Tensor], rows: int, d: int) -> List[Tensor]:
     """The kernels' view of a list of same-dtype [.., d] tensors: each as row-major [rows, d] (a copy only where
-    it is strided) and the table of their addresses, which a kernel indexes by source."""
-    flat = [t.reshape(rows, d).contiguous() for t in tensors]
-    return flat, _pointers(flat, device)
-
-
-def _ints(values: Sequence[int], device) -> Tensor:
-    return device_table(values, torch.int32, device)
+    it is strided); a kernel indexes their addresses (a pointer table) by source."""
+    return [t.reshape(rows, d).contiguous() for t in tensors]
 
 
 # ---------------------------------------------------------------------------------------- gradient sinks
@@ -449,7 +459,7 @@ class BlockDeferral:
         grads = [g if g.dtype == gdt else g.to(gdt) for g, _, _ in stash]
         coefs = [c for _, c, _ in stash]  # [3, C, T] fp32 each
         queries = torch.stack([q for _, _, q in stash])  # [R, d] fp32
-        flat, src_ptrs = _row_table(self.values, rows, d, dev)
+        flat = _rows(self.values, rows, d)
         flags = []
         for sink in self.sinks:  # the first writer to reach the sink makes the buffer (assigned)
             flags.append(1 if sink.grad is None else 2)
@@ -457,10 +467,11 @@ class BlockDeferral:
                 sink.grad = torch.empty(rows, d, dtype=dtype, device=dev)
         targets = [s.grad for s in self.sinks]
         bt, bd, warps = _tile(d)
+        grad_ptrs, coef_ptrs, src_ptrs, tgt_ptrs, flag_tab = device_tables(
+            addresses(grads), addresses(coefs), addresses(flat), addresses(targets), flags, device=dev)
         load()[2][(len(self.sinks), _cdiv(rows, bt))](
-            _pointers(grads, dev), _pointers(coefs, dev), queries, src_ptrs, _pointers(targets, dev),
-            _ints(flags, dev), rows, d, len(self.sinks), R=len(grads), GT=_tl_dtype(gdt), DT=_tl_dtype(dtype),
-            BT=bt, BD=bd, num_warps=warps)
+            grad_ptrs, coef_ptrs, queries, src_ptrs, tgt_ptrs, flag_tab, rows, d, len(self.sinks), R=len(grads),
+            GT=_tl_dtype(gdt), DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
         traffic.record(DEFERRED_KERNEL, "backward",
                        reads=[*grads, *coefs, *flat, *[t for t, f in zip(targets, flags) if f == 2]], writes=targets)
 
@@ -523,7 +534,8 @@ class _TritonRoute(torch.autograd.Function):
         d = v0.shape[-1]
         rows = v0.numel() // d
         dev = v0.device
-        flat, ptrs = _row_table(values, rows, d, dev)
+        flat = _rows(values, rows, d)
+        ptrs, = device_tables(addresses(flat), device=dev)
         flat_base = None if base is None else base.reshape(rows, d).contiguous()
         has_null = null_value is not None
         m = n + int(has_null)
@@ -574,7 +586,7 @@ class _TritonRoute(torch.autograd.Function):
         d = values[0].shape[-1]
         dev = values[0].device
         dtype = values[0].dtype
-        flat, ptrs = _row_table(values, rows, d, dev)
+        flat = _rows(values, rows, d)
         if grad_out is None:
             grad_out = torch.zeros(values[0].shape, dtype=torch.float32, device=dev)
         grad = grad_out.reshape(rows, d).contiguous()
@@ -610,10 +622,12 @@ class _TritonRoute(torch.autograd.Function):
         q = query.detach().to(torch.float32).contiguous()
         zf = None if null_value is None else null_value.detach().to(torch.float32).contiguous()
         gf = None if gate is None else gate.detach().to(torch.float32).reshape(1)
+        ptrs, tgt_ptrs, flag_tab, slot_tab = device_tables(addresses(flat), addresses(targets), flags, slots,
+                                                           device=dev)
         bwd[(programs,)](
-            grad, ptrs, _pointers(targets, dev), _ints(flags, dev),
+            grad, ptrs, tgt_ptrs, flag_tab,
             alpha, inv, logits, q, zf if zf is not None else q, gf if gf is not None else q,
-            part_q, part_null, part_scalar, flat_gp if flat_gp is not None else grad, _ints(slots, dev),
+            part_q, part_null, part_scalar, flat_gp if flat_gp is not None else grad, slot_tab,
             coef if coef is not None else part_scalar,
             rows, d, sources, N=n, UNIT=ctx.unit, HAS_NULL=has_null, HAS_GATE=gate is not None,
             PARTIAL_GRAD=flat_gp is not None, DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)

@@ -361,7 +361,7 @@ def router_case(opts, env, dtype, null, gate, with_x, n=5, kernel="fla"):
     # the null source's gradient is a sum over tokens of the kernel's per-token gradients, which are in the
     # sources' dtype (bf16): ~1-2 % off the PyTorch path's fp32 sum (docs/gpu.md)
     tols = {k: tol * (3 if k == "null_source" and dtype != torch.float32 else 1) for k in errs}
-    # our kernels must not wait for the GPU (triton_router.device_table); fla's count is reported only
+    # our kernels must not wait for the GPU (triton_router.device_tables); fla's count is reported only
     return {"kernel": kernel, "dtype": str(dtype).replace("torch.", ""), "null": null, "gate": gate, "x": with_x,
             "max_rel": max(errs.values()), "errors": errs, "syncs": kernel_syncs,
             "ok": all(errs[k] < tols[k] for k in errs) and (kernel != "triton" or kernel_syncs == 0)}
