@@ -29,6 +29,9 @@ SWITCHED_ON = {
     "context_parallel_size": (2, {}),
     "overlap_moe_expert_parallel_comm": (True, dict(num_moe_experts=4, expert_model_parallel_size=2, bf16=True,
                                                     moe_token_dispatcher_type="alltoall")),
+    "cuda_graph_impl": ("local", {}),
+    "enable_cuda_graph": (True, {}),
+    "external_cuda_graph": (True, {}),
 }
 
 REMEDY = "or use --residual baseline (Megatron-Core's own layers support it)"
@@ -48,7 +51,9 @@ def test_config_refuses_for_routed_modes(field):
         DeltaTransformerConfig(**SMALL, residual="delta_block", **{field: value}, **needs)
     assert str(e.value) == f"{flag} is not supported with --residual delta_block: {why}. Drop {flag}, {REMEDY}"
     config = DeltaTransformerConfig(**SMALL, residual="baseline", **{field: value}, **needs)
-    assert getattr(config, field) == value
+    # Megatron-Core turns the deprecated CUDA-graph switches into cuda_graph_impl
+    assert (getattr(config, field) == value if field not in ("enable_cuda_graph", "external_cuda_graph") else
+            config.cuda_graph_impl == ("local" if field == "enable_cuda_graph" else "transformer_engine"))
 
 
 def test_config_names_each_flag():
@@ -56,7 +61,9 @@ def test_config_names_each_flag():
         "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
         "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
         "context_parallel_size": "--context-parallel-size",
-        "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm"}
+        "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
+        "cuda_graph_impl": "--cuda-graph-impl", "enable_cuda_graph": "--enable-cuda-graph",
+        "external_cuda_graph": "--external-cuda-graph"}
 
 
 def test_config_off_values_are_accepted():
@@ -76,6 +83,8 @@ CLI_REFUSED = [
     (["--overlap-moe-expert-parallel-comm", "--num-experts", "4", "--expert-model-parallel-size", "2",
       "--moe-token-dispatcher-type", "alltoall", "--bf16"],
      "--overlap-moe-expert-parallel-comm is not supported with --residual delta: "),
+    (["--cuda-graph-impl", "local"], "--cuda-graph-impl is not supported with --residual delta: "),
+    (["--enable-cuda-graph"], "--enable-cuda-graph is not supported with --residual delta: "),
     (["--fused-residual-rmsnorm"], "--fused-residual-rmsnorm folds the residual add into a fused kernel and cannot "
                                    "be used with --residual delta: "),
 ]

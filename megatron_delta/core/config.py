@@ -44,6 +44,10 @@ def check_residual_fusions(residual: str, **fusions: bool) -> None:
                              f"u = x + G(r) and x <- x + v itself)")
 
 
+_CUDA_GRAPHS = ("a CUDA graph replays a layer's kernels with the tensor addresses and arguments of its capture; a "
+                "routed layer reads its SourceBuffer, whose sources, pointer tables and gradient sinks the host makes "
+                "anew for every micro-batch, which a replay does not redo")
+
 # Megatron-Core features the routed layer and block do not implement: config field -> (flag, why). The
 # baseline is Megatron's own TransformerLayer / TransformerBlock and keeps all of them. Cross-attention
 # has no config field: DeltaTransformerLayer refuses a layer spec that has it.
@@ -62,6 +66,11 @@ UNSUPPORTED_FEATURES = {
                                          "Megatron's TransformerLayer piece by piece (attention, dispatch, experts, "
                                          "combine) on one hidden-states tensor, bypassing the routed block and "
                                          "its SourceBuffer"),
+    # CUDA graphs (upstream: --cuda-graph-impl; --enable-cuda-graph and --external-cuda-graph are its deprecated
+    # spellings, which Megatron-Core turns into cuda_graph_impl in __post_init__, after this check)
+    "cuda_graph_impl": ("--cuda-graph-impl", _CUDA_GRAPHS),
+    "enable_cuda_graph": ("--enable-cuda-graph", _CUDA_GRAPHS),
+    "external_cuda_graph": ("--external-cuda-graph", _CUDA_GRAPHS),
 }
 
 # TransformerConfig's defaults: a feature is switched on when its field is set to anything else
