@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_delta.core import group_router, traffic, triton_router
 from megatron_delta.core.router import DepthRouter, make_source
@@ -582,30 +583,52 @@ def _assert_partials_priced(count, reductions, tokens, hidden):
 # ---------------------------------------------------------------------------------------- host work per launch
 @pytest.mark.parametrize("mode", ["delta_block", "delta"])
 def test_one_table_copy_per_launch(interpreter, dist, mode, monkeypatch):
-    """Every launch of the kernels (per-router, deferred block pass, group passes, final sum) sends all its tables
-    of addresses, flags and slots in ONE copy (triton_router.device_tables), each table 16 bytes aligned: on a
-    GPU each copy costs the host tens of microseconds, and at the 1B shape the host, not the GPU, sets the step's
-    pace (docs/performance.md). A model step with null source and gate, on the kernels (delta: the group router)."""
+    """The host's work per launch, counted. Every launch of the kernels (per-router, deferred block pass, group
+    passes, final sum) sends all its tables of addresses, flags and slots in ONE copy (triton_router.device_tables),
+    each table 16 bytes aligned: on a GPU each copy costs the host tens of microseconds, and at the 1B shape the
+    host, not the GPU, sets the step's pace (docs/performance.md). And backward makes or adds no zero-size
+    tensor: the sink tokens that order the routers' backward against their sources' (triton_router._SinkToken,
+    _DeferredPass) get no gradient, where a zero-size one per reader cost an allocation and autograd an add,
+    about 20 ops per router call. A model step with null source and gate, on the kernels (delta: the group
+    router)."""
     import triton.runtime.interpreter as interp
 
-    launches, copies = [], []
+    launches, copies, inside = [], [], []
     run, tables = interp.InterpretedFunction.run, triton_router.device_tables
 
-    def counted_run(self, *a, **k):
+    def counted_run(self, *a, **k):  # (the interpreter runs a kernel on PyTorch ops: not the host's, not counted)
         launches.append(self.fn.__name__)
-        return run(self, *a, **k)
+        inside.append(True)
+        try:
+            return run(self, *a, **k)
+        finally:
+            inside.pop()
 
     def counted_tables(*lists, device):
         views = tables(*lists, device=device)
         copies.append(len({v.untyped_storage().data_ptr() for v in views}))
-        assert all(v.data_ptr() % 16 == 0 for v in views) and [len(v) for v in views] == [len(t) for t in lists]
+        assert all(v.data_ptr() % 16 == 0 for v in views)
+        assert all(v[:len(t)].tolist() == list(t) and len(v) - len(t) < triton_router.TABLE_ALIGN
+                   for v, t in zip(views, lists, strict=True))
         return views
+
+    class EmptyResults(TorchDispatchMode):  # backward's allocations and adds of zero-size tensors
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (not inside and func.overloadpacket.__name__ in ("new_empty", "add", "add_")
+                    and any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in (out, *args))):
+                empty.append(func.overloadpacket.__name__)
+            return out
 
     monkeypatch.setattr(interp.InterpretedFunction, "run", counted_run)
     monkeypatch.setattr(triton_router, "device_tables", counted_tables)
     tok, pos, W = K.batch()
     model, _ = K.build(mode, True, True, "triton")
-    (model(tok, pos, None) * W).sum().backward()
+    loss, empty = (model(tok, pos, None) * W).sum(), []
+    with EmptyResults():
+        loss.backward()
+    # the sink tokens order backward and carry no gradient: nothing is made for them, nothing added by autograd
+    assert empty == [], sorted(set(empty))
     kernels = set(launches)
     assert kernels >= ({"_forward", "_backward", "_block_grad"} if mode == "delta_block" else
                        {"_old_forward", "_old_backward", "_merge_forward", "_merge_backward"}), kernels

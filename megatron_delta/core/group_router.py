@@ -411,22 +411,28 @@ class _OldPass(torch.autograd.Function):
         T = inv.shape[1]
         flat = [v.reshape(T, d) for v in values]
         ks = sorted(stash)
-        dlse = torch.zeros(S, T, dtype=cdt, device=inv.device)
-        for k, g in enumerate(grad_lse):
-            if g is not None:
-                dlse[k] = g
+        if all(g is not None and g.dtype == cdt for g in grad_lse):
+            dlse = torch.stack(grad_lse)  # one op where every router's lse has a gradient (the usual case)
+        else:
+            dlse = torch.zeros(S, T, dtype=cdt, device=inv.device)
+            for k, g in enumerate(grad_lse):
+                if g is not None:
+                    dlse[k] = g
         lib = ctx.lib
         if lib == TRITON and len({stash[k][0].dtype for k in ks}) <= 1:  # the kernel reads G in its own dtype
             G = [stash[k][0].reshape(T, d).contiguous() for k in ks]
         else:
             lib = None if lib == TRITON else lib
             G = [_as(stash[k][0].reshape(T, d), cdt) for k in ks]  # each router's output gradient
-        w = torch.zeros(S, T, dtype=cdt, device=inv.device)  # gate * beta_k (0 where no gradient came)
-        for k in ks:
-            w[k] = stash[k][1]
+        if ks == list(range(S)) and all(stash[k][1].dtype == cdt for k in ks):
+            w = torch.stack([stash[k][1] for k in ks])  # gate * beta_k, one op where every router has a gradient
+        else:
+            w = torch.zeros(S, T, dtype=cdt, device=inv.device)  # (0 where no gradient came)
+            for k in ks:
+                w[k] = stash[k][1]
         needs_v = [ctx.needs_input_grad[7 + i] and ctx.sinks[i] is not None for i in range(n)]
         targets = [_target(ctx.sinks[i], needs_v[i]) for i in range(n)]  # the first reader to reach a sink creates it
-        dq = torch.zeros(S, d, dtype=cdt, device=inv.device)
+        dq = None if lib == TRITON else torch.zeros(S, d, dtype=cdt, device=inv.device)  # Triton: its partials' sum
         dnull = None
         if lib is not None and lib != TRITON and not all(t.dtype == torch.float32 and t.is_contiguous() for t in G):
             lib = None
@@ -438,9 +444,8 @@ class _OldPass(torch.autograd.Function):
             if lib == TRITON:
                 from megatron_delta.core import triton_group_kernels
 
-                dnull = torch.empty(S, d, dtype=cdt, device=inv.device) if has_null else None
                 flat = [f.contiguous() for f in flat]
-                triton_group_kernels.old_backward(G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq, dnull)
+                dq, dnull = triton_group_kernels.old_backward(G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz)
             else:
                 group_kernels.old_backward(lib, G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq)
             reads = [*flat, *G] + _once([t if sd is None else sd for t, f, sd in outs if t is not None and not f])
@@ -595,7 +600,7 @@ class _Merge(torch.autograd.Function):
             lib = None
         targets = [_target(ctx.sinks[i], needs[14 + i]) for i in range(k)]
         needed = [i for i, (t, fresh, seed) in enumerate(targets) if t is not None or fresh or seed is not None]
-        dq = torch.zeros(d, dtype=cdt, device=r.device)
+        dq = None if lib == TRITON else torch.zeros(d, dtype=cdt, device=r.device)  # Triton: its partials' sum
         if lib is not None:
             from megatron_delta.core import group_kernels
 
@@ -605,8 +610,8 @@ class _Merge(torch.autograd.Function):
             if lib == TRITON:
                 from megatron_delta.core import triton_group_kernels
 
-                triton_group_kernels.merge_backward(grad, r, gate, q, [f.contiguous() for f in flat], inv, zin, a,
-                                                    unit, outs, da, dlog, dq)
+                dq = triton_group_kernels.merge_backward(grad, r, gate, q, [f.contiguous() for f in flat], inv, zin,
+                                                         a, unit, outs, da, dlog)
             else:
                 group_kernels.merge_backward(lib, grad, r, 1.0 if g is None else float(g), q, flat, inv, zin, a,
                                              unit, outs, da, dlog, dq)
@@ -644,7 +649,7 @@ class _Merge(torch.autograd.Function):
             acc = _once([targets[i][0] if targets[i][2] is None else targets[i][2] for i in needed])
             traffic.record("group_merge", "backward", reads=[grad, r, *flat] + acc,
                            writes=[outs[i][0] for i in needed])
-        ctx.stash.grads[ctx.slot] = (grad_out, a[0] * gf)  # the group's backward reads G and gate * beta
+        ctx.stash.grads[ctx.slot] = (grad_out, a[0] if g is None else a[0] * g)  # the group's backward: G, gate * beta
         grad_gate = None
         if g is not None and needs[12]:
             grad_gate = (a * da).sum().reshape(gate.shape).to(gate.dtype)

@@ -123,10 +123,13 @@ class Source(NamedTuple):
     pending: Optional[PendingSum] = None
 
 
+_PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # promote_types(fp32, any of them) is fp32
+
+
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     out = torch.float32
     for dt in dtypes:
-        if dt is not None:
+        if dt is not None and dt not in _PROMOTE_TO_FP32:  # the common dtypes skip an aten call per source
             out = torch.promote_types(out, dt)
     return out
 

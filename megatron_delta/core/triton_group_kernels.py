@@ -352,11 +352,11 @@ def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Op
 
 def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor, values: Sequence[Tensor],
                  inv: Tensor, z: Tensor, p: Tensor, Q: Tensor, null_values: Optional[Tensor],
-                 targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]], unit: bool, dz: Tensor,
-                 dq: Tensor,
-                 dnull: Optional[Tensor] = None) -> None:
+                 targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]], unit: bool,
+                 dz: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
     """The old pass's backward (as group_kernels.old_backward; G[j]: router ks[j]'s output gradient, one dtype,
-    contiguous); also the null values' gradients into ``dnull`` [S, d] (with a null source)."""
+    contiguous). Returns the query gradients [S, d] and, with a null source, the null values' [S, d] (else None):
+    the sums of the programs' partials, no buffer filled by a copy."""
     bwd = load()[1]
     T, d = values[0].shape
     S = Q.shape[0]
@@ -383,9 +383,7 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
                      DT=triton_router._tl_dtype(values[0].dtype),
                      GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, num_warps=warps)
     triton_router.record_partials([part_q, part_null if has_null else None])
-    dq.copy_(part_q.sum(0)[:S, :d])
-    if has_null and dnull is not None:
-        dnull.copy_(part_null.sum(0)[:S, :d])
+    return part_q.sum(0)[:S, :d], part_null.sum(0)[:S, :d] if has_null else None
 
 
 def merge_forward(r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Tensor], gate: Optional[Tensor],
@@ -408,8 +406,9 @@ def merge_forward(r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Te
 def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, values: Sequence[Tensor],
                    inv: Tensor, z: Tensor, a: Tensor, unit: bool,
                    targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]],
-                   da: Tensor, dlog: Tensor, dq: Tensor) -> None:
-    """The merge's backward (as group_kernels.merge_backward)."""
+                   da: Tensor, dlog: Tensor) -> Tensor:
+    """The merge's backward (as group_kernels.merge_backward); returns the query's gradient [d], the sum of the
+    programs' partials."""
     bwd = load()[3]
     T, d = r.shape
     bt, _, bd, warps = _tile(d)
@@ -425,7 +424,7 @@ def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, v
                      DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
                      BT=bt, BD=bd, num_warps=warps)
     triton_router.record_partials([part_q])
-    dq.copy_(part_q.sum(0)[:d])
+    return part_q.sum(0)[:d]
 
 
 def final_sum(values: Sequence[Tensor], x: Tensor) -> None:

@@ -357,21 +357,22 @@ def device_tables(*tables: Sequence[int], device) -> List[Tensor]:
     tensor, one copy for all of them, without waiting for the GPU: on CUDA it is copied from pinned memory,
     non-blocking (a plain ``.to("cuda")`` from pageable memory synchronises the stream: PyTorch's
     memcpy_and_sync). Returns one view per table. Each starts at a 16-byte boundary, so a launch's pointer
-    arguments keep the alignment Triton specialises on whatever the tables' lengths (one compiled variant).
+    arguments keep the alignment Triton specialises on whatever the tables' lengths (one compiled variant); a
+    view holds its table and the padding after it.
     One copy per launch, not per table: each pinned copy costs the host tens of microseconds, and where the
     GPU outruns the host (the 1B shape on the H200, docs/performance.md) that time is the step's."""
     flat: List[int] = []
-    spans = []
+    sizes = []
     for table in tables:
-        spans.append((len(flat), len(table)))
         flat.extend(table)
         flat.extend([0] * (-len(flat) % TABLE_ALIGN))
+        sizes.append(len(flat) - sum(sizes))  # the table and its padding: the next one starts aligned
     if torch.device(device).type == "cuda":
         # the caching host allocator keeps the pinned block until the copy has run
         buf = torch.tensor(flat or [0], dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
     else:
         buf = torch.tensor(flat or [0], dtype=torch.int64, device=device)
-    return [buf[start:start + n] for start, n in spans]
+    return list(buf.split_with_sizes(sizes)) if flat else [buf[:0] for _ in tables]  # one op for all the views
 
 
 def addresses(tensors: Sequence[Optional[Tensor]], fill: int = 0) -> List[int]:
@@ -380,9 +381,10 @@ def addresses(tensors: Sequence[Optional[Tensor]], fill: int = 0) -> List[int]:
 
 
 def _rows(tensors: Sequence[Tensor], rows: int, d: int) -> List[Tensor]:
-    """The kernels' view of a list of same-dtype [.., d] tensors: each as row-major [rows, d] (a copy only where
-    it is strided); a kernel indexes their addresses (a pointer table) by source."""
-    return [t.reshape(rows, d).contiguous() for t in tensors]
+    """The kernels' view of a list of same-dtype [.., d] tensors: row-major [rows, d] memory (a contiguous tensor
+    as it is, whatever its shape; a copy only where it is strided); a kernel indexes their addresses (a pointer
+    table) by source."""
+    return [t if t.is_contiguous() else t.reshape(rows, d).contiguous() for t in tensors]  # no view op per call
 
 
 # ---------------------------------------------------------------------------------------- gradient sinks
@@ -403,6 +405,8 @@ class KernelSink:
 class _SinkToken(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value, sink):
+        # its readers hand it no gradient (None: autograd adds nothing); it still runs after the last of them
+        ctx.set_materialize_grads(False)
         ctx.sink = sink
         ctx.shape = value.shape
         return value.new_empty(0)
@@ -487,6 +491,7 @@ class DeferredSink(NamedTuple):
 class _DeferredPass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, deferral, *sink_tokens):
+        ctx.set_materialize_grads(False)  # as _SinkToken: the tokens carry order, not gradients
         ctx.deferral = deferral
         ctx.count = len(sink_tokens)
         return sink_tokens[0].new_empty(0)
@@ -494,7 +499,7 @@ class _DeferredPass(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad):
         ctx.deferral.flush()
-        return (None, *[_grad.new_empty(0) if _grad is not None else None for _ in range(ctx.count)])
+        return (None,) * (1 + ctx.count)
 
 
 def defer_block(sources: Sequence, routers: int, deferrals: Dict[int, Optional[BlockDeferral]], block: int) -> list:
@@ -595,19 +600,16 @@ class _TritonRoute(torch.autograd.Function):
         flags = [0] * n
         slots = [-1] * n
         grad_values: List[Optional[Tensor]] = [None] * n
-        grad_tokens: List[Optional[Tensor]] = [None] * n
         deferral = None
         for i, sink in enumerate(ctx.sinks):
             if isinstance(sink, DeferredSink):  # its block's pass writes the gradient (coefficients stashed)
                 deferral, slots[i], flags[i] = sink.deferral, sink.slot, 3
-                grad_tokens[i] = values[i].new_empty(0)
             elif sink is not None:
                 if sink.grad is None:  # the first writer to reach the sink makes the buffer (assigned)
                     sink.grad, flags[i] = torch.empty(rows, d, dtype=dtype, device=dev), 1
                 else:
                     flags[i] = 2
                 targets[i] = sink.grad
-                grad_tokens[i] = values[i].new_empty(0)
             elif needs[nv + i] or (ctx.formed and i == n - 1 and needs[10]):
                 grad_values[i] = targets[i] = torch.empty(rows, d, dtype=dtype, device=dev)
                 flags[i] = 1
@@ -653,7 +655,7 @@ class _TritonRoute(torch.autograd.Function):
         if ctx.formed and not needs[nv + n - 1]:
             grad_values[-1] = None
         return (None, None, None, None, None, grad_base, grad_gate, grad_null_logit, grad_null_value, grad_query,
-                grad_addend, *grad_values, *grad_tokens)
+                grad_addend, *grad_values, *[None] * n)  # the sink tokens: no gradient (_SinkToken)
 
 
 def _cdiv(a: int, b: int) -> int:
