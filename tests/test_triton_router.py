@@ -232,3 +232,37 @@ def test_pretrain_gpt_refuses_triton_without_cuda(monkeypatch, capsys):
     assert err.strip().splitlines()[-1] == (
         "pretrain_gpt.py: error: --delta-router-kernels triton: no CUDA device here, and the Triton kernels run on "
         "CUDA tensors only (or under TRITON_INTERPRET=1); use --delta-router-kernels auto (C kernels on CPU)")
+
+
+def test_host_work_tool(tmp_path):
+    """tools/host_work.py (the routers' host work on CPU, the proxy of a host-bound GPU step) at a small size: per
+    router call one table copy per launch; delta on one router per pass launches its forward and backward and
+    nothing else, on the group router each group's old pass twice, each router's merge twice and x's final sum
+    once (group_router.auto_group_sizes' groups); the training step of every mode against the baseline's, which
+    launches no Triton kernel."""
+    from megatron_delta.core import group_router
+
+    pytest.importorskip("triton")
+    out = tmp_path / "host.json"
+    layers = 4
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools/host_work.py"), "--num-layers", "4",
+                           "--stream-layers", str(layers), "--iters", "2", "--micro-batches", "2", "--reps", "1",
+                           "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    result = json.loads(out.read_text())
+    calls = {(r["mode"], r["group_size"]): r for r in result["per_call"]}
+    assert set(calls) == {("delta", "auto"), ("delta", 1), ("delta_block", 1)}
+    for r in calls.values():
+        assert r["launches"] == r["table_copies"] > 0 and r["host_us"] > 0
+        assert r["torch_ops"] == pytest.approx(r["views"] + r["allocations"] + r["other_ops"])
+    routers = 2 * layers
+    groups = group_router.auto_group_sizes(routers, 1)
+    assert calls["delta", 1]["launches"] == 2
+    assert calls["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * routers + 1) / routers)
+    steps = {(r["mode"], r["group_size"]): r for r in result["step"]}
+    assert set(steps) == {("baseline", None), ("delta", "auto"), ("delta", 1), ("delta_block", None)}
+    assert steps["baseline", None]["ratio"] == 1.0 and steps["baseline", None]["launches_per_step"] == 0
+    assert all(r["launches_per_step"] > 0 and r["ratio"] > 0 for k, r in steps.items() if k[0] != "baseline")

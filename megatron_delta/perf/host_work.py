@@ -1,0 +1,180 @@
+"""The routers' host work: what the CPU that drives a GPU does per router call and per training step, measured on
+the CPU with the project's Triton kernels under Triton's interpreter, their launches made no-ops.
+
+Where a layer's GEMMs take the GPU less time than its host takes to launch the layer's kernels, the host's time is
+the step's, and a router costs its host work, not its bytes: the 1B shape on an H200 ran so (docs/performance.md,
+GPU figures), where the cost model (perf/cost_model.py, bytes against FLOPs) predicts a GPU-bound step. Two
+measurements, both in one process with TRITON_INTERPRET=1 set before Triton is imported (tools/host_work.py):
+
+- :func:`step_ratios`: a training step - Megatron's schedule, DDP and optimizer, as tools/gpu_check.py (c) runs it
+  (perf.gpu_check.train) - at a tiny width with the launches made no-ops, so that what is left is host work; each
+  mode's time against the baseline's. It stands for a run whose GPU waits on its host: on the H200 at 1B,
+  delta on the Triton kernels ran at 1 / 0.605 = 1.65x the baseline's step time, and this proxy gave 1.63x for
+  the same build.
+- :func:`per_call`: the routed stream alone (identity sublayers, as gpu_check's (b2)), counted per router call:
+  kernel launches, table copies (triton_router.device_tables: one pinned copy each on a GPU) and the PyTorch ops
+  dispatched, split into views, allocations and the rest (on a GPU each of the rest is a kernel launch of its
+  own). Counts are exact and the same on every machine; the host time per call beside them is this CPU's.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import types
+from collections import Counter
+from typing import Dict, List, Optional
+
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES
+
+__all__ = ["interpreting", "noop_launches", "per_call", "step_ratios", "HOST_SHAPE"]
+
+HOST_SHAPE = dict(hidden=32, ffn=64, heads=4, groups=2, seq=16)  # tiny: the GEMMs cost next to nothing
+ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
+               "new_zeros", "ones", "ones_like", "full", "full_like", "lift_fresh", "scalar_tensor"}
+
+
+def interpreting() -> bool:
+    from megatron_delta.core import triton_router
+
+    return triton_router.interpreting()
+
+
+class _Counts:
+    """What one measured region dispatched: launches per kernel, table copies, PyTorch ops per kind."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.launches: Counter = Counter()
+        self.tables = 0
+        self.ops: Counter = Counter()
+
+    def per(self, n: int) -> Dict[str, float]:
+        views = sum(v for k, v in self.ops.items() if k[1])
+        allocs = sum(v for k, v in self.ops.items() if not k[1] and k[0] in ALLOCATIONS)
+        total = sum(self.ops.values())
+        return dict(launches=sum(self.launches.values()) / n, table_copies=self.tables / n, torch_ops=total / n,
+                    views=views / n, allocations=allocs / n, other_ops=(total - views - allocs) / n)
+
+
+@contextlib.contextmanager
+def noop_launches(counts: Optional[_Counts] = None):
+    """Triton's interpreter launches nothing inside (each launch counted in ``counts``), and every table copy is
+    counted; undone on exit. Needs TRITON_INTERPRET=1 from before Triton's import."""
+    if not interpreting():
+        raise RuntimeError("host work is measured under Triton's interpreter: set TRITON_INTERPRET=1 before anything "
+                           "imports Triton (tools/host_work.py does)")
+    import triton.runtime.interpreter as interp
+
+    from megatron_delta.core import triton_router
+
+    counts = counts if counts is not None else _Counts()
+    run, tables = interp.InterpretedFunction.run, triton_router.device_tables
+
+    def launch(self, *args, grid, warmup, **kwargs):  # the host's side of a launch only: arguments bound, no work
+        counts.launches[self.fn.__name__] += 1
+
+    def copy(*lists, device):
+        counts.tables += 1
+        return tables(*lists, device=device)
+
+    interp.InterpretedFunction.run = launch
+    triton_router.device_tables = copy
+    try:
+        yield counts
+    finally:
+        interp.InterpretedFunction.run = run
+        triton_router.device_tables = tables
+
+
+@contextlib.contextmanager
+def _counting_ops(counts: _Counts):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts.ops[(func.overloadpacket.__name__, bool(func.is_view))] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        yield
+
+
+def _stream(mode: str, layers: int, kernels: str, group_size, shape: Dict[str, int]):
+    """One forward + backward of ``mode``'s routed stream over ``layers`` layers of identity sublayers (each
+    sublayer's output is its routed input), x from the sources where the mode allows it."""
+    import torch
+
+    from megatron_delta.core.modes import ADDITIVE_MODES
+    from megatron_delta.core.router import DepthRouter
+    from megatron_delta.core.sources import SourceBuffer, SourcePlan
+
+    t, d = shape["seq"], shape["hidden"]
+    blocks = 4 if mode in BLOCK_MODES and layers % 4 == 0 else layers
+    plan = SourcePlan(mode, layers, blocks, x_from_sources=mode in ADDITIVE_MODES, router_group_size=group_size)
+    g = torch.Generator().manual_seed(5)
+    routers = [DepthRouter(d, null_source=False, gate=False, eps=1e-6, kernels=kernels) for _ in range(2 * layers)]
+    with torch.no_grad():
+        for r in routers:
+            r.query.copy_(0.1 * torch.randn(d, generator=g))
+    h0 = torch.randn(t, 1, d, generator=g).requires_grad_()
+    grad = torch.randn(t, 1, d, generator=g)
+
+    def call():
+        buf = SourceBuffer.start(plan, h0, 1e-6, readers=dict(enumerate(routers)))
+        for j in range(2 * layers):
+            buf.commit(j, buf.routed_input(j, routers[j]))
+        return torch.autograd.grad(buf.output(None), [h0, *(r.query for r in routers)], grad)
+
+    return call
+
+
+def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="auto", reps: int = 20,
+             shape: Optional[Dict[str, int]] = None) -> Dict[str, float]:
+    """Per router call of ``mode``'s routed stream (2 ``layers`` routers): launches, table copies, PyTorch ops by
+    kind (counted over one forward + backward) and this CPU's host microseconds (the best of three rounds of
+    ``reps``, launches no-ops)."""
+    shape = dict(HOST_SHAPE, **(shape or {}))
+    n = 2 * layers
+    with noop_launches() as counts:
+        call = _stream(mode, layers, kernels, group_size, shape)
+        call()  # warm: Triton's interpreter rewrites each kernel once
+        counts.reset()
+        with _counting_ops(counts):
+            call()
+        out = counts.per(n)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                call()
+            best = min(best, (time.perf_counter() - t0) / reps)
+    return dict(mode=mode, kernels=kernels, group_size=group_size, layers=layers, host_us=best / n * 1e6, **out)
+
+
+def step_ratios(runs: List[tuple], layers: int = 28, iters: int = 3, warmup: int = 1, micro_batches: int = 8,
+                shape: Optional[Dict[str, int]] = None, progress=print) -> List[Dict[str, float]]:
+    """Host time of a training step (``micro_batches`` micro-batches' forward + backward, Megatron's schedule:
+    perf.gpu_check.train) per (mode, kernels, group size) of ``runs``, the baseline first, launches no-ops; each
+    with its ratio to the baseline and its launches per step."""
+    from megatron_delta.perf import gpu_check
+    from megatron_delta.trainer.hooks import router_overrides
+
+    shape = dict(HOST_SHAPE, **(shape or {}), layers=layers)
+    opts = types.SimpleNamespace(dry_run=True, transformer_impl="local", vocab_size=64, iters=iters, lr=3e-3,
+                                 no_fp8=True)
+    out, base = [], None
+    with gpu_check.check_session(opts) as env, noop_launches() as counts:
+        for mode, kernels, group in [(BASELINE, "-", None)] + [r for r in runs if r[0] != BASELINE]:
+            counts.reset()
+            r = gpu_check.train(opts, env, mode, shape=shape, overrides=router_overrides,
+                                kernels=kernels if kernels != "-" else "torch", iters=iters, warmup=warmup,
+                                micro_batches=micro_batches, group_size=group)
+            ms = micro_batches * shape["seq"] / r["tokens_per_sec"] * 1e3
+            base = base or ms
+            row = dict(mode=mode, kernels=kernels, group_size=group, layers=layers, step_ms=ms, ratio=ms / base,
+                       launches_per_step=sum(counts.launches.values()) / iters)
+            out.append(row)
+            progress(f"  {mode:12s} {kernels:6s} S={group}: {ms:8.1f} ms  x{ms / base:.3f}")
+    return out

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""The routers' host work, on CPU: what the CPU driving a GPU does per router call and per training step.
+
+    python tools/host_work.py [--num-layers 28 --modes baseline,delta,delta_block --output host.json]
+
+Where a layer's GEMMs take the GPU less time than its host takes to launch the layer's kernels (the 1B shape on
+an H200: docs/performance.md, GPU figures), a router costs its host work, not its bytes. Prints
+
+- per router call of each mode's routed stream (identity sublayers, Triton kernels; delta on the group router):
+  kernel launches, table copies, PyTorch ops (views, allocations, the rest: each of the rest a kernel launch on a
+  GPU) - exact counts - and this CPU's host microseconds per call;
+- a training step of 8 micro-batches at a tiny width with L layers (Megatron's schedule, DDP and optimizer), each
+  mode's host time against the baseline's in the same run: the proxy of a host-bound GPU run.
+
+The Triton kernels run under Triton's interpreter with their launches made no-ops (what is left is host work);
+this script sets TRITON_INTERPRET=1 before anything imports Triton. How: megatron_delta/perf/host_work.py. CPU
+times move with machine load: read the ratios and the counts.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton's import: the kernels run (as no-ops) on CPU tensors
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+from megatron_delta.core.modes import BASELINE, BLOCK_MODES, RESIDUAL_MODES  # noqa: E402
+from megatron_delta.perf import gpu_check, host_work  # noqa: E402
+
+GROUPED = ("delta", "full_attnres")  # the group router's modes: S = auto, and S = 1 beside it
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=28, help="the training step's layers (the 1B shape's 28)")
+    p.add_argument("--stream-layers", type=int, default=12, help="the routed stream's layers for the per-call counts")
+    p.add_argument("--modes", default="baseline,delta,delta_block")
+    p.add_argument("--iters", type=int, default=6, help="training iterations per mode, the first not timed")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--reps", type=int, default=20, help="routed-stream rounds per timing")
+    p.add_argument("--skip-step", action="store_true", help="only the per-call counts")
+    p.add_argument("--output", default=None, help="JSON results")
+    o = p.parse_args(argv)
+    o.modes = [m.strip() for m in o.modes.split(",") if m.strip()]
+    bad = [m for m in o.modes if m != BASELINE and m not in RESIDUAL_MODES]
+    if bad:
+        p.error(f"--modes: {', '.join(bad)} is not baseline or a routed mode ({', '.join(RESIDUAL_MODES)})")
+    if o.iters < 2:
+        p.error(f"--iters {o.iters}: at least 2 (the first iteration is not timed)")
+    if o.stream_layers < 1 or o.num_layers < 1:
+        p.error("--num-layers and --stream-layers must be positive")
+    blocks = [m for m in o.modes if m in BLOCK_MODES]
+    if blocks and not o.skip_step and o.num_layers % gpu_check.NUM_BLOCKS:
+        p.error(f"--num-layers {o.num_layers}: {', '.join(blocks)} train with --delta-num-blocks "
+                f"{gpu_check.NUM_BLOCKS} (as tools/gpu_check.py), so it must be a multiple of {gpu_check.NUM_BLOCKS}")
+    return o
+
+
+def main(argv=None):
+    o = parse(argv)
+    routed = [m for m in o.modes if m != BASELINE]
+    runs = [(m, "triton", g) for m in routed for g in (("auto", 1) if m in GROUPED else (None,))]
+    result = {"per_call": [], "step": []}
+    print(f"Per router call, routed stream of {o.stream_layers} layers (identity sublayers), Triton kernels under "
+          "the interpreter, launches no-ops; counts are exact, us is this CPU's host time:")
+    print(f"  {'mode':12s} {'S':>4s} {'launches':>8s} {'copies':>6s} {'torch ops':>9s} {'views':>6s} {'allocs':>6s} "
+          f"{'other':>6s} {'host us':>8s}")
+    for mode, kernels, group in runs:
+        r = host_work.per_call(mode, o.stream_layers, kernels, group if group is not None else 1, reps=o.reps)
+        result["per_call"].append(r)
+        print(f"  {mode:12s} {group or '-'!s:>4s} {r['launches']:8.2f} {r['table_copies']:6.2f} {r['torch_ops']:9.1f} "
+              f"{r['views']:6.1f} {r['allocations']:6.1f} {r['other_ops']:6.1f} {r['host_us']:8.0f}", flush=True)
+    if not o.skip_step:
+        print(f"\nTraining step, {o.micro_batches} micro-batches, {o.num_layers} layers at hidden "
+              f"{host_work.HOST_SHAPE['hidden']}, {host_work.HOST_SHAPE['seq']} tokens (host time; x baseline):")
+        result["step"] = host_work.step_ratios(runs, layers=o.num_layers, iters=o.iters,
+                                               micro_batches=o.micro_batches,
+                                               progress=lambda line: print(line, flush=True))
+    if o.output:
+        with open(o.output, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
