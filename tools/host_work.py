@@ -26,6 +26,7 @@ import sys  # noqa: E402
 
 from megatron_delta.core.modes import BASELINE, BLOCK_MODES, RESIDUAL_MODES  # noqa: E402
 from megatron_delta.perf import gpu_check, host_work  # noqa: E402
+from megatron_delta.trainer.hooks import router_overrides  # noqa: E402  (the routers' optimizer group)
 
 GROUPED = ("delta", "full_attnres")  # the group router's modes: S = auto, and S = 1 beside it
 
@@ -73,7 +74,7 @@ def main(argv=None):
     if not o.skip_step:
         print(f"\nTraining step, {o.micro_batches} micro-batches, {o.num_layers} layers at hidden "
               f"{host_work.HOST_SHAPE['hidden']}, {host_work.HOST_SHAPE['seq']} tokens (host time; x baseline):")
-        result["step"] = host_work.step_ratios(runs, layers=o.num_layers, iters=o.iters,
+        result["step"] = host_work.step_ratios(runs, router_overrides, layers=o.num_layers, iters=o.iters,
                                                micro_batches=o.micro_batches,
                                                progress=lambda line: print(line, flush=True))
     if o.output:

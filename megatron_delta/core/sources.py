@@ -19,6 +19,7 @@ pipeline boundary. With the gate x is kept: u = x + a r must equal the baseline'
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
@@ -271,6 +272,7 @@ class SourceBuffer:
                         if plan.groups_routers and sublayers else None)
         # block -> its routers' deferred pass over the completed sources' gradients (triton_router.defer_block)
         self._deferrals: Dict[int, Optional[dict]] = {}
+        self._block_routers: Optional[Counter] = None  # block -> its routers in this buffer
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -372,8 +374,9 @@ class SourceBuffer:
             from megatron_delta.core import triton_router  # a source with a sink: kernels or a shared projection
 
             b = self.plan.block_of(key)
-            routers = sum(1 for k in self.readers if k != "final" and self.plan.block_of(k) == b)
-            sources = triton_router.defer_block(sources, routers, self._deferrals, b)
+            if self._block_routers is None:  # once per buffer, not per router call (O(readers) each)
+                self._block_routers = Counter(self.plan.block_of(k) for k in self.readers if k != "final")
+            sources = triton_router.defer_block(sources, self._block_routers[b], self._deferrals, b)
         if self.record_routing:
             r, alpha = router(sources, True, base=base, apply_gate=apply_gate, base_sums=base_sums)
             self.routing[key] = alpha.detach()

@@ -153,13 +153,14 @@ def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="a
     return dict(mode=mode, kernels=kernels, group_size=group_size, layers=layers, host_us=best / n * 1e6, **out)
 
 
-def step_ratios(runs: List[tuple], layers: int = 28, iters: int = 3, warmup: int = 1, micro_batches: int = 8,
-                shape: Optional[Dict[str, int]] = None, progress=print) -> List[Dict[str, float]]:
+def step_ratios(runs: List[tuple], overrides, layers: int = 28, iters: int = 3, warmup: int = 1,
+                micro_batches: int = 8, shape: Optional[Dict[str, int]] = None,
+                progress=print) -> List[Dict[str, float]]:
     """Host time of a training step (``micro_batches`` micro-batches' forward + backward, Megatron's schedule:
     perf.gpu_check.train) per (mode, kernels, group size) of ``runs``, the baseline first, launches no-ops; each
-    with its ratio to the baseline and its launches per step."""
+    with its ratio to the baseline and its launches per step. ``overrides``: the routers' optimizer group, as
+    gpu_check.train takes it (the trainer's router_overrides; this package never imports the trainer)."""
     from megatron_delta.perf import gpu_check
-    from megatron_delta.trainer.hooks import router_overrides
 
     shape = dict(HOST_SHAPE, **(shape or {}), layers=layers)
     opts = types.SimpleNamespace(dry_run=True, transformer_impl="local", vocab_size=64, iters=iters, lr=3e-3,
@@ -168,7 +169,7 @@ def step_ratios(runs: List[tuple], layers: int = 28, iters: int = 3, warmup: int
     with gpu_check.check_session(opts) as env, noop_launches() as counts:
         for mode, kernels, group in [(BASELINE, "-", None)] + [r for r in runs if r[0] != BASELINE]:
             counts.reset()
-            r = gpu_check.train(opts, env, mode, shape=shape, overrides=router_overrides,
+            r = gpu_check.train(opts, env, mode, shape=shape, overrides=overrides,
                                 kernels=kernels if kernels != "-" else "torch", iters=iters, warmup=warmup,
                                 micro_batches=micro_batches, group_size=group)
             ms = micro_batches * shape["seq"] / r["tokens_per_sec"] * 1e3
