@@ -23,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # closed form (2 modes), 6 models of 4 blocks with the deferred passes (2 modes x no recompute / 2 recompute cuts),
 # 4 two-stage pipelines (2 modes x 2 cuts), the group router on its kernels and its counted traffic (5
 # configurations each), the group router's counted traffic in bf16 (2 modes), gpu_check's rate with the partial sums,
-# one table copy per launch (2 modes)
-INTERPRETER_CASES = 63
+# one table copy per launch (2 modes), gpu_check's host time per router call
+INTERPRETER_CASES = 64
 
 
 def test_interpreter_cases():

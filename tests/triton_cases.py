@@ -186,6 +186,26 @@ def test_gpu_check_rate_counts_the_partial_sums(interpreter):
     assert out["bytes"] == row_bytes + out["partial_bytes"]
 
 
+def test_gpu_check_host_time(interpreter):
+    """gpu_check's (h): the host's work per router call of delta (group router, one router per pass) and
+    delta_block on the kernels, each launch with one table copy; one router per pass launches its forward and
+    backward only, the group router each group's old pass twice, each merge twice and x's final sum once."""
+    from types import SimpleNamespace
+
+    from megatron_delta.perf import gpu_check
+
+    env = SimpleNamespace(dry=True, device="cpu")
+    runs = gpu_check.host_runs(env)
+    assert runs == [("delta", "auto"), ("delta", 1), ("delta_block", 1)]
+    got = {(m, g): gpu_check.host_time(None, env, m, g) for m, g in runs}
+    assert all(r["ok"] and r["launches"] == r["table_copies"] and r["host_us"] > 0 for r in got.values())
+    routers = 2 * gpu_check.HOST_STREAM_LAYERS
+    groups = group_router.auto_group_sizes(routers, 1)
+    assert got["delta", 1]["launches"] == 2
+    assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * routers + 1) / routers)
+    assert got["delta_block", 1]["launches"] > 2  # and the blocks' deferred passes
+
+
 def test_strided_sources(interpreter):
     """Sources that are strided views (a transposed tensor, a slice of a wider one) route as their contiguous
     copies would: outputs and gradients equal the PyTorch path's."""

@@ -20,6 +20,10 @@ Prints a table per part and writes JSON (rewritten after every part: a timeout s
     without null source, gate and x: the output and every gradient (sources, x, query, key-norm weight, null,
     gate), errors relative to each tensor's scale (--router-tol), and the CUDA stream synchronisations each
     call makes (ours must make none).
+(h) host time per router call: the routed streams of delta (group router, one router per pass) and delta_block on
+    our Triton kernels at a tiny width, where the GPU's work is next to nothing: the host's microseconds per router
+    call, and the launches, table copies and PyTorch ops per call (megatron_delta/perf/host_work.py). Where the GPU
+    outruns its host (the 1B shape on an H200), this is a router's cost.
 (b2) router kernels' rate: one router call's forward + backward per backend (5 and 17 sources at the 8B and 1B
     widths), and delta's whole routed stream over 8 layers of identity sublayers (one router per pass on each
     backend; the group router on triton): counted bytes (megatron_delta.core.traffic) over time, against this
@@ -83,7 +87,7 @@ def parse(argv=None):
     p.add_argument("--speed-routers", nargs="+", default=["fla", "triton", "torch"], choices=["fla", "triton", "torch"],
                    help="(c): the router backends to time (those this checkout has; default all)")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["parity", "router", "bandwidth", "speed", "train", "moe"])
+                   choices=["parity", "router", "host", "bandwidth", "speed", "train", "moe"])
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"],
                    help="the GPU run's layers; local: Megatron's own, for a GPU without Transformer Engine (no TE "
@@ -148,6 +152,19 @@ def main(argv=None):
                                   f"{'ok ' if r['ok'] else 'BAD'} {r.get('max_rel', float('nan')):.2e} "
                                   f"syncs {r.get('syncs', '-')}"
                                   f"{' ' + r['error'] if 'error' in r else ''}", flush=True)
+        if "host" not in opts.skip and checks.host_runs(env):
+            print(f"\n(h) host time per router call: the routed stream of {checks.HOST_STREAM_LAYERS} layers on our "
+                  f"Triton kernels at a tiny width (the GPU's work next to nothing), and its launches, table copies "
+                  f"and PyTorch ops per call", flush=True)
+            for mode, group in checks.host_runs(env):
+                r = attempt("host", f"host {mode} S={group}", lambda: checks.host_time(opts, env, mode, group),
+                            mode=mode, group_size=group)
+                if r and "host_us" in r:
+                    print(f"  {mode:12s} S={group!s:5s} {r['host_us']:8.0f} us  launches {r['launches']:.2f}  "
+                          f"copies {r['table_copies']:.2f}  ops {r['torch_ops']:.1f} (views {r['views']:.1f}, "
+                          f"allocations {r['allocations']:.1f}, other {r['other_ops']:.1f})", flush=True)
+                elif r:
+                    print(f"  {mode:12s} S={group!s:5s} {r.get('error')}", flush=True)
         if "bandwidth" not in opts.skip:
             copy_gbps = checks.copy_bandwidth(env)
             result["copy_gbps"] = copy_gbps

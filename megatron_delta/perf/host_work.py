@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 from megatron_delta.core.modes import BASELINE, BLOCK_MODES
 
-__all__ = ["interpreting", "noop_launches", "per_call", "step_ratios", "HOST_SHAPE"]
+__all__ = ["interpreting", "noop_launches", "counted_launches", "per_call", "step_ratios", "HOST_SHAPE"]
 
 HOST_SHAPE = dict(hidden=32, ffn=64, heads=4, groups=2, seq=16)  # tiny: the GEMMs cost next to nothing
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
@@ -67,25 +67,54 @@ def noop_launches(counts: Optional[_Counts] = None):
                            "imports Triton (tools/host_work.py does)")
     import triton.runtime.interpreter as interp
 
-    from megatron_delta.core import triton_router
-
     counts = counts if counts is not None else _Counts()
-    run, tables = interp.InterpretedFunction.run, triton_router.device_tables
 
     def launch(self, *args, grid, warmup, **kwargs):  # the host's side of a launch only: arguments bound, no work
         counts.launches[self.fn.__name__] += 1
+
+    with _patched(interp.InterpretedFunction, "run", launch), _counting_tables(counts):
+        yield counts
+
+
+@contextlib.contextmanager
+def counted_launches(counts: Optional[_Counts] = None):
+    """On a GPU: every Triton launch runs, counted in ``counts`` (JITFunction.run), and every table copy is
+    counted; undone on exit."""
+    from triton.runtime.jit import JITFunction
+
+    counts = counts if counts is not None else _Counts()
+    run = JITFunction.run
+
+    def launch(self, *args, **kwargs):
+        counts.launches[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    with _patched(JITFunction, "run", launch), _counting_tables(counts):
+        yield counts
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value):
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+@contextlib.contextmanager
+def _counting_tables(counts: _Counts):
+    from megatron_delta.core import triton_router
+
+    tables = triton_router.device_tables
 
     def copy(*lists, device):
         counts.tables += 1
         return tables(*lists, device=device)
 
-    interp.InterpretedFunction.run = launch
-    triton_router.device_tables = copy
-    try:
-        yield counts
-    finally:
-        interp.InterpretedFunction.run = run
-        triton_router.device_tables = tables
+    with _patched(triton_router, "device_tables", copy):
+        yield
 
 
 @contextlib.contextmanager
@@ -101,7 +130,7 @@ def _counting_ops(counts: _Counts):
         yield
 
 
-def _stream(mode: str, layers: int, kernels: str, group_size, shape: Dict[str, int]):
+def _stream(mode: str, layers: int, kernels: str, group_size, shape: Dict[str, int], device: str):
     """One forward + backward of ``mode``'s routed stream over ``layers`` layers of identity sublayers (each
     sublayer's output is its routed input), x from the sources where the mode allows it."""
     import torch
@@ -114,12 +143,13 @@ def _stream(mode: str, layers: int, kernels: str, group_size, shape: Dict[str, i
     blocks = 4 if mode in BLOCK_MODES and layers % 4 == 0 else layers
     plan = SourcePlan(mode, layers, blocks, x_from_sources=mode in ADDITIVE_MODES, router_group_size=group_size)
     g = torch.Generator().manual_seed(5)
-    routers = [DepthRouter(d, null_source=False, gate=False, eps=1e-6, kernels=kernels) for _ in range(2 * layers)]
+    routers = [DepthRouter(d, null_source=False, gate=False, eps=1e-6, kernels=kernels).to(device)
+               for _ in range(2 * layers)]
     with torch.no_grad():
         for r in routers:
             r.query.copy_(0.1 * torch.randn(d, generator=g))
-    h0 = torch.randn(t, 1, d, generator=g).requires_grad_()
-    grad = torch.randn(t, 1, d, generator=g)
+    h0 = torch.randn(t, 1, d, generator=g).to(device).requires_grad_()
+    grad = torch.randn(t, 1, d, generator=g).to(device)
 
     def call():
         buf = SourceBuffer.start(plan, h0, 1e-6, readers=dict(enumerate(routers)))
@@ -131,24 +161,31 @@ def _stream(mode: str, layers: int, kernels: str, group_size, shape: Dict[str, i
 
 
 def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="auto", reps: int = 20,
-             shape: Optional[Dict[str, int]] = None) -> Dict[str, float]:
+             shape: Optional[Dict[str, int]] = None, device: str = "cpu") -> Dict[str, float]:
     """Per router call of ``mode``'s routed stream (2 ``layers`` routers): launches, table copies, PyTorch ops by
-    kind (counted over one forward + backward) and this CPU's host microseconds (the best of three rounds of
-    ``reps``, launches no-ops)."""
+    kind (counted over one forward + backward) and the host's microseconds (the best of three rounds of ``reps``).
+    On CPU the launches are no-ops under Triton's interpreter; on a GPU (``device`` cuda, at this tiny width the
+    GPU's work is next to nothing) they run, and the time is the host's wherever it outruns the GPU."""
+    import torch
+
     shape = dict(HOST_SHAPE, **(shape or {}))
     n = 2 * layers
-    with noop_launches() as counts:
-        call = _stream(mode, layers, kernels, group_size, shape)
-        call()  # warm: Triton's interpreter rewrites each kernel once
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    with (noop_launches() if torch.device(device).type == "cpu" else counted_launches()) as counts:
+        call = _stream(mode, layers, kernels, group_size, shape, device)
+        call()  # warm: each kernel compiled (or, under the interpreter, rewritten) once
+        sync()
         counts.reset()
         with _counting_ops(counts):
             call()
         out = counts.per(n)
         best = float("inf")
         for _ in range(3):
+            sync()
             t0 = time.perf_counter()
             for _ in range(reps):
                 call()
+            sync()
             best = min(best, (time.perf_counter() - t0) / reps)
     return dict(mode=mode, kernels=kernels, group_size=group_size, layers=layers, host_us=best / n * 1e6, **out)
 
