@@ -234,6 +234,24 @@ def test_pretrain_gpt_refuses_triton_without_cuda(monkeypatch, capsys):
         "CUDA tensors only (or under TRITON_INTERPRET=1); use --delta-router-kernels auto (C kernels on CPU)")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
+def test_cuda_host_time_counts_as_on_cpu():
+    """gpu_check's (h) on a GPU: the launches run (JITFunction.run counted), one table copy each, as many per router
+    call as under the interpreter (tests/triton_cases.py: the same code path)."""
+    from types import SimpleNamespace
+
+    from megatron_delta.core import group_router
+    from megatron_delta.perf import gpu_check
+
+    env = SimpleNamespace(dry=False, device="cuda")
+    routers = 2 * gpu_check.HOST_STREAM_LAYERS
+    groups = group_router.auto_group_sizes(routers, 1)
+    got = {(m, g): gpu_check.host_time(None, env, m, g) for m, g in gpu_check.host_runs(env)}
+    assert all(r["ok"] and r["host_us"] > 0 for r in got.values())
+    assert got["delta", 1]["launches"] == 2
+    assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * routers + 1) / routers)
+
+
 def test_host_work_tool(tmp_path):
     """tools/host_work.py (the routers' host work on CPU, the proxy of a host-bound GPU step) at a small size: per
     router call one table copy per launch; delta on one router per pass launches its forward and backward and
