@@ -241,12 +241,12 @@ def test_cuda_host_time_counts_as_on_cpu():
     from types import SimpleNamespace
 
     from megatron_delta.core import group_router
-    from megatron_delta.perf import gpu_check
+    from megatron_delta.perf import host_work
 
     env = SimpleNamespace(dry=False, device="cuda")
-    routers = 2 * gpu_check.HOST_STREAM_LAYERS
+    routers = 2 * host_work.HOST_STREAM_LAYERS
     groups = group_router.auto_group_sizes(routers, 1)
-    got = {(m, g): gpu_check.host_time(None, env, m, g) for m, g in gpu_check.host_runs(env)}
+    got = {(m, g): host_work.host_time(env, m, g) for m, g in host_work.host_runs(env)}
     assert all(r["ok"] and r["host_us"] > 0 for r in got.values())
     assert got["delta", 1]["launches"] == 2
     assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * routers + 1) / routers)

@@ -192,14 +192,14 @@ def test_gpu_check_host_time(interpreter):
     backward only, the group router each group's old pass twice, each merge twice and x's final sum once."""
     from types import SimpleNamespace
 
-    from megatron_delta.perf import gpu_check
+    from megatron_delta.perf import host_work
 
     env = SimpleNamespace(dry=True, device="cpu")
-    runs = gpu_check.host_runs(env)
+    runs = host_work.host_runs(env)
     assert runs == [("delta", "auto"), ("delta", 1), ("delta_block", 1)]
-    got = {(m, g): gpu_check.host_time(None, env, m, g) for m, g in runs}
+    got = {(m, g): host_work.host_time(env, m, g) for m, g in runs}
     assert all(r["ok"] and r["launches"] == r["table_copies"] and r["host_us"] > 0 for r in got.values())
-    routers = 2 * gpu_check.HOST_STREAM_LAYERS
+    routers = 2 * host_work.HOST_STREAM_LAYERS
     groups = group_router.auto_group_sizes(routers, 1)
     assert got["delta", 1]["launches"] == 2
     assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * routers + 1) / routers)

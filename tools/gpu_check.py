@@ -61,6 +61,7 @@ from functools import partial
 from megatron_delta.core.modes import BASELINE
 from megatron_delta.core.modes import RESIDUAL_MODES as MODES
 from megatron_delta.perf import gpu_check as checks
+from megatron_delta.perf import host_work
 from megatron_delta.platform.patches import known_warnings_quieted
 
 
@@ -152,12 +153,12 @@ def main(argv=None):
                                   f"{'ok ' if r['ok'] else 'BAD'} {r.get('max_rel', float('nan')):.2e} "
                                   f"syncs {r.get('syncs', '-')}"
                                   f"{' ' + r['error'] if 'error' in r else ''}", flush=True)
-        if "host" not in opts.skip and checks.host_runs(env):
-            print(f"\n(h) host time per router call: the routed stream of {checks.HOST_STREAM_LAYERS} layers on our "
+        if "host" not in opts.skip and host_work.host_runs(env):
+            print(f"\n(h) host time per router call: the routed stream of {host_work.HOST_STREAM_LAYERS} layers on our "
                   f"Triton kernels at a tiny width (the GPU's work next to nothing), and its launches, table copies "
                   f"and PyTorch ops per call", flush=True)
-            for mode, group in checks.host_runs(env):
-                r = attempt("host", f"host {mode} S={group}", lambda: checks.host_time(opts, env, mode, group),
+            for mode, group in host_work.host_runs(env):
+                r = attempt("host", f"host {mode} S={group}", lambda: host_work.host_time(env, mode, group),
                             mode=mode, group_size=group)
                 if r and "host_us" in r:
                     print(f"  {mode:12s} S={group!s:5s} {r['host_us']:8.0f} us  launches {r['launches']:.2f}  "

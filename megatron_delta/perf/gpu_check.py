@@ -454,27 +454,6 @@ def kernel_bandwidth(opts, env, kernel, shape_name, n_sources, copy_gbps, reps=2
     return out
 
 
-HOST_STREAM_LAYERS = 12  # (h): layers of the routed streams whose host time per router call is measured
-
-
-def host_runs(env):
-    """(h)'s runs: (mode, group size) of the routed streams on our Triton kernels (none where this checkout or the
-    dry run has no Triton kernels): delta on the group router and on one router per pass, delta_block."""
-    return [("delta", "auto"), ("delta", 1), ("delta_block", 1)] if "triton" in router_kernels(env) else []
-
-
-def host_time(opts, env, mode, group_size):
-    """(h): the host's work per router call of ``mode``'s routed stream on our Triton kernels at a tiny width (the
-    GPU's work next to nothing, so the time is the host's): microseconds, and the launches, table copies and
-    PyTorch ops counted (perf/host_work.py; the dry run: launches as no-ops under the interpreter). Where a step
-    is bound by its host (the 1B shape on an H200), this is what a router costs."""
-    from megatron_delta.perf import host_work
-
-    r = host_work.per_call(mode, HOST_STREAM_LAYERS, "triton", group_size, reps=5 if env.dry else 20,
-                           device=env.device)
-    return dict(r, ok=r["launches"] == r["table_copies"] > 0)
-
-
 STACK_LAYERS = 8  # (b2): layers of delta's routed stream timed whole (16 routers, the last reading 16 sources)
 
 

@@ -26,7 +26,8 @@ from typing import Dict, List, Optional
 
 from megatron_delta.core.modes import BASELINE, BLOCK_MODES
 
-__all__ = ["interpreting", "noop_launches", "counted_launches", "per_call", "step_ratios", "HOST_SHAPE"]
+__all__ = ["interpreting", "noop_launches", "counted_launches", "per_call", "step_ratios", "host_runs", "host_time",
+           "HOST_SHAPE", "HOST_STREAM_LAYERS"]
 
 HOST_SHAPE = dict(hidden=32, ffn=64, heads=4, groups=2, seq=16)  # tiny: the GEMMs cost next to nothing
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
@@ -216,3 +217,24 @@ def step_ratios(runs: List[tuple], overrides, layers: int = 28, iters: int = 3, 
             out.append(row)
             progress(f"  {mode:12s} {kernels:6s} S={group}: {ms:8.1f} ms  x{ms / base:.3f}")
     return out
+
+
+HOST_STREAM_LAYERS = 12  # (h): layers of the routed streams whose host time per router call is measured
+
+
+def host_runs(env):
+    """tools/gpu_check.py (h)'s runs: (mode, group size) of the routed streams on our Triton kernels (none where
+    this checkout or the dry run has no Triton kernels): delta on the group router and on one router per pass,
+    delta_block. ``env``: gpu_check's Env (dry, device)."""
+    from megatron_delta.perf.gpu_check import router_kernels
+
+    return [("delta", "auto"), ("delta", 1), ("delta_block", 1)] if "triton" in router_kernels(env) else []
+
+
+def host_time(env, mode, group_size):
+    """tools/gpu_check.py (h): the host's work per router call of ``mode``'s routed stream on our Triton kernels
+    at a tiny width (the GPU's work next to nothing, so the time is the host's): microseconds, and the launches,
+    table copies and PyTorch ops counted (:func:`per_call`; the dry run: launches as no-ops under the
+    interpreter). Where a step is bound by its host (the 1B shape on an H200), this is what a router costs."""
+    r = per_call(mode, HOST_STREAM_LAYERS, "triton", group_size, reps=5 if env.dry else 20, device=env.device)
+    return dict(r, ok=r["launches"] == r["table_copies"] > 0)
