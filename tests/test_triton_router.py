@@ -237,7 +237,8 @@ def test_pretrain_gpt_refuses_triton_without_cuda(monkeypatch, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
 def test_cuda_host_time_counts_as_on_cpu():
     """gpu_check's (h) on a GPU: the launches run (JITFunction.run counted), one table copy each, as many per router
-    call as under the interpreter (tests/triton_cases.py: the same code path)."""
+    call as under the interpreter (tests/triton_cases.py: the same code path); and the host's time without the
+    launches, then without the copies too."""
     from types import SimpleNamespace
 
     from megatron_delta.core import group_router
@@ -248,6 +249,8 @@ def test_cuda_host_time_counts_as_on_cpu():
     groups = group_router.auto_group_sizes(routers, 1)
     got = {(m, g): host_work.host_time(env, m, g) for m, g in host_work.host_runs(env)}
     assert all(r["ok"] and r["host_us"] > 0 for r in got.values())
+    # the same stream without its launches, then without its table copies too: each takes the host less time
+    assert all(r["host_us"] > r["host_us_no_launches"] > r["host_us_no_launches_no_copies"] > 0 for r in got.values())
     assert got["delta", 1]["launches"] == 2
     assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * routers + 1) / routers)
 

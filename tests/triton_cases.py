@@ -204,6 +204,12 @@ def test_gpu_check_host_time(interpreter):
     assert got["delta", 1]["launches"] == 2
     assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * routers + 1) / routers)
     assert got["delta_block", 1]["launches"] > 2  # and the blocks' deferred passes
+    # on a GPU (h) also times the stream without its table copies: tables laid out as device_tables lays them
+    lists = ([1, 2, 3], [4], [], [5, 6])
+    sent, kept = triton_router.device_tables(*lists, device="cpu"), host_work._uncopied_tables("cpu")(*lists,
+                                                                                                     device="cpu")
+    assert [len(v) for v in kept] == [len(v) for v in sent] == [4, 2, 0, 2]
+    assert all(v.data_ptr() % 16 == 0 for v in kept + sent)
 
 
 def test_strided_sources(interpreter):

@@ -161,7 +161,11 @@ def main(argv=None):
                 r = attempt("host", f"host {mode} S={group}", lambda: host_work.host_time(env, mode, group),
                             mode=mode, group_size=group)
                 if r and "host_us" in r:
-                    print(f"  {mode:12s} S={group!s:5s} {r['host_us']:8.0f} us  launches {r['launches']:.2f}  "
+                    parts = ""
+                    if "host_us_no_launches" in r:  # on a GPU: what the launches and the copies took of it
+                        parts = (f"  (without the launches {r['host_us_no_launches']:.0f} us, without the copies "
+                                 f"too {r['host_us_no_launches_no_copies']:.0f} us)")
+                    print(f"  {mode:12s} S={group!s:5s} {r['host_us']:8.0f} us{parts}  launches {r['launches']:.2f}  "
                           f"copies {r['table_copies']:.2f}  ops {r['torch_ops']:.1f} (views {r['views']:.1f}, "
                           f"allocations {r['allocations']:.1f}, other {r['other_ops']:.1f})", flush=True)
                 elif r:

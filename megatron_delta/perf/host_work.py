@@ -166,20 +166,18 @@ def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="a
     """Per router call of ``mode``'s routed stream (2 ``layers`` routers): launches, table copies, PyTorch ops by
     kind (counted over one forward + backward) and the host's microseconds (the best of three rounds of ``reps``).
     On CPU the launches are no-ops under Triton's interpreter; on a GPU (``device`` cuda, at this tiny width the
-    GPU's work is next to nothing) they run, and the time is the host's wherever it outruns the GPU."""
+    GPU's work is next to nothing) they run, and the time is the host's wherever it outruns the GPU. On a GPU the
+    same stream is timed twice more, with the launches skipped (``host_us_no_launches``), then the table copies
+    too (``host_us_no_launches_no_copies``: the tables are built on the host, not sent): the differences over the
+    counts are what one launch and one copy cost this host, the rest is Python and the PyTorch ops."""
     import torch
 
     shape = dict(HOST_SHAPE, **(shape or {}))
     n = 2 * layers
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    with (noop_launches() if torch.device(device).type == "cpu" else counted_launches()) as counts:
-        call = _stream(mode, layers, kernels, group_size, shape, device)
-        call()  # warm: each kernel compiled (or, under the interpreter, rewritten) once
-        sync()
-        counts.reset()
-        with _counting_ops(counts):
-            call()
-        out = counts.per(n)
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def host_us(call):
         best = float("inf")
         for _ in range(3):
             sync()
@@ -188,7 +186,46 @@ def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="a
                 call()
             sync()
             best = min(best, (time.perf_counter() - t0) / reps)
-    return dict(mode=mode, kernels=kernels, group_size=group_size, layers=layers, host_us=best / n * 1e6, **out)
+        return best / n * 1e6
+
+    with (counted_launches() if cuda else noop_launches()) as counts:
+        call = _stream(mode, layers, kernels, group_size, shape, device)
+        call()  # warm: each kernel compiled (or, under the interpreter, rewritten) once
+        sync()
+        counts.reset()
+        with _counting_ops(counts):
+            call()
+        out = dict(counts.per(n), host_us=host_us(call))
+        if cuda:
+            from triton.runtime.jit import JITFunction
+
+            from megatron_delta.core import triton_router
+
+            with _patched(JITFunction, "run", lambda self, *args, **kwargs: None):  # outputs left unwritten
+                out["host_us_no_launches"] = host_us(call)
+                with _patched(triton_router, "device_tables", _uncopied_tables(device)):
+                    out["host_us_no_launches_no_copies"] = host_us(call)
+    return dict(mode=mode, kernels=kernels, group_size=group_size, layers=layers, **out)
+
+
+def _uncopied_tables(device):
+    """triton_router.device_tables without the copy: the tables' entries are laid out on the host as there, and
+    views of one device buffer stand for them (what no launch reads)."""
+    import torch
+
+    from megatron_delta.core.triton_router import TABLE_ALIGN
+
+    store = torch.zeros(1 << 16, dtype=torch.int64, device=device)
+
+    def tables(*lists, device):
+        flat, sizes = [], []
+        for table in lists:
+            flat.extend(table)
+            flat.extend([0] * (-len(flat) % TABLE_ALIGN))
+            sizes.append(len(flat) - sum(sizes))
+        return list(store[:len(flat)].split_with_sizes(sizes))
+
+    return tables
 
 
 def step_ratios(runs: List[tuple], overrides, layers: int = 28, iters: int = 3, warmup: int = 1,
