@@ -361,18 +361,26 @@ def device_tables(*tables: Sequence[int], device) -> List[Tensor]:
     view holds its table and the padding after it.
     One copy per launch, not per table: each pinned copy costs the host tens of microseconds, and where the
     GPU outruns the host (the 1B shape on the H200, docs/performance.md) that time is the step's."""
-    flat: List[int] = []
-    sizes = []
-    for table in tables:
-        flat.extend(table)
-        flat.extend([0] * (-len(flat) % TABLE_ALIGN))
-        sizes.append(len(flat) - sum(sizes))  # the table and its padding: the next one starts aligned
+    flat, sizes = table_layout(tables)
     if torch.device(device).type == "cuda":
         # the caching host allocator keeps the pinned block until the copy has run
         buf = torch.tensor(flat or [0], dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
     else:
         buf = torch.tensor(flat or [0], dtype=torch.int64, device=device)
     return list(buf.split_with_sizes(sizes)) if flat else [buf[:0] for _ in tables]  # one op for all the views
+
+
+def table_layout(tables: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
+    """The tables' entries in one list, each table padded to a multiple of TABLE_ALIGN entries, and each padded
+    table's length (what device_tables splits the device tensor into)."""
+    flat: List[int] = []
+    sizes = []
+    for table in tables:
+        start = len(flat)
+        flat.extend(table)
+        flat.extend([0] * (-len(flat) % TABLE_ALIGN))
+        sizes.append(len(flat) - start)
+    return flat, sizes
 
 
 def addresses(tensors: Sequence[Optional[Tensor]], fill: int = 0) -> List[int]:

@@ -472,21 +472,37 @@ def stack_bandwidth(opts, env, kernel, group_size, shape_name, copy_gbps, layers
     partial mixes of a whole row)."""
     import torch
 
+    s = env.shapes[shape_name]
+    t, d = s["seq"], s["hidden"]
+    call, held = routed_stream(DELTA, layers, kernel, group_size, t, d, env.device,
+                               torch.float32 if env.dry else torch.bfloat16, seed=8)
+    out = dict(kernel=kernel, group_size=group_size, shape=shape_name, layers=layers,
+               **_rate(env, call, t * d, reps, copy_gbps))
+    out["ms_per_router"] = out["ms"] / (2 * layers)
+    free(env, *held)
+    return out
+
+
+def routed_stream(mode, layers, kernels, group_size, seq, hidden, device, dtype=None, seed=8):
+    """``mode``'s routed stream alone over ``layers`` layers of identity sublayers (each sublayer's output is its
+    routed input; x the sum of the sources in the additive modes; K = 4 blocks where 4 divides L in the block
+    modes), one [seq, 1, hidden] micro-batch: a function running one forward + backward, and what it holds (for
+    free()). (b2)'s stream and perf/host_work.py's."""
+    import torch
+
     from megatron_delta.core.router import DepthRouter
     from megatron_delta.core.sources import SourceBuffer, SourcePlan
 
-    s = env.shapes[shape_name]
-    t, d = s["seq"], s["hidden"]
-    dtype = torch.float32 if env.dry else torch.bfloat16
-    plan = SourcePlan(DELTA, layers, layers, x_from_sources=True, router_group_size=group_size)
-    g = torch.Generator(device="cpu").manual_seed(8)
-    routers = [DepthRouter(d, null_source=False, gate=False, eps=1e-6, kernels=kernel).to(env.device)
+    blocks = NUM_BLOCKS if mode in BLOCK_MODES and layers % NUM_BLOCKS == 0 else layers
+    plan = SourcePlan(mode, layers, blocks, x_from_sources=mode in ADDITIVE_MODES, router_group_size=group_size)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    routers = [DepthRouter(hidden, null_source=False, gate=False, eps=1e-6, kernels=kernels).to(device)
                for _ in range(2 * layers)]
     with torch.no_grad():
         for r in routers:
-            r.query.copy_(0.1 * torch.randn(d, generator=g).to(env.device))
-    h0 = torch.randn(t, 1, d, generator=g).to(env.device, dtype).requires_grad_()
-    grad = torch.randn(t, 1, d, generator=g).to(env.device, dtype)
+            r.query.copy_(0.1 * torch.randn(hidden, generator=g).to(device))
+    h0 = torch.randn(seq, 1, hidden, generator=g).to(device, dtype).requires_grad_()
+    grad = torch.randn(seq, 1, hidden, generator=g).to(device, dtype)
 
     def call():
         buf = SourceBuffer.start(plan, h0, 1e-6, readers=dict(enumerate(routers)))
@@ -494,11 +510,7 @@ def stack_bandwidth(opts, env, kernel, group_size, shape_name, copy_gbps, layers
             buf.commit(j, buf.routed_input(j, routers[j]))
         return torch.autograd.grad(buf.output(None), [h0, *(r.query for r in routers)], grad)
 
-    out = dict(kernel=kernel, group_size=group_size, shape=shape_name, layers=layers,
-               **_rate(env, call, t * d, reps, copy_gbps))
-    out["ms_per_router"] = out["ms"] / (2 * layers)
-    free(env, routers, h0, grad)
-    return out
+    return call, (routers, h0, grad)
 
 
 # ------------------------------------------------------------------------------------------- (c), (d)

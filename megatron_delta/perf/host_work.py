@@ -24,20 +24,14 @@ import types
 from collections import Counter
 from typing import Dict, List, Optional
 
-from megatron_delta.core.modes import BASELINE, BLOCK_MODES
+from megatron_delta.core.modes import BASELINE
 
-__all__ = ["interpreting", "noop_launches", "counted_launches", "per_call", "step_ratios", "host_runs", "host_time",
+__all__ = ["noop_launches", "counted_launches", "per_call", "step_ratios", "host_runs", "host_time",
            "HOST_SHAPE", "HOST_STREAM_LAYERS"]
 
 HOST_SHAPE = dict(hidden=32, ffn=64, heads=4, groups=2, seq=16)  # tiny: the GEMMs cost next to nothing
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
                "new_zeros", "ones", "ones_like", "full", "full_like", "lift_fresh", "scalar_tensor"}
-
-
-def interpreting() -> bool:
-    from megatron_delta.core import triton_router
-
-    return triton_router.interpreting()
 
 
 class _Counts:
@@ -63,7 +57,9 @@ class _Counts:
 def noop_launches(counts: Optional[_Counts] = None):
     """Triton's interpreter launches nothing inside (each launch counted in ``counts``), and every table copy is
     counted; undone on exit. Needs TRITON_INTERPRET=1 from before Triton's import."""
-    if not interpreting():
+    from megatron_delta.core import triton_router
+
+    if not triton_router.interpreting():
         raise RuntimeError("host work is measured under Triton's interpreter: set TRITON_INTERPRET=1 before anything "
                            "imports Triton (tools/host_work.py does)")
     import triton.runtime.interpreter as interp
@@ -131,36 +127,6 @@ def _counting_ops(counts: _Counts):
         yield
 
 
-def _stream(mode: str, layers: int, kernels: str, group_size, shape: Dict[str, int], device: str):
-    """One forward + backward of ``mode``'s routed stream over ``layers`` layers of identity sublayers (each
-    sublayer's output is its routed input), x from the sources where the mode allows it."""
-    import torch
-
-    from megatron_delta.core.modes import ADDITIVE_MODES
-    from megatron_delta.core.router import DepthRouter
-    from megatron_delta.core.sources import SourceBuffer, SourcePlan
-
-    t, d = shape["seq"], shape["hidden"]
-    blocks = 4 if mode in BLOCK_MODES and layers % 4 == 0 else layers
-    plan = SourcePlan(mode, layers, blocks, x_from_sources=mode in ADDITIVE_MODES, router_group_size=group_size)
-    g = torch.Generator().manual_seed(5)
-    routers = [DepthRouter(d, null_source=False, gate=False, eps=1e-6, kernels=kernels).to(device)
-               for _ in range(2 * layers)]
-    with torch.no_grad():
-        for r in routers:
-            r.query.copy_(0.1 * torch.randn(d, generator=g))
-    h0 = torch.randn(t, 1, d, generator=g).to(device).requires_grad_()
-    grad = torch.randn(t, 1, d, generator=g).to(device)
-
-    def call():
-        buf = SourceBuffer.start(plan, h0, 1e-6, readers=dict(enumerate(routers)))
-        for j in range(2 * layers):
-            buf.commit(j, buf.routed_input(j, routers[j]))
-        return torch.autograd.grad(buf.output(None), [h0, *(r.query for r in routers)], grad)
-
-    return call
-
-
 def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="auto", reps: int = 20,
              shape: Optional[Dict[str, int]] = None, device: str = "cpu") -> Dict[str, float]:
     """Per router call of ``mode``'s routed stream (2 ``layers`` routers): launches, table copies, PyTorch ops by
@@ -189,7 +155,9 @@ def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="a
         return best / n * 1e6
 
     with (counted_launches() if cuda else noop_launches()) as counts:
-        call = _stream(mode, layers, kernels, group_size, shape, device)
+        from megatron_delta.perf.gpu_check import routed_stream
+
+        call, _ = routed_stream(mode, layers, kernels, group_size, shape["seq"], shape["hidden"], device, seed=5)
         call()  # warm: each kernel compiled (or, under the interpreter, rewritten) once
         sync()
         counts.reset()
@@ -213,16 +181,12 @@ def _uncopied_tables(device):
     views of one device buffer stand for them (what no launch reads)."""
     import torch
 
-    from megatron_delta.core.triton_router import TABLE_ALIGN
+    from megatron_delta.core.triton_router import table_layout
 
     store = torch.zeros(1 << 16, dtype=torch.int64, device=device)
 
     def tables(*lists, device):
-        flat, sizes = [], []
-        for table in lists:
-            flat.extend(table)
-            flat.extend([0] * (-len(flat) % TABLE_ALIGN))
-            sizes.append(len(flat) - sum(sizes))
+        flat, sizes = table_layout(lists)
         return list(store[:len(flat)].split_with_sizes(sizes))
 
     return tables
