@@ -1,6 +1,6 @@
 """Performance models and measurement: the library behind tools/memory_plan.py, tools/benchmark.py,
-tools/gpu_check.py and tools/host_work.py (which only parse flags and print). Importing the package imports
-none of its modules.
+tools/gpu_check.py, tools/host_work.py and tools/kernel_resources.py (which only parse flags and print).
+Importing the package imports none of its modules.
 
 Modules (one concept each):
   shapes           - the 1B / 8B model shapes and the memory plan's job presets
@@ -11,6 +11,7 @@ Modules (one concept each):
   machine_rates    - what this machine charges per [tokens, hidden] pass (operator costs, stream/memory rates)
   gpu_check        - the GPU acceptance checks: parity, fused kernel vs PyTorch router, speed, BF16 / FP8 training
   host_work        - the routers' host work on CPU: launches, table copies and ops per call; a step's host time
+  kernel_resources - the Triton kernels compiled for a GPU on CPU: registers, spills, programs per SM, bytes in flight
 
 It imports megatron_delta.core, megatron.core and the shared training side that builds a model from its fields
 and starts the one-process world (megatron_delta.checkpoint.model_config, megatron_delta.platform), never the trainer
