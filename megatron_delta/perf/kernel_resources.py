@@ -190,9 +190,6 @@ def _run(step: str, args: dict, interpret: bool) -> list:
 
 
 def _main(step: Optional[str] = None) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
     step = step or sys.argv[1]
     args = json.loads(sys.stdin.read())
     result = capture(**args) if step == "capture" else compile_configs(args["configs"], args["arch"])
