@@ -23,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # closed form (2 modes), 6 models of 4 blocks with the deferred passes (2 modes x no recompute / 2 recompute cuts),
 # 4 two-stage pipelines (2 modes x 2 cuts), the group router on its kernels and its counted traffic (5
 # configurations each), the group router's counted traffic in bf16 (2 modes), gpu_check's rate with the partial sums,
-# one table copy per launch (2 modes), gpu_check's host time per router call
-INTERPRETER_CASES = 64
+# one table copy per launch (2 modes), gpu_check's host time per router call and its kernel times
+INTERPRETER_CASES = 65
 
 
 def test_interpreter_cases():
@@ -253,6 +253,25 @@ def test_cuda_host_time_counts_as_on_cpu():
     assert all(r["host_us"] > r["host_us_no_launches"] > r["host_us_no_launches_no_copies"] > 0 for r in got.values())
     assert got["delta", 1]["launches"] == 2
     assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * routers + 1) / routers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
+def test_cuda_kernel_times_name_the_router_kernels():
+    """gpu_check's (k) on a GPU (small shape): the profiler's CUDA kernels include the group router's and the
+    per-router kernels under their names, each with its counted bytes and a rate; the device time is a share of
+    the wall time."""
+    from types import SimpleNamespace
+
+    from megatron_delta.perf import gpu_check
+
+    env = SimpleNamespace(dry=False, device="cuda", shapes=gpu_check.DRY_SHAPES, gpu_kind=lambda: "H100")
+    grouped = gpu_check.kernel_times(None, env, "delta", "auto")
+    single = gpu_check.kernel_times(None, env, "delta", 1)
+    for r, names in ((grouped, {"_old_forward", "_old_backward", "_merge_forward", "_merge_backward", "_final_sum"}),
+                     (single, {"_forward", "_backward"})):
+        rated = {k["name"] for k in r["kernels"] if k.get("of_modelled_rate", 0) > 0}
+        assert r["ok"] and names <= rated, r["kernels"]
+        assert 0 < r["device_share"] <= 1.5  # profiled device time against the unprofiled wall time
 
 
 def test_host_work_tool(tmp_path):

@@ -212,6 +212,36 @@ def test_gpu_check_host_time(interpreter):
     assert all(v.data_ptr() % 16 == 0 for v in kept + sent)
 
 
+def test_gpu_check_kernel_times(interpreter):
+    """gpu_check's (k) in the dry run: the routed streams at the (dry) 1B shape's width and depth on the kernels, and
+    each router kernel's counted bytes - exactly the traffic records it maps (KERNEL_OF_RECORD), none dropped: the
+    group router's old passes, merges and final sum for delta on groups, the per-router pass and the block pass for
+    one router per pass and delta_block."""
+    from types import SimpleNamespace
+
+    from megatron_delta.core import traffic
+    from megatron_delta.perf import gpu_check
+
+    env = SimpleNamespace(dry=True, device="cpu", shapes=gpu_check.DRY_SHAPES)
+    assert gpu_check.kernel_time_runs(env) == [("delta", "auto"), ("delta", 1), ("delta_block", 1)]
+    got = {(m, g): gpu_check.kernel_times(None, env, m, g) for m, g in gpu_check.kernel_time_runs(env)}
+    assert all(r["ok"] and r["wall_ms"] > 0 and r["kernels"] == [] and r["device_share"] is None
+               and r["layers"] == gpu_check.DRY_SHAPES["1B"]["layers"] for r in got.values())
+    assert set(got["delta", "auto"]["counted_bytes"]) == {"_old_forward", "_old_backward", "_merge_forward",
+                                                          "_merge_backward", "_final_sum"}
+    assert set(got["delta", 1]["counted_bytes"]) == {"_forward", "_backward"}
+    assert {"_forward", "_backward", "_block_grad"} <= set(got["delta_block", 1]["counted_bytes"])
+    # the bytes are the stream's own records: the group passes of the same stream, counted here
+    s = gpu_check.DRY_SHAPES["1B"]
+    call, _ = gpu_check.routed_stream("delta", s["layers"], "triton", "auto", s["seq"], s["hidden"], "cpu",
+                                      torch.float32, seed=9)
+    with traffic.counting() as count:
+        call()
+    rows = count.bytes(s["seq"] * s["hidden"])
+    assert got["delta", "auto"]["counted_bytes"]["_old_backward"] == sum(rows["group_old_pass", "backward"])
+    assert got["delta", "auto"]["counted_bytes"]["_merge_forward"] == sum(rows["group_merge", "forward"])
+
+
 def test_strided_sources(interpreter):
     """Sources that are strided views (a transposed tensor, a slice of a wider one) route as their contiguous
     copies would: outputs and gradients equal the PyTorch path's."""

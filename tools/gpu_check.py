@@ -23,7 +23,12 @@ Prints a table per part and writes JSON (rewritten after every part: a timeout s
 (h) host time per router call: the routed streams of delta (group router, one router per pass) and delta_block on
     our Triton kernels at a tiny width, where the GPU's work is next to nothing: the host's microseconds per router
     call, and the launches, table copies and PyTorch ops per call (megatron_delta/perf/host_work.py). Where the GPU
-    outruns its host (the 1B shape on an H200), this is a router's cost.
+    outruns its host, this is a router's cost.
+(k) where the GPU's time goes: the same streams at the 1B shape's width and depth (28 layers: the group sizes
+    auto takes there), one forward + backward under torch.profiler: each CUDA kernel's calls and device time, the
+    wall time per router call, and the device time's share of the wall time (near 1: the kernels set the pace;
+    well below: the host). Each router kernel's counted bytes over its device time, against the cost model's
+    rate (tools/kernel_resources.py counts the registers, spills and bytes in flight that bound it).
 (b2) router kernels' rate: one router call's forward + backward per backend (5 and 17 sources at the 8B and 1B
     widths), and delta's whole routed stream over 8 layers of identity sublayers (one router per pass on each
     backend; the group router on triton): counted bytes (megatron_delta.core.traffic) over time, against this
@@ -88,7 +93,7 @@ def parse(argv=None):
     p.add_argument("--speed-routers", nargs="+", default=["fla", "triton", "torch"], choices=["fla", "triton", "torch"],
                    help="(c): the router backends to time (those this checkout has; default all)")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["parity", "router", "host", "bandwidth", "speed", "train", "moe"])
+                   choices=["parity", "router", "host", "kernels", "bandwidth", "speed", "train", "moe"])
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"],
                    help="the GPU run's layers; local: Megatron's own, for a GPU without Transformer Engine (no TE "
@@ -168,6 +173,23 @@ def main(argv=None):
                     print(f"  {mode:12s} S={group!s:5s} {r['host_us']:8.0f} us{parts}  launches {r['launches']:.2f}  "
                           f"copies {r['table_copies']:.2f}  ops {r['torch_ops']:.1f} (views {r['views']:.1f}, "
                           f"allocations {r['allocations']:.1f}, other {r['other_ops']:.1f})", flush=True)
+                elif r:
+                    print(f"  {mode:12s} S={group!s:5s} {r.get('error')}", flush=True)
+        if "kernels" not in opts.skip and checks.kernel_time_runs(env):
+            print("\n(k) where the GPU's time goes: the routed stream at the 1B shape's width and depth (identity "
+                  "sublayers, our Triton kernels), one forward + backward: wall ms per router call, the CUDA kernels' "
+                  "device time over the wall time (near 1: the kernels set the pace; well below: the host), and each "
+                  "router kernel's counted bytes over its device time against the cost model's rate", flush=True)
+            for mode, group in checks.kernel_time_runs(env):
+                r = attempt("kernels", f"kernels {mode} S={group}",
+                            lambda: checks.kernel_times(opts, env, mode, group), mode=mode, group_size=group)
+                if r and "wall_ms" in r:
+                    share = "-" if r["device_share"] is None else f"{r['device_share']:.2f}"
+                    print(f"  {mode:12s} S={group!s:5s} {r['wall_ms_per_router']:7.3f} ms per router call, "
+                          f"device share {share}", flush=True)
+                    for k in r["kernels"][:6]:
+                        rate = f"  x modelled rate {k['of_modelled_rate']:.2f}" if "of_modelled_rate" in k else ""
+                        print(f"      {k['name'][:40]:40s} {k['calls']:5d} calls {k['ms']:8.3f} ms{rate}", flush=True)
                 elif r:
                     print(f"  {mode:12s} S={group!s:5s} {r.get('error')}", flush=True)
         if "bandwidth" not in opts.skip:

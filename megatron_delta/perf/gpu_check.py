@@ -483,6 +483,74 @@ def stack_bandwidth(opts, env, kernel, group_size, shape_name, copy_gbps, layers
     return out
 
 
+# (k): the Triton kernel each traffic record of the routed stream is (core/traffic.py's kernel and phase)
+KERNEL_OF_RECORD = {("group_old_pass", "forward"): "_old_forward", ("group_old_pass", "backward"): "_old_backward",
+                    ("group_merge", "forward"): "_merge_forward", ("group_merge", "backward"): "_merge_backward",
+                    ("x_sum", "forward"): "_final_sum", ("triton_route", "forward"): "_forward",
+                    ("triton_route", "backward"): "_backward", ("triton_block_grad", "backward"): "_block_grad"}
+
+
+def kernel_time_runs(env):
+    """(k)'s runs: (mode, group size) of the routed streams at the 1B shape's width and depth on our Triton kernels
+    (none where this checkout or the dry run has none): delta on the group router and one router per pass, and
+    delta_block."""
+    return [(DELTA, "auto"), (DELTA, 1), (DELTA_BLOCK, 1)] if "triton" in router_kernels(env) else []
+
+
+def kernel_times(opts, env, mode, group_size, shape_name="1B", reps=3):
+    """(k): where the GPU's time goes in ``mode``'s routed stream (identity sublayers) at the shape's width AND
+    depth (at 1B: 28 layers, so 56 routers and the group sizes ``auto`` takes there; (b2)'s stream has 8 layers).
+    One forward + backward under torch.profiler gives each CUDA kernel's calls and device time; the same call
+    unprofiled gives the wall time. device_share = device time / wall time says what sets the pace: near 1 the
+    kernels, well below 1 the host. For each of our Triton kernels, its counted bytes (core.traffic, mapped by
+    KERNEL_OF_RECORD) over its device time, against the rate the cost model assumes (cost_model.HBM_EFFICIENCY of
+    the GPU's peak) and against tools/kernel_resources.py's ceiling. The dry run: the wall time only (no CUDA)."""
+    import torch
+
+    from megatron_delta.core import traffic
+    from megatron_delta.perf.cost_model import GPUS, HBM_EFFICIENCY
+
+    s = env.shapes[shape_name]
+    layers = s["layers"] or MODEL_SHAPES[shape_name]["num_layers"]
+    t, d = s["seq"], s["hidden"]
+    call, held = routed_stream(mode, layers, "triton", group_size, t, d, env.device,
+                               torch.float32 if env.dry else torch.bfloat16, seed=9)
+    with traffic.counting() as count:
+        call()
+    moved, records = {}, count.bytes(t * d)
+    for (name, phase), (rd, wr) in records.items():
+        kernel = KERNEL_OF_RECORD.get((name, phase))
+        if kernel == "_final_sum" and ("group_old_pass", "forward") not in records:
+            continue  # x summed by PyTorch's adds: the final-sum kernel runs only where the routers route in groups
+        if kernel is not None:
+            moved[kernel] = moved.get(kernel, 0) + rd + wr
+    wall = _timed(env, call, reps)
+    kernels = []
+    if not env.dry:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        modelled = HBM_EFFICIENCY * GPUS[env.gpu_kind()][0]
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0)
+            if us <= 0:
+                continue
+            row = dict(name=e.key, calls=e.count, ms=us / 1e3)
+            if e.key in moved:
+                row.update(bytes=moved[e.key], of_modelled_rate=moved[e.key] / (us * 1e-6) / modelled)
+            kernels.append(row)
+        kernels.sort(key=lambda r: -r["ms"])
+    device_ms = sum(r["ms"] for r in kernels)
+    out = dict(mode=mode, group_size=group_size, shape=shape_name, layers=layers, routers=2 * layers,
+               wall_ms=1e3 * wall, wall_ms_per_router=1e3 * wall / (2 * layers), device_ms=device_ms,
+               device_share=device_ms / (1e3 * wall) if kernels else None, kernels=kernels,
+               counted_bytes=moved, ok=wall > 0 and (env.dry or bool(kernels)))
+    free(env, *held)
+    return out
+
+
 def routed_stream(mode, layers, kernels, group_size, seq, hidden, device, dtype=None, seed=8):
     """``mode``'s routed stream alone over ``layers`` layers of identity sublayers (each sublayer's output is its
     routed input; x the sum of the sources in the additive modes; K = 4 blocks where 4 divides L in the block
@@ -753,8 +821,8 @@ class CheckRun:
         self.t_start = time.time()
         self.result = {"device": env.gpu_name, "dry_run": env.dry, "torch": torch.__version__, "opts": vars(opts),
                        "router_kernels": fla_router.describe("fla", cuda=not env.dry),
-                       "parity": [], "router": [], "host": [], "bandwidth": [], "speed": [], "train": [], "moe": [],
-                       "skipped": []}
+                       "parity": [], "router": [], "host": [], "kernels": [], "bandwidth": [], "speed": [], "train": [],
+                       "moe": [], "skipped": []}
         try:
             import transformer_engine
 
@@ -791,8 +859,8 @@ class CheckRun:
     def finish(self):
         """The verdicts (every run ok and nothing skipped; the targets met), the wall time; saved."""
         result = self.result
-        parts = (result["parity"] + result["router"] + result["host"] + result["bandwidth"] + result["speed"]
-                 + result["train"] + result["moe"])
+        parts = (result["parity"] + result["router"] + result["host"] + result["kernels"] + result["bandwidth"]
+                 + result["speed"] + result["train"] + result["moe"])
         result["ok"] = all(r["ok"] for r in parts) and not result["skipped"]
         result["targets_met"] = all(r.get("target_ok", True) for r in result["speed"])
         result["wall_s"] = time.time() - self.t_start
