@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_delta.core import group_kernels, group_router, traffic
-from megatron_delta.core.group_router import auto_group_sizes, check_group_size, group_spans, passes
+from megatron_delta.core.group_router import AUTO_MAX_GROUP, auto_group_sizes, check_group_size, group_spans, passes
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
 from tests.test_sources import EPS, Toy, sublayer
 
@@ -194,6 +194,10 @@ def test_group_spans_and_auto_sizes():
     for n, n0 in [(24, 1), (56, 1), (12, 13), (48, 1)]:
         assert passes(n, n0, auto_group_sizes(n, n0)) <= min(passes(n, n0, s) for s in range(1, n + 1))
     assert passes(24, 1, auto_group_sizes(24, 1)) == 527 and passes(24, 1, 5) == 555
+    # at most AUTO_MAX_GROUP routers a group (the kernels pad S to a power of two: 9-16 pad to 16 and spill): the 1B
+    # depth's 56 routers end in groups of 8, where the split without the cap ends in 10 and 11
+    assert auto_group_sizes(56, 1) == (2, 4, 5, 6, 7, 8, 8, 8, 8) and AUTO_MAX_GROUP == 8
+    assert max(auto_group_sizes(72, 1)) == AUTO_MAX_GROUP and passes(72, 1, auto_group_sizes(72, 1)) < passes(72, 1, 8)
 
 
 @pytest.mark.parametrize("value,residual,sources,kernels,message", [

@@ -41,7 +41,8 @@ The final router of full_attnres routes as before (router.py). Group size: ``--d
 n routers whose first reads n0 sources, the split of the n routers into consecutive groups with the fewest counted
 passes (:func:`passes`, :func:`auto_group_sizes`), where the group runs on the C or Triton kernels: the groups grow
 along the scope (1 .. 24 over 1 source: 2, 4, 5, 6, 7), because a later group's old pass reads more older sources
-and so pays more for each group, while a larger group merges more in-group sources per router; 1 where the routers
+and so pays more for each group, while a larger group merges more in-group sources per router, up to AUTO_MAX_GROUP
+routers a group; 1 where the routers
 run on PyTorch ops (--delta-router-kernels torch, or tensors neither kernel takes: counted per op, the group router
 moves more bytes than one router per pass) or on fla's kernel (one router per call).
 
@@ -68,6 +69,11 @@ __all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_s
 
 AUTO = "auto"
 FLAG = "--delta-router-group-size"
+# auto's largest group. The Triton kernels pad S to a power of two and hold [S, hidden] fp32 tiles per program, so
+# groups of 9-16 pad to 16, and their old passes spill the most registers: at the 1B width 520-936 bytes per thread
+# against 0-200 up to 8 (tools/kernel_resources.py). At the 1B and 8B depths, capping at 8 moves 0.4 % and 1.6 %
+# more counted bytes (perf/cost_model.py).
+AUTO_MAX_GROUP = 8
 FINE_GRAINED_MODES = ("delta", "full_attnres")
 
 
@@ -171,8 +177,8 @@ def auto_group_sizes(n_routers: int, n_older: int) -> Sizes:
     sources) into consecutive groups with the fewest counted passes (:func:`passes`; the only terms a split
     changes are 4 n_g per group, its old pass's sources read and their gradients, against 2 s (s - 1) in its
     merges and one X per group, and the last group's seed reads), by dynamic programming over where each group
-    starts. The sizes grow along
-    the scope; 1 where single routers are cheapest (one router per pass)."""
+    starts, each group of at most AUTO_MAX_GROUP routers. The sizes grow along the scope (to that cap); 1 where single
+    routers are cheapest (one router per pass)."""
     n = n_routers
     best: List[Tuple[int, Tuple[int, ...]]] = [(0, ())] * (n + 1)  # best[a]: the routers a .. n - 1
 
@@ -180,7 +186,8 @@ def auto_group_sizes(n_routers: int, n_older: int) -> Sizes:
         return _group_passes(n_older + a, s) - (_seed_reads_saved(n_older + a, s) if a + s == n else 0)
 
     for a in range(n - 1, -1, -1):
-        best[a] = min((cost(a, s) + best[a + s][0], (s,) + best[a + s][1]) for s in range(1, n - a + 1))
+        best[a] = min((cost(a, s) + best[a + s][0], (s,) + best[a + s][1])
+                      for s in range(1, min(n - a, AUTO_MAX_GROUP) + 1))
     sizes = best[0][1]
     return 1 if all(s == 1 for s in sizes) else sizes
 
