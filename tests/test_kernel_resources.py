@@ -57,6 +57,8 @@ def test_delta_stream_compiled_for_hopper():
         assert sum(r["launches"] for r in by_kernel[kernel]) == 2 * layers
     assert sum(r["launches"] for r in by_kernel["_final_sum"]) == 1
     for r in rows:
+        # compiled as the JIT compiles the launch on a GPU: the hidden size (256) marked divisible by 16
+        assert list(r["signature"]).index("d") in r["aligned"]
         assert r["arch"] == 90 and 0 < r["registers"] <= 255 and r["stack"] >= 0
         assert r["programs_per_sm"] == kr.programs_per_sm(r["registers"], r["warps"], r["shared"], 90) >= 1
         assert r["in_flight_per_sm"] == r["programs_per_sm"] * r["constants"].get("BT", 1) * hidden * 2
@@ -74,6 +76,9 @@ def test_spills_are_read_from_the_binary():
     assert by_kernel["_old_backward"]["stack"] > 0
     assert by_kernel["_final_sum"]["stack"] == 0
     assert not any(r["pipelined"] for r in rows)  # the loops wait for each load: no cp.async
+    # the alignment the JIT would mark reaches the compiler: without it the final sum compiles to other code
+    plain = kr._run("compile", dict(configs=[dict(by_kernel["_final_sum"], aligned=[])], arch=90), interpret=False)
+    assert plain[0]["registers"] != by_kernel["_final_sum"]["registers"]
 
 
 def test_tool_prints_one_row_per_kernel_and_json(tmp_path):

@@ -70,9 +70,9 @@ __all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_s
 AUTO = "auto"
 FLAG = "--delta-router-group-size"
 # auto's largest group. The Triton kernels pad S to a power of two and hold [S, hidden] fp32 tiles per program, so
-# groups of 9-16 pad to 16, and their old passes spill the most registers: at the 1B width 520-936 bytes per thread
-# against 0-200 up to 8 (tools/kernel_resources.py). At the 1B and 8B depths, capping at 8 moves 0.4 % and 1.6 %
-# more counted bytes (perf/cost_model.py).
+# groups of 9-16 pad to 16, and their old passes spill the most registers: at the 1B width 720-1,296 bytes per thread
+# in the backward and 544-584 in the forward, against at most 184 and 0 up to 8 (tools/kernel_resources.py, sm_90).
+# At the 1B and 8B depths, capping at 8 moves 0.4 % and 1.6 % more counted bytes (perf/cost_model.py).
 AUTO_MAX_GROUP = 8
 FINE_GRAINED_MODES = ("delta", "full_attnres")
 

@@ -12,8 +12,10 @@ module counts them on a machine without a GPU:
 
 1. capture: one stream of routed sublayers (perf.gpu_check.routed_stream, identity sublayers) at the real width
    runs under Triton's interpreter with its launches made no-ops. Each distinct launch configuration is recorded:
-   kernel, argument types, compile-time constants, warps and grid. The token count changes only the grids, so a
-   short sequence is enough; the layer count matters, because it sets the group sizes of ``auto``.
+   kernel, argument types, compile-time constants, warps and grid, and which arguments Triton's JIT would mark
+   divisible by 16 (16-byte aligned pointers, integers that 16 divides), as it does on a GPU. The token count
+   changes only the grids (16 tokens divide by 16 as 2,048 do), so a short sequence is enough; the layer count
+   matters, because it sets the group sizes of ``auto``.
 2. compile: each configuration is compiled for the GPU's architecture (sm_90 for H100 / H200, sm_100 for B200)
    with Triton's own compiler and the ptxas it ships. cuobjdump then reads the registers per thread, the stack
    per thread (spilled registers: these kernels have no local arrays) and the shared memory.
@@ -70,24 +72,29 @@ def capture(mode: str, layers: int, hidden: int, seq: int = 16, group_size="auto
     def launch(self, *args, grid, warmup, **kwargs):  # record the launch; run nothing
         params = inspect.signature(self.fn).parameters
         bound = dict(zip(params, args), **{k: v for k, v in kwargs.items() if k in params})
-        sig, consts = {}, {}
-        for name, p in params.items():
+        sig, consts, aligned = {}, {}, []
+        for index, (name, p) in enumerate(params.items()):
             value = bound[name]
             if "constexpr" in str(p.annotation):
                 consts[name] = getattr(value, "name", value) if not isinstance(value, (bool, int)) else value
                 sig[name] = "constexpr"
             elif isinstance(value, torch.Tensor):
                 sig[name] = "*" + _TENSOR_TYPES[str(value.dtype).removeprefix("torch.")]
+                if value.data_ptr() % 16 == 0:  # as Triton's JIT specialises a launch: 16-byte aligned pointers
+                    aligned.append(index)
             elif isinstance(value, bool):
                 sig[name] = "i1"
             elif isinstance(value, int):
                 sig[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+                if value % 16 == 0:  # and integers divisible by 16
+                    aligned.append(index)
             else:
                 sig[name] = "fp32"
         warps = kwargs.get("num_warps", 4)
-        key = (self.fn.__name__, warps, tuple(sig.items()), tuple((k, str(v)) for k, v in consts.items()))
-        seen.setdefault(key, dict(kernel=self.fn.__name__, signature=sig, constants=consts, warps=warps,
-                                  grid=list(grid), launches=0))["launches"] += 1
+        key = (self.fn.__name__, warps, tuple(sig.items()), tuple((k, str(v)) for k, v in consts.items()),
+               tuple(aligned))
+        seen.setdefault(key, dict(kernel=self.fn.__name__, signature=sig, constants=consts, aligned=aligned,
+                                  warps=warps, grid=list(grid), launches=0))["launches"] += 1
 
     with _patched(interp.InterpretedFunction, "run", launch):
         call, _ = routed_stream(mode, layers, "triton", group_size, seq, hidden, "cpu", dtype=torch.bfloat16,
@@ -117,7 +124,8 @@ def compile_configs(configs: List[dict], arch: int) -> List[dict]:
     scratch = tempfile.mkdtemp(prefix="kernel_resources_")
     for c in configs:
         constants = {k: dtypes.get(v, v) if isinstance(v, str) else v for k, v in c["constants"].items()}
-        binary = triton.compile(ASTSource(kernels[c["kernel"]], c["signature"], constants),
+        attrs = {(i,): [["tt.divisibility", 16]] for i in c["aligned"]}
+        binary = triton.compile(ASTSource(kernels[c["kernel"]], c["signature"], constants, attrs),
                                 target=GPUTarget("cuda", arch, 32), options=dict(num_warps=c["warps"]))
         path = os.path.join(scratch, f"{c['kernel']}_{len(out)}.cubin")
         with open(path, "wb") as f:
