@@ -35,6 +35,17 @@ def test_programs_per_sm_follows_the_cuda_limits(registers, warps, shared, expec
     assert kr.programs_per_sm(registers, warps, shared, 90) == expected
 
 
+def test_tiles_in_flight():
+    """STAGES - 1 row tiles where the loop is pipelined and its shared memory holds them; else 1."""
+    def config(pipelined, stages, shared):
+        return dict(pipelined=pipelined, constants=dict(STAGES=stages), dynamic_shared=shared)
+
+    assert kr.tiles_in_flight(config(True, 3, 8192), 4096) == 2
+    assert kr.tiles_in_flight(config(True, 3, 4096), 4096) == 1   # only one row staged (or the pointer table only)
+    assert kr.tiles_in_flight(config(False, 3, 8192), 4096) == 1  # no cp.async: the loop waits for each load
+    assert kr.tiles_in_flight(dict(pipelined=False, constants={}, dynamic_shared=0), 4096) == 1
+
+
 def test_ceiling_is_littles_law():
     # 4 KiB in flight on each of 132 SMs at 800 ns
     assert kr.ceiling(4096, 132, 800.0) == pytest.approx(4096 * 132 / 800e-9)
@@ -60,10 +71,17 @@ def test_delta_stream_compiled_for_hopper():
         # compiled as the JIT compiles the launch on a GPU: the hidden size (256) marked divisible by 16
         assert list(r["signature"]).index("d") in r["aligned"]
         assert r["arch"] == 90 and 0 < r["registers"] <= 255 and r["stack"] >= 0
+        assert r["shared"] == r["static_shared"] + r["dynamic_shared"]
         assert r["programs_per_sm"] == kr.programs_per_sm(r["registers"], r["warps"], r["shared"], 90) >= 1
-        assert r["in_flight_per_sm"] == r["programs_per_sm"] * r["constants"].get("BT", 1) * hidden * 2
+        assert r["in_flight_per_sm"] == (r["programs_per_sm"] * r["tiles_in_flight"] * r["constants"].get("BT", 1)
+                                         * hidden * 2)
         assert r["of_modelled_rate"] == pytest.approx(
             kr.ceiling(r["in_flight_per_sm"], 132) / (0.85 * 3.35e12))
+    # the group router's loops over the sources are software-pipelined (cp.async into shared memory)
+    from megatron_delta.core.triton_group_kernels import PIPELINE_STAGES
+    for kernel in ("_old_forward", "_old_backward", "_merge_forward", "_merge_backward"):
+        assert all(r["pipelined"] and r["constants"]["STAGES"] == PIPELINE_STAGES and r["dynamic_shared"] > 0
+                   for r in by_kernel[kernel]), kernel
 
 
 def test_spills_are_read_from_the_binary():
@@ -75,7 +93,6 @@ def test_spills_are_read_from_the_binary():
     assert by_kernel["_old_backward"]["constants"]["S"] == 12
     assert by_kernel["_old_backward"]["stack"] > 0
     assert by_kernel["_final_sum"]["stack"] == 0
-    assert not any(r["pipelined"] for r in rows)  # the loops wait for each load: no cp.async
     # the alignment the JIT would mark reaches the compiler: without it the final sum compiles to other code
     plain = kr._run("compile", dict(configs=[dict(by_kernel["_final_sum"], aligned=[])], arch=90), interpret=False)
     assert plain[0]["registers"] != by_kernel["_final_sum"]["registers"]

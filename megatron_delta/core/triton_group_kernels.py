@@ -21,11 +21,11 @@ gradients are [S, hidden] / [tokens, S, hidden] tiles (S padded to a power of tw
 - merge backward: as the per-router kernel's backward over (r_k, in-group sources), each in-group gradient
   into its sink in place.
 
-The source, gradient and target tables are pointer tables (int64 device tensors), as triton_router.py's. The
-number of sources a kernel loops over (N: the older sources of the old pass; K: a merge's in-group sources) is a
-runtime loop bound, not a compile-time constant, so one compiled kernel serves every group of a run whatever its
-position (a constant N compiled a variant per group, with its loop unrolled up to 2L times); S, the group size,
-is a dimension of the tiles and stays a constant.
+The source, gradient and target tables are pointer tables (int64 device tensors), as triton_router.py's. The number
+of sources a kernel loops over (N: the older sources of the old pass; K: a merge's in-group sources) is a runtime
+loop bound (a software-pipelined loop: PIPELINE_STAGES), not a compile-time constant, so one compiled kernel serves
+every group of a run whatever its position (a constant N compiled a variant per group, with its loop unrolled up to
+2L times); S, the group size, is a dimension of the tiles and stays a constant.
 """
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ __all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "
 
 TOKENS_PER_PROGRAM = triton_router.TOKENS_PER_PROGRAM
 TILE_ELEMENTS = triton_router.TILE_ELEMENTS  # at most BT x S x BD fp32 values per [tokens, S, hidden] tile
+# The loops over the sources are software-pipelined (tl.range's num_stages): the rows of the next PIPELINE_STAGES - 1
+# sources are loaded (cp.async) while one is used, where a plain loop waits for each load. tools/kernel_resources.py
+# counts what that costs in registers and shared memory.
+PIPELINE_STAGES = 3
 
 def load():
     """The five jitted kernels, built on first use. Raises TritonUnavailable."""
@@ -73,7 +77,8 @@ def _build():
     @triton.jit
     def _old_forward(src_ptrs, q_ptr, null_logit_ptr, null_ptr, inv_ptr, z_ptr, lse_ptr, r_ptr, x_ptr, T, d, eps,
                      N, M, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
-                     UNIT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                     UNIT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                     STAGES: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
         cols = tl.arange(0, BD)
@@ -96,7 +101,7 @@ def _build():
             s = tl.zeros((BT, SP), tl.float32)
             acc = tl.zeros((BT, SP, BD), tl.float32)
         total = tl.zeros((BT, BD), tl.float32)
-        for i in range(N):
+        for i in tl.range(N, num_stages=STAGES):
             src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
             v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(v * v, 1) / d + eps)
@@ -121,7 +126,8 @@ def _build():
     def _old_backward(g_ptrs, g_flag_ptr, w_ptr, dlse_ptr, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flag_ptr, inv_ptr, z_ptr,
                       p_ptr, q_ptr, null_ptr, dz_ptr, part_q_ptr, part_null_ptr, T, d,
                       N, M, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
-                      UNIT: tl.constexpr, DT: tl.constexpr, GDT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                      UNIT: tl.constexpr, DT: tl.constexpr, GDT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                      STAGES: tl.constexpr):
         pid = tl.program_id(0)  # persistent (triton_router.reducing_programs): tiles pid, pid + programs, ...
         cols = tl.arange(0, BD)
         ks = tl.arange(0, SP)
@@ -148,7 +154,7 @@ def _build():
             dlse = tl.load(dlse_ptr + ks[None, :] * T + rows[:, None], mask=tk_mask, other=0.0)
             # loop 1: s_k = sum_i p_ki dp_ki, dp_ki = w_k <G_k, v_i>
             sdp = tl.zeros((BT, SP), tl.float32)
-            for i in range(N):
+            for i in tl.range(N, num_stages=STAGES):
                 src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
                 p_i = tl.load(p_ptr + (ks[None, :] * M + i) * T + rows[:, None], mask=tk_mask, other=0.0)
@@ -161,7 +167,7 @@ def _build():
                 null_acc += tl.sum((w * p_n)[:, :, None] * G, 0)  # [SP, BD]: the null values' gradients
             gsum = tl.sum(G, 1)  # [BT, BD]: x = the sum of the sources passes each G_k to every older source
             # loop 2: dz, the query gradients, each source's gradient into its sink
-            for i in range(N):
+            for i in tl.range(N, num_stages=STAGES):
                 src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
                 tab = (ks[None, :] * M + i) * T + rows[:, None]
@@ -189,7 +195,7 @@ def _build():
     def _merge_forward(r_ptr, lse_ptr, x_ptr, base_ptr, gate_ptr, q_ptr, src_ptrs, inv_ptr, z_ptr, a_ptr, out_ptr,
                        T, d, eps, K, HAS_X: tl.constexpr, HAS_BASE: tl.constexpr,
                        HAS_GATE: tl.constexpr, UNIT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr,
-                       BD: tl.constexpr):
+                       BD: tl.constexpr, STAGES: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
         cols = tl.arange(0, BD)
@@ -202,7 +208,7 @@ def _build():
         s = tl.zeros((BT,), tl.float32) + 1.0
         acc = tl.load(r_ptr + offs, mask=mask, other=0.0)
         total = tl.zeros((BT, BD), tl.float32)
-        for i in range(K):
+        for i in tl.range(K, num_stages=STAGES):
             src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
             v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(v * v, 1) / d + eps)
@@ -235,7 +241,8 @@ def _build():
     @triton.jit
     def _merge_backward(grad_ptr, r_ptr, gate_ptr, q_ptr, src_ptrs, tgt_ptrs, acc_ptrs, flag_ptr, inv_ptr, z_ptr, a_ptr,
                         da_ptr, dlog_ptr, part_q_ptr, T, d, K, UNIT: tl.constexpr,
-                        HAS_GATE: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                        HAS_GATE: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                        STAGES: tl.constexpr):
         pid = tl.program_id(0)  # persistent (triton_router.reducing_programs): tiles pid, pid + programs, ...
         cols = tl.arange(0, BD)
         cmask = cols < d
@@ -255,7 +262,7 @@ def _build():
             a0 = tl.load(a_ptr + rows, mask=rmask, other=0.0)
             tl.store(da_ptr + rows, da0, mask=rmask)
             s = a0 * gate * da0
-            for i in range(K):
+            for i in tl.range(K, num_stages=STAGES):
                 src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
                 da = tl.sum(g * v, 1)
@@ -263,7 +270,7 @@ def _build():
                 s += tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0) * gate * da
             tl.store(dlog_ptr + rows, a0 * (gate * da0 - s), mask=rmask)  # d lse_k
             # loop 2: each in-group source's gradient into its sink, the query's per program
-            for i in range(K):
+            for i in tl.range(K, num_stages=STAGES):
                 src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
                 a = tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0)
@@ -286,14 +293,15 @@ def _build():
         tl.store(part_q_ptr + pid * BD + cols, dq)
 
     @triton.jit
-    def _final_sum(src_ptrs, x_ptr, T, d, N, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    def _final_sum(src_ptrs, x_ptr, T, d, N, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                   STAGES: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
         cols = tl.arange(0, BD)
         mask = (rows < T)[:, None] & (cols < d)[None, :]
         offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
         total = tl.zeros((BT, BD), tl.float32)
-        for i in range(N):
+        for i in tl.range(N, num_stages=STAGES):
             src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
             total += tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(x_ptr + offs, total.to(DT), mask=mask)
@@ -346,7 +354,8 @@ def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Op
     fwd[(_cdiv(T, bt),)](src_ptrs, Qf, nl, nv, inv, z, lse, r, x if x is not None else r, T, d,
                          float(eps), N=len(values), M=len(values) + int(has_null), S=S, SP=sp, HAS_NULL=has_null,
                          UNIT=x is not None,
-                         DT=triton_router._tl_dtype(values[0].dtype), BT=bt, BD=bd, num_warps=warps)
+                         DT=triton_router._tl_dtype(values[0].dtype), BT=bt, BD=bd, STAGES=PIPELINE_STAGES,
+                         num_warps=warps)
     torch.exp(z - lse.unsqueeze(1), out=p)  # the softmax weights, from the logits and lse ([S, M, T]: small)
 
 
@@ -381,7 +390,8 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
                      part_q, part_null, T, d, N=len(values), M=len(values) + int(has_null), S=S, SP=sp,
                      HAS_NULL=has_null, UNIT=bool(unit),
                      DT=triton_router._tl_dtype(values[0].dtype),
-                     GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, num_warps=warps)
+                     GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, STAGES=PIPELINE_STAGES,
+                     num_warps=warps)
     triton_router.record_partials([part_q, part_null if has_null else None])
     return part_q.sum(0)[:S, :d], part_null.sum(0)[:S, :d] if has_null else None
 
@@ -400,7 +410,7 @@ def merge_forward(r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Te
                          q.float().contiguous(), src_ptrs, inv, z, a, out, T, d, float(eps), K=len(values),
                          HAS_X=x is not None, HAS_BASE=base is not None, HAS_GATE=gate is not None, UNIT=bool(unit),
                          DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype), BT=bt, BD=bd,
-                         num_warps=warps)
+                         STAGES=PIPELINE_STAGES, num_warps=warps)
 
 
 def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, values: Sequence[Tensor],
@@ -422,7 +432,7 @@ def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, v
     bwd[(programs,)](grad, r, g, q.float().contiguous(), src_ptrs, tgt_ptrs, acc_ptrs, flag_tab, inv, z, a, da, dlog,
                      part_q, T, d, K=len(values), UNIT=bool(unit), HAS_GATE=gate is not None,
                      DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
-                     BT=bt, BD=bd, num_warps=warps)
+                     BT=bt, BD=bd, STAGES=PIPELINE_STAGES, num_warps=warps)
     triton_router.record_partials([part_q])
     return part_q.sum(0)[:d]
 
@@ -433,4 +443,4 @@ def final_sum(values: Sequence[Tensor], x: Tensor) -> None:
     bt, _, bd, warps = _tile(d)
     src_ptrs, = triton_router.device_tables(_table(values, x), device=x.device)
     load()[4][(_cdiv(T, bt),)](src_ptrs, x, T, d, N=len(values), DT=triton_router._tl_dtype(x.dtype),
-                               BT=bt, BD=bd, num_warps=warps)
+                               BT=bt, BD=bd, STAGES=PIPELINE_STAGES, num_warps=warps)

@@ -2,13 +2,14 @@
 
 The cost model (cost_model.py) prices a router's passes at HBM_EFFICIENCY of the GPU's bandwidth. A kernel reaches
 that only with enough bytes in flight: by Little's law, bandwidth <= bytes in flight / load latency. The kernels
-loop over the sources, and each step of the loop loads one [BT tokens, hidden] row tile per program and then
-waits for it (no software pipelining: their PTX has no cp.async). So what one SM has in flight is
+loop over the sources, and each step of the loop loads one [BT tokens, hidden] row tile per program. A loop that
+waits for each load has one tile in flight per program; a software-pipelined loop (tl.range's num_stages, cp.async
+into shared memory) has the next STAGES - 1 (:func:`tiles_in_flight`). So what one SM has in flight is
 
-    programs per SM x BT x hidden x bytes per element
+    programs per SM x tiles in flight x BT x hidden x bytes per element
 
-and programs per SM is set by the registers each thread of a program uses. Those figures are exact, and this
-module counts them on a machine without a GPU:
+and programs per SM is set by the registers each thread of a program uses and the shared memory its launch asks
+for. Those figures are exact, and this module counts them on a machine without a GPU:
 
 1. capture: one stream of routed sublayers (perf.gpu_check.routed_stream, identity sublayers) at the real width
    runs under Triton's interpreter with its launches made no-ops. Each distinct launch configuration is recorded:
@@ -18,7 +19,8 @@ module counts them on a machine without a GPU:
    matters, because it sets the group sizes of ``auto``.
 2. compile: each configuration is compiled for the GPU's architecture (sm_90 for H100 / H200, sm_100 for B200)
    with Triton's own compiler and the ptxas it ships. cuobjdump then reads the registers per thread, the stack
-   per thread (spilled registers: these kernels have no local arrays) and the shared memory.
+   per thread (spilled registers: these kernels have no local arrays) and the static shared memory; Triton's
+   metadata gives the dynamic shared memory (the pipelined loops' buffers).
 3. occupancy: the programs one SM holds at once, from registers, warps and shared memory, by the CUDA occupancy
    rules (ARCH_LIMITS).
 
@@ -39,7 +41,7 @@ import tempfile
 from typing import Dict, List, Optional
 
 __all__ = ["ARCHS", "ARCH_LIMITS", "DEFAULT_LATENCY_NS", "SOURCE_BYTES", "capture", "compile_configs",
-           "programs_per_sm", "kernel_resources", "ceiling"]
+           "programs_per_sm", "tiles_in_flight", "kernel_resources", "ceiling"]
 
 ARCHS = {"H100": 90, "H200": 90, "B200": 100}  # compute capability x 10 (the datasheets)
 ARCH_LIMITS = {  # per SM, per the CUDA C++ Programming Guide's table of compute capabilities (9.0, 10.0)
@@ -106,7 +108,8 @@ def capture(mode: str, layers: int, hidden: int, seq: int = 16, group_size="auto
 # ---------------------------------------------------------------------------------------------- 2. compile
 def compile_configs(configs: List[dict], arch: int) -> List[dict]:
     """Each configuration compiled for sm_``arch`` (Triton's compiler and ptxas; no GPU needed), with its
-    registers per thread, stack bytes per thread and shared bytes read from the binary by cuobjdump. Runs in this
+    registers per thread, stack bytes per thread and static shared bytes read from the binary by cuobjdump, the
+    dynamic shared bytes its launch requests (Triton's metadata: the pipelined loops' buffers). Runs in this
     process, which must not be under Triton's interpreter."""
     import triton
     import triton.language as tl
@@ -135,9 +138,9 @@ def compile_configs(configs: List[dict], arch: int) -> List[dict]:
         m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
         if m is None:
             raise RuntimeError(f"cuobjdump gave no resource usage for {c['kernel']}: {usage[:300]}")
-        regs, stack, shared = map(int, m.groups())
-        out.append(dict(c, registers=regs, stack=stack, shared=shared,
-                        pipelined="cp.async" in binary.asm["ptx"]))
+        regs, stack, static_shared = map(int, m.groups())
+        out.append(dict(c, registers=regs, stack=stack, static_shared=static_shared,
+                        dynamic_shared=int(binary.metadata.shared), pipelined="cp.async" in binary.asm["ptx"]))
     shutil.rmtree(scratch, ignore_errors=True)
     return out
 
@@ -153,6 +156,17 @@ def programs_per_sm(registers: int, warps: int, shared: int, arch: int = 90) -> 
     by_regs = lim["registers"] // (per_warp * warps) if registers else lim["programs"]
     by_shared = lim["shared"] // (shared + lim["shared_reserved"])
     return max(0, min(lim["warps"] // warps, by_regs, by_shared, lim["programs"]))
+
+
+def tiles_in_flight(config: dict, step: int) -> int:
+    """Source row tiles one program has in flight per step of its loop: STAGES - 1 where the loop is software-
+    pipelined (tl.range's num_stages, passed as the STAGES constant) and its shared memory holds that many row
+    tiles (the rows, not only the pointer table, are staged: cp.async), else 1 (the loop waits for each load; a
+    loop unrolled at compile time, tl.static_range, may overlap more, so 1 is a lower bound there)."""
+    stages = config["constants"].get("STAGES", 1)
+    if config["pipelined"] and stages > 1 and config["dynamic_shared"] >= (stages - 1) * step:
+        return stages - 1
+    return 1
 
 
 def ceiling(in_flight_per_sm: int, sms: int, latency_ns: float = DEFAULT_LATENCY_NS) -> float:
@@ -176,12 +190,15 @@ def kernel_resources(mode: str, layers: int, hidden: int, gpu: str = "H100", gro
     rows = []
     for c in compiled:
         k = c["constants"]
-        programs = programs_per_sm(c["registers"], c["warps"], c["shared"], arch)
+        shared = c["static_shared"] + c["dynamic_shared"]
+        programs = programs_per_sm(c["registers"], c["warps"], shared, arch)
         step = k.get("BT", 1) * hidden * SOURCE_BYTES  # one source's [BT, hidden] row tile, loaded per loop step
-        in_flight = programs * step
+        tiles = tiles_in_flight(c, step)
+        in_flight = programs * tiles * step
         bw = ceiling(in_flight, SMS[gpu], latency_ns)
-        rows.append(dict(c, gpu=gpu, arch=arch, programs_per_sm=programs, warps_per_sm=programs * c["warps"],
-                         bytes_per_step=step, in_flight_per_sm=in_flight, ceiling_bytes_per_s=bw,
+        rows.append(dict(c, gpu=gpu, arch=arch, shared=shared, programs_per_sm=programs,
+                         warps_per_sm=programs * c["warps"], bytes_per_step=step, tiles_in_flight=tiles,
+                         in_flight_per_sm=in_flight, ceiling_bytes_per_s=bw,
                          of_modelled_rate=bw / (HBM_EFFICIENCY * GPUS[gpu][0]), latency_ns=latency_ns))
     return rows
 
