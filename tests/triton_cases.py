@@ -223,8 +223,9 @@ def test_gpu_check_kernel_times(interpreter):
     from megatron_delta.perf import gpu_check
 
     env = SimpleNamespace(dry=True, device="cpu", shapes=gpu_check.DRY_SHAPES)
-    assert gpu_check.kernel_time_runs(env) == [("delta", "auto"), ("delta", 1), ("delta_block", 1)]
-    got = {(m, g): gpu_check.kernel_times(None, env, m, g) for m, g in gpu_check.kernel_time_runs(env)}
+    assert gpu_check.kernel_time_runs(env) == [("delta", "auto"), ("delta_block", 1)]
+    runs = gpu_check.kernel_time_runs(env) + [("delta", 1)]  # one router per pass: what its bytes map to
+    got = {(m, g): gpu_check.kernel_times(None, env, m, g) for m, g in runs}
     assert all(r["ok"] and r["wall_ms"] > 0 and r["kernels"] == [] and r["device_share"] is None
                and r["layers"] == gpu_check.DRY_SHAPES["1B"]["layers"] for r in got.values())
     assert set(got["delta", "auto"]["counted_bytes"]) == {"_old_forward", "_old_backward", "_merge_forward",

@@ -24,11 +24,12 @@ Prints a table per part and writes JSON (rewritten after every part: a timeout s
     our Triton kernels at a tiny width, where the GPU's work is next to nothing: the host's microseconds per router
     call, and the launches, table copies and PyTorch ops per call (megatron_delta/perf/host_work.py). Where the GPU
     outruns its host, this is a router's cost.
-(k) where the GPU's time goes: the same streams at the 1B shape's width and depth (28 layers: the group sizes
-    auto takes there), one forward + backward under torch.profiler: each CUDA kernel's calls and device time, the
-    wall time per router call, and the device time's share of the wall time (near 1: the kernels set the pace;
-    well below: the host). Each router kernel's counted bytes over its device time, against the cost model's
-    rate (tools/kernel_resources.py counts the registers, spills and bytes in flight that bound it).
+(k) where the GPU's time goes: delta on the group router and delta_block at the 1B shape's width and depth (28
+    layers: the group sizes auto takes there), one forward + backward under torch.profiler: each CUDA kernel's
+    calls and device time, the wall time per router call, and the device time's share of the wall time (near 1:
+    the kernels set the pace; well below: the host). Each router kernel's counted bytes over its device time,
+    against the cost model's rate (tools/kernel_resources.py counts the registers, spills and bytes in flight that
+    bound it).
 (b2) router kernels' rate: one router call's forward + backward per backend (5 and 17 sources at the 8B and 1B
     widths), and delta's whole routed stream over 8 layers of identity sublayers (one router per pass on each
     backend; the group router on triton): counted bytes (megatron_delta.core.traffic) over time, against this

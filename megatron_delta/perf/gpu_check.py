@@ -492,9 +492,10 @@ KERNEL_OF_RECORD = {("group_old_pass", "forward"): "_old_forward", ("group_old_p
 
 def kernel_time_runs(env):
     """(k)'s runs: (mode, group size) of the routed streams at the 1B shape's width and depth on our Triton kernels
-    (none where this checkout or the dry run has none): delta on the group router and one router per pass, and
-    delta_block."""
-    return [(DELTA, "auto"), (DELTA, 1), (DELTA_BLOCK, 1)] if "triton" in router_kernels(env) else []
+    (none where this checkout or the dry run has none): delta on the group router, and delta_block. Not delta with
+    one router per pass: its per-router kernels take the number of sources as a compile-time constant, so the 1B
+    depth would compile 2 x 56 variants first, minutes of a GPU session's time."""
+    return [(DELTA, "auto"), (DELTA_BLOCK, 1)] if "triton" in router_kernels(env) else []
 
 
 def kernel_times(opts, env, mode, group_size, shape_name="1B", reps=3):
