@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 
+from megatron_delta.core.group_router import FINE_GRAINED_MODES
 from megatron_delta.perf.kernel_resources import ARCHS, DEFAULT_LATENCY_NS, kernel_resources
 from megatron_delta.perf.shapes import SHAPES
 
@@ -77,7 +78,7 @@ def main(argv=None):
         layers = o.num_layers or SHAPES[shape]["num_layers"]
         hidden = SHAPES[shape]["hidden_size"]
         for mode in o.modes.split(","):
-            size = group if mode in ("delta", "full_attnres") else 1
+            size = group if mode in FINE_GRAINED_MODES else 1
             if o.format == "table":
                 print(f"... {shape} {mode} (S = {size}, {layers} layers, hidden {hidden}): capturing and compiling",
                       file=sys.stderr, flush=True)

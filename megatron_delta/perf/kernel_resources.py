@@ -120,13 +120,12 @@ def compile_configs(configs: List[dict], arch: int) -> List[dict]:
 
     if triton_router.interpreting():
         raise RuntimeError("compiling needs TRITON_INTERPRET unset: use kernel_resources()")
-    kernels = {k.__name__: k for k in (*triton_router._build(), *triton_group_kernels._build())}
+    kernels = {k.__name__: k for k in (*triton_router.load(), *triton_group_kernels.load())}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    dtypes = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     out = []
     scratch = tempfile.mkdtemp(prefix="kernel_resources_")
-    for c in configs:
-        constants = {k: dtypes.get(v, v) if isinstance(v, str) else v for k, v in c["constants"].items()}
+    for c in configs:  # the captured dtype constants by name (capture: tl.dtype.name)
+        constants = {k: tl.dtype(v) if isinstance(v, str) else v for k, v in c["constants"].items()}
         attrs = {(i,): [["tt.divisibility", 16]] for i in c["aligned"]}
         binary = triton.compile(ASTSource(kernels[c["kernel"]], c["signature"], constants, attrs),
                                 target=GPUTarget("cuda", arch, 32), options=dict(num_warps=c["warps"]))
