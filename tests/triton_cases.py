@@ -189,7 +189,8 @@ def test_gpu_check_rate_counts_the_partial_sums(interpreter):
 def test_gpu_check_host_time(interpreter):
     """gpu_check's (h): the host's work per router call of delta (group router, one router per pass) and
     delta_block on the kernels, each launch with one table copy; one router per pass launches its forward and
-    backward only, the group router each group's old pass twice, each merge twice and x's final sum once."""
+    backward only, the group router each group's old pass twice, each merge twice (none for a group's first router:
+    its u is the old pass's) and x's final sum once."""
     from types import SimpleNamespace
 
     from megatron_delta.perf import host_work
@@ -202,7 +203,8 @@ def test_gpu_check_host_time(interpreter):
     routers = 2 * host_work.HOST_STREAM_LAYERS
     groups = group_router.auto_group_sizes(routers, 1)
     assert got["delta", 1]["launches"] == 2
-    assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * routers + 1) / routers)
+    merges = routers - len(groups)  # a group's first router takes its u from the old pass
+    assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * merges + 1) / routers)
     assert got["delta_block", 1]["launches"] > 2  # and the blocks' deferred passes
     # on a GPU (h) also times the stream without its table copies: tables laid out as device_tables lays them
     lists = ([1, 2, 3], [4], [], [5, 6])
@@ -553,7 +555,8 @@ def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
     groups cut by a chunk boundary: the output and every gradient (sublayer weights, so the sources; each
     router's query, key-norm weight, null source and gate; the embedding output) equal the PyTorch group path's
     (the same S and cut) and the per-router path's to fp32 round-off; each of the four kernels runs, once per
-    group (old pass) or router (merge) and phase, and delta's hand-out of x as the sum of its sources once (its
+    group (old pass) or router (merge, but for each group's first router without a gate: its u is the old pass's)
+    and phase, and delta's hand-out of x as the sum of its sources once (its
     gradient seeds the sources' sinks: a dropped or doubled seed fails the gradients)."""
     calls = _group_kernel_calls(monkeypatch)
     cut = G.CUTS["chunk"]
@@ -567,7 +570,8 @@ def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
         S = 2 * G.L if size == "all" else size
         got = G._forward_backward(G._toy(*config, S, torch.float32, "triton"), h0, cut)
         groups = sum(-(-n // S) for n in G._scopes(cut))
-        want = {"old_forward": groups, "old_backward": groups, "merge_forward": 2 * G.L, "merge_backward": 2 * G.L}
+        merges = 2 * G.L - (0 if config[2] else groups)  # without a gate each group's first u is its old pass's
+        want = {"old_forward": groups, "old_backward": groups, "merge_forward": merges, "merge_backward": merges}
         if config[3]:  # x as the sources: the last scope hands it out
             want["final_sum"] = 1
         assert calls == want, (size, calls)

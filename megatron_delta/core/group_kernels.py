@@ -24,7 +24,7 @@ _warned = False
 def _build() -> ctypes.CDLL:
     lib = cpu_kernels.compile_library(SOURCE, "group_router_kernels")
     P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.group_old_forward.argtypes = [I64, I64, INT, INT, P, P, F, INT, P, P, P, P, P, P, P, P, INT]
+    lib.group_old_forward.argtypes = [I64, I64, INT, INT, P, P, F, INT, P, P, P, P, P, P, P, P, INT, INT]
     lib.group_old_backward.argtypes = [I64, I64, INT, INT, P, P, P, P, P, P, P, P, INT, P, P, P, P, INT, P, P, P,
                                        INT]
     lib.group_merge_forward.argtypes = [I64, I64, INT, P, P, P, P, F, P, P, F, INT, P, P, P, P, INT]
@@ -76,9 +76,10 @@ def _threads() -> int:
 
 def old_forward(lib, values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Optional[Tensor],
                 null_values: Optional[Tensor], inv: Tensor, z: Tensor, p: Tensor, lse: Tensor, r: Tensor,
-                x: Optional[Tensor]) -> None:
+                x: Optional[Tensor], u0: Optional[Tensor] = None) -> None:
     """The old pass (csrc: group_old_forward): values n x [T, d], Q [S, d], null [S] and [S, d] (or None);
-    writes inv [n, T], z and p [S, M, T], lse [S, T], r [S, T, d] and x [T, d] (when given)."""
+    writes inv [n, T], z and p [S, M, T], lse [S, T], r [S, T, d] and x [T, d] (when given); with ``u0`` (the
+    first router's u, group_router._OldPass's first_u) r holds r_1 .. r_{S-1} and u0 = r_0 (+ x)."""
     T, d = values[0].shape
     S = Q.shape[0]
     has_null = null_values is not None
@@ -86,7 +87,8 @@ def old_forward(lib, values: Sequence[Tensor], Q: Tensor, eps: float, null_logit
     nv = null_values.contiguous() if has_null else None
     lib.group_old_forward(T, d, len(values), S, _ptrs(values), Q.contiguous().data_ptr(), eps, int(has_null),
                           _ptr(nl), _ptr(nv), inv.data_ptr(), z.data_ptr(), p.data_ptr(), lse.data_ptr(),
-                          _ptrs(list(r.unbind(0))), _ptr(x), _threads())
+                          _ptrs(([u0] if u0 is not None else []) + list(r.unbind(0))), _ptr(x), int(u0 is not None),
+                          _threads())
 
 
 def _modes(targets: Sequence[Tuple[Optional[Tensor], bool, Optional[Tensor]]]):

@@ -18,7 +18,10 @@ the in-group weights, and
 
     u = base + [X + sum_in v_i] + gate (beta r_k + sum_in alpha_i v_i)
 
-which equals the per-router path's u in exact arithmetic (beta r_k is the old sources' share of r). In
+which equals the per-router path's u in exact arithmetic (beta r_k is the old sources' share of r). The group's
+first router (k = 0) has no in-group source, so beta = 1: without a gate and a held base its u = X + r_0 (or r_0)
+is written by the old pass itself, in place of r_0, and no merge runs for it (forward: r_0 is not written, read
+back with X and u written again; backward: no merge reads G_0 and r_0). In
 backward each merge handles its in-group sources and the old block's logit (d lse), and leaves its output
 gradient G_k with the per-token factor gate * beta in the group's stash (the GradSink pattern: no fp32
 [T, d] gradient of r_k is written); then ONE pass per group over the older sources gives every older
@@ -40,7 +43,7 @@ The final router of full_attnres routes as before (router.py). Group size: ``--d
 (config ``delta_router_group_size``): ``auto``, or S >= 1 (1 = the per-router path). ``auto`` takes, for a scope of
 n routers whose first reads n0 sources, the split of the n routers into consecutive groups with the fewest counted
 passes (:func:`passes`, :func:`auto_group_sizes`), where the group runs on the C or Triton kernels: the groups grow
-along the scope (1 .. 24 over 1 source: 2, 4, 5, 6, 7), because a later group's old pass reads more older sources
+along the scope (24 over 1 source: 1, 1, 2, 3, 4, 6, 7), because a later group's old pass reads more older sources
 and so pays more for each group, while a larger group merges more in-group sources per router, up to AUTO_MAX_GROUP
 routers a group; 1 where the routers
 run on PyTorch ops (--delta-router-kernels torch, or tensors neither kernel takes: counted per op, the group router
@@ -72,7 +75,7 @@ FLAG = "--delta-router-group-size"
 # auto's largest group. The Triton kernels pad S to a power of two and hold [S, hidden] fp32 tiles per program, so
 # groups of 9-16 pad to 16, and their old passes spill the most registers: at the 1B width 720-1,296 bytes per thread
 # in the backward and 544-584 in the forward, against at most 184 and 0 up to 8 (tools/kernel_resources.py, sm_90).
-# At the 1B and 8B depths, capping at 8 moves 0.4 % and 1.6 % more counted bytes (perf/cost_model.py).
+# At the 1B and 8B depths, capping at 8 moves 0.8 % and 1.8 % more counted bytes (perf/cost_model.py).
 AUTO_MAX_GROUP = 8
 FINE_GRAINED_MODES = ("delta", "full_attnres")
 
@@ -127,7 +130,9 @@ def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: b
     - backward: merge k reads G_k, r_k and its k in-group sources and updates their k gradients (read + write);
       the old pass reads the n_g sources and the s G_k and updates the n_g sources' gradients;
 
-    4 n_g + s (6 + unit + base) + unit + 2 s (s - 1) per group, less one per source read with a gradient (its
+    4 n_g + s (6 + unit + base) + unit + 2 s (s - 1) per group, less 4 + unit where the group's first router has
+    no base (its u comes from the old pass, written in place of r_0: no merge reads r_0 and X and writes u, and no
+    merge backward reads G_0 and r_0; :class:`_OldPass`'s first_u), less one per source read with a gradient (its
     first gradient, the last reader's in forward order, is written, not updated). Where x is handed out as the sum
     of the sources in the same scope (unit), :class:`_FinalSum` seeds every sink and each first gradient adds the
     seed; the call that writes a sink first reads the seed once for all the sinks it writes first - the last
@@ -146,7 +151,8 @@ def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: b
 
 def _group_passes(n_g: int, s: int, unit: bool = True, base: bool = False, null: bool = False) -> int:
     """:func:`passes` of one group of ``s`` routers over ``n_g`` older sources."""
-    return 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + 2 * s * (s - 1)
+    first_u = 0 if base else 4 + int(unit)  # the first router's u from the old pass (no merge)
+    return 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + 2 * s * (s - 1) - first_u
 
 
 def _seed_reads_saved(n_g: int, s: int) -> int:
@@ -172,18 +178,20 @@ def _sizes(size: Sizes, n: int) -> List[int]:
 
 
 @functools.lru_cache(maxsize=256)  # every micro-batch's SourceBuffer asks again: O(n^2) in Python per ask
-def auto_group_sizes(n_routers: int, n_older: int) -> Sizes:
+def auto_group_sizes(n_routers: int, n_older: int, first_u: bool = True) -> Sizes:
     """The groups of ``auto``: the split of ``n_routers`` consecutive routers (the first reads ``n_older``
     sources) into consecutive groups with the fewest counted passes (:func:`passes`; the only terms a split
     changes are 4 n_g per group, its old pass's sources read and their gradients, against 2 s (s - 1) in its
     merges and one X per group, and the last group's seed reads), by dynamic programming over where each group
     starts, each group of at most AUTO_MAX_GROUP routers. The sizes grow along the scope (to that cap); 1 where single
-    routers are cheapest (one router per pass)."""
+    routers are cheapest (one router per pass). ``first_u``: each group's first router takes its u from the old pass
+    (no gate, no base: :class:`_OldPass`), 4 + 1 passes less per group; else the merges read the base."""
     n = n_routers
     best: List[Tuple[int, Tuple[int, ...]]] = [(0, ())] * (n + 1)  # best[a]: the routers a .. n - 1
 
     def cost(a: int, s: int) -> int:  # group [a, a + s); the last one reads the final sum's seed once per call
-        return _group_passes(n_older + a, s) - (_seed_reads_saved(n_older + a, s) if a + s == n else 0)
+        return (_group_passes(n_older + a, s, base=not first_u)
+                - (_seed_reads_saved(n_older + a, s) if a + s == n else 0))
 
     for a in range(n - 1, -1, -1):
         best[a] = min((cost(a, s) + best[a + s][0], (s,) + best[a + s][1])
@@ -329,14 +337,17 @@ def _kernel_lib(kernels: str, tensors: Sequence[Optional[Tensor]], others: Seque
 class _OldPass(torch.autograd.Function):
     """One pass over the n older sources for the S routers of a group (module docstring).
 
-    Inputs: n, S, eps, unit (also return X = sum of the sources), lib, sinks (one per source), stash, then
-    the n values, the S queries, and (null source) the S null logits (0-dim) and S null values [d].
+    Inputs: n, S, eps, unit (also return X = sum of the sources), first_u, lib, sinks (one per source), stash,
+    then the n values, the S queries, and (null source) the S null logits (0-dim) and S null values [d].
     Outputs: S partial mixes r_k [T, d], S log-sum-exps [T] (compute dtype), X [T, d] (the sources' dtype, or
     None) and the softmax weights p [S, M, T] (non-differentiable; M = n + null, the null source last).
+    ``first_u`` (the group's first router has no gate and no base): that router's merge would merge no in-group
+    source, so its u, X + r_0 (unit) or r_0, is this pass's first output in place of r_0 (in the sources' dtype)
+    and no merge runs for it; in backward u's gradient is its G_0, with gate * beta = 1.
     """
 
     @staticmethod
-    def forward(ctx, n, S, eps, unit, lib, sinks, stash, *tensors):
+    def forward(ctx, n, S, eps, unit, first_u, lib, sinks, stash, *tensors):
         ctx.set_materialize_grads(False)
         values, queries = tensors[:n], tensors[n:n + S]
         rest = tensors[n + S:]
@@ -353,23 +364,25 @@ class _OldPass(torch.autograd.Function):
         nl = torch.stack([_as(z, cdt).reshape(()) for z in null_logits]) if has_null else None  # [S]
         inv = torch.empty(n, T, dtype=cdt, device=v0.device)
         z = torch.empty(S, m, T, dtype=cdt, device=v0.device)
-        r = torch.empty(S, T, d, dtype=cdt, device=v0.device)
+        r = torch.empty(S - int(first_u), T, d, dtype=cdt, device=v0.device)  # r_k, without r_0 under first_u
         # X in the sources' dtype: the merges add it to u in fp32 and nothing differentiates through it (x's gradient
         # reaches the sources through the old pass's unit term), so a bf16 X moves half the bytes of an fp32 one
         x = torch.empty(T, d, dtype=v0.dtype, device=v0.device) if unit else None
+        u0 = torch.empty(T, d, dtype=v0.dtype, device=v0.device) if first_u and lib is not None else None
         if lib == TRITON and cdt == torch.float32:
             from megatron_delta.core import triton_group_kernels
 
             flat = [f.contiguous() for f in flat]
             p, lse = torch.empty_like(z), torch.empty(S, T, dtype=cdt, device=v0.device)
-            triton_group_kernels.old_forward(flat, Q, eps, nl, nv, inv, z, p, lse, r, x)
-        elif lib is not None and cdt == torch.float32:
+            triton_group_kernels.old_forward(flat, Q, eps, nl, nv, inv, z, p, lse, r, x, u0)
+        elif lib is not None and cdt == torch.float32 and v0.dtype == torch.float32:
             from megatron_delta.core import group_kernels
 
             p, lse = torch.empty_like(z), torch.empty(S, T, dtype=cdt, device=v0.device)
-            group_kernels.old_forward(lib, flat, Q, eps, nl, nv, inv, z, p, lse, r, x)
+            group_kernels.old_forward(lib, flat, Q, eps, nl, nv, inv, z, p, lse, r, x, u0)
         else:
             lib = None
+            r0 = torch.empty(T, d, dtype=cdt, device=v0.device) if first_u else None
             for i, vf in enumerate(flat):
                 vf = _as(vf, cdt)
                 inv[i] = _inv_rms(vf, eps, cdt)
@@ -382,7 +395,7 @@ class _OldPass(torch.autograd.Function):
             lse = torch.logsumexp(z, dim=1)  # [S, T]
             p = torch.exp(z - lse.unsqueeze(1))
             for k in range(S):
-                rk = r[k]
+                rk = r0 if (first_u and k == 0) else r[k - int(first_u)]
                 torch.mul(flat[0], p[k, 0].unsqueeze(1), out=rk)
                 traffic.record("group_old_pass", "forward", [flat[0]], [rk])
                 for i in range(1, n):
@@ -397,14 +410,22 @@ class _OldPass(torch.autograd.Function):
                 for vf in flat[1:]:
                     x.add_(vf)
                     traffic.record("group_old_pass", "forward", [x, vf], [x])
+            if first_u:  # as the merge would: r_0 (times beta = 1) + X, in the sources' dtype
+                if unit:
+                    out = torch.add(r0, x)
+                    traffic.record("group_old_pass", "forward", [r0, x], [out])
+                    r0 = out
+                u0 = _as(r0, v0.dtype)
+                _record_cast("group_old_pass", "forward", r0, u0)
         if lib is not None:  # the C loop reads each tensor once (the PyTorch ops above record their own passes)
-            traffic.record("group_old_pass", "forward", reads=flat, writes=[*r.unbind(0), x])
+            traffic.record("group_old_pass", "forward", reads=flat, writes=[u0, *r.unbind(0), x])
         ctx.n, ctx.S, ctx.unit, ctx.lib, ctx.sinks, ctx.stash, ctx.cdt = n, S, unit, lib, sinks, stash, cdt
+        ctx.first_u = first_u
         ctx.null_dtypes = [(a.dtype, b.dtype) for a, b in zip(null_logits, null_values)]
         ctx.save_for_backward(inv, z, p, Q, nv, *values)
         ctx.query_dtypes = [q.dtype for q in queries]
         ctx.mark_non_differentiable(p)
-        return (*r.unbind(0), *lse.unbind(0), x, p)
+        return (*([u0] if first_u else []), *r.unbind(0), *lse.unbind(0), x, p)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -412,6 +433,8 @@ class _OldPass(torch.autograd.Function):
         inv, z, p, Q, nv, *values = ctx.saved_tensors
         grad_lse = grads[S:2 * S]
         stash, ctx.stash.grads = ctx.stash.grads, {}  # consumed (a retained graph's next backward refills it)
+        if ctx.first_u and grads[0] is not None:  # u_0 came from this pass: its gradient is G_0, gate * beta_0 = 1
+            stash[0] = (grads[0], torch.ones(inv.shape[1], dtype=cdt, device=inv.device))
         m = p.shape[1]
         has_null = nv is not None
         d = values[0].shape[-1]
@@ -437,7 +460,7 @@ class _OldPass(torch.autograd.Function):
             w = torch.zeros(S, T, dtype=cdt, device=inv.device)  # (0 where no gradient came)
             for k in ks:
                 w[k] = stash[k][1]
-        needs_v = [ctx.needs_input_grad[7 + i] and ctx.sinks[i] is not None for i in range(n)]
+        needs_v = [ctx.needs_input_grad[8 + i] and ctx.sinks[i] is not None for i in range(n)]
         targets = [_target(ctx.sinks[i], needs_v[i]) for i in range(n)]  # the first reader to reach a sink creates it
         dq = None if lib == TRITON else torch.zeros(S, d, dtype=cdt, device=inv.device)  # Triton: its partials' sum
         dnull = None
@@ -516,7 +539,7 @@ class _OldPass(torch.autograd.Function):
                     traffic.record("group_old_pass", "backward", [Gk], [])
                 else:
                     grad_nv.append(torch.zeros(d, dtype=vdt, device=inv.device))
-        return (None,) * 7 + (None,) * n + (*grad_q, *grad_nl, *grad_nv)
+        return (None,) * 8 + (None,) * n + (*grad_q, *grad_nl, *grad_nv)
 
 
 class _Merge(torch.autograd.Function):
@@ -740,7 +763,7 @@ class _FinalSum(torch.autograd.Function):
 class _Group:
     """The live state of one group in a SourceBuffer: its old pass's outputs and stash."""
 
-    __slots__ = ("start", "end", "n_old", "old_values", "r", "lse", "x", "p", "stash")
+    __slots__ = ("start", "end", "n_old", "old_values", "u0", "r", "lse", "x", "p", "stash")
 
 
 class GroupRouting:
@@ -759,7 +782,9 @@ class GroupRouting:
         self._last: Optional[_Group] = None  # the latest group started: its X can start the final sum
         self._collected: Dict[int, Tuple[Tensor, Tensor, GradSink]] = {}  # id(value) -> (value, alias, sink)
 
-    def resolve(self, routers: Sequence, value: Tensor, n_older: int) -> Sizes:
+    def resolve(self, routers: Sequence, value: Tensor, n_older: int, first_u: bool = True) -> Sizes:
+        """The scope's group sizes, resolved once (``first_u``: each group's first router takes its u from the old
+        pass, as :func:`passes` counts)."""
         if self.spans is None:
             size = self.size
             if size == AUTO:
@@ -768,7 +793,7 @@ class GroupRouting:
                 elif _kernel_lib(routers[0].kernels, [value]) is None:
                     size = 1  # PyTorch ops: counted per op, the group moves more bytes than one router per pass
                 else:
-                    size = auto_group_sizes(len(self.sublayers), n_older)
+                    size = auto_group_sizes(len(self.sublayers), n_older, first_u)
             self.spans = group_spans(self.sublayers, size)
             self.resolved = size
             self.kernels = routers[0].kernels
@@ -814,8 +839,10 @@ class GroupRouting:
         if not isinstance(key, int) or key not in self.sublayers:
             return None
         values = buf.values_read(key)
+        gate = router.gate if (apply_gate and router.gate is not None) else None
+        first_u = gate is None and base is None  # a group's first router: u from its old pass (_OldPass)
         if self.spans is None:
-            self.resolve([buf.readers[j] for j in self.sublayers], values[0], len(values))
+            self.resolve([buf.readers[j] for j in self.sublayers], values[0], len(values), first_u)
         if self.resolved == 1:
             return None
         a, b = self.spans[key]
@@ -823,19 +850,21 @@ class GroupRouting:
         dev = values[0].device.type
         with torch.autocast(device_type=dev, enabled=False), _outside_fp8(router.outside_fp8):
             if key == a:
-                self._start(buf, a, b, values, unit)
+                self._start(buf, a, b, values, unit, first_u)
             grp = self._group
             if grp is None or grp.start != a or any(x is not y for x, y in zip(values, grp.old_values)):
                 raise RuntimeError(f"group router: sublayer {key} routes out of its group [{a}, {b}) (the older "
                                    f"sources changed, or the group's first router did not route)")
             k = key - a
-            inside = [self._collect(v) for v in values[grp.n_old:]]
-            gate = router.gate if (apply_gate and router.gate is not None) else None
-            like = base if base is not None else values[0]
-            lib = _kernel_lib(router.kernels, values, [grp.r[k], base])
-            u, w = _Merge.apply(k, like.dtype, buf.eps, unit, lib, [s for _, s in inside], grp.stash, k, grp.r[k],
-                                grp.lse[k], grp.x if unit else None, base, gate, buf.query(router),
-                                *[v for v, _ in inside])
+            if k == 0 and grp.u0 is not None:
+                u, w = grp.u0, None
+            else:
+                inside = [self._collect(v) for v in values[grp.n_old:]]
+                like = base if base is not None else values[0]
+                lib = _kernel_lib(router.kernels, values, [grp.r[k], base])
+                u, w = _Merge.apply(k, like.dtype, buf.eps, unit, lib, [s for _, s in inside], grp.stash, k,
+                                    grp.r[k], grp.lse[k], grp.x if unit else None, base, gate, buf.query(router),
+                                    *[v for v, _ in inside])
         u = u.view(values[0].shape)
         if key == b - 1:
             self._group = None
@@ -844,11 +873,13 @@ class GroupRouting:
             with torch.no_grad():
                 p = grp.p[k]
                 n = grp.n_old
+                if w is None:  # u from the old pass: beta = 1, no in-group source
+                    w = torch.ones(1, p.shape[1], dtype=p.dtype, device=p.device)
                 parts = [p[:n] * w[0], w[1:]] + ([p[n:] * w[0]] if p.shape[0] > n else [])
                 alpha = torch.cat(parts).t().reshape(*values[0].shape[:-1], -1)
         return u, alpha
 
-    def _start(self, buf, a: int, b: int, values: List[Tensor], unit: bool) -> None:
+    def _start(self, buf, a: int, b: int, values: List[Tensor], unit: bool, first_u: bool) -> None:
         routers = [buf.readers[j] for j in range(a, b)]
         collected = [self._collect(v) for v in values]
         queries = [buf.query(r) for r in routers]
@@ -861,7 +892,8 @@ class GroupRouting:
         grp.start, grp.end, grp.n_old, grp.old_values = a, b, len(values), values
         grp.stash = _Stash()
         S = b - a
-        out = _OldPass.apply(len(values), S, buf.eps, unit, lib, [s for _, s in collected], grp.stash,
+        out = _OldPass.apply(len(values), S, buf.eps, unit, first_u, lib, [s for _, s in collected], grp.stash,
                              *[v for v, _ in collected], *queries, *null)
-        grp.r, grp.lse, grp.x, grp.p = out[:S], out[S:2 * S], out[2 * S], out[2 * S + 1]
+        grp.u0, grp.r = (out[0], (None, *out[1:S])) if first_u else (None, out[:S])
+        grp.lse, grp.x, grp.p = out[S:2 * S], out[2 * S], out[2 * S + 1]
         self._group = self._last = grp

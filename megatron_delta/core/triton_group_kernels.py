@@ -75,9 +75,9 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def _old_forward(src_ptrs, q_ptr, null_logit_ptr, null_ptr, inv_ptr, z_ptr, lse_ptr, r_ptr, x_ptr, T, d, eps,
-                     N, M, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
-                     UNIT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    def _old_forward(src_ptrs, q_ptr, null_logit_ptr, null_ptr, inv_ptr, z_ptr, lse_ptr, r_ptr, x_ptr, u0_ptr, T, d,
+                     eps, N, M, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
+                     UNIT: tl.constexpr, FIRST_U: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                      STAGES: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
@@ -117,10 +117,19 @@ def _build():
             if UNIT:
                 total += v
         tl.store(lse_ptr + ks[None, :] * T + rows[:, None], m + tl.log(s), mask=tk_mask)
-        r_offs = ks.to(tl.int64)[None, :, None] * T * d + offs[:, None, :]
-        tl.store(r_ptr + r_offs, acc / s[:, :, None], mask=tk_mask[:, :, None] & cmask[None, None, :])
+        mix = acc / s[:, :, None]
+        # FIRST_U: router 0's u (r_0 + X, as its merge would add them) in the sources' dtype, r holds r_1 ..
+        r_offs = (ks - FIRST_U).to(tl.int64)[None, :, None] * T * d + offs[:, None, :]
+        r_mask = tk_mask & (ks >= FIRST_U)[None, :]
+        tl.store(r_ptr + r_offs, mix, mask=r_mask[:, :, None] & cmask[None, None, :])
         if UNIT:  # X in the sources' dtype (group_router._OldPass)
-            tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
+            total = total.to(x_ptr.dtype.element_ty)
+            tl.store(x_ptr + offs, total, mask=mask)
+        if FIRST_U:
+            u0 = tl.sum(tl.where((ks == 0)[None, :, None], mix, 0.0), 1)
+            if UNIT:
+                u0 += total.to(tl.float32)
+            tl.store(u0_ptr + offs, u0.to(u0_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _old_backward(g_ptrs, g_flag_ptr, w_ptr, dlse_ptr, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flag_ptr, inv_ptr, z_ptr,
@@ -339,9 +348,10 @@ def _cdiv(a: int, b: int) -> int:
 
 def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Optional[Tensor],
                 null_values: Optional[Tensor], inv: Tensor, z: Tensor, p: Tensor, lse: Tensor, r: Tensor,
-                x: Optional[Tensor]) -> None:
+                x: Optional[Tensor], u0: Optional[Tensor] = None) -> None:
     """The old pass (as group_kernels.old_forward): values n x [T, d] (contiguous, one dtype), Q [S, d] fp32,
-    null [S] and [S, d] (or None); writes inv [n, T], z and p [S, M, T], lse [S, T], r [S, T, d] and x [T, d]."""
+    null [S] and [S, d] (or None); writes inv [n, T], z and p [S, M, T], lse [S, T], r [S, T, d] and x [T, d];
+    with ``u0`` (group_router._OldPass's first_u) r holds r_1 .. r_{S-1} and u0 = r_0 (+ x) in its dtype."""
     fwd = load()[0]
     T, d = values[0].shape
     S = Q.shape[0]
@@ -351,9 +361,10 @@ def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Op
     nl = null_logits.float().contiguous() if has_null else Qf
     nv = null_values.float().contiguous() if has_null else Qf
     src_ptrs, = triton_router.device_tables(_table(values, values[0]), device=values[0].device)
-    fwd[(_cdiv(T, bt),)](src_ptrs, Qf, nl, nv, inv, z, lse, r, x if x is not None else r, T, d,
+    fwd[(_cdiv(T, bt),)](src_ptrs, Qf, nl, nv, inv, z, lse, r if r.numel() else inv, x if x is not None else inv,
+                         u0 if u0 is not None else inv, T, d,
                          float(eps), N=len(values), M=len(values) + int(has_null), S=S, SP=sp, HAS_NULL=has_null,
-                         UNIT=x is not None,
+                         UNIT=x is not None, FIRST_U=int(u0 is not None),
                          DT=triton_router._tl_dtype(values[0].dtype), BT=bt, BD=bd, STAGES=PIPELINE_STAGES,
                          num_warps=warps)
     torch.exp(z - lse.unsqueeze(1), out=p)  # the softmax weights, from the logits and lse ([S, M, T]: small)

@@ -112,7 +112,7 @@ def _route_pass(backend, a, c, kinds, base, null, gate_on, grad, formed=False):
     return out
 
 
-def _group_old_pass_torch(a, c, n, s, unit, null):
+def _group_old_pass_torch(a, c, n, s, unit, null, first_u=False):
     """group_router._OldPass on PyTorch ops over n older sources for S = s routers (each with a gradient), the
     sources' gradient sinks aside (_Ledger.settle_groups). Forward: per source an fp32 copy, its norm and its
     GEMM (2 reads); per router r_k = the first source times its weight (a + c), each further one added in
@@ -120,10 +120,12 @@ def _group_old_pass_torch(a, c, n, s, unit, null):
     Backward: the G_k to fp32;
     per source an fp32 copy, per router <G_k, s_i> (product: 3c, row sums: c); the null source's <G_k, z_k> and
     its value gradient (c each); the sum of the G_k (unit); per source again an fp32 copy, dq (c), its gradient
-    (GEMM write, + e s_i: 4c), + each G_k (3c), + the sum of the G_k (3c)."""
+    (GEMM write, + e s_i: 4c), + each G_k (3c), + the sum of the G_k (3c). ``first_u``: the first router's u,
+    r_0 + X (unit: 2c + a) cast to the activation dtype."""
     cv = _conv(a, c)
     chain = (a + c) + (n - 1) * (a + 2 * c)  # a sum over the n sources into an fp32 accumulator
-    forward = n * (cv + 2 * c) + s * (chain + 2 * c * null) + unit * (2 * a + (n - 1) * 3 * a)
+    forward = (n * (cv + 2 * c) + s * (chain + 2 * c * null) + unit * (2 * a + (n - 1) * 3 * a)
+               + first_u * (unit * (2 * c + a) + cv))
     backward = (s * cv + n * (cv + 4 * c * s) + 2 * null * s * c + unit * (2 * c + (s - 1) * 3 * c)
                 + n * (cv + c + 4 * c + 3 * c * s + 3 * c * unit))
     return {("group_old_pass", "forward"): forward, ("group_old_pass", "backward"): backward}
@@ -285,8 +287,8 @@ class _Ledger:
         self._x = self.elementwise("x_add", self._x, v)
 
     def route(self, key, router, *, base, apply_gate, base_sums):
-        if self._grouped(key):
-            return self._group_route(key, base, base_sums)
+        if self._grouped(key, base is None and not (apply_gate and self.gate)):
+            return self._group_route(key, base, base_sums, apply_gate)
         names = self.plan.final_reads() if key == "final" else self.plan.reads(key)
         if not names:  # authors-code's first router (DepthRouter._no_sources): x + a vector broadcast to every
             # token (reads x, writes u); backward reads u's gradient once, summing it into the vector
@@ -377,7 +379,7 @@ class _Ledger:
             self._sink_writers.setdefault(id(entry), []).append(kernel)
 
     # the group router (group_router.GroupRouting): delta / full_attnres with S > 1
-    def _grouped(self, key):
+    def _grouped(self, key, first_u=True):
         from megatron_delta.core import group_router
 
         if not self.plan.groups_routers or key == "final" or self.backend not in GROUP_BACKENDS:
@@ -387,7 +389,7 @@ class _Ledger:
             size = self.plan.router_group_size
             if size == group_router.AUTO:  # group_router.GroupRouting.resolve: S = 1 on the PyTorch ops
                 size = (1 if self.backend == "torch"
-                        else group_router.auto_group_sizes(len(subs), len(self.plan.reads(subs[0]))))
+                        else group_router.auto_group_sizes(len(subs), len(self.plan.reads(subs[0])), first_u))
             self.group_size = size
             self.spans = group_router.group_spans(subs, self.group_size)
         return self.group_size != 1
@@ -399,7 +401,7 @@ class _Ledger:
                 self.read(t)  # one autograd reader per source the scope's groups read (its _Collect alias)
             self._touches.setdefault(t, []).append((kernel, call))
 
-    def _group_route(self, key, base, base_sums):
+    def _group_route(self, key, base, base_sums, apply_gate):
         """One router of a group: at the group's first router the pass over the older sources, then this
         router's merge (module docstring of group_router.py). The C and Triton kernels: the old pass reads each
         older source once, writes S fp32 partial mixes r_k and, with x as the sources, their sum X in the sources'
@@ -409,10 +411,12 @@ class _Ledger:
         fp32, the Triton kernels in the activation dtype. The PyTorch ops: each op a pass
         (_group_old_pass_torch, _group_merge_torch). The null source's value gradient reads each G_k once more
         (torch.mv) on torch and c; the Triton old pass sums it per program. The sources' gradients are counted
-        per pass in settle_groups."""
+        per pass in settle_groups. A group's first router without a gate or a base takes its u from the old pass (in
+        place of r_0; _OldPass's first_u): no merge runs for it."""
         a_, b_ = self.spans[key]
         s = b_ - a_
         unit = base_sums and base is None
+        first_u = base is None and not (apply_gate and self.gate)
         A, C = self.a, self.c
         U = A if self.backend == "triton" else C  # G_k read and u written: activation dtype or fp32
         values = [self.entries[n][0] for n in self.plan.reads(key)]
@@ -420,14 +424,16 @@ class _Ledger:
             self._group = len(values)
             n = len(values)
             if self.backend == "torch":
-                self.add(_group_old_pass_torch(A, C, n, s, unit, self.null))
+                self.add(_group_old_pass_torch(A, C, n, s, unit, self.null, first_u))
             else:
                 null_reads = self.null * s * C if self.backend == "c" else 0
-                self.add({("group_old_pass", "forward"): n * A + s * C + unit * A,
+                self.add({("group_old_pass", "forward"): n * A + (s - first_u) * C + first_u * U + unit * A,
                           ("group_old_pass", "backward"): n * A + s * U + null_reads})
             self.reduce(s, 1 + int(self.null))  # the S queries' (and null values') gradients
             for v in values:
                 self._touch(v, "group_old_pass", ("old", a_))
+            if first_u:
+                return self.new()
         inside = values[self._group:]
         if base is not None:
             self.read(base)

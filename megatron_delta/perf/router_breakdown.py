@@ -51,10 +51,11 @@ class RouteStandIn(torch.autograd.Function):
 class OldPassStandIn(torch.autograd.Function):
     """In place of group_router._OldPass (--routing-breakdown): no pass over the older sources. Its partial mixes
     and the older part of x are one zero row broadcast over the tokens (no [tokens, hidden] memory), its
-    log-sum-exps zero; its backward hands nothing back (the older sources' sinks get nothing from it)."""
+    log-sum-exps zero; the first router's u (first_u) a zero [tokens, hidden] tensor, written as MergeStandIn writes
+    its copy; its backward hands nothing back (the older sources' sinks get nothing from it)."""
 
     @staticmethod
-    def forward(ctx, n, S, eps, unit, lib, sinks, stash, *tensors):
+    def forward(ctx, n, S, eps, unit, first_u, lib, sinks, stash, *tensors):
         v0 = tensors[0]
         d = v0.shape[-1]
         rows = v0.numel() // d
@@ -63,12 +64,14 @@ class OldPassStandIn(torch.autograd.Function):
         p = torch.full((S, m, rows), 1.0 / m, dtype=v0.dtype, device=v0.device)
         ctx.mark_non_differentiable(p)
         r = [v0.new_zeros(1, d).expand(rows, d) for _ in range(S)]
+        if first_u:
+            r[0] = v0.new_zeros(rows, d)
         x = v0.new_zeros(1, d).expand(rows, d) if unit else None
         return (*r, *v0.new_zeros(S, rows).unbind(0), x, p)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None,) * (7 + ctx.count)
+        return (None,) * (8 + ctx.count)
 
 
 class MergeStandIn(torch.autograd.Function):
@@ -152,8 +155,9 @@ def fused_router_passes(mode, config):
 
     Where the sublayer routers route in groups (delta / full_attnres, the group size not resolving to 1, as
     GroupRouting.resolve does for the config's kernels on fp32 CPU tensors): the passes the group router makes
-    over the scope (group_router.passes: per group one old pass over the older sources and one merge per router,
-    forward and backward), less the stand-in merge's copy (2 per router), plus the final router of full_attnres
+    over the scope (group_router.passes: per group one old pass over the older sources and one merge per router but
+    the group's first where no router reads x (its u is the old pass's), forward and backward), less the stand-in
+    merge's copy (2 per router), plus the final router of full_attnres
     per router (its sources have one reader there: no shared projection)."""
     from megatron_delta.core.router import DepthRouter
     from megatron_delta.core.sources import SourceBuffer, SourcePlan
@@ -197,7 +201,8 @@ def group_size(plan, config) -> group_router.Sizes:
     kernels = getattr(config, "delta_router_kernels", "auto")
     routers = [DepthRouter(4, null_source=False, gate=False, eps=1e-6, kernels=kernels)]
     routing = group_router.GroupRouting(plan.router_group_size, range(plan.num_sublayers))
-    return routing.resolve(routers, torch.zeros(2, 4), plan.num_sources_read(0))
+    reads_x = plan.additive and not plan.x_from_sources  # the merges read the held x: no u from the old pass
+    return routing.resolve(routers, torch.zeros(2, 4), plan.num_sources_read(0), first_u=not reads_x)
 
 
 def _per_router(plan):

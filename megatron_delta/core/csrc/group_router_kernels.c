@@ -94,11 +94,12 @@ static void add_rows(float *restrict out, const float *const *v, const float *w,
  *   z_ki = (v_i[t] . Q_k) inv_i, z_kn = null_logit_k        -> z [S, M, T]
  *   lse_k = logsumexp_i z_ki, p_ki = exp(z_ki - lse_k)      -> lse [S, T], p [S, M, T]
  *   r_k[t] = sum_i p_ki v_i[t] + p_kn null_value_k          -> r[k] [T, d]
- *   x[t] = sum_i v_i[t]                                     (x given: the older part of the residual stream) */
+ *   x[t] = sum_i v_i[t]                                     (x given: the older part of the residual stream)
+ * first_u: r[0] is router 0's u, r_0 (+ x where given): its merge has no in-group source (group_router._OldPass) */
 void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v, const float *restrict Q,
                        float eps, int has_null, const float *restrict null_logit, const float *restrict null_value,
                        float *restrict inv, float *restrict z, float *restrict p, float *restrict lse,
-                       float *const *r, float *restrict x, int threads) {
+                       float *const *r, float *restrict x, int first_u, int threads) {
   const int M = n + (has_null != 0);
   const float *qrows[S];
   for (int k = 0; k < S; ++k) qrows[k] = Q + (int64_t)k * d;
@@ -158,6 +159,11 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
         const float *restrict nk = null_value + (int64_t)k * d;
         for (int64_t c = 0; c < d; ++c) rk[c] += pk * nk[c];
       }
+    if (first_u && x) { /* r[0] is the first router's u = r_0 + X (its merge's w0 = 1) */
+      float *restrict u0 = r[0] + t * d;
+      const float *restrict xt = x + t * d;
+      for (int64_t c = 0; c < d; ++c) u0[c] = u0[c] + xt[c];
+    }
   }
 }
 
