@@ -39,7 +39,8 @@ LAYOUTS = {
 }
 
 # Extra runs that ride on one layout's launch: the group router at S = 2 (tests/test_group_router.py has its
-# float64 exactness), against TP1's runs at the default group size (auto: groups of 1, 1, 2 and 4 for one chunk of 8 routers).
+# float64 exactness), against TP1's runs at the default group size (auto: groups of 1, 3 and 4 for one chunk of 8
+# routers).
 GROUPED = {"pp2": [["delta", "fp32_g2"], ["full_attnres", "fp32_g2"]]}
 
 REPORT = os.environ.get("PARITY_REPORT")  # optional: append measured max |loss diff| here (JSON lines)

@@ -278,8 +278,8 @@ def test_host_work_tool(tmp_path):
     """tools/host_work.py (the routers' host work on CPU, the proxy of a host-bound GPU step) at a small size: per
     router call one table copy per launch; delta on one router per pass launches its forward and backward and
     nothing else, on the group router each group's old pass twice, each router's merge twice (but a group's first
-    router's: its u is the old pass's) and x's final sum once (group_router.auto_group_sizes' groups); the training step of every mode against the baseline's, which
-    launches no Triton kernel."""
+    router's: its u is the old pass's) and x's final sum once (group_router.auto_group_sizes' groups); the training
+    step of every mode against the baseline's, which launches no Triton kernel."""
     from megatron_delta.core import group_router
 
     pytest.importorskip("triton")

@@ -8,13 +8,16 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from megatron_delta.core import cpu_kernels
 from megatron_delta.core.cpu_kernels import KERNEL_TOKEN_BLOCK, KernelBuildError
+
+if TYPE_CHECKING:
+    from megatron_delta.core.group_router import DeferredShare
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "group_router_kernels.c")
 
@@ -28,7 +31,8 @@ def _build() -> ctypes.CDLL:
     lib.group_old_backward.argtypes = [I64, I64, INT, INT, P, P, P, P, P, P, P, P, INT, P, P, P, P, INT, P, P, P,
                                        INT]
     lib.group_merge_forward.argtypes = [I64, I64, INT, P, P, P, P, F, P, P, F, INT, P, P, P, P, INT]
-    lib.group_merge_backward.argtypes = [I64, I64, INT, P, P, F, P, P, P, P, P, INT, P, P, P, P, P, P, P, INT]
+    lib.group_merge_backward.argtypes = [I64, I64, INT, P, P, F, P, P, P, P, P, INT, P, INT, P, INT, P, P, P, P, P,
+                                         P, P, P, P, P, INT]
     lib.group_final_sum.argtypes = [I64, I64, INT, P, P, INT]
     for f in (lib.group_old_forward, lib.group_old_backward, lib.group_merge_forward, lib.group_merge_backward,
               lib.group_final_sum):
@@ -64,6 +68,10 @@ def library(choice: str) -> Optional[ctypes.CDLL]:
 
 def _ptrs(tensors: Sequence[Optional[Tensor]]):
     return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+
+def _addresses(addresses: Sequence[int]):
+    return (ctypes.c_void_p * len(addresses))(*addresses)
 
 
 def _ptr(t: Optional[Tensor]):
@@ -130,17 +138,22 @@ def merge_forward(lib, r: Tensor, lse: Tensor, x: Optional[Tensor], base: Option
 
 
 def merge_backward(lib, grad: Tensor, r: Tensor, gate: float, q: Tensor, values: Sequence[Tensor], inv: Tensor,
-                   z: Tensor, a: Tensor, unit: bool, targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]],
-                   da: Tensor, dlog: Tensor, dq: Tensor) -> None:
-    """The merge's backward (csrc: group_merge_backward)."""
+                   z: Tensor, a: Tensor, unit: bool, target: Tuple[Optional[Tensor], bool, Optional[Tensor]],
+                   later: Sequence[DeferredShare], coef: Tensor, da: Tensor,
+                   dlog: Tensor, dq: Tensor) -> None:
+    """The merge's backward (csrc: group_merge_backward): ``target`` (sink gradient, assigned, seed) of the newest
+    in-group source, ``later`` the later merges' deferred shares of it (group_router.DeferredShare);
+    writes each in-group source's w, c, e into ``coef`` [3, k, T]."""
     T, d = r.shape
-    fresh = (ctypes.c_int * max(1, len(values)))(*_modes(targets))
     part = r.new_empty(-(-T // KERNEL_TOKEN_BLOCK), d)
+    t, fresh, seed = target
+    mode = _modes([target])[0]
     lib.group_merge_backward(T, d, len(values), grad.data_ptr(), r.data_ptr(), gate, q.contiguous().data_ptr(),
-                             _ptrs(values), inv.data_ptr(), z.data_ptr(), a.data_ptr(), int(unit),
-                             _ptrs([t for t, _, _ in targets]), fresh, _ptrs([sd for _, _, sd in targets]),
-                             da.data_ptr(), dlog.data_ptr(), part.data_ptr(),
-                             dq.data_ptr(), _threads())
+                             _ptrs(values), inv.data_ptr(), z.data_ptr(), a.data_ptr(), int(unit), _ptr(t), mode,
+                             _ptr(seed), len(later), _ptrs([x.grad for x in later]), _ptrs([x.q for x in later]),
+                             *[_addresses([x.address(j) for x in later]) for j in range(3)],
+                             coef.data_ptr(), da.data_ptr(), dlog.data_ptr(), part.data_ptr(), dq.data_ptr(),
+                             _threads())
 
 
 def final_sum(lib, values: Sequence[Tensor], x: Tensor) -> None:

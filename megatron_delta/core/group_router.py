@@ -24,7 +24,12 @@ is written by the old pass itself, in place of r_0, and no merge runs for it (fo
 back with X and u written again; backward: no merge reads G_0 and r_0). In
 backward each merge handles its in-group sources and the old block's logit (d lse), and leaves its output
 gradient G_k with the per-token factor gate * beta in the group's stash (the GradSink pattern: no fp32
-[T, d] gradient of r_k is written); then ONE pass per group over the older sources gives every older
+[T, d] gradient of r_k is written). On the C and Triton kernels a merge writes the gradient of its newest in-group
+source only: its share of an older in-group source's gradient, w G_k + c q_k + e v (w, c, e per token), waits in
+that source's sink (_Sink.pending) for the merge of the source's next router - the last of its in-group readers to
+run in backward - which adds every deferred share as it writes the gradient, so each in-group gradient is written
+once (merge k: 2 passes and s - 1 - k reads of later G_k, where one per in-group reader read and wrote 2 k). Then
+ONE pass per group over the older sources gives every older
 source's gradient (accumulated in place into its sink) and the group's query and null-source gradients.
 The projection of the older sources (their 1/rms and logits) is part of these passes, so no
 _ProjectSource runs for a grouped router.
@@ -43,7 +48,7 @@ The final router of full_attnres routes as before (router.py). Group size: ``--d
 (config ``delta_router_group_size``): ``auto``, or S >= 1 (1 = the per-router path). ``auto`` takes, for a scope of
 n routers whose first reads n0 sources, the split of the n routers into consecutive groups with the fewest counted
 passes (:func:`passes`, :func:`auto_group_sizes`), where the group runs on the C or Triton kernels: the groups grow
-along the scope (24 over 1 source: 1, 1, 2, 3, 4, 6, 7), because a later group's old pass reads more older sources
+along the scope (24 over 1 source: 1, 2, 3, 5, 6, 7), because a later group's old pass reads more older sources
 and so pays more for each group, while a larger group merges more in-group sources per router, up to AUTO_MAX_GROUP
 routers a group; 1 where the routers
 run on PyTorch ops (--delta-router-kernels torch, or tensors neither kernel takes: counted per op, the group router
@@ -59,7 +64,7 @@ the PyTorch path each op it makes.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -74,8 +79,8 @@ AUTO = "auto"
 FLAG = "--delta-router-group-size"
 # auto's largest group. The Triton kernels pad S to a power of two and hold [S, hidden] fp32 tiles per program, so
 # groups of 9-16 pad to 16, and their old passes spill the most registers: at the 1B width 720-1,296 bytes per thread
-# in the backward and 544-584 in the forward, against at most 184 and 0 up to 8 (tools/kernel_resources.py, sm_90).
-# At the 1B and 8B depths, capping at 8 moves 0.8 % and 1.8 % more counted bytes (perf/cost_model.py).
+# in the backward and 544-584 in the forward, against at most 152 and 0 up to 8 (tools/kernel_resources.py, sm_90).
+# At the 1B and 8B depths, capping at 8 moves 1.6 % and 4.0 % more counted bytes (perf/cost_model.py, Triton).
 AUTO_MAX_GROUP = 8
 FINE_GRAINED_MODES = ("delta", "full_attnres")
 
@@ -127,18 +132,20 @@ def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: b
 
     - forward: the old pass reads the n_g sources and writes s partial mixes (+ X); merge k reads r_k (+ X or
       x) and its k in-group sources and writes u;
-    - backward: merge k reads G_k, r_k and its k in-group sources and updates their k gradients (read + write);
-      the old pass reads the n_g sources and the s G_k and updates the n_g sources' gradients;
+    - backward: merge k reads G_k, r_k and its k in-group sources, and updates the gradient of its newest one
+      (read + write) with its own share and the shares merges k + 1 .. s - 1 deferred to it (reading their
+      G_k again: :class:`_Merge`); the old pass reads the n_g sources and the s G_k and updates the n_g sources'
+      gradients;
 
-    4 n_g + s (6 + unit + base) + unit + 2 s (s - 1) per group, less 4 + unit where the group's first router has
-    no base (its u comes from the old pass, written in place of r_0: no merge reads r_0 and X and writes u, and no
-    merge backward reads G_0 and r_0; :class:`_OldPass`'s first_u), less one per source read with a gradient (its
-    first gradient, the last reader's in forward order, is written, not updated). Where x is handed out as the sum
-    of the sources in the same scope (unit), :class:`_FinalSum` seeds every sink and each first gradient adds the
-    seed; the call that writes a sink first reads the seed once for all the sinks it writes first - the last
-    group's old pass (every older source) and its last merge (the group's other sources) - so less all but one of
-    those calls' seed reads instead. ``null``: the null source's value gradient reads each G_k once more (s per
-    group); its value and the weight tables are [d] and [T]-sized and not counted."""
+    4 n_g + s (6 + unit + base) + unit + (s - 1)(3 s + 2) / 2 per group, less 4 + unit where the group's first
+    router has no base (its u comes from the old pass, written in place of r_0: no merge reads r_0 and X and writes
+    u, and no merge backward reads G_0 and r_0; :class:`_OldPass`'s first_u), less one per source read with a
+    gradient (its first gradient, the last reader's in forward order, is written, not updated). Where x is handed
+    out as the sum of the sources in the same scope (unit), :class:`_FinalSum` seeds every sink and each first
+    gradient adds the seed; the call that writes a sink first reads the seed once for all the sinks it writes
+    first - the last group's old pass (every older source) - so less all but one of that call's seed reads
+    instead. ``null``: the null source's value gradient reads each G_k once more (s per group); its value and the
+    weight tables are [d] and [T]-sized and not counted."""
     total, a = 0, 0
     sizes = _sizes(size, n_routers)
     for s in sizes:
@@ -152,14 +159,14 @@ def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: b
 def _group_passes(n_g: int, s: int, unit: bool = True, base: bool = False, null: bool = False) -> int:
     """:func:`passes` of one group of ``s`` routers over ``n_g`` older sources."""
     first_u = 0 if base else 4 + int(unit)  # the first router's u from the old pass (no merge)
-    return 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + 2 * s * (s - 1) - first_u
+    in_group = (s - 1) * (3 * s + 2) // 2  # merge k: k sources read each way, k + 1 ... s - 1's G_k, one gradient
+    return 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + in_group - first_u
 
 
 def _seed_reads_saved(n_g: int, s: int) -> int:
     """The seed reads a scope's last group (``s`` routers over ``n_g`` older sources) saves where x's gradient seeds
-    every sink (unit): its old pass reads the seed once for its n_g sinks, its last merge once for the group's other
-    s - 1 sources."""
-    return (n_g - 1) + max(0, s - 2)
+    every sink (unit): its old pass reads the seed once for its n_g sinks (each merge writes one sink)."""
+    return n_g - 1
 
 
 def _nth_size(size: Sizes, i: int) -> int:
@@ -181,7 +188,7 @@ def _sizes(size: Sizes, n: int) -> List[int]:
 def auto_group_sizes(n_routers: int, n_older: int, first_u: bool = True) -> Sizes:
     """The groups of ``auto``: the split of ``n_routers`` consecutive routers (the first reads ``n_older``
     sources) into consecutive groups with the fewest counted passes (:func:`passes`; the only terms a split
-    changes are 4 n_g per group, its old pass's sources read and their gradients, against 2 s (s - 1) in its
+    changes are 4 n_g per group, its old pass's sources read and their gradients, against (s - 1)(3 s + 2) / 2 in its
     merges and one X per group, and the last group's seed reads), by dynamic programming over where each group
     starts, each group of at most AUTO_MAX_GROUP routers. The sizes grow along the scope (to that cap); 1 where single
     routers are cheapest (one router per pass). ``first_u``: each group's first router takes its u from the old pass
@@ -229,11 +236,15 @@ class _Collect(torch.autograd.Function):
     def forward(ctx, value, sink):
         ctx.set_materialize_grads(False)
         ctx.sink, ctx.shape = sink, value.shape
+        ctx.save_for_backward(value)
         return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad):
         sink = ctx.sink
+        if sink.pending:  # no merge of the group reached this source's last in-group reader (it got no gradient)
+            value, = ctx.saved_tensors
+            _settle_pending(sink, value.reshape(-1, value.shape[-1]), value.dtype)
         acc, seeded = (sink.grad, False) if sink.grad is not None else (sink.seed, True)
         sink.grad = sink.seed = None
         if acc is None:
@@ -244,17 +255,41 @@ class _Collect(torch.autograd.Function):
         return acc, None
 
 
+class DeferredShare(NamedTuple):
+    """One later merge's share of an in-group source's gradient, w G + c q + e v, waiting in the source's sink
+    (:class:`_Sink`'s pending) for the merge that writes that gradient. ``coef``: the later merge's [3, k, T] w, c, e
+    of its k in-group sources, of which this source is ``index``; ``grad``: its output gradient G [T, d];
+    ``q``: its query [d]. The kernels read w, c, e by address (:meth:`address`: no view op per share)."""
+
+    coef: Tensor
+    index: int
+    grad: Tensor
+    q: Tensor
+
+    def row(self, j: int) -> Tensor:
+        """w (j = 0), c (1) or e (2) [T]."""
+        return self.coef[j, self.index]
+
+    def address(self, j: int) -> int:
+        """The address of :meth:`row` ``j``."""
+        _, k, T = self.coef.shape
+        return self.coef.data_ptr() + (j * k + self.index) * T * self.coef.element_size()
+
+
 class _Sink(GradSink):
     """The gradient sink of a source the scope's groups read. ``seed``: the gradient of x handed out as the sum
     of the sources (:class:`_FinalSum`), held by reference - the same tensor for every source, never written -
     until the first pass to reach the sink in backward adds it to its own contribution as it writes the sink
     (the kernels' mode 2: read the seed, write the sink), or _Collect hands it on where no pass wrote one."""
 
-    __slots__ = ("seed",)
+    __slots__ = ("seed", "pending")
 
     def __init__(self) -> None:
         super().__init__()
         self.seed: Optional[Tensor] = None
+        # the in-group merges' deferred shares of this source's gradient (:class:`_Merge`), added by the merge of
+        # the source's next router (its earliest in-group reader)
+        self.pending: List[DeferredShare] = []
 
 
 def _target(sink: Optional[_Sink], needed: bool) -> Tuple[Optional[Tensor], bool, Optional[Tensor]]:
@@ -296,6 +331,24 @@ def _sink_add(sink: _Sink, grad: Tensor, dtype: torch.dtype, kernel: str) -> Non
     else:
         sink.grad.add_(grad)
         traffic.record(kernel, "backward", [sink.grad, grad], [sink.grad])
+
+
+def _settle_pending(sink: _Sink, value: Tensor, dtype: torch.dtype) -> None:
+    """The deferred in-group shares of a source's gradient (``sink.pending``) on PyTorch ops, into the sink: where
+    the merge that adds them in its pass did not run or ran on PyTorch ops. ``value``: the source [T, d]."""
+    pending, sink.pending = sink.pending, []
+    if not pending:
+        return
+    cdt = pending[0].coef.dtype
+    vf = _as(value, cdt)
+    _record_cast("group_merge", "backward", value, vf)
+    gv = torch.mul(vf, sum(x.row(2) for x in pending).unsqueeze(1))
+    traffic.record("group_merge", "backward", [vf], [gv])
+    for x in pending:
+        gv.addcmul_(_as(x.grad.reshape(gv.shape), cdt), x.row(0).unsqueeze(1)).addr_(x.row(1), x.q)
+        traffic.record("group_merge", "backward", [gv, x.grad], [gv])
+        traffic.record("group_merge", "backward", [gv], [gv])
+    _sink_add(sink, gv, dtype, "group_merge")
 
 
 def _once(tensors: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
@@ -631,20 +684,39 @@ class _Merge(torch.autograd.Function):
         targets = [_target(ctx.sinks[i], needs[14 + i]) for i in range(k)]
         needed = [i for i, (t, fresh, seed) in enumerate(targets) if t is not None or fresh or seed is not None]
         dq = None if lib == TRITON else torch.zeros(d, dtype=cdt, device=r.device)  # Triton: its partials' sum
+        newest = ctx.sinks[k - 1] if k and (k - 1) in needed else None  # the one sink the kernels write
+        if lib is not None and newest is not None and newest.pending and any(
+                x.grad.dtype != grad.dtype or x.grad.device != grad.device for x in newest.pending):
+            _settle_pending(newest, flat[k - 1], values[k - 1].dtype)  # shares the kernel cannot read as one dtype
+            targets[k - 1] = _target(newest, True)
         if lib is not None:
             from megatron_delta.core import group_kernels
 
-            outs = [_allocate(ctx.sinks[i], tg, values[i], T, d) for i, tg in enumerate(targets)]
+            # the kernels defer each in-group source's share of its gradient (w G + c q + e v) to the merge of the
+            # source's next router, the last of its in-group readers to run, and write only the newest source's:
+            # each in-group gradient is written once, not once per in-group reader
+            later, target = [], (None, False, None)
+            if newest is not None:
+                later, newest.pending = newest.pending, []
+                target = _allocate(newest, targets[k - 1], values[k - 1], T, d)
+            coef = torch.empty(3, k, T, dtype=cdt, device=r.device)  # w, c, e of each in-group source
             da = torch.empty_like(a)  # <G, r>, <G, v_i> (without the gate)
             dlog = torch.empty_like(a)
             if lib == TRITON:
                 from megatron_delta.core import triton_group_kernels
 
                 dq = triton_group_kernels.merge_backward(grad, r, gate, q, [f.contiguous() for f in flat], inv, zin,
-                                                         a, unit, outs, da, dlog)
+                                                         a, unit, target, later, coef, da, dlog)
             else:
                 group_kernels.merge_backward(lib, grad, r, 1.0 if g is None else float(g), q, flat, inv, zin, a,
-                                             unit, outs, da, dlog, dq)
+                                             unit, target, later, coef, da, dlog, dq)
+            qc = q.contiguous()
+            for i in needed[:-1] if newest is not None else needed:
+                ctx.sinks[i].pending.append(DeferredShare(coef, i, grad, qc))
+            t, fresh, seed = target  # the sink read where it is added to (in place, or the final sum's seed)
+            acc = [] if t is None or fresh else [t if seed is None else seed]
+            traffic.record("group_merge", "backward", reads=[grad, r, *flat, *[x.grad for x in later], *acc],
+                           writes=[] if t is None else [t])
         else:
             gr = _as(grad, cdt)
             _record_cast("group_merge", "backward", grad, gr)
@@ -659,7 +731,6 @@ class _Merge(torch.autograd.Function):
                 traffic.record("group_merge", "backward", [prod], [])
             dag = da * gf
             dlog = a * (dag - (a * dag).sum(0, keepdim=True))
-            outs = targets
             for i, vf in enumerate(flat):
                 vf = _as(vf, cdt)
                 _record_cast("group_merge", "backward", flat[i], vf)
@@ -675,10 +746,8 @@ class _Merge(torch.autograd.Function):
                 traffic.record("group_merge", "backward", [gv], [gv])
                 traffic.record("group_merge", "backward", [gv, vf], [gv])
                 _sink_add(ctx.sinks[i], gv, values[i].dtype, "group_merge")
-        if lib is not None:  # the C loop reads each tensor once (the PyTorch ops above record their own passes)
-            acc = _once([targets[i][0] if targets[i][2] is None else targets[i][2] for i in needed])
-            traffic.record("group_merge", "backward", reads=[grad, r, *flat] + acc,
-                           writes=[outs[i][0] for i in needed])
+            if newest is not None:  # shares a merge on the kernels deferred to this one
+                _settle_pending(newest, flat[k - 1], values[k - 1].dtype)
         ctx.stash.grads[ctx.slot] = (grad_out, a[0] if g is None else a[0] * g)  # the group's backward: G, gate * beta
         grad_gate = None
         if g is not None and needs[12]:

@@ -29,13 +29,16 @@ every group of a run whatever its position (a constant N compiled a variant per 
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from megatron_delta.core import cpu_kernels, triton_router
 from megatron_delta.core.triton_router import TritonUnavailable
+
+if TYPE_CHECKING:
+    from megatron_delta.core.group_router import DeferredShare
 
 __all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward", "final_sum"]
 
@@ -248,10 +251,10 @@ def _build():
             tl.store(a_ptr + (1 + i) * T + rows, tl.exp(z - m) / s, mask=rmask)
 
     @triton.jit
-    def _merge_backward(grad_ptr, r_ptr, gate_ptr, q_ptr, src_ptrs, tgt_ptrs, acc_ptrs, flag_ptr, inv_ptr, z_ptr, a_ptr,
-                        da_ptr, dlog_ptr, part_q_ptr, T, d, K, UNIT: tl.constexpr,
-                        HAS_GATE: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                        STAGES: tl.constexpr):
+    def _merge_backward(grad_ptr, r_ptr, gate_ptr, q_ptr, src_ptrs, tgt_ptrs, acc_ptrs, flag_ptr, lg_ptrs, lq_ptrs,
+                        lw_ptrs, lc_ptrs, le_ptrs, inv_ptr, z_ptr, a_ptr, coef_ptr, da_ptr, dlog_ptr, part_q_ptr, T, d,
+                        K, L, UNIT: tl.constexpr, HAS_GATE: tl.constexpr, DT: tl.constexpr, GDT: tl.constexpr,
+                        BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
         pid = tl.program_id(0)  # persistent (triton_router.reducing_programs): tiles pid, pid + programs, ...
         cols = tl.arange(0, BD)
         cmask = cols < d
@@ -278,7 +281,8 @@ def _build():
                 tl.store(da_ptr + (1 + i) * T + rows, da, mask=rmask)
                 s += tl.load(a_ptr + (1 + i) * T + rows, mask=rmask, other=0.0) * gate * da
             tl.store(dlog_ptr + rows, a0 * (gate * da0 - s), mask=rmask)  # d lse_k
-            # loop 2: each in-group source's gradient into its sink, the query's per program
+            # loop 2: the query's gradient per program, and each in-group source's share of its gradient,
+            # w g + c q + e v, as its w, c, e (group_router._Merge: added by the merge of the source's next router)
             for i in tl.range(K, num_stages=STAGES):
                 src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
@@ -293,10 +297,34 @@ def _build():
                 wi = gate * a
                 if UNIT:
                     wi += 1.0
+                tl.store(coef_ptr + i * T + rows, wi, mask=rmask)
+                tl.store(coef_ptr + (K + i) * T + rows, c, mask=rmask)
+                tl.store(coef_ptr + (2 * K + i) * T + rows, e, mask=rmask)
+            # the newest in-group source's gradient into its sink: this merge's share (as loop 2 computes it) and the
+            # L later merges' deferred shares (their output gradients, queries and w, c, e rows)
+            if K > 0:
+                src = tl.load(src_ptrs + K - 1).to(tl.pointer_type(DT))
+                v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+                a = tl.load(a_ptr + K * T + rows, mask=rmask, other=0.0)
+                dl = a * (gate * tl.sum(g * v, 1) - s)
+                iv = tl.load(inv_ptr + (K - 1) * T + rows, mask=rmask, other=0.0)
+                z = tl.load(z_ptr + (K - 1) * T + rows, mask=rmask, other=0.0)
+                c = dl * iv
+                e = -dl * z * iv * iv / d
+                wi = gate * a
+                if UNIT:
+                    wi += 1.0
                 gv = wi[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
-                flag = tl.load(flag_ptr + i)
-                tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
-                acc = tl.load(acc_ptrs + i).to(tl.pointer_type(DT))
+                for j in range(L):
+                    gm = tl.load(tl.load(lg_ptrs + j).to(tl.pointer_type(GDT)) + offs, mask=mask, other=0.0)
+                    qm = tl.load(tl.load(lq_ptrs + j).to(tl.pointer_type(tl.float32)) + cols, mask=cmask, other=0.0)
+                    wm = tl.load(tl.load(lw_ptrs + j).to(tl.pointer_type(tl.float32)) + rows, mask=rmask, other=0.0)
+                    cm = tl.load(tl.load(lc_ptrs + j).to(tl.pointer_type(tl.float32)) + rows, mask=rmask, other=0.0)
+                    em = tl.load(tl.load(le_ptrs + j).to(tl.pointer_type(tl.float32)) + rows, mask=rmask, other=0.0)
+                    gv += wm[:, None] * gm.to(tl.float32) + cm[:, None] * qm[None, :] + em[:, None] * v
+                flag = tl.load(flag_ptr)
+                tgt = tl.load(tgt_ptrs).to(tl.pointer_type(DT))
+                acc = tl.load(acc_ptrs).to(tl.pointer_type(DT))
                 gv += tl.load(acc + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
                 tl.store(tgt + offs, gv.to(DT), mask=mask & (flag > 0))
         tl.store(part_q_ptr + pid * BD + cols, dq)
@@ -426,9 +454,11 @@ def merge_forward(r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Te
 
 def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, values: Sequence[Tensor],
                    inv: Tensor, z: Tensor, a: Tensor, unit: bool,
-                   targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]],
+                   target: Tuple[Optional[Tensor], bool, Optional[Tensor]],
+                   later: Sequence[DeferredShare], coef: Tensor,
                    da: Tensor, dlog: Tensor) -> Tensor:
-    """The merge's backward (as group_kernels.merge_backward); returns the query's gradient [d], the sum of the
+    """The merge's backward (as group_kernels.merge_backward: the newest in-group source's ``target``, the later
+    merges' shares ``later``, each source's w, c, e into ``coef``); returns the query's gradient [d], the sum of the
     programs' partials."""
     bwd = load()[3]
     T, d = r.shape
@@ -436,14 +466,16 @@ def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, v
     programs = triton_router.reducing_programs(_cdiv(T, bt), r.device)
     part_q = torch.empty(programs, bd, dtype=torch.float32, device=r.device)
     g = gate.detach().float().reshape(1) if gate is not None else r
-    flags = [0 if t is None else (1 if fresh else 2) for t, fresh, _ in targets]
-    accs = [t if seed is None else seed for t, _, seed in targets]
-    src_ptrs, tgt_ptrs, acc_ptrs, flag_tab = triton_router.device_tables(
-        _table(values, r), _table([t for t, _, _ in targets], r), _table(accs, r), flags, device=r.device)
-    bwd[(programs,)](grad, r, g, q.float().contiguous(), src_ptrs, tgt_ptrs, acc_ptrs, flag_tab, inv, z, a, da, dlog,
-                     part_q, T, d, K=len(values), UNIT=bool(unit), HAS_GATE=gate is not None,
+    t, fresh, seed = target
+    flag = 0 if t is None else (1 if fresh else 2)
+    acc = t if seed is None else seed
+    tables = triton_router.device_tables(
+        _table(values, r), _table([t], r), _table([acc], r), [flag], _table([x.grad for x in later], r),
+        _table([x.q for x in later], r), *[[x.address(j) for x in later] for j in range(3)], device=r.device)
+    bwd[(programs,)](grad, r, g, q.float().contiguous(), *tables, inv, z, a, coef, da, dlog, part_q, T, d,
+                     K=len(values), L=len(later), UNIT=bool(unit), HAS_GATE=gate is not None,
                      DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
-                     BT=bt, BD=bd, STAGES=PIPELINE_STAGES, num_warps=warps)
+                     GDT=triton_router._tl_dtype(grad.dtype), BT=bt, BD=bd, STAGES=PIPELINE_STAGES, num_warps=warps)
     triton_router.record_partials([part_q])
     return part_q.sum(0)[:d]
 

@@ -439,11 +439,14 @@ class _Ledger:
             self.read(base)
         if self.backend == "torch":
             self.add(_group_merge_torch(A, C, len(inside), base is not None, unit))
-        else:
+            written = inside
+        else:  # the kernels write the newest in-group source's gradient only, with the later merges' shares
+            later = b_ - 1 - key if inside else 0  # (their output gradients read again: group_router._Merge)
             self.add({("group_merge", "forward"): C + unit * A + (A if base is not None else 0) + len(inside) * A + U,
-                      ("group_merge", "backward"): A + C + len(inside) * A})
+                      ("group_merge", "backward"): A + C + len(inside) * A + later * U})
+            written = inside[-1:]
         self.reduce(1, 1)  # the query's gradient
-        for v in inside:
+        for v in written:
             self._touch(v, "group_merge", ("merge", key))
         return self.new()
 

@@ -324,13 +324,20 @@ void group_merge_forward(int64_t T, int64_t d, int k, const float *restrict r, c
 /* Backward of the merge for the output gradient grad [T, d]. Per token:
  *   da_0 = <grad, r>, da_{1+i} = <grad, v_i>                 -> da [1 + k, T] (without the gate)
  *   dlog_j = a_j (gate da_j - sum_l a_l gate da_l)           -> dlog [1 + k, T] (dlog_0: d lse)
- *   c_i = dlog_{1+i} inv_i, e_i = -dlog_{1+i} z_i inv_i^2 / d
- *   target_i[t] (+)= (unit + gate a_{1+i}) grad + c_i q + e_i v_i   (fresh_i as in group_old_backward)
- *   dq = sum_t sum_i c_i v_i[t]                              -> dq [d] */
+ *   w_i = unit + gate a_{1+i}, c_i = dlog_{1+i} inv_i, e_i = -dlog_{1+i} z_i inv_i^2 / d   -> coef [3, k, T]
+ *   dq = sum_t sum_i c_i v_i[t]                              -> dq [d]
+ * Source i's share of the gradient, w_i grad + c_i q + e_i v_i, is deferred (coef, group_router._Merge) to the merge
+ * of router i + 1, its earliest in-group reader, which runs last: this merge writes the gradient of its newest source
+ * v_{k-1} only, its own share and the n_later later merges' (their output gradients later_g, queries later_q and
+ * rows of w, c, e):
+ *   target[t] (+)= w grad + c q + e v_{k-1} + sum_m (w_m later_g_m + c_m later_q_m + e_m v_{k-1})
+ *   (fresh: 1 assigned, 0 added in place, 2 assigned seed[t] + the sum: a sink the final sum seeded) */
 void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const float *restrict r, float gate,
                           const float *restrict q, const float *const *v, const float *restrict inv,
-                          const float *restrict z, const float *restrict a, int unit, float *const *target,
-                          const int *fresh, const float *const *seed, float *restrict da_out, float *restrict dlog_out,
+                          const float *restrict z, const float *restrict a, int unit, float *target, int fresh,
+                          const float *seed, int n_later, const float *const *later_g, const float *const *later_q,
+                          const float *const *later_w, const float *const *later_c, const float *const *later_e,
+                          float *restrict coef_out, float *restrict da_out, float *restrict dlog_out,
                           float *restrict dq_part, float *restrict dq_out, int threads) {
   const float one = unit ? 1.0f : 0.0f;
   const int64_t nblk = (T + TB - 1) / TB;
@@ -361,20 +368,23 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
         const float *restrict vi = v[i] + t * d;
         const float iv = inv[(int64_t)i * T + t];
         const float c = dl[1 + i] * iv, e = -dl[1 + i] * z[(int64_t)i * T + t] * iv * iv / (float)d;
-        float *restrict o = target[i] ? target[i] + t * d : NULL;
-        if (!o) {
+        const float wi = one + gate * a[(int64_t)(1 + i) * T + t];
+        coef_out[(int64_t)i * T + t] = wi;
+        coef_out[(int64_t)(k + i) * T + t] = c;
+        coef_out[(int64_t)(2 * k + i) * T + t] = e;
+        if (i < k - 1 || !target) {
           for (int64_t cc = 0; cc < d; ++cc) part[cc] += c * vi[cc];
           continue;
         }
         /* the query gradient's share in the same sweep as the source's gradient (v_i read once) */
-        const float wi = one + gate * a[(int64_t)(1 + i) * T + t];
-        if (fresh[i] == 1) {
+        float *restrict o = target + t * d;
+        if (fresh == 1) {
           for (int64_t cc = 0; cc < d; ++cc) {
             part[cc] += c * vi[cc];
             o[cc] = wi * g[cc] + c * q[cc] + e * vi[cc];
           }
-        } else if (fresh[i] == 2) {
-          const float *si = seed[i] + t * d;
+        } else if (fresh == 2) {
+          const float *si = seed + t * d;
           for (int64_t cc = 0; cc < d; ++cc) {
             part[cc] += c * vi[cc];
             o[cc] = si[cc] + wi * g[cc] + c * q[cc] + e * vi[cc];
@@ -384,6 +394,11 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
             part[cc] += c * vi[cc];
             o[cc] += wi * g[cc] + c * q[cc] + e * vi[cc];
           }
+        }
+        for (int m = 0; m < n_later; ++m) {
+          const float *restrict gm = later_g[m] + t * d, *restrict qm = later_q[m];
+          const float wm = later_w[m][t], cm = later_c[m][t], em = later_e[m][t];
+          for (int64_t cc = 0; cc < d; ++cc) o[cc] += wm * gm[cc] + cm * qm[cc] + em * vi[cc];
         }
       }
     }
