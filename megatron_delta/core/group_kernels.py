@@ -8,16 +8,13 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from megatron_delta.core import cpu_kernels
 from megatron_delta.core.cpu_kernels import KERNEL_TOKEN_BLOCK, KernelBuildError
-
-if TYPE_CHECKING:
-    from megatron_delta.core.group_router import DeferredShare
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "group_router_kernels.c")
 
@@ -139,7 +136,7 @@ def merge_forward(lib, r: Tensor, lse: Tensor, x: Optional[Tensor], base: Option
 
 def merge_backward(lib, grad: Tensor, r: Tensor, gate: float, q: Tensor, values: Sequence[Tensor], inv: Tensor,
                    z: Tensor, a: Tensor, unit: bool, target: Tuple[Optional[Tensor], bool, Optional[Tensor]],
-                   later: Sequence[DeferredShare], coef: Tensor, da: Tensor,
+                   later: Sequence[tuple], coef: Tensor, da: Tensor,
                    dlog: Tensor, dq: Tensor) -> None:
     """The merge's backward (csrc: group_merge_backward): ``target`` (sink gradient, assigned, seed) of the newest
     in-group source, ``later`` the later merges' deferred shares of it (group_router.DeferredShare);

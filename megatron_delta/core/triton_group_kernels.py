@@ -29,16 +29,13 @@ every group of a run whatever its position (a constant N compiled a variant per 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from megatron_delta.core import cpu_kernels, triton_router
 from megatron_delta.core.triton_router import TritonUnavailable
-
-if TYPE_CHECKING:
-    from megatron_delta.core.group_router import DeferredShare
 
 __all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward", "final_sum"]
 
@@ -455,11 +452,11 @@ def merge_forward(r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Te
 def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, values: Sequence[Tensor],
                    inv: Tensor, z: Tensor, a: Tensor, unit: bool,
                    target: Tuple[Optional[Tensor], bool, Optional[Tensor]],
-                   later: Sequence[DeferredShare], coef: Tensor,
+                   later: Sequence[tuple], coef: Tensor,
                    da: Tensor, dlog: Tensor) -> Tensor:
     """The merge's backward (as group_kernels.merge_backward: the newest in-group source's ``target``, the later
-    merges' shares ``later``, each source's w, c, e into ``coef``); returns the query's gradient [d], the sum of the
-    programs' partials."""
+    merges' shares ``later`` (group_router.DeferredShare), each source's w, c, e into ``coef``); returns the query's
+    gradient [d], the sum of the programs' partials."""
     bwd = load()[3]
     T, d = r.shape
     bt, _, bd, warps = _tile(d)
