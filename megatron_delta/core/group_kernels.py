@@ -143,7 +143,7 @@ def merge_backward(lib, grad: Tensor, r: Tensor, gate: float, q: Tensor, values:
     writes each in-group source's w, c, e into ``coef`` [3, k, T]."""
     T, d = r.shape
     part = r.new_empty(-(-T // KERNEL_TOKEN_BLOCK), d)
-    t, fresh, seed = target
+    t, _, seed = target
     mode = _modes([target])[0]
     lib.group_merge_backward(T, d, len(values), grad.data_ptr(), r.data_ptr(), gate, q.contiguous().data_ptr(),
                              _ptrs(values), inv.data_ptr(), z.data_ptr(), a.data_ptr(), int(unit), _ptr(t), mode,

@@ -311,14 +311,16 @@ def _build():
                 wi = gate * a
                 if UNIT:
                     wi += 1.0
-                gv = wi[:, None] * g + c[:, None] * q[None, :] + e[:, None] * v
+                gv = wi[:, None] * g + c[:, None] * q[None, :]
+                ev = e  # the later merges' e_m multiply the same v: their sum scales it once
                 for j in range(L):
                     gm = tl.load(tl.load(lg_ptrs + j).to(tl.pointer_type(GDT)) + offs, mask=mask, other=0.0)
                     qm = tl.load(tl.load(lq_ptrs + j).to(tl.pointer_type(tl.float32)) + cols, mask=cmask, other=0.0)
                     wm = tl.load(tl.load(lw_ptrs + j).to(tl.pointer_type(tl.float32)) + rows, mask=rmask, other=0.0)
                     cm = tl.load(tl.load(lc_ptrs + j).to(tl.pointer_type(tl.float32)) + rows, mask=rmask, other=0.0)
-                    em = tl.load(tl.load(le_ptrs + j).to(tl.pointer_type(tl.float32)) + rows, mask=rmask, other=0.0)
-                    gv += wm[:, None] * gm.to(tl.float32) + cm[:, None] * qm[None, :] + em[:, None] * v
+                    ev += tl.load(tl.load(le_ptrs + j).to(tl.pointer_type(tl.float32)) + rows, mask=rmask, other=0.0)
+                    gv += wm[:, None] * gm.to(tl.float32) + cm[:, None] * qm[None, :]
+                gv += ev[:, None] * v
                 flag = tl.load(flag_ptr)
                 tgt = tl.load(tgt_ptrs).to(tl.pointer_type(DT))
                 acc = tl.load(acc_ptrs).to(tl.pointer_type(DT))

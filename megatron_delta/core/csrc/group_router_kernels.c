@@ -330,7 +330,7 @@ void group_merge_forward(int64_t T, int64_t d, int k, const float *restrict r, c
  * of router i + 1, its earliest in-group reader, which runs last: this merge writes the gradient of its newest source
  * v_{k-1} only, its own share and the n_later later merges' (their output gradients later_g, queries later_q and
  * rows of w, c, e):
- *   target[t] (+)= w grad + c q + e v_{k-1} + sum_m (w_m later_g_m + c_m later_q_m + e_m v_{k-1})
+ *   target[t] (+)= w grad + c q + (e + sum_m e_m) v_{k-1} + sum_m (w_m later_g_m + c_m later_q_m)
  *   (fresh: 1 assigned, 0 added in place, 2 assigned seed[t] + the sum: a sink the final sum seeded) */
 void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const float *restrict r, float gate,
                           const float *restrict q, const float *const *v, const float *restrict inv,
@@ -376,29 +376,32 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
           for (int64_t cc = 0; cc < d; ++cc) part[cc] += c * vi[cc];
           continue;
         }
-        /* the query gradient's share in the same sweep as the source's gradient (v_i read once) */
+        /* the query gradient's share in the same sweep as the source's gradient (v_i read once); the later
+         * merges' e_m multiply the same v_i, so their sum scales it once */
         float *restrict o = target + t * d;
+        float ev = e;
+        for (int m = 0; m < n_later; ++m) ev += later_e[m][t];
         if (fresh == 1) {
           for (int64_t cc = 0; cc < d; ++cc) {
             part[cc] += c * vi[cc];
-            o[cc] = wi * g[cc] + c * q[cc] + e * vi[cc];
+            o[cc] = wi * g[cc] + c * q[cc] + ev * vi[cc];
           }
         } else if (fresh == 2) {
           const float *si = seed + t * d;
           for (int64_t cc = 0; cc < d; ++cc) {
             part[cc] += c * vi[cc];
-            o[cc] = si[cc] + wi * g[cc] + c * q[cc] + e * vi[cc];
+            o[cc] = si[cc] + wi * g[cc] + c * q[cc] + ev * vi[cc];
           }
         } else {
           for (int64_t cc = 0; cc < d; ++cc) {
             part[cc] += c * vi[cc];
-            o[cc] += wi * g[cc] + c * q[cc] + e * vi[cc];
+            o[cc] += wi * g[cc] + c * q[cc] + ev * vi[cc];
           }
         }
         for (int m = 0; m < n_later; ++m) {
           const float *restrict gm = later_g[m] + t * d, *restrict qm = later_q[m];
-          const float wm = later_w[m][t], cm = later_c[m][t], em = later_e[m][t];
-          for (int64_t cc = 0; cc < d; ++cc) o[cc] += wm * gm[cc] + cm * qm[cc] + em * vi[cc];
+          const float wm = later_w[m][t], cm = later_c[m][t];
+          for (int64_t cc = 0; cc < d; ++cc) o[cc] += wm * gm[cc] + cm * qm[cc];
         }
       }
     }
