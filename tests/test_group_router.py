@@ -10,7 +10,14 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_delta.core import group_kernels, group_router, traffic
-from megatron_delta.core.group_router import AUTO_MAX_GROUP, auto_group_sizes, check_group_size, group_spans, passes
+from megatron_delta.core.group_router import (
+    AUTO_MAX_GROUP,
+    auto_group_sizes,
+    check_group_size,
+    deferring_groups,
+    group_spans,
+    passes,
+)
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
 from tests.test_sources import EPS, Toy, sublayer
 
@@ -184,23 +191,25 @@ def test_group_spans_and_auto_sizes():
     assert group_spans([0, 1, 3, 4, 5], (3, 2)) == {0: (0, 2), 1: (0, 2), 3: (3, 5), 4: (3, 5), 5: (5, 6)}
     assert passes(6, 1, (2, 4)) == passes(2, 1, 2) + passes(4, 3, 4) and passes(7, 2, (3,)) == passes(7, 2, 3)
     # auto: the split with the fewest counted passes, against every split of up to 10 routers; the groups grow
-    # (each group's first router takes its u from the old pass, so a group of one router is one pass)
-    assert auto_group_sizes(24, 1) == (1, 2, 3, 5, 6, 7) and auto_group_sizes(6, 1) == (1, 2, 3)
+    # (each group's first router takes its u from the old pass, so a group of one router is one pass), and every
+    # other group from the scope's end defers its older sources' gradient shares to the group before it
+    assert auto_group_sizes(24, 1) == (1, 1, 2, 3, 5, 6, 6) and auto_group_sizes(6, 1) == (1, 1, 2, 2)
+    assert deferring_groups((1, 1, 2, 3, 5, 6, 6), 1) == (False, False, True, False, True, False, True)
     assert auto_group_sizes(1, 5) == 1 and auto_group_sizes(2, 40) == (2,)
     # with a gate (the merges read the held x: no first router's u from the old pass), the groups are larger
-    assert auto_group_sizes(24, 1, False) == (2, 4, 5, 6, 7) and auto_group_sizes(6, 1, False) == (2, 4)
+    assert auto_group_sizes(24, 1, False) == (3, 4, 5, 6, 6) and auto_group_sizes(6, 1, False) == (2, 4)
     assert passes(24, 1, 5, base=True) - passes(24, 1, 5) == 24 + 5 * (4 + 1)  # per router 1, per group 4 + unit
     for n, n0 in [(4, 1), (6, 1), (8, 1), (10, 1), (6, 13), (9, 4)]:
         sizes = auto_group_sizes(n, n0)
         assert passes(n, n0, sizes) == min(passes(n, n0, c) for c in _compositions(n)), (n, n0)
         assert list(sizes) == sorted(sizes), sizes
-    # and never more than the best equal groups: at 24 routers 471 passes against 505 (S = 5)
+    # and never more than the best equal groups: at 24 routers 449 passes against 471 (S = 5)
     for n, n0 in [(24, 1), (56, 1), (12, 13), (48, 1)]:
         assert passes(n, n0, auto_group_sizes(n, n0)) <= min(passes(n, n0, s) for s in range(1, n + 1))
-    assert passes(24, 1, auto_group_sizes(24, 1)) == 471 and passes(24, 1, 5) == 505
+    assert passes(24, 1, auto_group_sizes(24, 1)) == 449 and passes(24, 1, 5) == 471
     # at most AUTO_MAX_GROUP routers a group (the kernels pad S to a power of two: 9-16 pad to 16 and spill): the 1B
-    # depth's 56 routers end in groups of 8, where the split without the cap ends in 9, 10 and 11
-    assert auto_group_sizes(56, 1) == (1, 2, 3, 5, 6, 7, 8, 8, 8, 8) and AUTO_MAX_GROUP == 8
+    # depth's 56 routers end in groups of 8, where the split without the cap ends in 8, 9 and 10
+    assert auto_group_sizes(56, 1) == (1, 1, 2, 3, 4, 6, 7, 8, 8, 8, 8) and AUTO_MAX_GROUP == 8
     assert max(auto_group_sizes(72, 1)) == AUTO_MAX_GROUP and passes(72, 1, auto_group_sizes(72, 1)) < passes(72, 1, 8)
 
 
@@ -277,11 +286,11 @@ def test_bf16_activations(config):
     assert errors[1] <= max(2 * errors[0], 2e-2), errors
 
 
-@pytest.mark.parametrize("cut,groups", [((), 3), ((2,), 4)])
+@pytest.mark.parametrize("cut,groups", [((), 4), ((2,), 4)])
 def test_auto_resolves_per_scope(cut, groups, group_passes):
     """auto on the C kernels: the split with the fewest counted passes per buffer scope (auto_group_sizes): one
-    chunk of 6 routers reading 1 source first -> groups of 1, 2 and 3; chunks of 4 (n0 = 1: 1, 1 and 2) and 2 routers
-    (n0 = 5: one group of 2) -> 4 groups, two of a single router. The result is the float64 per-router path's to
+    chunk of 6 routers reading 1 source first -> groups of 1, 1, 2 and 2; chunks of 4 (n0 = 1: 1, 1 and 2) and 2
+    routers (n0 = 5: one group of 2) -> 4 groups, two of a single router. The result is the float64 per-router path's to
     fp32 round-off."""
     config = ("delta", True, False, True)
     ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
@@ -296,14 +305,14 @@ def test_auto_resolves_per_scope(cut, groups, group_passes):
                                                    ("torch", torch.float32, False), ("c", torch.float64, False),
                                                    ("auto", torch.float64, False)])
 def test_auto_groups_only_on_the_kernels(kernels, dtype, grouped, group_passes):
-    """auto groups the routers (auto_group_sizes: 6 routers over 1 source -> groups of 1, 2 and 3) where the group runs
+    """auto groups the routers (auto_group_sizes: 6 routers over 1 source -> groups of 1, 1, 2 and 2) where it runs
     on the C kernels (fp32 CPU tensors under c / auto), and keeps one router per pass where it would run on
     PyTorch ops (torch, or float64 which the C kernels do not take): counted per op, the group router's
     PyTorch path moves more than the per-router path."""
     config = ("delta", True, False, True)
     toy = _toy(*config, "auto", dtype, kernels)
     _forward_backward(toy, _h0(dtype), ())
-    assert group_passes[0] == (3 if grouped else 0)
+    assert group_passes[0] == (4 if grouped else 0)
 
 
 def test_closed_form_prices_what_auto_runs():
@@ -385,6 +394,59 @@ def test_final_sum_seeds_the_sinks_once(size, cut, kernels, dtype, monkeypatch):
             assert (g.double() - r).abs().max().item() <= tol * max(1.0, r.abs().max().item())
     if cut == "none":  # one scope: every source's gradient comes through its sink alone
         assert ("autograd_add", "backward") not in count.rows(SEQ * BATCH * D, act_bytes=dtype.itemsize)
+
+
+def _old_share(gen, n, S, T, d, dtype):
+    """A random group_router.OldShare over n sources from S routers, two of which sent an output gradient."""
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=dtype)  # noqa: E731
+    return group_router.OldShare((r(T, d), r(T, d)), r(2, n, T), r(S, n, T), r(S, d), r(n, T))
+
+
+def _share_of(share, i, value):
+    """Source i's gradient share, written out: E_i v + sum_k A_ki G_k + sum_k C_ki Q_k."""
+    return (share.E[i, :, None] * value + sum(share.A[k, i, :, None] * g for k, g in enumerate(share.grads))
+            + share.C[:, i].t() @ share.Q)
+
+
+def test_old_shares_settle_where_no_old_pass_adds_them():
+    """A group's old pass on the kernels defers its share of the gradients of the previous group's older sources to
+    that group's old pass (group_router.OldShare on _Sink.old). Where that pass does not add it (it did not run),
+    the source's _Collect adds it on PyTorch ops, so none is lost: the gradient is the one given plus the share."""
+    T, d = 5, 4
+    gen = torch.Generator().manual_seed(4)
+    value = torch.randn(T, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    sink = group_router._Sink()
+    alias = group_router._Collect.apply(value, sink)
+    share = _old_share(gen, 3, 3, T, d, torch.float64)
+    sink.old = (share, 1)
+    given = torch.randn(T, d, generator=gen, dtype=torch.float64)
+    grad, = torch.autograd.grad(alias, value, given)
+    assert torch.allclose(grad, given + _share_of(share, 1, value.detach()), rtol=0, atol=1e-12)
+    assert sink.old is None
+
+
+@pytest.mark.parametrize("mode", [1, 0, 2])
+def test_old_pass_kernel_adds_a_received_share(mode):
+    """The C old pass's backward given the next group's share (received) writes each target as without it plus the
+    share, E_i v_i + sum_k A_ki G_k + sum_k C_ki Q_k: assigned (mode 1), added in place (0) and on a seed (2)."""
+    T, d, n, S = 7, 6, 3, 2
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    values = [r(T, d) for _ in range(n)]
+    G, w, dlse, inv, z, p, Q = [r(T, d) for _ in range(S)], r(S, T), r(S, T), r(n, T).abs(), r(S, n, T), \
+        r(S, n, T).softmax(1), r(S, d)
+    share = _old_share(gen, n, 3, T, d, torch.float32)
+    lib = group_kernels.load()
+    start = [r(T, d) for _ in range(n)]
+    outs = []
+    for received in (None, share):
+        targets = [(t.clone(), mode == 1, t if mode == 2 else None) for t in start]
+        dz, dq = torch.empty(S, n, T), torch.zeros(S, d)
+        group_kernels.old_backward(lib, G, list(range(S)), w, dlse, values, inv, z, p, Q, None, targets, True, dz,
+                                   dq, received)
+        outs.append([t for t, _, _ in targets])
+    for i in range(n):
+        assert torch.allclose(outs[1][i] - outs[0][i], _share_of(share, i, values[i]), rtol=1e-5, atol=1e-4)
 
 
 def test_deferred_shares_settle_where_no_merge_adds_them():

@@ -25,8 +25,8 @@ def _build() -> ctypes.CDLL:
     lib = cpu_kernels.compile_library(SOURCE, "group_router_kernels")
     P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.group_old_forward.argtypes = [I64, I64, INT, INT, P, P, F, INT, P, P, P, P, P, P, P, P, INT, INT]
-    lib.group_old_backward.argtypes = [I64, I64, INT, INT, P, P, P, P, P, P, P, P, INT, P, P, P, P, INT, P, P, P,
-                                       INT]
+    lib.group_old_backward.argtypes = [I64, I64, INT, INT, P, P, P, P, P, P, P, P, INT, P, P, P, P, INT, INT, P, P,
+                                       INT, P, P, P, P, P, P, INT]
     lib.group_merge_forward.argtypes = [I64, I64, INT, P, P, P, P, F, P, P, F, INT, P, P, P, P, INT]
     lib.group_merge_backward.argtypes = [I64, I64, INT, P, P, F, P, P, P, P, P, INT, P, INT, P, INT, P, P, P, P, P,
                                          P, P, P, P, P, INT]
@@ -105,9 +105,10 @@ def _modes(targets: Sequence[Tuple[Optional[Tensor], bool, Optional[Tensor]]]):
 def old_backward(lib, G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor, values: Sequence[Tensor],
                  inv: Tensor, z: Tensor, p: Tensor, Q: Tensor, null_values: Optional[Tensor],
                  targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]], unit: bool, dz: Tensor,
-                 dq: Tensor) -> None:
+                 dq: Tensor, received=None) -> None:
     """The old pass's backward (csrc: group_old_backward): G[j] is router ks[j]'s output gradient; targets:
-    (sink gradient, assigned, seed) per source."""
+    (sink gradient, assigned, seed) per source; ``received``: the next group's deferred share of every source's
+    gradient (group_router.OldShare), added as the targets are written."""
     T, d = values[0].shape
     S = Q.shape[0]
     grads: List[Optional[Tensor]] = [None] * S
@@ -120,7 +121,11 @@ def old_backward(lib, G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: T
     lib.group_old_backward(T, d, len(values), S, _ptrs(grads), w.data_ptr(), dlse.data_ptr(), _ptrs(values),
                            inv.data_ptr(), z.data_ptr(), p.data_ptr(), Q.contiguous().data_ptr(), int(nv is not None),
                            _ptr(nv), _ptrs([t for t, _, _ in targets]), fresh,
-                           _ptrs([sd for _, _, sd in targets]), int(unit), dz.data_ptr(), part.data_ptr(),
+                           _ptrs([sd for _, _, sd in targets]), int(unit),
+                           *((0, None, None, 0, None, None, None) if received is None else
+                             (len(received.grads), _ptrs(received.grads), received.A.data_ptr(), received.C.shape[0],
+                              received.C.data_ptr(), received.Q.data_ptr(), received.E.data_ptr())),
+                           dz.data_ptr(), part.data_ptr(),
                            dq.data_ptr(), _threads())
 
 

@@ -72,7 +72,8 @@ from torch import Tensor
 from megatron_delta.core import traffic
 from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8, _record_cast
 
-__all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_sizes", "group_spans", "passes",
+__all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_sizes", "deferring_groups",
+           "group_spans", "passes",
            "GroupRouting", "sum_in_order"]
 
 AUTO = "auto"
@@ -153,7 +154,37 @@ def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: b
         a += s
     if unit and sizes:
         total -= _seed_reads_saved(n_older + n_routers - sizes[-1], sizes[-1])
-    return total
+    savings = _deferral_savings(sizes, n_older, unit)
+    return total - sum(sv for sv, defers in zip(savings, deferring_groups(sizes, n_older, unit)) if defers)
+
+
+def _deferral_savings(sizes: Sequence[int], n_older: int, unit: bool) -> List[int]:
+    """Passes saved where group j defers its share of the gradients of the previous group's older sources
+    (n_{j-1} of them) to that group's old pass (:class:`OldShare`): their sinks are not read and written here
+    (2 n_{j-1}), and the previous pass reads this group's s_j output gradients again; where x's gradient seeds the
+    sinks (unit) and j is the scope's last group, the seed is read once more (by the previous pass too)."""
+    out, a = [0], n_older + (sizes[0] if sizes else 0)
+    for j in range(1, len(sizes)):
+        n_prev = a - sizes[j - 1]
+        out.append(2 * n_prev - sizes[j] - int(unit and j == len(sizes) - 1))
+        a += sizes[j]
+    return out
+
+
+def deferring_groups(sizes: Sequence[int], n_older: int, unit: bool = True) -> Tuple[bool, ...]:
+    """Which groups of a scope (``sizes`` in order, the first reading ``n_older`` sources) defer their share of
+    the gradients of the previous group's older sources to the previous group's old pass (:class:`OldShare`; on
+    the C and Triton kernels): the set with the most passes saved (:func:`_deferral_savings`) in which no group
+    both defers and receives (a receiving pass writes every sink it reads), by dynamic programming along the
+    groups. A scope's later groups read more older sources, so the pairs run from its end: (last, one before),
+    and so on."""
+    sav = _deferral_savings(sizes, n_older, unit)
+    best: List[Tuple[int, Tuple[bool, ...]]] = [(0, ())]  # best[j + 1]: the groups 0 .. j
+    for j in range(len(sizes)):
+        skip = (best[j][0], best[j][1] + (False,))
+        take = (best[j - 1][0] + sav[j], best[j - 1][1] + (False, True)) if j >= 1 and sav[j] > 0 else None
+        best.append(max([skip] + ([take] if take else []), key=lambda c: c[0]))
+    return best[-1][1]
 
 
 def _group_passes(n_g: int, s: int, unit: bool = True, base: bool = False, null: bool = False) -> int:
@@ -189,21 +220,32 @@ def auto_group_sizes(n_routers: int, n_older: int, first_u: bool = True) -> Size
     """The groups of ``auto``: the split of ``n_routers`` consecutive routers (the first reads ``n_older``
     sources) into consecutive groups with the fewest counted passes (:func:`passes`; the only terms a split
     changes are 4 n_g per group, its old pass's sources read and their gradients, against (s - 1)(3 s + 2) / 2 in its
-    merges and one X per group, and the last group's seed reads), by dynamic programming over where each group
-    starts, each group of at most AUTO_MAX_GROUP routers. The sizes grow along the scope (to that cap); 1 where single
-    routers are cheapest (one router per pass). ``first_u``: each group's first router takes its u from the old pass
-    (no gate, no base: :class:`_OldPass`), 4 + 1 passes less per group; else the merges read the base."""
+    merges and one X per group, the last group's seed reads, and what each group saves by deferring to the one before
+    it, :func:`deferring_groups`), by dynamic programming over where each group starts, the size of the group before
+    it and whether that one defers, each group of at most AUTO_MAX_GROUP routers. The sizes grow along the scope (to
+    that cap); 1 where single routers are cheapest (one router per pass). ``first_u``: each group's first router
+    takes its u from the old pass (no gate, no base: :class:`_OldPass`), 4 + 1 passes less per group; else the merges
+    read the base."""
     n = n_routers
-    best: List[Tuple[int, Tuple[int, ...]]] = [(0, ())] * (n + 1)  # best[a]: the routers a .. n - 1
-
-    def cost(a: int, s: int) -> int:  # group [a, a + s); the last one reads the final sum's seed once per call
-        return (_group_passes(n_older + a, s, base=not first_u)
-                - (_seed_reads_saved(n_older + a, s) if a + s == n else 0))
-
-    for a in range(n - 1, -1, -1):
-        best[a] = min((cost(a, s) + best[a + s][0], (s,) + best[a + s][1])
-                      for s in range(1, min(n - a, AUTO_MAX_GROUP) + 1))
-    sizes = best[0][1]
+    # state (a, size of the group ending at a, whether it defers) -> (passes of routers 0 .. a - 1, sizes)
+    states: List[Dict[Tuple[int, bool], Tuple[int, Tuple[int, ...]]]] = [{} for _ in range(n + 1)]
+    states[0][0, False] = (0, ())
+    for a in range(n):
+        for (s_prev, prev_defers), (cost, sizes) in sorted(states[a].items()):
+            for s in range(1, min(n - a, AUTO_MAX_GROUP) + 1):
+                last = a + s == n
+                c = cost + _group_passes(n_older + a, s, base=not first_u) - (
+                    _seed_reads_saved(n_older + a, s) if last else 0)
+                options = [(c, False)]
+                if s_prev and not prev_defers:  # defer to the group before (it receives, so it did not defer)
+                    saved = 2 * (n_older + a - s_prev) - s - int(last)
+                    if saved > 0:
+                        options.append((c - saved, True))
+                for c2, defers in options:
+                    key, best = (s, defers), states[a + s]
+                    if key not in best or (c2, sizes + (s,)) < best[key]:
+                        best[key] = (c2, sizes + (s,))
+    sizes = min(states[n].values())[1]
     return 1 if all(s == 1 for s in sizes) else sizes
 
 
@@ -242,9 +284,12 @@ class _Collect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         sink = ctx.sink
-        if sink.pending:  # no merge of the group reached this source's last in-group reader (it got no gradient)
+        if sink.pending or sink.old is not None:  # shares no pass reached: a merge or old pass without a gradient
             value, = ctx.saved_tensors
-            _settle_pending(sink, value.reshape(-1, value.shape[-1]), value.dtype)
+            flat = value.reshape(-1, value.shape[-1])
+            if sink.old is not None:
+                _settle_old(sink, flat, value.dtype)
+            _settle_pending(sink, flat, value.dtype)
         acc, seeded = (sink.grad, False) if sink.grad is not None else (sink.seed, True)
         sink.grad = sink.seed = None
         if acc is None:
@@ -276,17 +321,33 @@ class DeferredShare(NamedTuple):
         return self.coef.data_ptr() + (j * k + self.index) * T * self.coef.element_size()
 
 
+class OldShare(NamedTuple):
+    """A group's share of the gradients of the sources its previous group's old pass also reads, deferred to that
+    pass (:func:`deferring_groups`), which adds it as it writes their sinks - so each of those sinks is written once
+    per two groups, not once per group. For source i: E[i] v_i + sum_k A[k, i] G_k + sum_k C[k, i] Q_k, where
+    ``grads`` are the group's output gradients G_k (those that came), A [len(grads), n, T] their per-token weights
+    (gate beta_k p_ki, + 1 where x is the sum of the sources), C [S, n, T] dz_ki inv_i, Q [S, d] the group's
+    queries and E [n, T] the norm's term; n = the previous group's older sources."""
+
+    grads: Tuple[Tensor, ...]
+    A: Tensor
+    C: Tensor
+    Q: Tensor
+    E: Tensor
+
+
 class _Sink(GradSink):
     """The gradient sink of a source the scope's groups read. ``seed``: the gradient of x handed out as the sum
     of the sources (:class:`_FinalSum`), held by reference - the same tensor for every source, never written -
     until the first pass to reach the sink in backward adds it to its own contribution as it writes the sink
     (the kernels' mode 2: read the seed, write the sink), or _Collect hands it on where no pass wrote one."""
 
-    __slots__ = ("seed", "pending")
+    __slots__ = ("seed", "pending", "old")
 
     def __init__(self) -> None:
         super().__init__()
         self.seed: Optional[Tensor] = None
+        self.old: Optional[Tuple[OldShare, int]] = None  # the next group's deferred share and this source's index
         # the in-group merges' deferred shares of this source's gradient (:class:`_Merge`), added by the merge of
         # the source's next router (its earliest in-group reader)
         self.pending: List[DeferredShare] = []
@@ -314,10 +375,13 @@ class _Stash:
     """What the group's merges leave for the group's backward: router k's output gradient G_k and the
     per-token factor gate * beta_k of its older sources' share (absent: the merge had no gradient)."""
 
-    __slots__ = ("grads",)
+    __slots__ = ("grads", "defer_n")
 
-    def __init__(self) -> None:
+    def __init__(self, defer_n: int = 0) -> None:
         self.grads: Dict[int, Tuple[Tensor, Tensor]] = {}
+        # the first defer_n older sources are the previous group's: on the kernels, their gradient shares wait for
+        # its old pass (OldShare) instead of being written here
+        self.defer_n = defer_n
 
 
 def _sink_add(sink: _Sink, grad: Tensor, dtype: torch.dtype, kernel: str) -> None:
@@ -349,6 +413,42 @@ def _settle_pending(sink: _Sink, value: Tensor, dtype: torch.dtype) -> None:
         traffic.record("group_merge", "backward", [gv, x.grad], [gv])
         traffic.record("group_merge", "backward", [gv], [gv])
     _sink_add(sink, gv, dtype, "group_merge")
+
+
+def _settle_old(sink: _Sink, value: Tensor, dtype: torch.dtype) -> None:
+    """A deferred old-pass share of a source's gradient (``sink.old``, :class:`OldShare`) on PyTorch ops, into the
+    sink: where the old pass that adds it in its kernel did not run or runs on PyTorch ops. ``value``: [T, d]."""
+    share, i = sink.old
+    sink.old = None
+    cdt = share.E.dtype
+    vf = _as(value, cdt)
+    _record_cast("group_old_pass", "backward", value, vf)
+    gv = torch.mul(vf, share.E[i].unsqueeze(1))
+    traffic.record("group_old_pass", "backward", [vf], [gv])
+    gv.addmm_(share.C[:, i].t(), share.Q)
+    traffic.record("group_old_pass", "backward", [gv], [gv])
+    for k, Gk in enumerate(share.grads):
+        gv.addcmul_(_as(Gk, cdt), share.A[k, i].unsqueeze(1))
+        traffic.record("group_old_pass", "backward", [gv, Gk], [gv])
+    _sink_add(sink, gv, dtype, "group_old_pass")
+
+
+def _received(sinks: Sequence[Optional[_Sink]], needs: Sequence[bool], flat: Sequence[Tensor],
+              dtypes: Sequence[torch.dtype], kernel_reads) -> Optional[OldShare]:
+    """The next group's share every needed sink of an old pass holds, for its kernel to add (taken off the sinks),
+    where ``kernel_reads(share)`` says the kernel can read it; else None, each share settled on PyTorch ops."""
+    held = [(i, sinks[i].old) for i in range(len(flat)) if needs[i] and sinks[i].old is not None]
+    if not held:
+        return None
+    share = held[0][1][0]
+    if (kernel_reads is not None and len(held) == sum(needs) and share.E.shape[0] == len(flat)
+            and all(o[0] is share and o[1] == i for i, o in held) and kernel_reads(share)):
+        for i, _ in held:
+            sinks[i].old = None
+        return share
+    for i, _ in held:
+        _settle_old(sinks[i], flat[i], dtypes[i])
+    return None
 
 
 def _once(tensors: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
@@ -514,11 +614,18 @@ class _OldPass(torch.autograd.Function):
             for k in ks:
                 w[k] = stash[k][1]
         needs_v = [ctx.needs_input_grad[8 + i] and ctx.sinks[i] is not None for i in range(n)]
-        targets = [_target(ctx.sinks[i], needs_v[i]) for i in range(n)]  # the first reader to reach a sink creates it
-        dq = None if lib == TRITON else torch.zeros(S, d, dtype=cdt, device=inv.device)  # Triton: its partials' sum
-        dnull = None
         if lib is not None and lib != TRITON and not all(t.dtype == torch.float32 and t.is_contiguous() for t in G):
             lib = None
+        # the next group's deferred share of these sources' gradients: added by the kernel as it writes the sinks
+        g_dtype = G[0].dtype if G else values[0].dtype
+        kernel_reads = None if lib is None else (
+            lambda sh: all(g.dtype == g_dtype and g.is_contiguous() for g in sh.grads) and sh.E.dtype == cdt)
+        received = _received(ctx.sinks, needs_v, flat, [v.dtype for v in values], kernel_reads)
+        defer_n = ctx.stash.defer_n if lib is not None else 0
+        # the first reader to reach a sink creates it; a deferred source's share waits for the previous group's pass
+        targets = [_target(ctx.sinks[i], needs_v[i] and i >= defer_n) for i in range(n)]
+        dq = None if lib == TRITON else torch.zeros(S, d, dtype=cdt, device=inv.device)  # Triton: its partials' sum
+        dnull = None
         if lib is not None:
             from megatron_delta.core import group_kernels
 
@@ -528,11 +635,15 @@ class _OldPass(torch.autograd.Function):
                 from megatron_delta.core import triton_group_kernels
 
                 flat = [f.contiguous() for f in flat]
-                dq, dnull = triton_group_kernels.old_backward(G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz)
+                dq, dnull = triton_group_kernels.old_backward(G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz,
+                                                              received)
             else:
-                group_kernels.old_backward(lib, G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq)
-            reads = [*flat, *G] + _once([t if sd is None else sd for t, f, sd in outs if t is not None and not f])
+                group_kernels.old_backward(lib, G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz, dq, received)
+            reads = ([*flat, *G] + ([] if received is None else list(received.grads))
+                     + _once([t if sd is None else sd for t, f, sd in outs if t is not None and not f]))
             traffic.record("group_old_pass", "backward", reads=reads, writes=[t for t, _, _ in outs if t is not None])
+            if defer_n and any(needs_v[:defer_n]):
+                _defer(ctx.sinks, needs_v, defer_n, G, ks, w, p, z, dz, inv, Q, unit)
         else:
             for k, Gk in zip(ks, G):
                 _record_cast("group_old_pass", "backward", stash[k][0], Gk)
@@ -593,6 +704,24 @@ class _OldPass(torch.autograd.Function):
                 else:
                     grad_nv.append(torch.zeros(d, dtype=vdt, device=inv.device))
         return (None,) * 8 + (None,) * n + (*grad_q, *grad_nl, *grad_nv)
+
+
+def _defer(sinks: Sequence[Optional[_Sink]], needs: Sequence[bool], n: int, G: Sequence[Tensor], ks: Sequence[int],
+           w: Tensor, p: Tensor, z: Tensor, dz: Tensor, inv: Tensor, Q: Tensor, unit: bool) -> None:
+    """An old pass's share of the gradients of its first ``n`` sources (the previous group's older sources), as
+    :class:`OldShare` on their sinks, from the kernel's dz: the previous group's old pass adds it."""
+    T, d = G[0].shape if G else (inv.shape[1], Q.shape[1])
+    iv = inv[:n]
+    C = (dz[:, :n] * iv).contiguous()  # [S, n, T]
+    E = (dz[:, :n] * z[:, :n]).sum(0).mul_(iv.square()).mul_(-1.0 / d)  # [n, T]
+    idx = torch.tensor(list(ks), dtype=torch.long, device=w.device)
+    A = w.index_select(0, idx).unsqueeze(1) * p.index_select(0, idx)[:, :n]  # [len(G), n, T]
+    if unit:
+        A += 1.0
+    share = OldShare(tuple(G), A.contiguous(), C, Q.contiguous(), E.contiguous())
+    for i in range(n):
+        if needs[i]:
+            sinks[i].old = (share, i)
 
 
 class _Merge(torch.autograd.Function):
@@ -849,6 +978,8 @@ class GroupRouting:
         self.kernels: Optional[str] = None  # the routers' --delta-router-kernels choice, once resolved
         self._group: Optional[_Group] = None
         self._last: Optional[_Group] = None  # the latest group started: its X can start the final sum
+        self._n_older = 0  # the sources the scope's first router reads
+        self._defers: Optional[Dict[int, bool]] = None  # group start -> it defers to the previous group (OldShare)
         self._collected: Dict[int, Tuple[Tensor, Tensor, GradSink]] = {}  # id(value) -> (value, alias, sink)
 
     def resolve(self, routers: Sequence, value: Tensor, n_older: int, first_u: bool = True) -> Sizes:
@@ -866,7 +997,16 @@ class GroupRouting:
             self.spans = group_spans(self.sublayers, size)
             self.resolved = size
             self.kernels = routers[0].kernels
+            self._n_older = n_older
         return self.resolved
+
+    def _deferring(self, a: int, unit: bool) -> bool:
+        """Whether the group starting at sublayer ``a`` defers to the previous one (:func:`deferring_groups`)."""
+        if self._defers is None:
+            spans = sorted(set(self.spans.values()))
+            flags = deferring_groups([e - b for b, e in spans], self._n_older, unit)
+            self._defers = {b: f for (b, _), f in zip(spans, flags)}
+        return self._defers.get(a, False)
 
     def _collect(self, value: Tensor) -> Tuple[Tensor, Optional[GradSink]]:
         hit = self._collected.get(id(value))
@@ -959,7 +1099,10 @@ class GroupRouting:
         lib = _kernel_lib(routers[0].kernels, values)
         grp = _Group()
         grp.start, grp.end, grp.n_old, grp.old_values = a, b, len(values), values
-        grp.stash = _Stash()
+        prev = self._last  # the group this one defers to: the one just before it, whose older sources lead its own
+        defer = (prev is not None and prev.end == a and self._deferring(a, unit) and prev.n_old < len(values)
+                 and all(x is y for x, y in zip(prev.old_values, values)))
+        grp.stash = _Stash(prev.n_old if defer else 0)
         S = b - a
         out = _OldPass.apply(len(values), S, buf.eps, unit, first_u, lib, [s for _, s in collected], grp.stash,
                              *[v for v, _ in collected], *queries, *null)

@@ -133,10 +133,10 @@ def _build():
 
     @triton.jit
     def _old_backward(g_ptrs, g_flag_ptr, w_ptr, dlse_ptr, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flag_ptr, inv_ptr, z_ptr,
-                      p_ptr, q_ptr, null_ptr, dz_ptr, part_q_ptr, part_null_ptr, T, d,
-                      N, M, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
-                      UNIT: tl.constexpr, DT: tl.constexpr, GDT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                      STAGES: tl.constexpr):
+                      p_ptr, q_ptr, null_ptr, dz_ptr, part_q_ptr, part_null_ptr, g2_ptrs, a2_ptr, c2_ptr, q2_ptr,
+                      e2_ptr, T, d, N, M, K2, S2, S: tl.constexpr, SP: tl.constexpr, HAS_NULL: tl.constexpr,
+                      UNIT: tl.constexpr, RECEIVED: tl.constexpr, DT: tl.constexpr, GDT: tl.constexpr,
+                      BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
         pid = tl.program_id(0)  # persistent (triton_router.reducing_programs): tiles pid, pid + programs, ...
         cols = tl.arange(0, BD)
         ks = tl.arange(0, SP)
@@ -191,6 +191,16 @@ def _build():
                 gv = e[:, None] * v + tl.sum(c[:, :, None] * Q[None, :, :], 1) + tl.sum((w * p_i)[:, :, None] * G, 1)
                 if UNIT:
                     gv += gsum
+                if RECEIVED:  # the next group's deferred share (group_router.OldShare): its G_k rows come from cache
+                    gv += tl.load(e2_ptr + i * T + rows, mask=rmask, other=0.0)[:, None] * v
+                    for j in range(K2):
+                        g2 = tl.load(tl.load(g2_ptrs + j).to(tl.pointer_type(GDT)) + offs, mask=mask, other=0.0)
+                        a2 = tl.load(a2_ptr + (j * N + i) * T + rows, mask=rmask, other=0.0)
+                        gv += a2[:, None] * g2.to(tl.float32)
+                    for j in range(S2):
+                        q2 = tl.load(q2_ptr + j * d + cols, mask=cmask, other=0.0)
+                        c2 = tl.load(c2_ptr + (j * N + i) * T + rows, mask=rmask, other=0.0)
+                        gv += c2[:, None] * q2[None, :]
                 flag = tl.load(tgt_flag_ptr + i)  # 0: no gradient, 1: assign, 2: add to the sink (or to its seed)
                 tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
                 acc = tl.load(acc_ptrs + i).to(tl.pointer_type(DT))  # the sink itself, or the final sum's seed
@@ -400,9 +410,10 @@ def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Op
 def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor, values: Sequence[Tensor],
                  inv: Tensor, z: Tensor, p: Tensor, Q: Tensor, null_values: Optional[Tensor],
                  targets: List[Tuple[Optional[Tensor], bool, Optional[Tensor]]], unit: bool,
-                 dz: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+                 dz: Tensor, received=None) -> Tuple[Tensor, Optional[Tensor]]:
     """The old pass's backward (as group_kernels.old_backward; G[j]: router ks[j]'s output gradient, one dtype,
-    contiguous). Returns the query gradients [S, d] and, with a null source, the null values' [S, d] (else None):
+    contiguous; ``received``: the next group's deferred share, its output gradients in G's dtype). Returns the
+    query gradients [S, d] and, with a null source, the null values' [S, d] (else None):
     the sums of the programs' partials, no buffer filled by a copy."""
     bwd = load()[1]
     T, d = values[0].shape
@@ -420,13 +431,18 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
     fill = G[0] if G else values[0]
     flags = [0 if t is None else (1 if fresh else 2) for t, fresh, _ in targets]
     accs = [t if seed is None else seed for t, _, seed in targets]
-    g_ptrs, g_flags, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flags = triton_router.device_tables(
+    g2 = list(received.grads) if received is not None else []
+    g_ptrs, g_flags, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flags, g2_ptrs = triton_router.device_tables(
         _table(grads, fill, sp), [int(g is not None) for g in grads] + [0] * (sp - S), _table(values, values[0]),
-        _table([t for t, _, _ in targets], values[0]), _table(accs, values[0]), flags, device=dev)
+        _table([t for t, _, _ in targets], values[0]), _table(accs, values[0]), flags, _table(g2, fill, 1),
+        device=dev)
     bwd[(programs,)](g_ptrs, g_flags, w, dlse, src_ptrs, tgt_ptrs, acc_ptrs, tgt_flags, inv, z, p, Qf,
                      null_values.float().contiguous() if has_null else Qf, dz,
-                     part_q, part_null, T, d, N=len(values), M=len(values) + int(has_null), S=S, SP=sp,
-                     HAS_NULL=has_null, UNIT=bool(unit),
+                     part_q, part_null, g2_ptrs,
+                     *((received.A, received.C, received.Q, received.E) if received is not None else (dz,) * 4),
+                     T, d, N=len(values), M=len(values) + int(has_null), K2=len(g2),
+                     S2=0 if received is None else received.C.shape[0], S=S, SP=sp,
+                     HAS_NULL=has_null, UNIT=bool(unit), RECEIVED=received is not None,
                      DT=triton_router._tl_dtype(values[0].dtype),
                      GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, STAGES=PIPELINE_STAGES,
                      num_warps=warps)

@@ -187,6 +187,7 @@ class _Ledger:
         self.group_size = None  # the group router's S or groups' sizes here (core/group_router.py), once resolved
         self.spans = None  # sublayer -> [a, b) of its group (group_router.group_spans)
         self._group = None  # the number of sources older than the group routing now
+        self._defers = None  # group start -> it defers to the previous group (group_router.deferring_groups)
         self._touches = {}  # a source the groups read -> the passes whose backward update its gradient, in order
         self._seeded = set()  # sources of _touches whose sink x's gradient seeds (group_router._FinalSum)
         self._formed = []  # partial sums a Triton kernel formed in its pass (their gradient is read if read later)
@@ -421,16 +422,20 @@ class _Ledger:
         U = A if self.backend == "triton" else C  # G_k read and u written: activation dtype or fp32
         values = [self.entries[n][0] for n in self.plan.reads(key)]
         if key == a_:
-            self._group = len(values)
+            n_prev, self._group = self._group, len(values)
             n = len(values)
+            deferred = 0  # the previous group's older sources, whose shares this group defers to it (OldShare)
             if self.backend == "torch":
                 self.add(_group_old_pass_torch(A, C, n, s, unit, self.null, first_u))
             else:
                 null_reads = self.null * s * C if self.backend == "c" else 0
                 self.add({("group_old_pass", "forward"): n * A + (s - first_u) * C + first_u * U + unit * A,
                           ("group_old_pass", "backward"): n * A + s * U + null_reads})
+                if self._defers_to_previous(a_, unit):
+                    deferred = n_prev  # the previous group's pass reads this group's s G_k again
+                    self.add({("group_old_pass", "backward"): s * U})
             self.reduce(s, 1 + int(self.null))  # the S queries' (and null values') gradients
-            for v in values:
+            for v in values[deferred:]:
                 self._touch(v, "group_old_pass", ("old", a_))
             if first_u:
                 return self.new()
@@ -449,6 +454,17 @@ class _Ledger:
         for v in written:
             self._touch(v, "group_merge", ("merge", key))
         return self.new()
+
+    def _defers_to_previous(self, a, unit):
+        """group_router.GroupRouting._deferring: the group starting at sublayer ``a`` defers to the one before."""
+        from megatron_delta.core import group_router
+
+        if self._defers is None:
+            spans = sorted(set(self.spans.values()))
+            n_older = len(self.plan.reads(spans[0][0]))
+            flags = group_router.deferring_groups([e - b for b, e in spans], n_older, unit)
+            self._defers = {b: f for (b, _), f in zip(spans, flags)}
+        return self._defers.get(a, False)
 
     def settle_groups(self):
         """Each source's gradient in the group passes: written by the first pass to reach it in backward (its last

@@ -174,12 +174,16 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
  *   c_ki = dz_ki inv_i, e_i = -(sum_k dz_ki z_ki) inv_i^2 / d
  *   target_i[t] (+)= sum_k w_k p_ki G_k + unit sum_k G_k + sum_k c_ki Q_k + e_i v_i
  *   (fresh_i: 1 assigned, 0 added in place, 2 assigned seed_i[t] + the sum: a sink the final sum seeded)
- *   dq_k = sum_t sum_i c_ki v_i[t]                           -> dq [S, d] */
+ *   dq_k = sum_t sum_i c_ki v_i[t]                           -> dq [S, d]
+ * E2 (not NULL): the next group's deferred share of every source's gradient (group_router.OldShare), added as the
+ * target is written: + E2_i v_i + sum_k A2_ki G2_k (k2 output gradients) + sum_k C2_ki Q2_k (s2 queries). */
 void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *G, const float *restrict w,
                         const float *restrict dlse, const float *const *v, const float *restrict inv,
                         const float *restrict z, const float *restrict p, const float *restrict Q, int has_null,
                         const float *restrict null_value, float *const *target, const int *fresh,
-                        const float *const *seed, int unit,
+                        const float *const *seed, int unit, int k2, const float *const *G2,
+                        const float *restrict A2, int s2, const float *restrict C2, const float *restrict Q2,
+                        const float *restrict E2,
                         float *restrict dz_out, float *restrict dq_part, float *restrict dq_out, int threads) {
   const int M = n + (has_null != 0);
   const int64_t nblk = (T + TB - 1) / TB;
@@ -237,6 +241,7 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
         float e = 0.0f;
         for (int k = 0; k < S; ++k) e += dz[k * M + i] * z[((int64_t)k * M + i) * T + t];
         e *= -iv * iv / (float)d;
+        if (E2) e += E2[(int64_t)i * T + t];
         const float u1 = unit ? 1.0f : 0.0f;
         const float *restrict gs = unit ? gsum : vi;  /* without unit: u1 = 0, any valid row */
         if (fresh[i] == 1) {
@@ -260,6 +265,18 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
           const float *restrict q0 = Q + (int64_t)k * d;
           const float *restrict g0 = G[k] ? G[k] + t * d : q0;
           for (int64_t c = 0; c < d; ++c) o[c] = (o[c] + c0 * q0[c]) + a0 * g0[c];
+        }
+        if (E2) {
+          for (int k = 0; k < k2; ++k) {
+            const float a0 = A2[((int64_t)k * n + i) * T + t];
+            const float *restrict g0 = G2[k] + t * d;
+            for (int64_t c = 0; c < d; ++c) o[c] += a0 * g0[c];
+          }
+          for (int k = 0; k < s2; ++k) {
+            const float c0 = C2[((int64_t)k * n + i) * T + t];
+            const float *restrict q0 = Q2 + (int64_t)k * d;
+            for (int64_t c = 0; c < d; ++c) o[c] += c0 * q0[c];
+          }
         }
       }
     }
