@@ -12,9 +12,10 @@ from tests.test_modes_reference import randomise
 B, S, V, HIDDEN = 2, 8, 64, 32
 
 
-def build(mode, null, gate, kernels, recompute=False, num_layers=4, num_blocks=2):
+def build(mode, null, gate, kernels, recompute=False, num_layers=4, num_blocks=2, group_size=None):
     """(model, fields): ``num_layers`` layers, K = ``num_blocks`` for the block modes, ``kernels`` the routers'
-    backend; ``recompute``: full recompute (train mode) of every layer (True) or by (method, n), else eval mode."""
+    backend; ``recompute``: full recompute (train mode) of every layer (True) or by (method, n), else eval mode;
+    ``group_size``: --delta-router-group-size (default auto)."""
     from megatron.core import tensor_parallel
 
     from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
@@ -30,7 +31,8 @@ def build(mode, null, gate, kernels, recompute=False, num_layers=4, num_blocks=2
                      if recompute else {})))
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config, options = model_config(fields, delta_router_kernels=kernels)
+    extra = {} if group_size is None else dict(delta_router_group_size=group_size)
+    config, options = model_config(fields, delta_router_kernels=kernels, **extra)
     model = build_model_chunks(config, V, **options)[0]
     randomise(model)
     return (model.train() if recompute else model.eval()), SimpleNamespace(**fields)

@@ -30,7 +30,12 @@ that source's sink (_Sink.pending) for the merge of the source's next router - t
 run in backward - which adds every deferred share as it writes the gradient, so each in-group gradient is written
 once (merge k: 2 passes and s - 1 - k reads of later G_k, where one per in-group reader read and wrote 2 k). Then
 ONE pass per group over the older sources gives every older
-source's gradient (accumulated in place into its sink) and the group's query and null-source gradients.
+source's gradient (accumulated in place into its sink) and the group's query and null-source gradients. On the
+kernels every other group from the scope's end (:func:`deferring_groups`) writes only the gradients of the sources
+the previous group's pass does not read (the previous group's own): its share of the others waits in their sinks
+(:class:`OldShare`: its G_k and, per token and source, their weights, query and norm terms) for the previous group's
+pass, which adds it as it writes them, reading these G_k again - so those sinks are read and written once per two
+groups, not once per group (-2 passes per source, + s per pair).
 The projection of the older sources (their 1/rms and logits) is part of these passes, so no
 _ProjectSource runs for a grouped router.
 
@@ -81,7 +86,7 @@ FLAG = "--delta-router-group-size"
 # auto's largest group. The Triton kernels pad S to a power of two and hold [S, hidden] fp32 tiles per program, so
 # groups of 9-16 pad to 16, and their old passes spill the most registers: at the 1B width 720-1,296 bytes per thread
 # in the backward and 544-584 in the forward, against at most 152 and 0 up to 8 (tools/kernel_resources.py, sm_90).
-# At the 1B and 8B depths, capping at 8 moves 1.6 % and 4.0 % more counted bytes (perf/cost_model.py, Triton).
+# At the 1B and 8B depths, capping at 8 moves 0.5 % and 1.4 % more counted bytes (perf/cost_model.py, Triton).
 AUTO_MAX_GROUP = 8
 FINE_GRAINED_MODES = ("delta", "full_attnres")
 
@@ -146,7 +151,8 @@ def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: b
     gradient adds the seed; the call that writes a sink first reads the seed once for all the sinks it writes
     first - the last group's old pass (every older source) - so less all but one of that call's seed reads
     instead. ``null``: the null source's value gradient reads each G_k once more (s per group); its value and the
-    weight tables are [d] and [T]-sized and not counted."""
+    weight tables are [d] and [T]-sized and not counted. Less, for each group that defers to the one before
+    (:func:`deferring_groups`), what that saves (:func:`_deferral_savings`)."""
     total, a = 0, 0
     sizes = _sizes(size, n_routers)
     for s in sizes:

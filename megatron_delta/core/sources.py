@@ -419,6 +419,14 @@ class SourceBuffer:
                 x = self._groups.final_sum(values)
                 if x is not None:
                     return x
+            sinks = [None if e.source is None else e.source.sink for e in self._entries.values()]
+            if any(s is not None for s in sinks):  # the Triton kernels' sinks: one pass, x's gradient seeds them
+                from megatron_delta.core import triton_group_kernels, triton_router
+
+                sinks = [s if isinstance(s, triton_router.KernelSink) else None for s in sinks]
+                x = triton_group_kernels.sum_seeding_sinks(values, sinks) if any(sinks) else None
+                if x is not None:
+                    return x
             return group_router.sum_in_order(values)
         return self._x
 

@@ -34,10 +34,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron_delta.core import cpu_kernels, triton_router
+from megatron_delta.core import cpu_kernels, traffic, triton_router
 from megatron_delta.core.triton_router import TritonUnavailable
 
-__all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward", "final_sum"]
+__all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward", "final_sum",
+           "sum_seeding_sinks"]
 
 TOKENS_PER_PROGRAM = triton_router.TOKENS_PER_PROGRAM
 TILE_ELEMENTS = triton_router.TILE_ELEMENTS  # at most BT x S x BD fp32 values per [tokens, S, hidden] tile
@@ -502,3 +503,54 @@ def final_sum(values: Sequence[Tensor], x: Tensor) -> None:
     src_ptrs, = triton_router.device_tables(_table(values, x), device=x.device)
     load()[4][(_cdiv(T, bt),)](src_ptrs, x, T, d, N=len(values), DT=triton_router._tl_dtype(x.dtype),
                                BT=bt, BD=bd, STAGES=PIPELINE_STAGES, num_warps=warps)
+
+
+class _SeededSum(torch.autograd.Function):
+    """x = the sum of the sources in one pass (:func:`final_sum`), where x is handed out as the sum of the sources
+    (delta_block, delta with S = 1) and the scope's routers run on the per-router Triton kernels. In backward x's
+    gradient seeds the KernelSink of every source that has one, by reference (no pass): the source keeps one
+    autograd reader (its sink token), so autograd adds nothing, and the sink's first writer reads the seed as it
+    writes (triton_router.BlockDeferral.flush; a router call copies it first). The other sources get it as is."""
+
+    @staticmethod
+    def forward(ctx, sinks, *values):
+        ctx.set_materialize_grads(False)
+        ctx.sinks = sinks
+        shape = values[0].shape
+        flat = [v.reshape(-1, shape[-1]) for v in values]
+        x = torch.empty_like(flat[0])
+        final_sum(flat, x)
+        traffic.record("x_sum", "forward", flat, [x])
+        return x.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return (None,) * (1 + len(ctx.sinks))
+        flat = grad.reshape(-1, grad.shape[-1])
+        if not flat.is_contiguous():  # the kernels read the seed as rows
+            flat = flat.contiguous()
+            traffic.record("x_sum", "backward", [grad], [flat])
+        out = []
+        for sink in ctx.sinks:
+            if sink is None:
+                out.append(grad)
+                continue
+            if sink.grad is None and sink.seed is None:
+                sink.seed = flat
+            else:  # a writer reached the sink first (not in one backward of this graph): added, its own pass
+                sink.take_seed("x_sum")
+                sink.grad.add_(flat.to(sink.grad.dtype))
+                traffic.record("x_sum", "backward", [sink.grad, flat], [sink.grad])
+            out.append(None)
+        return (None, *out)
+
+
+def sum_seeding_sinks(values: Sequence[Tensor], sinks: Sequence[Optional["triton_router.KernelSink"]]
+                      ) -> Optional[Tensor]:
+    """x = the sum of ``values`` in order, one pass, its gradient seeding ``sinks`` (:class:`_SeededSum`); None
+    where the final-sum kernel cannot take the values (several dtypes or devices, non-contiguous, not Triton's)."""
+    if (len(values) < 2 or len({(v.dtype, v.device) for v in values}) != 1 or not all(v.is_contiguous() for v in values)
+            or not eligible("triton", list(values))):
+        return None
+    return _SeededSum.apply(list(sinks), *values)

@@ -34,6 +34,10 @@ computed in the pass that reads it for the weighted sum), q = w * g, optional nu
   routers' backward leaves per-token coefficients, the block's pass reads each router's output gradient and
   each source once and writes each source's gradient once.
 
+- x handed out as the sum of the sources (delta_block without a gate, delta on one router per pass): one pass
+  (triton_group_kernels.sum_seeding_sinks), whose gradient seeds the sources' KernelSinks (:attr:`KernelSink.seed`):
+  the block pass that writes a sink first reads the seed in place of the buffer, so autograd adds nothing.
+
 Traffic per call (rows of [tokens, hidden], :func:`call_rows`): forward N + (1 with x) + 1 (+ 2 forming a
 partial sum), backward 1 + N + (one write per source gradient not deferred) + (one read per gradient added to
 an existing buffer) (+ 1 forming a partial sum with later readers). A block's pass: one read per router, and
@@ -286,7 +290,7 @@ def _build():
         tl.store(part_scalar_ptr + 2 * pid, tl.sum(gate_acc, 0))
 
     @triton.jit
-    def _block_grad(grad_ptrs, coef_ptrs, q_ptr, src_ptrs, tgt_ptrs, flag_ptr, T, d, C,
+    def _block_grad(grad_ptrs, coef_ptrs, q_ptr, src_ptrs, tgt_ptrs, acc_ptrs, flag_ptr, T, d, C,
                     R: tl.constexpr, GT: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         # program (i, tile): source i's gradient on one tile, sum_j (w_ij g_j + c_ij q_j) + (sum_j e_ij) v_i.
         # The sources' programs of a tile are adjacent in the launch (i varies fastest): they read the same
@@ -313,9 +317,10 @@ def _build():
             acc += w[:, None] * g + c[:, None] * q[None, :]
         src = tl.load(src_ptrs + i).to(tl.pointer_type(DT))
         acc += esum[:, None] * tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-        flag = tl.load(flag_ptr + i)  # 1: assign, 2: add to the buffer
+        flag = tl.load(flag_ptr + i)  # 1: assign, 2: add to the buffer (or to x's seed, read in its place)
         tgt = tl.load(tgt_ptrs + i).to(tl.pointer_type(DT))
-        acc += tl.load(tgt + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
+        add = tl.load(acc_ptrs + i).to(tl.pointer_type(DT))
+        acc += tl.load(add + offs, mask=mask & (flag == 2), other=0.0).to(tl.float32)
         tl.store(tgt + offs, acc.to(DT), mask=mask)
 
     return _forward, _backward, _block_grad
@@ -401,13 +406,24 @@ class KernelSink:
 
     ``token`` is a zero-size tensor made from the source's value by :class:`_SinkToken`; each router that
     reads the source takes it as an input, so autograd runs the token's backward (which hands the sum to
-    the value's gradient) only after every one of those routers' backward."""
+    the value's gradient) only after every one of those routers' backward. ``seed``: the gradient of x handed
+    out as the sum of the sources (triton_group_kernels.sum_seeding_sinks), held by reference - the same tensor for
+    every source, never written - until the first writer adds it as it writes the buffer (the block pass reads it
+    in place of the buffer; a router call copies it first), or the token hands it on where nothing wrote one."""
 
-    __slots__ = ("grad", "token")
+    __slots__ = ("grad", "token", "seed")
 
     def __init__(self) -> None:
         self.grad: Optional[Tensor] = None
         self.token: Optional[Tensor] = None
+        self.seed: Optional[Tensor] = None
+
+    def take_seed(self, kernel: str) -> None:
+        """The seed as the buffer (a copy: the seed is shared), for a writer that adds in place."""
+        if self.grad is None and self.seed is not None:
+            self.grad = self.seed.clone()
+            traffic.record(kernel, "backward", [self.seed], [self.grad])
+        self.seed = None
 
 
 class _SinkToken(torch.autograd.Function):
@@ -421,7 +437,9 @@ class _SinkToken(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad):
-        acc, ctx.sink.grad = ctx.sink.grad, None
+        sink = ctx.sink
+        acc = sink.grad if sink.grad is not None else sink.seed  # a seed no writer reached: handed on as is
+        sink.grad = sink.seed = None
         return (None if acc is None else acc.view(ctx.shape)), None
 
 
@@ -472,20 +490,28 @@ class BlockDeferral:
         coefs = [c for _, c, _ in stash]  # [3, C, T] fp32 each
         queries = torch.stack([q for _, _, q in stash])  # [R, d] fp32
         flat = _rows(self.values, rows, d)
-        flags = []
-        for sink in self.sinks:  # the first writer to reach the sink makes the buffer (assigned)
-            flags.append(1 if sink.grad is None else 2)
+        flags, accs = [], []  # accs: what a target adds to: the buffer itself, or x's seed (read, not written)
+        for sink in self.sinks:  # the first writer to reach the sink makes the buffer (assigned, or seed + share)
+            seed = sink.seed if sink.grad is None else None
+            flags.append(1 if sink.grad is None and seed is None else 2)
             if sink.grad is None:
                 sink.grad = torch.empty(rows, d, dtype=dtype, device=dev)
+            sink.seed = None
+            accs.append(sink.grad if seed is None else seed.reshape(rows, d))
+        if any(a.dtype != dtype or not a.is_contiguous() for a in accs):  # a seed the kernel cannot read as rows
+            accs = [a if a.dtype == dtype and a.is_contiguous() else a.reshape(rows, d).to(dtype).contiguous()
+                    for a in accs]
         targets = [s.grad for s in self.sinks]
         bt, bd, warps = _tile(d)
-        grad_ptrs, coef_ptrs, src_ptrs, tgt_ptrs, flag_tab = device_tables(
-            addresses(grads), addresses(coefs), addresses(flat), addresses(targets), flags, device=dev)
+        grad_ptrs, coef_ptrs, src_ptrs, tgt_ptrs, acc_ptrs, flag_tab = device_tables(
+            addresses(grads), addresses(coefs), addresses(flat), addresses(targets), addresses(accs), flags,
+            device=dev)
         load()[2][(len(self.sinks), _cdiv(rows, bt))](
-            grad_ptrs, coef_ptrs, queries, src_ptrs, tgt_ptrs, flag_tab, rows, d, len(self.sinks), R=len(grads),
-            GT=_tl_dtype(gdt), DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
-        traffic.record(DEFERRED_KERNEL, "backward",
-                       reads=[*grads, *coefs, *flat, *[t for t, f in zip(targets, flags) if f == 2]], writes=targets)
+            grad_ptrs, coef_ptrs, queries, src_ptrs, tgt_ptrs, acc_ptrs, flag_tab, rows, d, len(self.sinks),
+            R=len(grads), GT=_tl_dtype(gdt), DT=_tl_dtype(dtype), BT=bt, BD=bd, num_warps=warps)
+        added = {a.data_ptr(): a for a, f in zip(accs, flags) if f == 2}  # the seed, shared by the sinks it seeds:
+        traffic.record(DEFERRED_KERNEL, "backward",  # read once a tile (the first from memory, the others from L2)
+                       reads=[*grads, *coefs, *flat, *added.values()], writes=targets)
 
 
 class DeferredSink(NamedTuple):
@@ -613,6 +639,7 @@ class _TritonRoute(torch.autograd.Function):
             if isinstance(sink, DeferredSink):  # its block's pass writes the gradient (coefficients stashed)
                 deferral, slots[i], flags[i] = sink.deferral, sink.slot, 3
             elif sink is not None:
+                sink.take_seed(KERNEL)  # x's seed: copied into the buffer, which this call adds to
                 if sink.grad is None:  # the first writer to reach the sink makes the buffer (assigned)
                     sink.grad, flags[i] = torch.empty(rows, d, dtype=dtype, device=dev), 1
                 else:

@@ -193,7 +193,8 @@ class _Ledger:
         self._formed = []  # partial sums a Triton kernel formed in its pass (their gradient is read if read later)
         self.defer_blocks = True  # triton: the completed sources' gradients deferred to one pass per block
         self._blocks = {}  # block -> ids of the sink entries its pass writes (empty: not deferred)
-        self._sink_writers = {}  # id(sink entry) -> the kernels writing its gradient, in forward order
+        self._sink_writers = {}  # id(sink entry) -> (kernel, call) writing its gradient, in forward order
+        self._kernel_seeded = set()  # id(sink entry) whose KernelSink x's gradient seeds (_SeededSum)
         self.reductions = []  # triton: (S, [hidden]-wide rows per router) of each backward's partial sums
 
     def reduce(self, s, rows):
@@ -269,12 +270,20 @@ class _Ledger:
             # sources; without groups, every source
             later = len(values) - self._group if self.group_size not in (None, 1) and self._group else None
             terms = len(values) if later is None or later < 1 else 1 + later
-            if self.group_size not in (None, 1) and self.backend != "torch":
+            # the Triton kernels' sinks (several readers; no groups): one pass, x's gradient seeds the sinks
+            kernel_sinks = [] if self.group_size not in (None, 1) or self.backend != "triton" else [
+                e for e in self.entries.values() if isinstance(e[1], list)]
+            for e in kernel_sinks:
+                self._kernel_seeded.add(id(e))
+            if kernel_sinks or (self.group_size not in (None, 1) and self.backend != "torch"):
                 # on the C / Triton kernels: each term read once, x written once
                 self.add({("x_sum", "forward"): (terms + 1) * self.a})
             else:  # the first two terms added, then one in-place add per further term: each term read once
                 self.add({("x_sum", "forward"): 3 * self.a * (terms - 1)})
+            seeded = {id(e[0]) for e in kernel_sinks}
             for v in values:
+                if id(v) in seeded:
+                    continue  # its sink token is its one autograd reader (counted where the sink was made)
                 if self.group_size not in (None, 1) and v in self._touches:
                     # the groups' scope: x's gradient seeds the source's sink (no autograd reader, no add); its
                     # first group pass in backward reads the seed as it writes the sink (settle_groups)
@@ -364,7 +373,7 @@ class _Ledger:
                 if self._blocks[b]:  # backward: each router's output gradient, each source once, its gradient
                     self.add({(DEFERRED_KERNEL, "backward"): (routers + 2 * len(ids)) * self.a})
                     for e in sinks:
-                        self._sink_touch(e, DEFERRED_KERNEL)
+                        self._sink_touch(e, DEFERRED_KERNEL, ("block", b))
             group = self._blocks[b]
         kinds = []
         for e in sinks:
@@ -375,9 +384,9 @@ class _Ledger:
                 self._sink_touch(e, "triton_route")
         return kinds
 
-    def _sink_touch(self, entry, kernel):
+    def _sink_touch(self, entry, kernel, call=None):
         if self.grad:
-            self._sink_writers.setdefault(id(entry), []).append(kernel)
+            self._sink_writers.setdefault(id(entry), []).append((kernel, call))
 
     # the group router (group_router.GroupRouting): delta / full_attnres with S > 1
     def _grouped(self, key, first_u=True):
@@ -488,10 +497,19 @@ class _Ledger:
         for kernel in seed_reads.values():
             self.totals[kernel, "backward"] += self.a
         self._touches, self._seeded = {}, set()
-        for kernels in self._sink_writers.values():  # each writer but the first in backward (the last) adds in place
-            for kernel in kernels[:-1]:
+        seed_calls = set()  # block passes that read x's seed (triton_group_kernels._SeededSum), once each
+        for key, writers in self._sink_writers.items():  # each writer but the first in backward (the last) adds in
+            for kernel, _ in writers[:-1]:  # place
                 self.totals[kernel, "backward"] += self.a
-        self._sink_writers = {}
+            if key in self._kernel_seeded:
+                kernel, call = writers[-1]
+                if kernel == "triton_route":  # a router call copies the seed into the buffer and adds to it
+                    self.totals[kernel, "backward"] += 3 * self.a
+                else:
+                    seed_calls.add(call)
+        for _ in seed_calls:
+            self.totals["triton_block_grad", "backward"] += self.a
+        self._sink_writers, self._kernel_seeded = {}, set()
         for t in self._formed:  # a formed partial with later readers: its gradient read by the forming call
             if t.readers:
                 self.totals["triton_route", "backward"] += self.a
