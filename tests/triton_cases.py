@@ -382,6 +382,21 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
     K.assert_matches_reference(model, fields, lf, gf, tok, W, mode, null, gate)
 
 
+def _on_triton_and_torch(tok, pos, W, mode, null, gate, **build):
+    """One step of the model (K.build) on the Triton kernels and on the PyTorch path, whose logits and every
+    parameter's gradient must agree; the Triton run's (logits, gradients, model, fields, traffic count)."""
+    results = {}
+    for kind in ("triton", "torch"):
+        model, fields = K.build(mode, null, gate, kind, **build)
+        with traffic.counting() as count:
+            logits = model(tok, pos, None)
+            (logits * W).sum().backward()
+        results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields, count)
+    (lf, gf, model, fields, count), (lt, gt, _, _, _) = results["triton"], results["torch"]
+    K.assert_matches_torch((lf, gf), (lt, gt))
+    return lf, gf, model, fields, count
+
+
 def test_delta_one_router_per_pass_seeds_its_sinks(interpreter, dist):
     """delta without a gate on one router per pass (--delta-router-group-size 1): x, handed out as the sum of the
     sources, is summed in one pass and its gradient seeds every source's KernelSink (triton_group_kernels
@@ -391,15 +406,7 @@ def test_delta_one_router_per_pass_seeds_its_sinks(interpreter, dist):
     from megatron_delta.perf import cost_model
 
     tok, pos, W = K.batch()
-    results = {}
-    for kind in ("triton", "torch"):
-        model, fields = K.build("delta", False, False, kind, group_size=1)
-        with traffic.counting() as count:
-            logits = model(tok, pos, None)
-            (logits * W).sum().backward()
-        results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields, count)
-    (lf, gf, model, fields, count), (lt, gt, _, _, _) = results["triton"], results["torch"]
-    K.assert_matches_torch((lf, gf), (lt, gt))
+    lf, gf, model, fields, count = _on_triton_and_torch(tok, pos, W, "delta", False, False, group_size=1)
     rows = count.rows(K.B * K.S * K.HIDDEN, act_bytes=4)
     predicted = cost_model.step_traffic("delta", 4, "triton", act_bytes=4, group_size=1)
     assert rows == pytest.approx(predicted, abs=1e-9)
@@ -468,16 +475,8 @@ def test_deferred_block_passes_with_recompute_cuts(interpreter, dist, mode, reco
 
     L, blocks = 8, 4
     tok, pos, W = K.batch()
-    results = {}
-    for kind in ("triton", "torch"):
-        model, fields = K.build(mode, True, False, kind, recompute=recompute or False, num_layers=L,
-                                num_blocks=blocks)
-        with traffic.counting() as count:
-            logits = model(tok, pos, None)
-            (logits * W).sum().backward()
-        results[kind] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()}, model, fields, count)
-    (lf, gf, model, fields, count), (lt, gt, _, _, _) = results["triton"], results["torch"]
-    K.assert_matches_torch((lf, gf), (lt, gt))
+    lf, gf, model, fields, count = _on_triton_and_torch(tok, pos, W, mode, True, False, recompute=recompute or False,
+                                                        num_layers=L, num_blocks=blocks)
     # the block passes: per buffer scope (recompute: the checkpoints' recomputed forwards), the blocks whose routers
     # there defer (routers in the scope x sources the block reads through sinks)
     scopes = {None: [range(0, 8)], ("uniform", 5): [range(0, 5), range(5, 8)],
