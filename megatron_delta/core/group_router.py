@@ -53,9 +53,9 @@ The final router of full_attnres routes as before (router.py). Group size: ``--d
 (config ``delta_router_group_size``): ``auto``, or S >= 1 (1 = the per-router path). ``auto`` takes, for a scope of
 n routers whose first reads n0 sources, the split of the n routers into consecutive groups with the fewest counted
 passes (:func:`passes`, :func:`auto_group_sizes`), where the group runs on the C or Triton kernels: the groups grow
-along the scope (24 over 1 source: 1, 2, 3, 5, 6, 7), because a later group's old pass reads more older sources
-and so pays more for each group, while a larger group merges more in-group sources per router, up to AUTO_MAX_GROUP
-routers a group; 1 where the routers
+along the scope (24 over 1 source: 1, 1, 2, 3, 5, 6, 6, the deferring pairs chosen with them), because a later
+group's old pass reads more older sources and so pays more for each group, while a larger group merges more in-group
+sources per router, up to AUTO_MAX_GROUP routers a group; 1 where the routers
 run on PyTorch ops (--delta-router-kernels torch, or tensors neither kernel takes: counted per op, the group router
 moves more bytes than one router per pass) or on fla's kernel (one router per call).
 
