@@ -78,8 +78,7 @@ from megatron_delta.core import traffic
 from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8, _record_cast
 
 __all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_sizes", "deferring_groups",
-           "group_spans", "passes",
-           "GroupRouting", "sum_in_order"]
+           "deferring_starts", "group_spans", "passes", "GroupRouting", "sum_in_order"]
 
 AUTO = "auto"
 FLAG = "--delta-router-group-size"
@@ -171,10 +170,15 @@ def _deferral_savings(sizes: Sequence[int], n_older: int, unit: bool) -> List[in
     sinks (unit) and j is the scope's last group, the seed is read once more (by the previous pass too)."""
     out, a = [0], n_older + (sizes[0] if sizes else 0)
     for j in range(1, len(sizes)):
-        n_prev = a - sizes[j - 1]
-        out.append(2 * n_prev - sizes[j] - int(unit and j == len(sizes) - 1))
+        out.append(_deferral_saving(a - sizes[j - 1], sizes[j], unit and j == len(sizes) - 1))
         a += sizes[j]
     return out
+
+
+def _deferral_saving(n_prev: int, s: int, seed_read: bool) -> int:
+    """What one group of ``s`` routers saves by deferring to the previous group's pass over ``n_prev`` sources
+    (:func:`_deferral_savings`); ``seed_read``: that pass reads x's seed once more."""
+    return 2 * n_prev - s - int(seed_read)
 
 
 def deferring_groups(sizes: Sequence[int], n_older: int, unit: bool = True) -> Tuple[bool, ...]:
@@ -191,6 +195,14 @@ def deferring_groups(sizes: Sequence[int], n_older: int, unit: bool = True) -> T
         take = (best[j - 1][0] + sav[j], best[j - 1][1] + (False, True)) if j >= 1 and sav[j] > 0 else None
         best.append(max([skip] + ([take] if take else []), key=lambda c: c[0]))
     return best[-1][1]
+
+
+def deferring_starts(spans: Dict[int, Tuple[int, int]], n_older: int, unit: bool) -> Dict[int, bool]:
+    """Group start -> whether that group defers to the one before (:func:`deferring_groups`), for a scope's
+    ``spans`` (:func:`group_spans`) whose first router reads ``n_older`` sources."""
+    groups = sorted(set(spans.values()))
+    flags = deferring_groups([b - a for a, b in groups], n_older, unit)
+    return {a: f for (a, _), f in zip(groups, flags)}
 
 
 def _group_passes(n_g: int, s: int, unit: bool = True, base: bool = False, null: bool = False) -> int:
@@ -237,14 +249,14 @@ def auto_group_sizes(n_routers: int, n_older: int, first_u: bool = True) -> Size
     states: List[Dict[Tuple[int, bool], Tuple[int, Tuple[int, ...]]]] = [{} for _ in range(n + 1)]
     states[0][0, False] = (0, ())
     for a in range(n):
-        for (s_prev, prev_defers), (cost, sizes) in sorted(states[a].items()):
+        for (s_prev, prev_defers), (cost, sizes) in states[a].items():
             for s in range(1, min(n - a, AUTO_MAX_GROUP) + 1):
                 last = a + s == n
                 c = cost + _group_passes(n_older + a, s, base=not first_u) - (
                     _seed_reads_saved(n_older + a, s) if last else 0)
                 options = [(c, False)]
                 if s_prev and not prev_defers:  # defer to the group before (it receives, so it did not defer)
-                    saved = 2 * (n_older + a - s_prev) - s - int(last)
+                    saved = _deferral_saving(n_older + a - s_prev, s, last)
                     if saved > 0:
                         options.append((c - saved, True))
                 for c2, defers in options:
@@ -716,7 +728,7 @@ def _defer(sinks: Sequence[Optional[_Sink]], needs: Sequence[bool], n: int, G: S
            w: Tensor, p: Tensor, z: Tensor, dz: Tensor, inv: Tensor, Q: Tensor, unit: bool) -> None:
     """An old pass's share of the gradients of its first ``n`` sources (the previous group's older sources), as
     :class:`OldShare` on their sinks, from the kernel's dz: the previous group's old pass adds it."""
-    T, d = G[0].shape if G else (inv.shape[1], Q.shape[1])
+    d = Q.shape[1]
     iv = inv[:n]
     C = (dz[:, :n] * iv).contiguous()  # [S, n, T]
     E = (dz[:, :n] * z[:, :n]).sum(0).mul_(iv.square()).mul_(-1.0 / d)  # [n, T]
@@ -1009,9 +1021,7 @@ class GroupRouting:
     def _deferring(self, a: int, unit: bool) -> bool:
         """Whether the group starting at sublayer ``a`` defers to the previous one (:func:`deferring_groups`)."""
         if self._defers is None:
-            spans = sorted(set(self.spans.values()))
-            flags = deferring_groups([e - b for b, e in spans], self._n_older, unit)
-            self._defers = {b: f for (b, _), f in zip(spans, flags)}
+            self._defers = deferring_starts(self.spans, self._n_older, unit)
         return self._defers.get(a, False)
 
     def _collect(self, value: Tensor) -> Tuple[Tensor, Optional[GradSink]]:

@@ -497,10 +497,7 @@ class BlockDeferral:
             if sink.grad is None:
                 sink.grad = torch.empty(rows, d, dtype=dtype, device=dev)
             sink.seed = None
-            accs.append(sink.grad if seed is None else seed.reshape(rows, d))
-        if any(a.dtype != dtype or not a.is_contiguous() for a in accs):  # a seed the kernel cannot read as rows
-            accs = [a if a.dtype == dtype and a.is_contiguous() else a.reshape(rows, d).to(dtype).contiguous()
-                    for a in accs]
+            accs.append(sink.grad if seed is None else seed)  # a seed: [rows, d] in x's dtype (_SeededSum)
         targets = [s.grad for s in self.sinks]
         bt, bd, warps = _tile(d)
         grad_ptrs, coef_ptrs, src_ptrs, tgt_ptrs, acc_ptrs, flag_tab = device_tables(

@@ -469,10 +469,8 @@ class _Ledger:
         from megatron_delta.core import group_router
 
         if self._defers is None:
-            spans = sorted(set(self.spans.values()))
-            n_older = len(self.plan.reads(spans[0][0]))
-            flags = group_router.deferring_groups([e - b for b, e in spans], n_older, unit)
-            self._defers = {b: f for (b, _), f in zip(spans, flags)}
+            first = min(self.spans)
+            self._defers = group_router.deferring_starts(self.spans, len(self.plan.reads(first)), unit)
         return self._defers.get(a, False)
 
     def settle_groups(self):
@@ -507,8 +505,8 @@ class _Ledger:
                     self.totals[kernel, "backward"] += 3 * self.a
                 else:
                     seed_calls.add(call)
-        for _ in seed_calls:
-            self.totals["triton_block_grad", "backward"] += self.a
+        if seed_calls:
+            self.totals["triton_block_grad", "backward"] += self.a * len(seed_calls)
         self._sink_writers, self._kernel_seeded = {}, set()
         for t in self._formed:  # a formed partial with later readers: its gradient read by the forming call
             if t.readers:
