@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_delta.core import group_kernels, group_router, traffic
+from megatron_delta.core import group_kernels, group_router, router, traffic
 from megatron_delta.core.group_router import (
     AUTO_MAX_GROUP,
     auto_group_sizes,
@@ -438,6 +438,28 @@ def test_final_sum_seeds_the_sinks_once(size, cut, kernels, dtype, monkeypatch):
             assert (g.double() - r).abs().max().item() <= tol * max(1.0, r.abs().max().item())
     if cut == "none":  # one scope: every source's gradient comes through its sink alone
         assert ("autograd_add", "backward") not in count.rows(SEQ * BATCH * D, act_bytes=dtype.itemsize)
+
+
+def test_seed_sinks_adds_where_a_writer_came_first():
+    """router.seed_sinks, the backward of x handed out as the sum of the sources, for both kinds of sink (the group
+    router's and the per-router Triton kernels'): a sink no writer reached holds x's gradient by reference (no
+    pass); one a writer reached first (a gradient or a seed there already) adds it now; a source without a sink
+    gets it as is."""
+    from megatron_delta.core import triton_router
+
+    gen = torch.Generator().manual_seed(2)
+    grad = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64)
+    flat = grad.reshape(-1, 4)
+    for make in (group_router._Sink, triton_router.KernelSink):
+        fresh, written, seeded = make(), make(), make()
+        w0, s0 = torch.randn(6, 4, generator=gen, dtype=torch.float64), torch.randn(6, 4, generator=gen,
+                                                                                   dtype=torch.float64)
+        written.grad, seeded.seed = w0.clone(), s0
+        out = router.seed_sinks([fresh, None, written, seeded], grad)
+        assert out[0] is None and out[1] is grad and out[2] is None and out[3] is None
+        assert fresh.grad is None and torch.equal(fresh.seed, flat) and fresh.seed.data_ptr() == grad.data_ptr()
+        assert torch.equal(written.grad, w0 + flat) and written.seed is None
+        assert torch.equal(seeded.grad, s0 + flat) and seeded.seed is None
 
 
 def _old_share(gen, n, S, T, d, dtype):

@@ -75,7 +75,7 @@ import torch
 from torch import Tensor
 
 from megatron_delta.core import traffic
-from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8, _record_cast
+from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8, _record_cast, seed_sinks
 
 __all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_sizes", "deferring_groups",
            "deferring_starts", "group_spans", "passes", "GroupRouting", "sum_in_order"]
@@ -369,6 +369,10 @@ class _Sink(GradSink):
         # the in-group merges' deferred shares of this source's gradient (:class:`_Merge`), added by the merge of
         # the source's next router (its earliest in-group reader)
         self.pending: List[DeferredShare] = []
+
+    def add_late(self, grad: Tensor, kernel: str) -> None:
+        """x's gradient where a pass wrote the sink first (router.seed_sinks): added in place, its own pass."""
+        _sink_add(self, grad, self.grad.dtype if self.grad is not None else self.seed.dtype, kernel)
 
 
 def _target(sink: Optional[_Sink], needed: bool) -> Tuple[Optional[Tensor], bool, Optional[Tensor]]:
@@ -958,21 +962,7 @@ class _FinalSum(torch.autograd.Function):
     def backward(ctx, grad):
         if grad is None:
             return (None,) * (2 + len(ctx.sinks))
-        out = []
-        flat = grad.reshape(-1, grad.shape[-1])  # [T, d], as the group passes write the sinks
-        if not flat.is_contiguous():  # the kernels read the seed as rows
-            flat = flat.contiguous()
-            traffic.record("x_sum", "backward", [grad], [flat])
-        for sink in ctx.sinks:
-            if sink is None:
-                out.append(grad)
-            elif sink.grad is None and sink.seed is None:
-                sink.seed = flat
-                out.append(None)
-            else:  # a pass wrote the sink first (not in one backward of this graph): added in place, its own pass
-                _sink_add(sink, flat, sink.grad.dtype if sink.grad is not None else sink.seed.dtype, "x_sum")
-                out.append(None)
-        return (None, None, None, None, *out)
+        return (None, None, None, None, *seed_sinks(ctx.sinks, grad))
 
 
 # --------------------------------------------------------------------------------------------- the buffer's side

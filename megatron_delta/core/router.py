@@ -87,6 +87,30 @@ class GradSink:
             record("route", "backward", [self.grad, grad], [self.grad])
 
 
+def seed_sinks(sinks: Sequence, grad: Tensor) -> list:
+    """The backward of x handed out as the sum of the sources (group_router._FinalSum,
+    triton_group_kernels._SeededSum): x's gradient is each source's. A source with a sink (a group router's or a
+    per-router kernel's) gets it by reference as the sink's seed, no pass: the sink's first writer adds it as it
+    writes, so that the source keeps one autograd reader and autograd adds nothing. Where a writer reached the sink
+    first (not in one backward of this graph) the sink adds it itself (``add_late``, its own pass). Returns each
+    source's gradient for autograd: None where it has a sink, else x's gradient as is."""
+    flat = grad.reshape(-1, grad.shape[-1])  # [T, d], as the kernels write the sinks
+    if not flat.is_contiguous():  # the kernels read the seed as rows
+        flat = flat.contiguous()
+        record("x_sum", "backward", [grad], [flat])
+    out = []
+    for sink in sinks:
+        if sink is None:
+            out.append(grad)
+            continue
+        if sink.grad is None and sink.seed is None:
+            sink.seed = flat
+        else:
+            sink.add_late(flat, "x_sum")
+        out.append(None)
+    return out
+
+
 class PendingSum:
     """A source that is the sum ``base + addend`` (a partial sum P + v, p + f(u)), formed by the first of: the
     one router that reads it, in its kernel's pass (triton_router: it reads both parts, writes the sum once

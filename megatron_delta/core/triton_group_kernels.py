@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron_delta.core import cpu_kernels, traffic, triton_router
+from megatron_delta.core import cpu_kernels, router, traffic, triton_router
 from megatron_delta.core.triton_router import TritonUnavailable
 
 __all__ = ["load", "eligible", "old_forward", "old_backward", "merge_forward", "merge_backward", "final_sum",
@@ -527,23 +527,7 @@ class _SeededSum(torch.autograd.Function):
     def backward(ctx, grad):
         if grad is None:
             return (None,) * (1 + len(ctx.sinks))
-        flat = grad.reshape(-1, grad.shape[-1])
-        if not flat.is_contiguous():  # the kernels read the seed as rows
-            flat = flat.contiguous()
-            traffic.record("x_sum", "backward", [grad], [flat])
-        out = []
-        for sink in ctx.sinks:
-            if sink is None:
-                out.append(grad)
-                continue
-            if sink.grad is None and sink.seed is None:
-                sink.seed = flat
-            else:  # a writer reached the sink first (not in one backward of this graph): added, its own pass
-                sink.take_seed("x_sum")
-                sink.grad.add_(flat.to(sink.grad.dtype))
-                traffic.record("x_sum", "backward", [sink.grad, flat], [sink.grad])
-            out.append(None)
-        return (None, *out)
+        return (None, *router.seed_sinks(ctx.sinks, grad))
 
 
 def sum_seeding_sinks(values: Sequence[Tensor], sinks: Sequence[Optional["triton_router.KernelSink"]]

@@ -425,6 +425,12 @@ class KernelSink:
             traffic.record(kernel, "backward", [self.seed], [self.grad])
         self.seed = None
 
+    def add_late(self, grad: Tensor, kernel: str) -> None:
+        """x's gradient where a writer reached the sink first (router.seed_sinks): added in place, its own pass."""
+        self.take_seed(kernel)
+        self.grad.add_(grad.to(self.grad.dtype))
+        traffic.record(kernel, "backward", [self.grad, grad], [self.grad])
+
 
 class _SinkToken(torch.autograd.Function):
     @staticmethod
