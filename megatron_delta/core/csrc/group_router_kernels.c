@@ -44,6 +44,16 @@ static inline int half_width(int w, int h) {
   return r < 0 ? 0 : r > VL ? VL : r;
 }
 
+/* a chunk of w columns from column c: its two vectors' first columns and widths */
+struct chunk {
+  int64_t c[2];
+  int w[2];
+};
+
+static inline struct chunk chunk_at(int64_t c, int w) {
+  return (struct chunk){{c, c + VL}, {half_width(w, 0), half_width(w, 1)}};
+}
+
 /* Dot products over LANES partial sums (lane l sums the elements k = l mod LANES, in order), then the lanes in
  * order: dot() and dot4() do exactly this arithmetic, so a product has the same bits whichever computes it - the
  * same pair of rows gives the same logit or gradient whatever group it falls in (the parallel layouts cut the
@@ -117,15 +127,12 @@ static inline __attribute__((always_inline)) void mix_chunk(const int KB, const 
     __builtin_prefetch(v[0] + next + c, 0, 3);
     __builtin_prefetch(v[0] + next + c + VL, 0, 3);
   }
-  int wh[2];
-  int64_t ch[2];
+  const struct chunk col = chunk_at(c, w);
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
-    wh[h] = half_width(w, h);
-    ch[h] = c + h * VL;
-    const vf v0 = vload(v[0] + off + ch[h], wh[h]);
+    const vf v0 = vload(v[0] + off + col.c[h], col.w[h]);
 #pragma GCC unroll 4
-    for (int j = 0; j < KB; ++j) acc[j][h] = first ? v0 * wt[j][0] : vload(out[j] + ch[h], wh[h]) + v0 * wt[j][0];
+    for (int j = 0; j < KB; ++j) acc[j][h] = first ? v0 * wt[j][0] : vload(out[j] + col.c[h], col.w[h]) + v0 * wt[j][0];
     xs[h] = v0;
   }
   for (int i = 1; i < n; ++i) {
@@ -135,7 +142,7 @@ static inline __attribute__((always_inline)) void mix_chunk(const int KB, const 
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const vf vi = vload(v[i] + off + ch[h], wh[h]);
+      const vf vi = vload(v[i] + off + col.c[h], col.w[h]);
 #pragma GCC unroll 4
       for (int j = 0; j < KB; ++j) acc[j][h] = acc[j][h] + vi * wt[j][i];
       if (xo) xs[h] = xs[h] + vi;
@@ -145,13 +152,13 @@ static inline __attribute__((always_inline)) void mix_chunk(const int KB, const 
   for (int h = 0; h < 2; ++h) {
     if (null)
 #pragma GCC unroll 4
-      for (int j = 0; j < KB; ++j) acc[j][h] = acc[j][h] + vload(null[j] + ch[h], wh[h]) * wt[j][n];
+      for (int j = 0; j < KB; ++j) acc[j][h] = acc[j][h] + vload(null[j] + col.c[h], col.w[h]) * wt[j][n];
     if (xo) {
       if (first_u) acc[0][h] = acc[0][h] + xs[h];
-      vstore(xo + ch[h], xs[h], wh[h]);
+      vstore(xo + col.c[h], xs[h], col.w[h]);
     }
 #pragma GCC unroll 4
-    for (int j = 0; j < KB; ++j) vstore(out[j] + ch[h], acc[j][h], wh[h]);
+    for (int j = 0; j < KB; ++j) vstore(out[j] + col.c[h], acc[j][h], col.w[h]);
   }
 }
 
@@ -196,23 +203,20 @@ static inline __attribute__((always_inline)) void source_grads_chunk(const int I
   const int S = og->S;
   const float u1 = og->unit ? 1.0f : 0.0f;
   vf acc[BLOCK][2];
-  int wh[2];
-  int64_t ch[2];
+  const struct chunk col = chunk_at(c, w);
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
-    wh[h] = half_width(w, h);
-    ch[h] = c + h * VL;
 #pragma GCC unroll 4
     for (int m = 0; m < IB; ++m) {
       /* without unit: u1 = 0 times any valid row (the source's own) */
-      const vf gs = vload((og->unit ? og->gsum : og->v[m]) + ch[h], wh[h]);
-      const vf ev = vload(og->v[m] + ch[h], wh[h]) * og->e[m];
+      const vf gs = vload((og->unit ? og->gsum : og->v[m]) + col.c[h], col.w[h]);
+      const vf ev = vload(og->v[m] + col.c[h], col.w[h]) * og->e[m];
       if (og->mode[m] == 1)
         acc[m][h] = ev + gs * u1;
       else if (og->mode[m] == 2)
-        acc[m][h] = (vload(og->seed[m] + ch[h], wh[h]) + ev) + gs * u1;
+        acc[m][h] = (vload(og->seed[m] + col.c[h], col.w[h]) + ev) + gs * u1;
       else
-        acc[m][h] = (vload(og->o[m] + ch[h], wh[h]) + ev) + gs * u1;
+        acc[m][h] = (vload(og->o[m] + col.c[h], col.w[h]) + ev) + gs * u1;
     }
   }
   for (int k = 0; k < S; ++k) {
@@ -224,7 +228,7 @@ static inline __attribute__((always_inline)) void source_grads_chunk(const int I
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const vf q = vload(og->q[k] + ch[h], wh[h]), g = vload(og->g[k] + ch[h], wh[h]);
+      const vf q = vload(og->q[k] + col.c[h], col.w[h]), g = vload(og->g[k] + col.c[h], col.w[h]);
 #pragma GCC unroll 4
       for (int m = 0; m < IB; ++m) acc[m][h] = (acc[m][h] + q * ck[m]) + g * ak[m];
     }
@@ -232,21 +236,21 @@ static inline __attribute__((always_inline)) void source_grads_chunk(const int I
   for (int k = 0; k < og->k2; ++k)
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const vf g = vload(og->g2[k] + ch[h], wh[h]);
+      const vf g = vload(og->g2[k] + col.c[h], col.w[h]);
 #pragma GCC unroll 4
       for (int m = 0; m < IB; ++m) acc[m][h] = acc[m][h] + g * og->a2[k * BLOCK + m];
     }
   for (int k = 0; k < og->s2; ++k)
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const vf q = vload(og->Q2 + (int64_t)k * og->d + ch[h], wh[h]);
+      const vf q = vload(og->Q2 + (int64_t)k * og->d + col.c[h], col.w[h]);
 #pragma GCC unroll 4
       for (int m = 0; m < IB; ++m) acc[m][h] = acc[m][h] + q * og->c2[k * BLOCK + m];
     }
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h)
 #pragma GCC unroll 4
-    for (int m = 0; m < IB; ++m) vstore(og->o[m] + ch[h], acc[m][h], wh[h]);
+    for (int m = 0; m < IB; ++m) vstore(og->o[m] + col.c[h], acc[m][h], col.w[h]);
 }
 
 static inline __attribute__((always_inline)) void source_grads_rows(const int IB, const struct old_grads *og) {
