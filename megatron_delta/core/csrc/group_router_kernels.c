@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void mix_chunk(const int KB, const 
   vf acc[BLOCK][2], xs[2];
   if (next) {
     __builtin_prefetch(v[0] + next + c, 0, 3);
-    __builtin_prefetch(v[0] + next + c + VL, 0, 3);
+    if (w > VL) __builtin_prefetch(v[0] + next + c + VL, 0, 3);
   }
   const struct chunk col = chunk_at(c, w);
 #pragma GCC unroll 2
@@ -138,7 +138,7 @@ static inline __attribute__((always_inline)) void mix_chunk(const int KB, const 
   for (int i = 1; i < n; ++i) {
     if (next) {
       __builtin_prefetch(v[i] + next + c, 0, 3);
-      __builtin_prefetch(v[i] + next + c + VL, 0, 3);
+      if (w > VL) __builtin_prefetch(v[i] + next + c + VL, 0, 3);
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
