@@ -54,60 +54,95 @@ static inline struct chunk chunk_at(int64_t c, int w) {
   return (struct chunk){{c, c + VL}, {half_width(w, 0), half_width(w, 1)}};
 }
 
-/* Dot products over LANES partial sums (lane l sums the elements k = l mod LANES, in order), then the lanes in
- * order: dot() and dot4() do exactly this arithmetic, so a product has the same bits whichever computes it - the
- * same pair of rows gives the same logit or gradient whatever group it falls in (the parallel layouts cut the
- * groups differently). LANES independent sums also keep the vector units busy. */
-enum { LANES = 32 };
-
-static float lanes_sum(const float *acc) {
-  float s = 0.0f;
-  for (int l = 0; l < LANES; ++l) s += acc[l];
-  return s;
+/* Dot products over 2 VL partial sums (lane l sums the elements k = l mod 2 VL, in order, in two generic vectors),
+ * then the lanes pairwise (l + VL into l, then halves: a tree of fixed shape). Every product below is computed
+ * exactly so, alone or in a tile, so a product has the same bits whichever computes it - the same pair of rows gives
+ * the same logit or gradient whatever group it falls in (the parallel layouts cut the groups differently). A tree,
+ * not a chain: 2 VL lanes added one after another cost more than the products themselves at d = 512. */
+static inline float lanes_sum(vf lo, vf hi) {
+  float t[VL];
+  const vf s = lo + hi;
+  memcpy(t, &s, sizeof(t));
+#pragma GCC unroll 4
+  for (int h = VL / 2; h > 0; h /= 2)
+#pragma GCC unroll 8
+    for (int l = 0; l < h; ++l) t[l] += t[l + h];
+  return t[0];
 }
 
-static float dot(const float *restrict a, const float *restrict b, int64_t d) {
-  float acc[LANES] = {0.0f};
-  int64_t k = 0;
-  for (; k + LANES <= d; k += LANES)
-    for (int l = 0; l < LANES; ++l) acc[l] += a[k + l] * b[k + l];
-  for (int l = 0; k + l < d; ++l) acc[l] += a[k + l] * b[k + l];
-  return lanes_sum(acc);
-}
+/* A tile of dot products, IA rows a_i by JB rows b_j (IA <= 4, JB <= 3: the 2 IA JB partial sums stay in registers),
+ * out[j][i] = <a_i + aoff, b_j + boff>: each chunk of a row loaded once for the tile (the dot products of a token's
+ * sources with several queries or output gradients are load-bound one at a time). */
+enum { TILE_A = 4, TILE_B = 3 };
 
-/* out[j] = <g, b_j> for four rows b_0..b_3 at once, each exactly as dot() computes it: g is read once for the four
- * (the dot products of one output gradient with several sources are load-bound one at a time) */
-static void dot4(const float *restrict g, const float *restrict b0, const float *restrict b1,
-                 const float *restrict b2, const float *restrict b3, int64_t d, float *out) {
-  float s0[LANES] = {0.0f}, s1[LANES] = {0.0f}, s2[LANES] = {0.0f}, s3[LANES] = {0.0f};
-  int64_t k = 0;
-  for (; k + LANES <= d; k += LANES)
-    for (int l = 0; l < LANES; ++l) {
-      const float gk = g[k + l];
-      s0[l] += gk * b0[k + l];
-      s1[l] += gk * b1[k + l];
-      s2[l] += gk * b2[k + l];
-      s3[l] += gk * b3[k + l];
+static inline __attribute__((always_inline)) void tile_chunk(const int IA, const int JB, const int w, int64_t k,
+                                                             const float *const *a, int64_t aoff,
+                                                             const float *const *b, int64_t boff,
+                                                             vf (*s)[TILE_B][2]) {
+  const struct chunk col = chunk_at(k, w);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    vf bj[TILE_B];
+#pragma GCC unroll 3
+    for (int j = 0; j < JB; ++j) bj[j] = vload(b[j] + boff + col.c[h], col.w[h]);
+#pragma GCC unroll 4
+    for (int i = 0; i < IA; ++i) {
+      const vf ai = vload(a[i] + aoff + col.c[h], col.w[h]);
+#pragma GCC unroll 3
+      for (int j = 0; j < JB; ++j) s[i][j][h] = s[i][j][h] + ai * bj[j];
     }
-  for (int l = 0; k + l < d; ++l) {
-    const float gk = g[k + l];
-    s0[l] += gk * b0[k + l];
-    s1[l] += gk * b1[k + l];
-    s2[l] += gk * b2[k + l];
-    s3[l] += gk * b3[k + l];
   }
-  out[0] = lanes_sum(s0);
-  out[1] = lanes_sum(s1);
-  out[2] = lanes_sum(s2);
-  out[3] = lanes_sum(s3);
 }
 
-/* out[i] = <g, rows[i] + off> for i < n: four rows per sweep of g (dot4), the rest one by one (dot) - the same
- * bits either way */
-static void dots(const float *restrict g, const float *const *rows, int64_t off, int n, int64_t d, float *out) {
-  int i = 0;
-  for (; i + 4 <= n; i += 4) dot4(g, rows[i] + off, rows[i + 1] + off, rows[i + 2] + off, rows[i + 3] + off, d, out + i);
-  for (; i < n; ++i) out[i] = dot(g, rows[i] + off, d);
+static inline __attribute__((always_inline)) void tile(const int IA, const int JB, int64_t d, const float *const *a,
+                                                       int64_t aoff, const float *const *b, int64_t boff,
+                                                       float *const *out) {
+  vf s[TILE_A][TILE_B][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < IA; ++i)
+#pragma GCC unroll 3
+    for (int j = 0; j < JB; ++j) s[i][j][0] = s[i][j][1] = (vf){0};
+  int64_t k = 0;
+  for (; k + CW <= d; k += CW) tile_chunk(IA, JB, CW, k, a, aoff, b, boff, s);
+  if (k < d) tile_chunk(IA, JB, (int)(d - k), k, a, aoff, b, boff, s);
+#pragma GCC unroll 4
+  for (int i = 0; i < IA; ++i)
+#pragma GCC unroll 3
+    for (int j = 0; j < JB; ++j) out[j][i] = lanes_sum(s[i][j][0], s[i][j][1]);
+}
+
+#define TILE_CASE(IA, JB) \
+  case (IA) * 4 + (JB): tile(IA, JB, d, a, aoff, b, boff, out); break;
+
+/* tile() for IA = 1 .. 4, JB = 1 .. 3, each a compile-time shape */
+static void tile_any(int IA, int JB, int64_t d, const float *const *a, int64_t aoff, const float *const *b,
+                     int64_t boff, float *const *out) {
+  switch (IA * 4 + JB) {
+    TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3)
+    TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3)
+    default: break;
+  }
+}
+
+/* out[j][i] = <a_i + aoff, b_j + boff> for i < na, j < nb, in tiles of TILE_A x TILE_B */
+static void dot_table(int na, const float *const *a, int64_t aoff, int nb, const float *const *b, int64_t boff,
+                      int64_t d, float *const *out) {
+  for (int j0 = 0; j0 < nb; j0 += TILE_B) {
+    const int JB = nb - j0 < TILE_B ? nb - j0 : TILE_B;
+    for (int i0 = 0; i0 < na; i0 += TILE_A) {
+      const int IA = na - i0 < TILE_A ? na - i0 : TILE_A;
+      float *o[TILE_B];
+      for (int j = 0; j < JB; ++j) o[j] = out[j0 + j] + i0;
+      tile_any(IA, JB, d, a + i0, aoff, b + j0, boff, o);
+    }
+  }
+}
+
+static float dot(const float *a, const float *b, int64_t d) {
+  float r;
+  float *o = &r;
+  tile(1, 1, d, &a, 0, &b, 0, &o);
+  return r;
 }
 
 /* Weighted sums of rows, KB (<= BLOCK) outputs at once, over one chunk of w columns from column c:
@@ -292,10 +327,13 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
       for (int64_t c = 0; c < d; ++c) ss += vi[c] * vi[c];
       const float iv = 1.0f / sqrtf(ss / (float)d + eps);
       inv[(int64_t)i * T + t] = iv;
-      float zq[S];
-      dots(vi, qrows, 0, S, d, zq);
-      for (int k = 0; k < S; ++k) zt[k * M + i] = zq[k] * iv;
     }
+    /* z_ki = <v_i, Q_k> inv_i */
+    float *zrow[S];
+    for (int k = 0; k < S; ++k) zrow[k] = zt + k * M;
+    dot_table(n, v, t * d, S, qrows, 0, d, zrow);
+    for (int k = 0; k < S; ++k)
+      for (int i = 0; i < n; ++i) zt[k * M + i] *= inv[(int64_t)i * T + t];
     if (has_null)
       for (int k = 0; k < S; ++k) zt[k * M + n] = null_logit[k];
     for (int k = 0; k < S; ++k) {
@@ -360,12 +398,21 @@ void group_old_backward(int64_t T, int64_t d, int n, int S, const float *const *
     float gsum[unit ? d : 1];
     const int64_t t1 = (blk + 1) * TB < T ? (blk + 1) * TB : T;
     for (int64_t t = blk * TB; t < t1; ++t) {
+      /* <G_k, v_i> for the routers with a gradient, in one table */
+      const float *gt[S];
+      float *dzrow[S];
+      int ng = 0;
+      for (int k = 0; k < S; ++k)
+        if (G[k]) {
+          gt[ng] = G[k] + t * d;
+          dzrow[ng++] = dz + k * M;
+        }
+      dot_table(n, v, t * d, ng, gt, 0, d, dzrow);
       for (int k = 0; k < S; ++k) {
         const float *gk = G[k] ? G[k] + t * d : NULL;
         const float wk = w[(int64_t)k * T + t];
         float s = 0.0f;
         if (gk) {
-          dots(gk, v, t * d, n, d, dz + k * M);
           for (int i = 0; i < n; ++i) dz[k * M + i] *= wk;
           if (has_null) dz[k * M + n] = wk * dot(gk, null_value + (int64_t)k * d, d);
         } else {
@@ -529,7 +576,9 @@ void group_merge_backward(int64_t T, int64_t d, int k, const float *grad, const 
     for (int64_t t = blk * TB; t < t1; ++t) {
       const float *restrict g = grad + t * d;
       float s = 0.0f;
-      dots(g, rows, t * d, k + 1, d, dl);
+      const float *grow = g;
+      float *dlrow = dl;
+      dot_table(k + 1, rows, t * d, 1, &grow, 0, d, &dlrow);
       for (int j = 0; j <= k; ++j) {
         const float dj = dl[j];
         da_out[(int64_t)j * T + t] = dj;
