@@ -515,6 +515,32 @@ def test_old_pass_kernel_adds_a_received_share(mode):
         assert torch.allclose(outs[1][i] - outs[0][i], _share_of(share, i, values[i]), rtol=1e-5, atol=1e-4)
 
 
+def test_old_pass_logits_have_the_same_bits_in_any_tile():
+    """The C old pass takes its dot products in tiles of up to four sources by three queries (csrc: dot_table); a
+    logit z_ki depends on its pair of rows only, with the same bits whichever tile, group or set of sources
+    computes it (the parallel layouts cut the groups differently). hidden 72: a chunk of 64 columns and a tail."""
+    T, d, n, S = 9, 72, 7, 5
+    gen = torch.Generator().manual_seed(11)
+    values = [torch.randn(T, d, generator=gen) for _ in range(n)]
+    Q = torch.randn(S, d, generator=gen) * 0.3
+    lib = group_kernels.load()
+
+    def logits(ks, a, b):
+        m, s = b - a, len(ks)
+        z = torch.empty(s, m, T)
+        group_kernels.old_forward(lib, values[a:b], Q[ks], 1e-6, None, None, torch.empty(m, T), z,
+                                  torch.empty(s, m, T), torch.empty(s, T), torch.empty(s, T, d), None)
+        return z
+
+    full = logits(list(range(S)), 0, n)
+    expect = torch.stack([torch.stack([(values[i] * Q[k]).sum(-1, dtype=torch.float64)
+                                       / values[i].double().pow(2).mean(-1).add(1e-6).sqrt() for i in range(n)])
+                          for k in range(S)])
+    assert torch.allclose(full.double(), expect, rtol=1e-5, atol=1e-5)
+    for ks, a, b in [([0], 0, n), ([4], 0, n), ([1, 2], 0, 5), ([3, 4, 0], 2, 7), ([2], 6, 7), ([0, 1, 2, 3], 1, 4)]:
+        assert torch.equal(logits(ks, a, b), full[ks, a:b]), (ks, a, b)
+
+
 def test_deferred_shares_settle_where_no_merge_adds_them():
     """A merge on the kernels defers each older in-group source's share of its gradient, w G + c q + e v, to the
     merge of the source's next router (group_router._Sink.pending). Where that merge does not run (its router's u
