@@ -20,7 +20,7 @@ enum { TB = 64 };
  * loaded once per chunk for up to four outputs). vf is GCC/Clang's generic vector of VL floats (the compiler maps it
  * onto whatever vector unit -march=native finds); a chunk at the end of a row narrower than CW is loaded into
  * zero-padded vectors and stored back element by element. Every output element gets exactly the operations, in
- * the order, that a scalar loop over the rows would give it: the same bits as before the blocking. */
+ * the order, that a scalar loop over the rows would give it: the blocking changes no bit. */
 typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
 enum { VL = 16, CW = 2 * VL, BLOCK = 4 };
 
@@ -112,12 +112,12 @@ static inline __attribute__((always_inline)) void tile(const int IA, const int J
 }
 
 #define TILE_CASE(IA, JB) \
-  case (IA) * 4 + (JB): tile(IA, JB, d, a, aoff, b, boff, out); break;
+  case (IA) * (TILE_B + 1) + (JB): tile(IA, JB, d, a, aoff, b, boff, out); break;
 
 /* tile() for IA = 1 .. 4, JB = 1 .. 3, each a compile-time shape */
 static void tile_any(int IA, int JB, int64_t d, const float *const *a, int64_t aoff, const float *const *b,
                      int64_t boff, float *const *out) {
-  switch (IA * 4 + JB) {
+  switch (IA * (TILE_B + 1) + JB) {
     TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3)
     TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3)
     default: break;
@@ -319,21 +319,20 @@ void group_old_forward(int64_t T, int64_t d, int n, int S, const float *const *v
   for (int k = 0; k < S; ++k) qrows[k] = Q + (int64_t)k * d;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < T; ++t) {
-    float zt[S * M];
+    float zt[S * M], ivt[n > 0 ? n : 1];
     for (int i = 0; i < n; ++i) {
       const float *restrict vi = v[i] + t * d;
       float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t c = 0; c < d; ++c) ss += vi[c] * vi[c];
-      const float iv = 1.0f / sqrtf(ss / (float)d + eps);
-      inv[(int64_t)i * T + t] = iv;
+      ivt[i] = inv[(int64_t)i * T + t] = 1.0f / sqrtf(ss / (float)d + eps);
     }
     /* z_ki = <v_i, Q_k> inv_i */
     float *zrow[S];
     for (int k = 0; k < S; ++k) zrow[k] = zt + k * M;
     dot_table(n, v, t * d, S, qrows, 0, d, zrow);
     for (int k = 0; k < S; ++k)
-      for (int i = 0; i < n; ++i) zt[k * M + i] *= inv[(int64_t)i * T + t];
+      for (int i = 0; i < n; ++i) zt[k * M + i] *= ivt[i];
     if (has_null)
       for (int k = 0; k < S; ++k) zt[k * M + n] = null_logit[k];
     for (int k = 0; k < S; ++k) {
