@@ -182,6 +182,27 @@ def test_router_kernels_auto_without_a_compiler_warns(tmp_path):
     assert "--delta-router-kernels torch" in err, err
 
 
+def test_one_process_launch_binds_no_port(tmp_path):
+    """A plain `python pretrain_gpt.py` (no launcher) is a one-process world that meets in memory: it binds no port,
+    so a port that another process takes after it was found free does no harm (a TCP store on it failed with
+    EADDRINUSE)."""
+    code = ("import runpy, socket, sys\n"
+            "import megatron_delta.platform.distributed as d\n"
+            "taken = socket.socket()\n"
+            "taken.bind(('127.0.0.1', 0))\n"
+            "taken.listen()\n"
+            "d.free_port = lambda: taken.getsockname()[1]  # found free, then taken\n"
+            f"sys.argv = ['pretrain_gpt.py'] + {TINY + MOCK!r}\n"
+            f"runpy.run_path({os.path.join(REPO, 'pretrain_gpt.py')!r}, run_name='__main__')\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[after training is done]" in p.stdout, p.stdout[-2000:]
+
+
 # ---------------------------------------------------------------- start-up checks of paths and argparse errors
 def test_argparse_error_without_megatron_usage(capsys):
     """argparse's own error (a bad choice): a short usage and the error line, not the usage of ~850 flags."""

@@ -136,11 +136,13 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 
 
 def _ensure_env():
-    """A plain `python` launch is a one-process world (env:// needs an address)."""
+    """A plain `python` launch is a one-process world (env:// needs an address). Returns the store it meets in
+    (None: the launcher's rendezvous at MASTER_ADDR:MASTER_PORT)."""
     import torch
 
+    global _OWN_ADDRESS
     if torch.distributed.is_initialized():
-        return
+        return None
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         from megatron_delta.platform.distributed import free_port
 
@@ -149,6 +151,15 @@ def _ensure_env():
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
+        _OWN_ADDRESS = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    if (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == _OWN_ADDRESS and os.environ.get("WORLD_SIZE") == "1":
+        # In memory, not a TCP store on that port: a port found free can be taken by another process on this host
+        # before the store binds it (EADDRINUSE), and one process has no one to meet.
+        return torch.distributed.HashStore()
+    return None
+
+
+_OWN_ADDRESS = None  # the (MASTER_ADDR, MASTER_PORT) _ensure_env set for a one-process world
 
 
 def _save_initial_model(run: RunHooks):
@@ -251,7 +262,7 @@ def run(args) -> None:
         line = set_cpu_allocator(args.delta_cpu_allocator)
         if args.rank == 0:
             print(" " + line, flush=True)
-    _ensure_env()
+    one_process_store = _ensure_env()
     try:
         if args.tokenizer_type == "SentencePieceTokenizer":
             from megatron_delta.data.tokenizers import _check_sentencepiece_model
@@ -263,7 +274,7 @@ def run(args) -> None:
         with RunHooks(args) as hooks:
             global LAST_RUN
             LAST_RUN = hooks  # the model and optimizer of the last run (tests look at them)
-            store = _elastic_attempt_store(args)
+            store = _elastic_attempt_store(args) or one_process_store
             kwargs = _p2p_kwargs(args, store)
             # --exit-duration-in-mins counts from this run's start (upstream's clock starts at import)
             mt.set_startup_timestamps(program_start=time.time())
