@@ -20,6 +20,9 @@ from megatron_delta.perf.shapes import SHAPES as MODEL_SHAPES
 
 NO_GPU_EXIT = 2
 TARGETS = {("8B", DELTA_BLOCK): (0.95, 1.10), ("1B", DELTA): (0.85, None)}
+# K of every block-mode run, passed explicitly: the targets are the paper's K = 4, so every layer count here
+# (the 8B slice's, the 1B shape's 28, the parity and training models' 4) is a multiple of it.
+NUM_BLOCKS = 4
 # (c)'s tokens/s targets where they are set per GPU (the router at the memory floor: delta_block at the 8B shape,
 # delta at 1B); other GPUs take TARGETS'.
 GPU_TOKENS_TARGETS = {"H100": {("8B", DELTA_BLOCK): 0.95, ("1B", DELTA): 0.83},
@@ -33,9 +36,7 @@ def target(gpu, shape_name, mode):
     if t is None:
         return None
     return GPU_TOKENS_TARGETS.get(gpu, {}).get((shape_name, mode), t[0]), t[1]
-# K of every block-mode run, passed explicitly: the targets are the paper's K = 4, so every layer count here
-# (the 8B slice's, the 1B shape's 28, the parity and training models' 4) is a multiple of it.
-NUM_BLOCKS = 4
+
 
 # Local-spec parameter names -> TE-spec names (TE fuses the sublayer input norms into the linears).
 FUSED_NORM_NAMES = {

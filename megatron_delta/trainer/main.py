@@ -135,6 +135,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     return args
 
 
+_OWN_ADDRESS = None  # the (MASTER_ADDR, MASTER_PORT) _ensure_env set for a one-process world
+
+
 def _ensure_env():
     """A plain `python` launch is a one-process world (env:// needs an address). Returns the store it meets in
     (None: the launcher's rendezvous at MASTER_ADDR:MASTER_PORT)."""
@@ -158,8 +161,6 @@ def _ensure_env():
         return torch.distributed.HashStore()
     return None
 
-
-_OWN_ADDRESS = None  # the (MASTER_ADDR, MASTER_PORT) _ensure_env set for a one-process world
 
 
 def _save_initial_model(run: RunHooks):
