@@ -474,21 +474,46 @@ def _share_of(share, i, value):
             + share.C[:, i].t() @ share.Q)
 
 
-def test_old_shares_settle_where_no_old_pass_adds_them():
+@pytest.mark.parametrize("shape", [(6, 4), (3, 2, 4)], ids=["rows", "seq-batch"])
+def test_old_shares_settle_where_no_old_pass_adds_them(shape):
     """A group's old pass on the kernels defers its share of the gradients of the previous group's older sources to
     that group's old pass (group_router.OldShare on _Sink.old). Where that pass does not add it (it did not run),
-    the source's _Collect adds it on PyTorch ops, so none is lost: the gradient is the one given plus the share."""
-    T, d = 5, 4
+    the source's _Collect adds it on PyTorch ops, so none is lost: the gradient is the one given plus the share.
+    The sources and the routers' output gradients in the share come as [T, d] rows or, as the Triton kernels
+    leave them (no view op per call), in the sources' own [s, b, d] shape."""
+    d = shape[-1]
+    T = torch.Size(shape).numel() // d
     gen = torch.Generator().manual_seed(4)
-    value = torch.randn(T, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
     sink = group_router._Sink()
     alias = group_router._Collect.apply(value, sink)
-    share = _old_share(gen, 3, 3, T, d, torch.float64)
+    rows = _old_share(gen, 3, 3, T, d, torch.float64)
+    share = rows._replace(grads=tuple(g.reshape(shape) for g in rows.grads))
     sink.old = (share, 1)
-    given = torch.randn(T, d, generator=gen, dtype=torch.float64)
+    given = torch.randn(*shape, generator=gen, dtype=torch.float64)
     grad, = torch.autograd.grad(alias, value, given)
-    assert torch.allclose(grad, given + _share_of(share, 1, value.detach()), rtol=0, atol=1e-12)
+    want = given + _share_of(rows, 1, value.detach().reshape(T, d)).reshape(shape)
+    assert grad.shape == value.shape and torch.allclose(grad, want, rtol=0, atol=1e-12)
     assert sink.old is None
+
+
+def test_old_pass_settles_a_share_its_kernel_cannot_read():
+    """An old pass whose kernel cannot read the next group's share (group_router._received with kernel_reads
+    false: say the share's gradients are in another dtype) settles it on PyTorch ops into each source's sink, also
+    where its sources come in their [s, b, d] shape (on the Triton kernels: no view op per call)."""
+    s_, b, d, n = 3, 2, 4, 3
+    T = s_ * b
+    gen = torch.Generator().manual_seed(6)
+    share = _old_share(gen, n, 2, T, d, torch.float64)
+    values = [torch.randn(s_, b, d, generator=gen, dtype=torch.float64) for _ in range(n)]
+    sinks = [group_router._Sink() for _ in range(n)]
+    for i, sink in enumerate(sinks):
+        sink.old = (share, i)
+    got = group_router._received(sinks, [True] * n, values, [v.dtype for v in values], lambda sh: False)
+    assert got is None
+    for i, sink in enumerate(sinks):
+        assert sink.old is None and sink.grad.shape == (T, d)
+        assert torch.allclose(sink.grad, _share_of(share, i, values[i].reshape(T, d)), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", [1, 0, 2])

@@ -23,9 +23,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # closed form (2 modes), 6 models of 4 blocks with the deferred passes (2 modes x no recompute / 2 recompute cuts),
 # 4 two-stage pipelines (2 modes x 2 cuts), the group router on its kernels and its counted traffic (5
 # configurations each), the group router's counted traffic in bf16 (2 modes), gpu_check's rate with the partial sums,
-# one table copy per launch (2 modes), gpu_check's host time per router call and its kernel times, delta on one
-# router per pass with x's gradient seeding its sinks
-INTERPRETER_CASES = 66
+# one table copy per launch (2 modes), gpu_check's host time per router call and its kernel times, no view op per
+# source (3 routers), delta on one router per pass with x's gradient seeding its sinks
+INTERPRETER_CASES = 69
 
 
 def test_interpreter_cases():

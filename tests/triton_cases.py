@@ -214,6 +214,19 @@ def test_gpu_check_host_time(interpreter):
     assert all(v.data_ptr() % 16 == 0 for v in kept + sent)
 
 
+@pytest.mark.parametrize("mode, group", [("delta", 2), ("delta", 1), ("delta_block", 1)])
+def test_no_view_op_per_source(interpreter, mode, group):
+    """A router call on the kernels hands them its sources, output gradients, base and partial sums in their own
+    [s, b, d] shape where they are contiguous (the kernels read addresses: triton_router.kernel_rows) and makes u
+    and its gradients in that shape: no view op per source read, so the host's view ops per router call do not
+    grow with depth. The routed stream at 4 and 8 layers (the group router in groups of 2: each old pass reads
+    every older source), PyTorch's ops counted (perf.host_work)."""
+    from megatron_delta.perf import host_work
+
+    views = {layers: host_work.per_call(mode, layers, "triton", group, reps=1)["views"] for layers in (4, 8)}
+    assert views[8] <= views[4], views
+
+
 def test_gpu_check_kernel_times(interpreter):
     """gpu_check's (k) in the dry run: the routed streams at the (dry) 1B shape's width and depth on the kernels, and
     each router kernel's counted bytes - exactly the traffic records it maps (KERNEL_OF_RECORD), none dropped: the

@@ -304,10 +304,9 @@ class _Collect(torch.autograd.Function):
         sink = ctx.sink
         if sink.pending or sink.old is not None:  # shares no pass reached: a merge or old pass without a gradient
             value, = ctx.saved_tensors
-            flat = value.reshape(-1, value.shape[-1])
             if sink.old is not None:
-                _settle_old(sink, flat, value.dtype)
-            _settle_pending(sink, flat, value.dtype)
+                _settle_old(sink, value, value.dtype)
+            _settle_pending(sink, value, value.dtype)
         acc, seeded = (sink.grad, False) if sink.grad is not None else (sink.seed, True)
         sink.grad = sink.seed = None
         if acc is None:
@@ -421,12 +420,13 @@ def _sink_add(sink: _Sink, grad: Tensor, dtype: torch.dtype, kernel: str) -> Non
 
 def _settle_pending(sink: _Sink, value: Tensor, dtype: torch.dtype) -> None:
     """The deferred in-group shares of a source's gradient (``sink.pending``) on PyTorch ops, into the sink: where
-    the merge that adds them in its pass did not run or ran on PyTorch ops. ``value``: the source [T, d]."""
+    the merge that adds them in its pass did not run or ran on PyTorch ops. ``value``: the source, [T, d] or in its
+    own shape (as the Triton kernels leave it: no view op per call); the shares' output gradients likewise."""
     pending, sink.pending = sink.pending, []
     if not pending:
         return
     cdt = pending[0].coef.dtype
-    vf = _as(value, cdt)
+    vf = _as(value.reshape(-1, value.shape[-1]), cdt)
     _record_cast("group_merge", "backward", value, vf)
     gv = torch.mul(vf, sum(x.row(2) for x in pending).unsqueeze(1))
     traffic.record("group_merge", "backward", [vf], [gv])
@@ -439,18 +439,19 @@ def _settle_pending(sink: _Sink, value: Tensor, dtype: torch.dtype) -> None:
 
 def _settle_old(sink: _Sink, value: Tensor, dtype: torch.dtype) -> None:
     """A deferred old-pass share of a source's gradient (``sink.old``, :class:`OldShare`) on PyTorch ops, into the
-    sink: where the old pass that adds it in its kernel did not run or runs on PyTorch ops. ``value``: [T, d]."""
+    sink: where the old pass that adds it in its kernel did not run or runs on PyTorch ops. ``value``: the source,
+    [T, d] or in its own shape, and the share's output gradients likewise (as :func:`_settle_pending`)."""
     share, i = sink.old
     sink.old = None
     cdt = share.E.dtype
-    vf = _as(value, cdt)
+    vf = _as(value.reshape(-1, value.shape[-1]), cdt)
     _record_cast("group_old_pass", "backward", value, vf)
     gv = torch.mul(vf, share.E[i].unsqueeze(1))
     traffic.record("group_old_pass", "backward", [vf], [gv])
     gv.addmm_(share.C[:, i].t(), share.Q)
     traffic.record("group_old_pass", "backward", [gv], [gv])
     for k, Gk in enumerate(share.grads):
-        gv.addcmul_(_as(Gk, cdt), share.A[k, i].unsqueeze(1))
+        gv.addcmul_(_as(Gk.reshape(gv.shape), cdt), share.A[k, i].unsqueeze(1))
         traffic.record("group_old_pass", "backward", [gv, Gk], [gv])
     _sink_add(sink, gv, dtype, "group_old_pass")
 
@@ -487,6 +488,14 @@ def _once(tensors: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
 
 
 TRITON = "triton"  # _kernel_lib's answer for the Triton kernels (triton_group_kernels.py)
+
+
+def _kernel_rows(tensors: Sequence[Tensor], T: int, d: int) -> List[Tensor]:
+    """What the Triton kernels read of [.., d] tensors (triton_router.kernel_rows: a contiguous tensor as it is,
+    whatever its shape - no view op per tensor and call); only where a pass runs on them (a lazy import)."""
+    from megatron_delta.core.triton_router import kernel_rows
+
+    return kernel_rows(tensors, T, d)
 
 
 def _kernel_lib(kernels: str, tensors: Sequence[Optional[Tensor]], others: Sequence[Optional[Tensor]] = ()):
@@ -533,7 +542,9 @@ class _OldPass(torch.autograd.Function):
         T = v0.numel() // d
         cdt = _compute_dtype(*(v.dtype for v in values), *(q.dtype for q in queries))
         m = n + int(has_null)
-        flat = [v.reshape(T, d) for v in values]
+        triton = lib == TRITON and cdt == torch.float32
+        # the Triton kernels read addresses: a contiguous source as it is, no view op per source and call
+        flat = _kernel_rows(values, T, d) if triton else [v.reshape(T, d) for v in values]
         Q = torch.stack([_as(q, cdt) for q in queries])  # [S, d]
         nv = torch.stack([_as(z, cdt) for z in null_values]) if has_null else None  # [S, d]
         nl = torch.stack([_as(z, cdt).reshape(()) for z in null_logits]) if has_null else None  # [S]
@@ -543,11 +554,11 @@ class _OldPass(torch.autograd.Function):
         # X in the sources' dtype: the merges add it to u in fp32 and nothing differentiates through it (x's gradient
         # reaches the sources through the old pass's unit term), so a bf16 X moves half the bytes of an fp32 one
         x = torch.empty(T, d, dtype=v0.dtype, device=v0.device) if unit else None
-        u0 = torch.empty(T, d, dtype=v0.dtype, device=v0.device) if first_u and lib is not None else None
-        if lib == TRITON and cdt == torch.float32:
+        u0 = (torch.empty(v0.shape if triton else (T, d), dtype=v0.dtype, device=v0.device)
+              if first_u and lib is not None else None)  # on Triton in the sources' shape: route() views it not
+        if triton:
             from megatron_delta.core import triton_group_kernels
 
-            flat = [f.contiguous() for f in flat]
             p, lse = torch.empty_like(z), torch.empty(S, T, dtype=cdt, device=v0.device)
             triton_group_kernels.old_forward(flat, Q, eps, nl, nv, inv, z, p, lse, r, x, u0)
         elif lib is not None and cdt == torch.float32 and v0.dtype == torch.float32:
@@ -614,7 +625,6 @@ class _OldPass(torch.autograd.Function):
         has_null = nv is not None
         d = values[0].shape[-1]
         T = inv.shape[1]
-        flat = [v.reshape(T, d) for v in values]
         ks = sorted(stash)
         if all(g is not None and g.dtype == cdt for g in grad_lse):
             dlse = torch.stack(grad_lse)  # one op where every router's lse has a gradient (the usual case)
@@ -625,7 +635,7 @@ class _OldPass(torch.autograd.Function):
                     dlse[k] = g
         lib = ctx.lib
         if lib == TRITON and len({stash[k][0].dtype for k in ks}) <= 1:  # the kernel reads G in its own dtype
-            G = [stash[k][0].reshape(T, d).contiguous() for k in ks]
+            G = _kernel_rows([stash[k][0] for k in ks], T, d)
         else:
             lib = None if lib == TRITON else lib
             G = [_as(stash[k][0].reshape(T, d), cdt) for k in ks]  # each router's output gradient
@@ -638,6 +648,7 @@ class _OldPass(torch.autograd.Function):
         needs_v = [ctx.needs_input_grad[8 + i] and ctx.sinks[i] is not None for i in range(n)]
         if lib is not None and lib != TRITON and not all(t.dtype == torch.float32 and t.is_contiguous() for t in G):
             lib = None
+        flat = _kernel_rows(values, T, d) if lib == TRITON else [v.reshape(T, d) for v in values]
         # the next group's deferred share of these sources' gradients: added by the kernel as it writes the sinks
         g_dtype = G[0].dtype if G else values[0].dtype
         kernel_reads = None if lib is None else (
@@ -656,7 +667,6 @@ class _OldPass(torch.autograd.Function):
             if lib == TRITON:
                 from megatron_delta.core import triton_group_kernels
 
-                flat = [f.contiguous() for f in flat]
                 dq, dnull = triton_group_kernels.old_backward(G, ks, w, dlse, flat, inv, z, p, Q, nv, outs, unit, dz,
                                                               received)
             else:
@@ -760,18 +770,23 @@ class _Merge(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         T, d = r.shape
         cdt = r.dtype
-        flat = [v.reshape(T, d) for v in values]
-        flat_base = None if base is None else base.reshape(T, d)
+        triton = lib == TRITON and cdt == torch.float32
+        if triton:  # the Triton kernel reads addresses: a contiguous tensor as it is, no view op per source and call
+            flat = _kernel_rows(values, T, d)
+            flat_base = None if base is None else _kernel_rows([base], T, d)[0]
+        else:
+            flat = [v.reshape(T, d) for v in values]
+            flat_base = None if base is None else base.reshape(T, d)
         g = None if gate is None else _as(gate, cdt)
         inv = torch.empty(k, T, dtype=cdt, device=r.device)
         zin = torch.empty(k, T, dtype=cdt, device=r.device)
         a = torch.empty(1 + k, T, dtype=cdt, device=r.device)
-        if lib == TRITON and cdt == torch.float32:
+        if triton:
             from megatron_delta.core import triton_group_kernels
 
-            flat = [f.contiguous() for f in flat]
-            flat_base = None if flat_base is None else flat_base.contiguous()
-            out = torch.empty(T, d, dtype=out_dtype, device=r.device)
+            like = base if base is not None else values[0] if values else None
+            # u in the sources' shape where one is at hand: route() views it not
+            out = torch.empty(like.shape if like is not None else (T, d), dtype=out_dtype, device=r.device)
             triton_group_kernels.merge_forward(r, lse, x, flat_base, gate, _as(query, cdt), flat, eps, unit, inv,
                                                zin, a, out)
         elif lib is not None and lib != TRITON and cdt == torch.float32 and out_dtype == torch.float32:
@@ -821,16 +836,18 @@ class _Merge(torch.autograd.Function):
         k, unit, cdt = ctx.k, ctx.unit, ctx.cdt
         r, gate, query, inv, zin, a, *values = ctx.saved_tensors
         T, d = r.shape
-        flat = [v.reshape(T, d) for v in values]
-        grad = grad_out.reshape(T, d)
+        lib = ctx.lib
+        if lib == TRITON:  # the kernel reads addresses: a contiguous tensor as it is, no view op per source and call
+            flat = _kernel_rows(values, T, d)
+            grad = _kernel_rows([grad_out], T, d)[0]
+        else:
+            flat = [v.reshape(T, d) for v in values]
+            grad = grad_out.reshape(T, d)
         g = None if gate is None else _as(gate, cdt)
         gf = 1.0 if g is None else g
         needs = ctx.needs_input_grad
         q = _as(query, cdt)
-        lib = ctx.lib
-        if lib == TRITON:
-            grad = grad.contiguous()
-        elif lib is not None and not (grad.dtype == torch.float32 and grad.is_contiguous()):
+        if lib is not None and lib != TRITON and not (grad.dtype == torch.float32 and grad.is_contiguous()):
             lib = None
         targets = [_target(ctx.sinks[i], needs[14 + i]) for i in range(k)]
         needed = [i for i, (t, fresh, seed) in enumerate(targets) if t is not None or fresh or seed is not None]
@@ -856,7 +873,7 @@ class _Merge(torch.autograd.Function):
             if lib == TRITON:
                 from megatron_delta.core import triton_group_kernels
 
-                dq = triton_group_kernels.merge_backward(grad, r, gate, q, [f.contiguous() for f in flat], inv, zin,
+                dq = triton_group_kernels.merge_backward(grad, r, gate, q, flat, inv, zin,
                                                          a, unit, target, later, coef, da, dlog)
             else:
                 group_kernels.merge_backward(lib, grad, r, 1.0 if g is None else float(g), q, flat, inv, zin, a,
@@ -1080,7 +1097,8 @@ class GroupRouting:
                 u, w = _Merge.apply(k, like.dtype, buf.eps, unit, lib, [s for _, s in inside], grp.stash, k,
                                     grp.r[k], grp.lse[k], grp.x if unit else None, base, gate, buf.query(router),
                                     *[v for v, _ in inside])
-        u = u.view(values[0].shape)
+        if u.shape != values[0].shape:
+            u = u.view(values[0].shape)
         if key == b - 1:
             self._group = None
         alpha = None

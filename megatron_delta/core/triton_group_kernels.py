@@ -389,9 +389,10 @@ def old_forward(values: Sequence[Tensor], Q: Tensor, eps: float, null_logits: Op
                 x: Optional[Tensor], u0: Optional[Tensor] = None) -> None:
     """The old pass (as group_kernels.old_forward): values n x [T, d] (contiguous, one dtype), Q [S, d] fp32,
     null [S] and [S, d] (or None); writes inv [n, T], z and p [S, M, T], lse [S, T], r [S, T, d] and x [T, d];
-    with ``u0`` (group_router._OldPass's first_u) r holds r_1 .. r_{S-1} and u0 = r_0 (+ x) in its dtype."""
+    with ``u0`` (group_router._OldPass's first_u) r holds r_1 .. r_{S-1} and u0 = r_0 (+ x) in its dtype. A
+    contiguous tensor may have any shape of T x d elements (the kernel reads addresses)."""
     fwd = load()[0]
-    T, d = values[0].shape
+    T, d = inv.shape[1], values[0].shape[-1]
     S = Q.shape[0]
     has_null = null_values is not None
     bt, sp, bd, warps = _tile(d, S)
@@ -415,9 +416,9 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
     """The old pass's backward (as group_kernels.old_backward; G[j]: router ks[j]'s output gradient, one dtype,
     contiguous; ``received``: the next group's deferred share, its output gradients in G's dtype). Returns the
     query gradients [S, d] and, with a null source, the null values' [S, d] (else None):
-    the sums of the programs' partials, no buffer filled by a copy."""
+    the sums of the programs' partials, no buffer filled by a copy. Shapes as :func:`old_forward`'s."""
     bwd = load()[1]
-    T, d = values[0].shape
+    T, d = inv.shape[1], values[0].shape[-1]
     S = Q.shape[0]
     bt, sp, bd, warps = _tile(d, S)
     programs = triton_router.reducing_programs(_cdiv(T, bt), values[0].device)

@@ -58,7 +58,8 @@ from megatron_delta.core import cpu_kernels, traffic
 
 __all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check", "interpreting",
            "device_ok", "fallback_reason", "KernelSink", "make_sink", "BlockDeferral", "DeferredSink", "defers",
-           "defer_block", "route", "route_router", "call_rows", "device_tables", "TOKENS_PER_PROGRAM"]
+           "defer_block", "route", "route_router", "call_rows", "device_tables", "kernel_rows",
+           "TOKENS_PER_PROGRAM"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL = "triton_route"  # the name the kernels' calls are recorded under (traffic.py)
@@ -372,6 +373,8 @@ def device_tables(*tables: Sequence[int], device) -> List[Tensor]:
         buf = torch.tensor(flat or [0], dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
     else:
         buf = torch.tensor(flat or [0], dtype=torch.int64, device=device)
+    if len(tables) == 1 and flat:
+        return [buf]  # one table: the buffer itself, no view op
     return list(buf.split_with_sizes(sizes)) if flat else [buf[:0] for _ in tables]  # one op for all the views
 
 
@@ -393,10 +396,10 @@ def addresses(tensors: Sequence[Optional[Tensor]], fill: int = 0) -> List[int]:
     return [fill if t is None else t.data_ptr() for t in tensors]
 
 
-def _rows(tensors: Sequence[Tensor], rows: int, d: int) -> List[Tensor]:
+def kernel_rows(tensors: Sequence[Tensor], rows: int, d: int) -> List[Tensor]:
     """The kernels' view of a list of same-dtype [.., d] tensors: row-major [rows, d] memory (a contiguous tensor
     as it is, whatever its shape; a copy only where it is strided); a kernel indexes their addresses (a pointer
-    table) by source."""
+    table) by source. Shared with the group router's Triton kernels (triton_group_kernels.py)."""
     return [t if t.is_contiguous() else t.reshape(rows, d).contiguous() for t in tensors]  # no view op per call
 
 
@@ -495,7 +498,7 @@ class BlockDeferral:
         grads = [g if g.dtype == gdt else g.to(gdt) for g, _, _ in stash]
         coefs = [c for _, c, _ in stash]  # [3, C, T] fp32 each
         queries = torch.stack([q for _, _, q in stash])  # [R, d] fp32
-        flat = _rows(self.values, rows, d)
+        flat = kernel_rows(self.values, rows, d)
         flags, accs = [], []  # accs: what a target adds to: the buffer itself, or x's seed (read, not written)
         for sink in self.sinks:  # the first writer to reach the sink makes the buffer (assigned, or seed + share)
             seed = sink.seed if sink.grad is None else None
@@ -576,12 +579,13 @@ class _TritonRoute(torch.autograd.Function):
         d = v0.shape[-1]
         rows = v0.numel() // d
         dev = v0.device
-        flat = _rows(values, rows, d)
+        flat = kernel_rows(values, rows, d)
         ptrs, = device_tables(addresses(flat), device=dev)
-        flat_base = None if base is None else base.reshape(rows, d).contiguous()
+        # the kernel reads addresses: tensors in their own shape where contiguous, no view op per call
+        flat_base = None if base is None else kernel_rows([base], rows, d)[0]
         has_null = null_value is not None
         m = n + int(has_null)
-        out = torch.empty(rows, d, dtype=out_dtype or v0.dtype, device=dev)
+        out = torch.empty(v0.shape, dtype=out_dtype or v0.dtype, device=dev)
         logits = torch.empty(m, rows, dtype=torch.float32, device=dev)
         inv = torch.empty(n, rows, dtype=torch.float32, device=dev)
         lse = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -591,8 +595,8 @@ class _TritonRoute(torch.autograd.Function):
         gf = None if gate is None else gate.detach().to(torch.float32).reshape(1)
         flat_addend = partial = None
         if addend is not None:
-            flat_addend = addend.reshape(rows, d).contiguous()
-            partial = torch.empty(rows, d, dtype=v0.dtype, device=dev)
+            flat_addend = kernel_rows([addend], rows, d)[0]
+            partial = torch.empty(v0.shape, dtype=v0.dtype, device=dev)
         bt, bd, warps = _tile(d)
         fwd[(_cdiv(rows, bt),)](
             ptrs, flat_base if flat_base is not None else out, out, q, zf if zf is not None else q,
@@ -611,11 +615,10 @@ class _TritonRoute(torch.autograd.Function):
         ctx.formed = addend is not None
         kept = list(values)
         if partial is not None:  # backward reads the formed partial (alive: its next reader keeps it), not its parts
-            partial = partial.view(v0.shape)
             kept[-1] = partial
         ctx.save_for_backward(gate, null_logit, null_value, query, alpha, inv, logits, *kept)
         ctx.mark_non_differentiable(alpha)
-        return out.view(v0.shape), alpha, partial
+        return out, alpha, partial
 
     @staticmethod
     def backward(ctx, grad_out, _grad_alpha, grad_partial):
@@ -628,11 +631,11 @@ class _TritonRoute(torch.autograd.Function):
         d = values[0].shape[-1]
         dev = values[0].device
         dtype = values[0].dtype
-        flat = _rows(values, rows, d)
+        flat = kernel_rows(values, rows, d)
         if grad_out is None:
             grad_out = torch.zeros(values[0].shape, dtype=torch.float32, device=dev)
-        grad = grad_out.reshape(rows, d).contiguous()
-        flat_gp = None if grad_partial is None or not ctx.formed else grad_partial.reshape(rows, d).contiguous()
+        grad = kernel_rows([grad_out], rows, d)[0]
+        flat_gp = None if grad_partial is None or not ctx.formed else kernel_rows([grad_partial], rows, d)[0]
         targets: List[Optional[Tensor]] = [None] * n
         flags = [0] * n
         slots = [-1] * n
@@ -648,8 +651,8 @@ class _TritonRoute(torch.autograd.Function):
                 else:
                     flags[i] = 2
                 targets[i] = sink.grad
-            elif needs[nv + i] or (ctx.formed and i == n - 1 and needs[10]):
-                grad_values[i] = targets[i] = torch.empty(rows, d, dtype=dtype, device=dev)
+            elif needs[nv + i] or (ctx.formed and i == n - 1 and needs[10]):  # in the value's shape: no view op
+                grad_values[i] = targets[i] = torch.empty(values[i].shape, dtype=dtype, device=dev)
                 flags[i] = 1
         sources = 0 if deferral is None else len(deferral.values)
         coef = None if deferral is None else torch.zeros(3, sources, rows, dtype=torch.float32, device=dev)  # w, c, e
@@ -688,7 +691,6 @@ class _TritonRoute(torch.autograd.Function):
         grad_base = None
         if ctx.base_dtype is not None and needs[5]:
             grad_base = grad_out.to(ctx.base_dtype)
-        grad_values = [None if gv is None else gv.view(values[i].shape) for i, gv in enumerate(grad_values)]
         grad_addend = grad_values[-1] if ctx.formed and needs[10] else None  # P' = P + v: one gradient for both
         if ctx.formed and not needs[nv + n - 1]:
             grad_values[-1] = None
