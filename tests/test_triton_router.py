@@ -275,12 +275,42 @@ def test_cuda_kernel_times_name_the_router_kernels():
         assert 0 < r["device_share"] <= 1.5  # profiled device time against the unprofiled wall time
 
 
+def test_floor_routers_route_nothing_but_pass_the_gradient():
+    """host_work.floor_routers (the host floor of a router call, tools/host_work.py's "floor" runs): inside it a
+    router call is one autograd node over the router's query and its newest source, u an uninitialised tensor of
+    the source's shape and dtype whose gradient goes to that source as it is; the query is made (its gradient
+    none); outside it the buffer routes again."""
+    from megatron_delta.core.router import DepthRouter
+    from megatron_delta.core.sources import SourceBuffer, SourcePlan
+    from megatron_delta.perf import host_work
+
+    plan = SourcePlan("delta", 2, 2, x_from_sources=True)
+    routers = [DepthRouter(8, null_source=False, gate=False, eps=1e-6, kernels="torch") for _ in range(4)]
+    h0 = torch.randn(3, 1, 8, requires_grad=True)
+    v = torch.randn(3, 1, 8, requires_grad=True)
+    g = torch.randn(3, 1, 8)
+
+    def second_input():
+        buf = SourceBuffer.start(plan, h0, 1e-6, readers=dict(enumerate(routers)))
+        buf.routed_input(0, routers[0])
+        buf.commit(0, 2 * v)  # sublayer 0's output, the newest source of sublayer 1
+        return buf.routed_input(1, routers[1])
+
+    with host_work.floor_routers():
+        u = second_input()
+        assert type(u.grad_fn).__name__ == "_FloorRouteBackward" and u.shape == v.shape and u.dtype == v.dtype
+        dv, dq = torch.autograd.grad(u, [v, routers[1].query], g, allow_unused=True)
+    assert dq is None and torch.equal(dv, 2 * g)
+    assert type(second_input().grad_fn).__name__ != "_FloorRouteBackward"
+
+
 def test_host_work_tool(tmp_path):
     """tools/host_work.py (the routers' host work on CPU, the proxy of a host-bound GPU step) at a small size: per
     router call one table copy per launch; delta on one router per pass launches its forward and backward and
     x's final sum once, on the group router each group's old pass twice, each router's merge twice (but a group's first
     router's: its u is the old pass's) and x's final sum once (group_router.auto_group_sizes' groups); the training
-    step of every mode against the baseline's, which launches no Triton kernel."""
+    step of every mode against the baseline's, which launches no Triton kernel, and of each mode with its router
+    calls at their host floor (host_work.floor_routers: none launches a kernel either)."""
     from megatron_delta.core import group_router
 
     pytest.importorskip("triton")
@@ -288,6 +318,7 @@ def test_host_work_tool(tmp_path):
     layers = 4
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools/host_work.py"), "--num-layers", "4",
                            "--stream-layers", str(layers), "--iters", "2", "--micro-batches", "2", "--reps", "1",
+                           "--rounds", "1",
                            "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -304,7 +335,9 @@ def test_host_work_tool(tmp_path):
     assert calls["delta", 1]["launches"] == pytest.approx(2 + 1 / routers)  # and x's final sum (its sinks seeded)
     merges = routers - len(groups)
     assert calls["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * merges + 1) / routers)
-    steps = {(r["mode"], r["group_size"]): r for r in result["step"]}
-    assert set(steps) == {("baseline", None), ("delta", "auto"), ("delta", 1), ("delta_block", None)}
-    assert steps["baseline", None]["ratio"] == 1.0 and steps["baseline", None]["launches_per_step"] == 0
-    assert all(r["launches_per_step"] > 0 and r["ratio"] > 0 for k, r in steps.items() if k[0] != "baseline")
+    steps = {(r["mode"], r["kernels"], r["group_size"]): r for r in result["step"]}
+    assert set(steps) == {("baseline", "-", None), ("delta", "triton", "auto"), ("delta", "triton", 1),
+                          ("delta_block", "triton", None), ("delta", "floor", None), ("delta_block", "floor", None)}
+    assert steps["baseline", "-", None]["ratio"] == 1.0 and steps["baseline", "-", None]["launches_per_step"] == 0
+    assert all(r["launches_per_step"] > 0 and r["ratio"] > 0 for k, r in steps.items() if k[1] == "triton")
+    assert all(r["launches_per_step"] == 0 and r["ratio"] > 0 for k, r in steps.items() if k[1] == "floor")

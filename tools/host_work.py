@@ -10,7 +10,9 @@ an H200: docs/performance.md, GPU figures), a router costs its host work, not it
   kernel launches, table copies, PyTorch ops (views, allocations, the rest: each of the rest a kernel launch on a
   GPU) - exact counts - and this CPU's host microseconds per call;
 - a training step of 8 micro-batches at a tiny width with L layers (Megatron's schedule, DDP and optimizer), each
-  mode's host time against the baseline's in the same run: the proxy of a host-bound GPU run.
+  mode's host time against the baseline's in the same run: the proxy of a host-bound GPU run; and each mode with
+  its router calls at their host floor ("floor": one autograd node per call, no kernel, no math), which leaves
+  the routed layers' own host work, so that the rest of the mode's ratio is its router calls'.
 
 The Triton kernels run under Triton's interpreter with their launches made no-ops (what is left is host work);
 this script sets TRITON_INTERPRET=1 before anything imports Triton. How: megatron_delta/perf/host_work.py. CPU
@@ -38,6 +40,8 @@ def parse(argv=None):
     p.add_argument("--modes", default="baseline,delta,delta_block")
     p.add_argument("--iters", type=int, default=6, help="training iterations per mode, the first not timed")
     p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of the training steps, in order then in reverse; each run's fastest iteration counts")
     p.add_argument("--reps", type=int, default=20, help="routed-stream rounds per timing")
     p.add_argument("--skip-step", action="store_true", help="only the per-call counts")
     p.add_argument("--output", default=None, help="JSON results")
@@ -48,6 +52,8 @@ def parse(argv=None):
         p.error(f"--modes: {', '.join(bad)} is not baseline or a routed mode ({', '.join(RESIDUAL_MODES)})")
     if o.iters < 2:
         p.error(f"--iters {o.iters}: at least 2 (the first iteration is not timed)")
+    if o.rounds < 1:
+        p.error(f"--rounds {o.rounds}: at least 1")
     if o.stream_layers < 1 or o.num_layers < 1:
         p.error("--num-layers and --stream-layers must be positive")
     blocks = [m for m in o.modes if m in BLOCK_MODES]
@@ -61,6 +67,7 @@ def main(argv=None):
     o = parse(argv)
     routed = [m for m in o.modes if m != BASELINE]
     runs = [(m, "triton", g) for m in routed for g in (("auto", 1) if m in GROUPED else (None,))]
+    floors = [(m, host_work.FLOOR, None) for m in routed]  # the step only: the router calls at their host floor
     result = {"per_call": [], "step": []}
     print(f"Per router call, routed stream of {o.stream_layers} layers (identity sublayers), Triton kernels under "
           "the interpreter, launches no-ops; counts are exact, us is this CPU's host time:")
@@ -74,8 +81,8 @@ def main(argv=None):
     if not o.skip_step:
         print(f"\nTraining step, {o.micro_batches} micro-batches, {o.num_layers} layers at hidden "
               f"{host_work.HOST_SHAPE['hidden']}, {host_work.HOST_SHAPE['seq']} tokens (host time; x baseline):")
-        result["step"] = host_work.step_ratios(runs, router_overrides, layers=o.num_layers, iters=o.iters,
-                                               micro_batches=o.micro_batches,
+        result["step"] = host_work.step_ratios(runs + floors, router_overrides, layers=o.num_layers, iters=o.iters,
+                                               micro_batches=o.micro_batches, rounds=o.rounds,
                                                progress=lambda line: print(line, flush=True))
     if o.output:
         with open(o.output, "w") as f:

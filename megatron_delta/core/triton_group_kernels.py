@@ -449,7 +449,7 @@ def old_backward(G: Sequence[Tensor], ks: Sequence[int], w: Tensor, dlse: Tensor
                      GDT=triton_router._tl_dtype(fill.dtype), BT=bt, BD=bd, STAGES=PIPELINE_STAGES,
                      num_warps=warps)
     triton_router.record_partials([part_q, part_null if has_null else None])
-    return part_q.sum(0)[:S, :d], part_null.sum(0)[:S, :d] if has_null else None
+    return triton_router.summed(part_q, S, d), triton_router.summed(part_null, S, d) if has_null else None
 
 
 def merge_forward(r: Tensor, lse: Tensor, x: Optional[Tensor], base: Optional[Tensor], gate: Optional[Tensor],
@@ -494,7 +494,7 @@ def merge_backward(grad: Tensor, r: Tensor, gate: Optional[Tensor], q: Tensor, v
                      DT=triton_router._tl_dtype(values[0].dtype if values else r.dtype),
                      GDT=triton_router._tl_dtype(grad.dtype), BT=bt, BD=bd, STAGES=PIPELINE_STAGES, num_warps=warps)
     triton_router.record_partials([part_q])
-    return part_q.sum(0)[:d]
+    return triton_router.summed(part_q, d)
 
 
 def final_sum(values: Sequence[Tensor], x: Tensor) -> None:

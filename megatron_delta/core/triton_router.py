@@ -58,7 +58,7 @@ from megatron_delta.core import cpu_kernels, traffic
 
 __all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check", "interpreting",
            "device_ok", "fallback_reason", "KernelSink", "make_sink", "BlockDeferral", "DeferredSink", "defers",
-           "defer_block", "route", "route_router", "call_rows", "device_tables", "kernel_rows",
+           "defer_block", "route", "route_router", "call_rows", "device_tables", "kernel_rows", "summed",
            "TOKENS_PER_PROGRAM"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -679,7 +679,7 @@ class _TritonRoute(torch.autograd.Function):
         record_partials([part_q, part_null if has_null else None])
         if deferral is not None:
             deferral.stash.append((grad, coef, q))
-        grad_query = part_q.sum(0)[:d].to(query.dtype) if needs[9] else None
+        grad_query = summed(part_q, d).to(query.dtype) if needs[9] else None
         grad_gate = grad_null_logit = grad_null_value = None
         if gate is not None and needs[6]:
             grad_gate = part_scalar[:, 0].sum().reshape(gate.shape).to(gate.dtype)
@@ -687,7 +687,7 @@ class _TritonRoute(torch.autograd.Function):
             if needs[7]:
                 grad_null_logit = part_scalar[:, 1].sum().reshape(null_logit.shape).to(null_logit.dtype)
             if needs[8]:
-                grad_null_value = part_null.sum(0)[:d].to(null_value.dtype)
+                grad_null_value = summed(part_null, d).to(null_value.dtype)
         grad_base = None
         if ctx.base_dtype is not None and needs[5]:
             grad_base = grad_out.to(ctx.base_dtype)
@@ -725,6 +725,13 @@ def reducing_programs(tiles: int, device) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def summed(parts: Tensor, *sizes: int) -> Tensor:
+    """The programs' partials [programs, padded sizes..] summed over the programs and cut to ``sizes``: no slice op
+    where nothing was padded (hidden sizes that are powers of two)."""
+    total = parts.sum(0)
+    return total if tuple(total.shape) == sizes else total[tuple(slice(0, n) for n in sizes)]
 
 
 def record_partials(parts: Sequence[Optional[Tensor]]) -> None:

@@ -697,7 +697,8 @@ def train(opts, env, mode, *, shape, overrides, fp8=None, kernels="fla", iters=N
            "precision": fp8 and f"fp8-hybrid-{fp8}" or ("fp32" if env.dry else "bf16"),
            "num_layers": fields["num_layers"],
            "num_blocks": fields["delta_num_blocks"], "micro_batches": micro_batches, "losses": losses,
-           "tokens_per_sec": tokens / sum(timed), "optimizer_ms": 1e3 * sum(opt_timed) / len(opt_timed),
+           "tokens_per_sec": tokens / sum(timed), "fb_ms": [1e3 * t for t in timed],
+           "optimizer_ms": 1e3 * sum(opt_timed) / len(opt_timed),
            "step_tokens_per_sec": tokens / (sum(timed) + sum(opt_timed)), "peak_mem_gib": env.peak_gib(),
            "resident_gib": resident_gib,
            "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], "moe": moe}

@@ -11,6 +11,9 @@ measurements, both in one process with TRITON_INTERPRET=1 set before Triton is i
   mode's time against the baseline's. It stands for a run whose GPU waits on its host: on the H200 at 1B,
   delta on the Triton kernels ran at 1 / 0.605 = 1.65x the baseline's step time, and this proxy gave 1.63x for
   the same build.
+- the same step with every router call replaced by its host floor (:func:`floor_routers`: one autograd node that
+  makes u, no kernel and no math): the routed layers' own host work (the source buffer, the queries) against the
+  baseline's, so that the rest of a mode's ratio is its router calls' own;
 - :func:`per_call`: the routed stream alone (identity sublayers, as gpu_check's (b2)), counted per router call:
   kernel launches, table copies (triton_router.device_tables: one pinned copy each on a GPU) and the PyTorch ops
   dispatched, split into views, allocations and the rest (on a GPU each of the rest is a kernel launch of its
@@ -26,8 +29,8 @@ from typing import Dict, List, Optional
 
 from megatron_delta.core.modes import BASELINE
 
-__all__ = ["noop_launches", "counted_launches", "per_call", "step_ratios", "host_runs", "host_time",
-           "HOST_SHAPE", "HOST_STREAM_LAYERS"]
+__all__ = ["noop_launches", "counted_launches", "floor_routers", "per_call", "step_ratios", "host_runs", "host_time",
+           "HOST_SHAPE", "HOST_STREAM_LAYERS", "FLOOR"]
 
 HOST_SHAPE = dict(hidden=32, ffn=64, heads=4, groups=2, seq=16)  # tiny: the GEMMs cost next to nothing
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
@@ -88,6 +91,38 @@ def counted_launches(counts: Optional[_Counts] = None):
 
     with _patched(JITFunction, "run", launch), _counting_tables(counts):
         yield counts
+
+
+FLOOR = "floor"  # step_ratios' kernels for a run whose router calls are replaced by floor_routers' one node each
+
+
+@contextlib.contextmanager
+def floor_routers():
+    """Every router call of a SourceBuffer replaced by the least a router call can cost the host: one autograd node
+    over the router's query and its newest source that returns an uninitialised u and, in backward, hands u's
+    gradient to that source (no kernel, no math, no bookkeeping, and none of the older sources among its inputs,
+    which a real router takes: a lower bound). The source buffer, its queries (q = w * g, one per router and
+    micro-batch) and the layers around them run as they do; undone on exit. A training step under it against the
+    baseline's is what the routed layers cost the host before their routers' own work."""
+    import torch
+
+    from megatron_delta.core.sources import SourceBuffer
+
+    class _FloorRoute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, query, newest):
+            return torch.empty_like(newest)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, grad
+
+    def route(self, key, router, *, base, apply_gate, base_sums):
+        names = self.plan.final_reads() if key == "final" else self.plan._reads(key)
+        return _FloorRoute.apply(self.query(router), self.value(names[-1]))
+
+    with _patched(SourceBuffer, "route", route):
+        yield
 
 
 @contextlib.contextmanager
@@ -193,30 +228,43 @@ def _uncopied_tables(device):
 
 
 def step_ratios(runs: List[tuple], overrides, layers: int = 28, iters: int = 3, warmup: int = 1,
-                micro_batches: int = 8, shape: Optional[Dict[str, int]] = None,
+                micro_batches: int = 8, shape: Optional[Dict[str, int]] = None, rounds: int = 2,
                 progress=print) -> List[Dict[str, float]]:
     """Host time of a training step (``micro_batches`` micro-batches' forward + backward, Megatron's schedule:
-    perf.gpu_check.train) per (mode, kernels, group size) of ``runs``, the baseline first, launches no-ops; each
-    with its ratio to the baseline and its launches per step. ``overrides``: the routers' optimizer group, as
-    gpu_check.train takes it (the trainer's router_overrides; this package never imports the trainer)."""
+    perf.gpu_check.train) per (mode, kernels, group size) of ``runs`` and the baseline, launches no-ops; each with
+    its ratio to the baseline and its launches per step. Kernels FLOOR: the router calls replaced by
+    :func:`floor_routers`. Each run's time is its fastest timed iteration over ``rounds`` rounds, the runs in
+    order, then in reverse, and so on (a shared CPU's load only ever adds time, and no run always comes first).
+    ``overrides``: the routers' optimizer group, as gpu_check.train takes it (the trainer's router_overrides;
+    this package never imports the trainer)."""
     from megatron_delta.perf import gpu_check
 
     shape = dict(HOST_SHAPE, **(shape or {}), layers=layers)
     opts = types.SimpleNamespace(dry_run=True, transformer_impl="local", vocab_size=64, iters=iters, lr=3e-3,
                                  no_fp8=True)
-    out, base = [], None
+    order = [(BASELINE, "-", None)] + [r for r in runs if r[0] != BASELINE]
+    best: Dict[tuple, float] = {}
+    launches: Dict[tuple, float] = {}
     with gpu_check.check_session(opts) as env, noop_launches() as counts:
-        for mode, kernels, group in [(BASELINE, "-", None)] + [r for r in runs if r[0] != BASELINE]:
-            counts.reset()
-            r = gpu_check.train(opts, env, mode, shape=shape, overrides=overrides,
-                                kernels=kernels if kernels != "-" else "torch", iters=iters, warmup=warmup,
-                                micro_batches=micro_batches, group_size=group)
-            ms = micro_batches * shape["seq"] / r["tokens_per_sec"] * 1e3
-            base = base or ms
-            row = dict(mode=mode, kernels=kernels, group_size=group, layers=layers, step_ms=ms, ratio=ms / base,
-                       launches_per_step=sum(counts.launches.values()) / iters)
-            out.append(row)
-            progress(f"  {mode:12s} {kernels:6s} S={group}: {ms:8.1f} ms  x{ms / base:.3f}")
+        for k in range(rounds):
+            for run in (order if k % 2 == 0 else order[::-1]):
+                mode, kernels, group = run
+                counts.reset()
+                with floor_routers() if kernels == FLOOR else contextlib.nullcontext():
+                    r = gpu_check.train(opts, env, mode, shape=shape, overrides=overrides,
+                                        kernels=kernels if kernels not in ("-", FLOOR) else "torch", iters=iters,
+                                        warmup=warmup, micro_batches=micro_batches, group_size=group)
+                best[run] = min(best.get(run, float("inf")), *r["fb_ms"])
+                launches[run] = sum(counts.launches.values()) / iters
+                progress(f"    round {k + 1}/{rounds}: {mode:12s} {kernels:6s} S={group}: {min(r['fb_ms']):8.1f} ms")
+    base = best[order[0]]
+    out = []
+    for run in order:
+        mode, kernels, group = run
+        ms = best[run]
+        out.append(dict(mode=mode, kernels=kernels, group_size=group, layers=layers, step_ms=ms, ratio=ms / base,
+                        launches_per_step=launches[run]))
+        progress(f"  {mode:12s} {kernels:6s} S={group}: {ms:8.1f} ms  x{ms / base:.3f}")
     return out
 
 
