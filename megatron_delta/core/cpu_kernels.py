@@ -123,6 +123,9 @@ class BuildOnce:
         self._error: Optional[BaseException] = None
 
     def load(self) -> Any:
+        built = self._built  # built once: every later call (one per kernel launch) returns it without the lock
+        if built is not None:
+            return built
         with self._lock:
             if self._built is None and self._error is None:
                 try:

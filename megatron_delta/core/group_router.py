@@ -69,6 +69,7 @@ the PyTorch path each op it makes.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -1084,7 +1085,7 @@ class GroupRouting:
             if key == a:
                 self._start(buf, a, b, values, unit, first_u)
             grp = self._group
-            if grp is None or grp.start != a or any(x is not y for x, y in zip(values, grp.old_values)):
+            if grp is None or grp.start != a or not all(map(operator.is_, values, grp.old_values)):
                 raise RuntimeError(f"group router: sublayer {key} routes out of its group [{a}, {b}) (the older "
                                    f"sources changed, or the group's first router did not route)")
             k = key - a

@@ -121,9 +121,9 @@ def fallback_reason(values: Sequence[Tensor]) -> Optional[str]:
     dtype = values[0].dtype
     if dtype not in SUPPORTED_DTYPES:
         return f"sources in {dtype} (the kernels compute in fp32; float64 keeps the PyTorch path)"
-    if any(v.dtype != dtype for v in values):
+    if len({v.dtype for v in values}) > 1:
         return "sources of mixed dtypes (the kernels take one dtype)"
-    if any(v.device != values[0].device for v in values):
+    if len({v.device for v in values}) > 1:
         return "sources on several devices"
     if not device_ok(values[0].device.type):
         return f"{values[0].device.type} tensors (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)"
