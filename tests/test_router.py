@@ -184,12 +184,22 @@ def test_like_sets_output_dtype():
     assert r.dtype == torch.float32
 
 
-def test_fp32_under_autocast():
-    router = DepthRouter(8, null_source=False, gate=False, eps=EPS)
-    vals = [torch.randn(3, 1, 8) for _ in range(3)]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        r = router([make_source(v, EPS) for v in vals])
-    assert r.dtype == torch.float32
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_fp32_under_autocast(kernels):
+    """Under torch.autocast the routers' math stays fp32 (router._no_autocast switches it off around it): the same
+    bits as without autocast, with the sources projected for their reader in one pass (_ProjectSource: a matmul,
+    which autocast would run in bf16) and by the router itself, on PyTorch ops and on the C kernels."""
+    torch.manual_seed(3)
+    router = DepthRouter(64, null_source=True, gate=False, eps=EPS, kernels=kernels)
+    with torch.no_grad():
+        router.query.normal_()
+        router.null_source.normal_()
+    vals = [torch.randn(5, 2, 64) for _ in range(3)]
+    for readers in ([router], []):
+        want = router([make_source(v, EPS, readers) for v in vals])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            r = router([make_source(v, EPS, readers) for v in vals])
+        assert r.dtype == torch.float32 and torch.equal(r, want), readers
 
 
 def test_gate_zero_is_identity_and_fused_matches():

@@ -76,7 +76,16 @@ import torch
 from torch import Tensor
 
 from megatron_delta.core import traffic
-from megatron_delta.core.router import GradSink, _as, _compute_dtype, _inv_rms, _outside_fp8, _record_cast, seed_sinks
+from megatron_delta.core.router import (
+    GradSink,
+    _as,
+    _compute_dtype,
+    _inv_rms,
+    _no_autocast,
+    _outside_fp8,
+    _record_cast,
+    seed_sinks,
+)
 
 __all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_sizes", "deferring_groups",
            "deferring_starts", "group_spans", "passes", "GroupRouting", "sum_in_order"]
@@ -1062,7 +1071,7 @@ class GroupRouting:
         lib = _kernel_lib(self.kernels, terms) if len({v.dtype for v in terms}) == 1 else None
         if lib is not None and lib != TRITON and not all(v.is_contiguous() for v in terms):
             lib = None
-        with torch.autocast(device_type=values[0].device.type, enabled=False):
+        with _no_autocast(values[0].device.type):
             return _FinalSum.apply(lib, sinks, older, n_older, *inputs)
 
     def route(self, buf, key: int, router, *, base: Optional[Tensor], apply_gate: bool, base_sums: bool,
@@ -1081,7 +1090,7 @@ class GroupRouting:
         a, b = self.spans[key]
         unit = bool(base_sums and base is None)
         dev = values[0].device.type
-        with torch.autocast(device_type=dev, enabled=False), _outside_fp8(router.outside_fp8):
+        with _no_autocast(dev), _outside_fp8(router.outside_fp8):
             if key == a:
                 self._start(buf, a, b, values, unit, first_u)
             grp = self._group

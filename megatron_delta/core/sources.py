@@ -28,7 +28,7 @@ from torch import Tensor
 
 from megatron_delta.core import group_router, traffic
 from megatron_delta.core.modes import RoutedMode, default_num_blocks, routed_mode, routed_mode_class
-from megatron_delta.core.router import DepthRouter, PendingSum, Source, make_source
+from megatron_delta.core.router import DepthRouter, PendingSum, Source, _no_autocast, make_source
 
 __all__ = ["SourcePlan", "SourceBuffer"]
 
@@ -467,7 +467,7 @@ class SourceBuffer:
     def query(self, router: DepthRouter) -> Tensor:
         """The router's q = w * g, made once per buffer and shared by every pass that reads it."""
         if router not in self._queries:
-            with torch.autocast(device_type=router.query.device.type, enabled=False):
+            with _no_autocast(router.query.device.type):
                 self._queries[router] = router.query_vector()
         return self._queries[router]
 
