@@ -636,8 +636,11 @@ class _OldPass(torch.autograd.Function):
         d = values[0].shape[-1]
         T = inv.shape[1]
         ks = sorted(stash)
-        if all(g is not None and g.dtype == cdt for g in grad_lse):
-            dlse = torch.stack(grad_lse)  # one op where every router's lse has a gradient (the usual case)
+        if all(g is None or g.dtype == cdt for g in grad_lse) and any(g is not None for g in grad_lse):
+            # one op where every router's lse has a gradient (the usual case), two where some have none (a group's
+            # first router under first_u: no merge reads its lse): one zero row stands for them all
+            zero = None if all(g is not None for g in grad_lse) else torch.zeros(T, dtype=cdt, device=inv.device)
+            dlse = torch.stack([zero if g is None else g for g in grad_lse])
         else:
             dlse = torch.zeros(S, T, dtype=cdt, device=inv.device)
             for k, g in enumerate(grad_lse):
@@ -732,7 +735,7 @@ class _OldPass(torch.autograd.Function):
                     gv.add_(gsum)
                     traffic.record("group_old_pass", "backward", [gv, gsum], [gv])
                 _sink_add(ctx.sinks[i], gv, values[i].dtype, "group_old_pass")
-        grad_q = [_as(dq[k], dt) for k, dt in enumerate(ctx.query_dtypes)]
+        grad_q = [_as(g, dt) for g, dt in zip(dq.unbind(0), ctx.query_dtypes)]  # one op for the S rows
         grad_nl, grad_nv = [], []
         if has_null:
             for k, (ldt, vdt) in enumerate(ctx.null_dtypes):
