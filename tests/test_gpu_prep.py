@@ -276,6 +276,27 @@ def test_gpu_check_compares_the_group_router_on_triton(monkeypatch):
     assert single < group
 
 
+def test_gpu_check_sets_the_baseline_against_its_gemms():
+    """(c) prints the baseline's pace against its GEMMs alone at the cost model's rate, the step the predictions take
+    the baseline's to be (gpu_check.gemm_pace): 1 where the baseline runs at that rate; the H200 run on record
+    (docs/performance.md, GPU figures: 13,846 tokens/s at 1B, 50,024 at the 8B slice of 4 layers, local layers)
+    ran at 0.17 and 0.33 of it. None in the dry run."""
+    from megatron_delta.perf import cost_model, gpu_check
+
+    env = types.SimpleNamespace(dry=False, gpu_kind=lambda: "H200", shapes=gpu_check.SHAPES, impl="local")
+    gemm_ms = cost_model.router_share("H200", "1B", "baseline")["gemm_ms"]
+    seq = gpu_check.SHAPES["1B"]["seq"]
+    at_rate = gpu_check.gemm_pace(env, {"tokens_per_sec": seq / (gemm_ms / 1e3)}, "1B", 28)
+    assert at_rate["gemm_ms"] == gemm_ms and at_rate["pace"] == pytest.approx(1.0, rel=1e-12)
+    assert gpu_check.gemm_pace(env, {"tokens_per_sec": 13846.0}, "1B", 28)["pace"] == pytest.approx(0.171, abs=5e-4)
+    assert gpu_check.gemm_pace(env, {"tokens_per_sec": 50024.0}, "8B", 4)["pace"] == pytest.approx(0.326, abs=5e-4)
+    base = {"tokens_per_sec": 13846.0, "peak_mem_gib": 30.0}
+    gpu_check.compare_speed(env, base, base, "1B", "baseline", "-", 28)
+    assert base["gemm_pace"]["pace"] == pytest.approx(0.171, abs=5e-4)
+    env.dry = True
+    assert gpu_check.gemm_pace(env, base, "1B", 28) is None
+
+
 def test_gpu_check_judges_the_8b_target_at_full_depth():
     """(c)'s 8B runs are a slice (4 layers in the session's prepared command, 12 on an 80 GB H100) of the 36-layer
     shape the target is set at, and the model predicts a slice less than the full depth (on H100, delta_block on

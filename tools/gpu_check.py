@@ -272,6 +272,11 @@ def main(argv=None):
                     print(f"  {shape_name:5s} {mode:12s} {label:13s} {r['num_layers']:3d} {r['tokens_per_sec']:10,.0f} "
                           f"{r['throughput_ratio']:7.3f} {pred:>9s} {full:>8s} {fp8_col:>10s} {r['optimizer_ms']:8.1f} "
                           f"{mem:>9s} {memr:>7s} {plan:>8s} {left:>8s} {tg}", flush=True)
+                    if r.get("gemm_pace"):  # what the predictions take the baseline's step to be: its GEMMs
+                        g = r["gemm_pace"]
+                        print(f"  {'':5s} (the baseline: {g['measured_ms']:.1f} ms per micro-batch, its GEMMs "
+                              f"{g['gemm_ms']:.1f} ms at the cost model's rate: {g['pace']:.2f} of a GEMM-bound pace, "
+                              f"which the predictions take to be 1)", flush=True)
                     run.save()
         if "train" not in opts.skip:
             precisions = checks.train_precisions(opts, env, result["skipped"])

@@ -754,6 +754,19 @@ def predicted(env, shape_name, mode, kernels, num_layers, group_size=None):
     return r["tokens_per_sec_ratio"]
 
 
+def gemm_pace(env, base, shape_name, num_layers):
+    """(c): the baseline run ``base``'s pace against its GEMMs alone at the cost model's rate (cost_model.router_share:
+    FLOPs at GEMM_EFFICIENCY of this GPU's peak), the step the predictions take the baseline's to be: its GEMMs'
+    milliseconds per micro-batch over the measured ones. Near 1 the predictions' premise holds; well below, the
+    baseline's step is set by something else (the host, or memory-bound ops such as unfused attention), which the
+    routed runs' ratios then measure too. None in the dry run (tiny shapes the model does not price)."""
+    if env.dry:
+        return None
+    gemm_ms = cost_model.router_share(env.gpu_kind(), shape_name, BASELINE, num_layers=num_layers)["gemm_ms"]
+    measured_ms = 1e3 * env.shapes[shape_name]["seq"] / base["tokens_per_sec"]  # one [seq] micro-batch
+    return dict(gemm_ms=gemm_ms, measured_ms=measured_ms, pace=gemm_ms / measured_ms)
+
+
 def planned_gib(env, shape_name, mode, num_layers):
     """tools/memory_plan.py's memory per GPU (GiB) for a run of (c): its shape, mode and layers, bf16, this run's
     layers (TE or local), one micro-batch in flight (None in the dry run: no peak to set it beside)."""
@@ -788,6 +801,8 @@ def compare_speed(env, r, base, shape_name, mode, kernels, num_layers, group_siz
         r["full_depth_predicted"] = predicted(env, shape_name, mode, kernels, full, group_size)
         r["full_depth_ratio"] = 1.0 if mode == BASELINE else full_depth_ratio(
             r["throughput_ratio"], r["predicted_ratio"], r["full_depth_predicted"])
+    if mode == BASELINE:
+        r["gemm_pace"] = gemm_pace(env, r, shape_name, num_layers)
     r["peak_mem_ratio"] = None if r["peak_mem_gib"] is None else r["peak_mem_gib"] / base["peak_mem_gib"]
     r["planned_mem_gib"] = planned_gib(env, shape_name, mode, num_layers)
     goal = target(env.gpu_kind(), shape_name, mode) if kernels in ("fla", "triton") else None  # the fused kernels
