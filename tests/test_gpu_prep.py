@@ -280,7 +280,8 @@ def test_gpu_check_sets_the_baseline_against_its_gemms():
     """(c) prints the baseline's pace against its GEMMs alone at the cost model's rate, the step the predictions take
     the baseline's to be (gpu_check.gemm_pace): 1 where the baseline runs at that rate; the H200 run on record
     (docs/performance.md, GPU figures: 13,846 tokens/s at 1B, 50,024 at the 8B slice of 4 layers, local layers)
-    ran at 0.17 and 0.33 of it. None in the dry run."""
+    ran at 0.17 and 0.33 of it; and each run's ratio against a baseline at that pace (gpu_check.gemm_paced_ratio).
+    None in the dry run."""
     from megatron_delta.perf import cost_model, gpu_check
 
     env = types.SimpleNamespace(dry=False, gpu_kind=lambda: "H200", shapes=gpu_check.SHAPES, impl="local")
@@ -292,9 +293,23 @@ def test_gpu_check_sets_the_baseline_against_its_gemms():
     assert gpu_check.gemm_pace(env, {"tokens_per_sec": 50024.0}, "8B", 4)["pace"] == pytest.approx(0.326, abs=5e-4)
     base = {"tokens_per_sec": 13846.0, "peak_mem_gib": 30.0}
     gpu_check.compare_speed(env, base, base, "1B", "baseline", "-", 28)
-    assert base["gemm_pace"]["pace"] == pytest.approx(0.171, abs=5e-4)
+    assert base["gemm_pace"]["pace"] == pytest.approx(0.171, abs=5e-4) and base["gemm_paced_ratio"] == 1.0
+    # a routed run against a baseline at its GEMMs' pace: its measured router milliseconds added to the GEMMs'.
+    # The 8B slice on record: delta_block 0.952x of a baseline at 0.33 of that pace is 0.866x of one at the pace
+    base8 = {"tokens_per_sec": 50024.0, "peak_mem_gib": 19.28}
+    gpu_check.compare_speed(env, base8, base8, "8B", "baseline", "-", 4)
+    routed = {"tokens_per_sec": 50024.0 * 0.952, "peak_mem_gib": 19.52}
+    gpu_check.compare_speed(env, routed, base8, "8B", "delta_block", "triton", 4)
+    assert routed["throughput_ratio"] == pytest.approx(0.952) and routed["gemm_paced_ratio"] == pytest.approx(
+        0.866, abs=5e-4)
+    at_pace = {"tokens_per_sec": seq / (base8["gemm_pace"]["gemm_ms"] / 1e3), "peak_mem_gib": 19.28}
+    gpu_check.compare_speed(env, at_pace, at_pace, "8B", "baseline", "-", 4)
+    routed = {"tokens_per_sec": at_pace["tokens_per_sec"] * 0.952, "peak_mem_gib": 19.52}
+    gpu_check.compare_speed(env, routed, at_pace, "8B", "delta_block", "triton", 4)
+    assert routed["gemm_paced_ratio"] == pytest.approx(0.952, rel=1e-9)  # a baseline at its pace: as measured
     env.dry = True
     assert gpu_check.gemm_pace(env, base, "1B", 28) is None
+    assert gpu_check.gemm_paced_ratio(env, routed, {"tokens_per_sec": 1.0, "gemm_pace": None}, "8B") is None
 
 
 def test_gpu_check_judges_the_8b_target_at_full_depth():

@@ -767,6 +767,19 @@ def gemm_pace(env, base, shape_name, num_layers):
     return dict(gemm_ms=gemm_ms, measured_ms=measured_ms, pace=gemm_ms / measured_ms)
 
 
+def gemm_paced_ratio(env, r, base, shape_name):
+    """(c): run ``r``'s tokens/s ratio against a baseline at its GEMMs' pace (the step the predictions take the
+    baseline's to be): its measured milliseconds per micro-batch over the baseline's (the router's cost, as
+    measured) added to the baseline's GEMMs at the cost model's rate (``base``'s gemm_pace). Where the baseline ran
+    slower than its GEMMs (Megatron's local layers: unfused attention), this is the ratio a run as fast as the
+    predictions assume would see with the same router. None without the baseline's pace (the dry run)."""
+    pace = base.get("gemm_pace")
+    if not pace:
+        return None
+    router_ms = 1e3 * env.shapes[shape_name]["seq"] / r["tokens_per_sec"] - pace["measured_ms"]
+    return pace["gemm_ms"] / (pace["gemm_ms"] + router_ms)
+
+
 def planned_gib(env, shape_name, mode, num_layers):
     """tools/memory_plan.py's memory per GPU (GiB) for a run of (c): its shape, mode and layers, bf16, this run's
     layers (TE or local), one micro-batch in flight (None in the dry run: no peak to set it beside)."""
@@ -803,6 +816,7 @@ def compare_speed(env, r, base, shape_name, mode, kernels, num_layers, group_siz
             r["throughput_ratio"], r["predicted_ratio"], r["full_depth_predicted"])
     if mode == BASELINE:
         r["gemm_pace"] = gemm_pace(env, r, shape_name, num_layers)
+    r["gemm_paced_ratio"] = gemm_paced_ratio(env, r, base, shape_name)
     r["peak_mem_ratio"] = None if r["peak_mem_gib"] is None else r["peak_mem_gib"] / base["peak_mem_gib"]
     r["planned_mem_gib"] = planned_gib(env, shape_name, mode, num_layers)
     goal = target(env.gpu_kind(), shape_name, mode) if kernels in ("fla", "triton") else None  # the fused kernels
