@@ -565,7 +565,7 @@ class _OldPass(torch.autograd.Function):
         # reaches the sources through the old pass's unit term), so a bf16 X moves half the bytes of an fp32 one
         x = torch.empty(T, d, dtype=v0.dtype, device=v0.device) if unit else None
         u0 = (torch.empty(v0.shape if triton else (T, d), dtype=v0.dtype, device=v0.device)
-              if first_u and lib is not None else None)  # on Triton in the sources' shape: route() views it not
+              if first_u and lib is not None else None)  # on Triton in the sources' shape: route() then needs no view
         if triton:
             from megatron_delta.core import triton_group_kernels
 
@@ -798,7 +798,7 @@ class _Merge(torch.autograd.Function):
             from megatron_delta.core import triton_group_kernels
 
             like = base if base is not None else values[0] if values else None
-            # u in the sources' shape where one is at hand: route() views it not
+            # u in the sources' shape where one is at hand: route() then needs no view
             out = torch.empty(like.shape if like is not None else (T, d), dtype=out_dtype, device=r.device)
             triton_group_kernels.merge_forward(r, lse, x, flat_base, gate, _as(query, cdt), flat, eps, unit, inv,
                                                zin, a, out)
