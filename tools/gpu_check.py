@@ -224,8 +224,7 @@ def main(argv=None):
                   f"model on {env.gpu_kind()} (bf16)", flush=True)
             print(f"  {'shape':5s} {'mode':12s} {'router':13s} {'L':>3s} {'tok/s':>10s} {'x base':>7s} "
                   f"{'PREDICTED':>9s} {'full L x':>8s} {'x GEMMs':>7s} {'FP8 x base':>10s} {'optim ms':>8s} "
-                  f"{'peak GiB':>9s} "
-                  f"{'x base':>7s} {'plan GiB':>8s} {'left GiB':>8s} target",
+                  f"{'peak GiB':>9s} {'x base':>7s} {'plan GiB':>8s} {'left GiB':>8s} target",
                   flush=True)
             for shape_name in ("8B", "1B"):
                 shape = checks.speed_shape(opts, env, shape_name)
@@ -273,8 +272,7 @@ def main(argv=None):
                     left = "-" if r["resident_gib"] is None else f"{r['resident_gib']:.2f}"
                     print(f"  {shape_name:5s} {mode:12s} {label:13s} {r['num_layers']:3d} {r['tokens_per_sec']:10,.0f} "
                           f"{r['throughput_ratio']:7.3f} {pred:>9s} {full:>8s} {gemms:>7s} {fp8_col:>10s} "
-                          f"{r['optimizer_ms']:8.1f} "
-                          f"{mem:>9s} {memr:>7s} {plan:>8s} {left:>8s} {tg}", flush=True)
+                          f"{r['optimizer_ms']:8.1f} {mem:>9s} {memr:>7s} {plan:>8s} {left:>8s} {tg}", flush=True)
                     if r.get("gemm_pace"):  # what the predictions take the baseline's step to be: its GEMMs
                         g = r["gemm_pace"]
                         print(f"  {'':5s} (the baseline: {g['measured_ms']:.1f} ms per micro-batch, its GEMMs "

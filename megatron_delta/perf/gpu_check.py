@@ -754,6 +754,11 @@ def predicted(env, shape_name, mode, kernels, num_layers, group_size=None):
     return r["tokens_per_sec_ratio"]
 
 
+def _ms_per_micro_batch(env, run, shape_name):
+    """(c): a run's milliseconds per micro-batch (one [seq] sequence) from its tokens/s."""
+    return 1e3 * env.shapes[shape_name]["seq"] / run["tokens_per_sec"]
+
+
 def gemm_pace(env, base, shape_name, num_layers):
     """(c): the baseline run ``base``'s pace against its GEMMs alone at the cost model's rate (cost_model.router_share:
     FLOPs at GEMM_EFFICIENCY of this GPU's peak), the step the predictions take the baseline's to be: its GEMMs'
@@ -763,7 +768,7 @@ def gemm_pace(env, base, shape_name, num_layers):
     if env.dry:
         return None
     gemm_ms = cost_model.router_share(env.gpu_kind(), shape_name, BASELINE, num_layers=num_layers)["gemm_ms"]
-    measured_ms = 1e3 * env.shapes[shape_name]["seq"] / base["tokens_per_sec"]  # one [seq] micro-batch
+    measured_ms = _ms_per_micro_batch(env, base, shape_name)
     return dict(gemm_ms=gemm_ms, measured_ms=measured_ms, pace=gemm_ms / measured_ms)
 
 
@@ -776,7 +781,7 @@ def gemm_paced_ratio(env, r, base, shape_name):
     pace = base.get("gemm_pace")
     if not pace:
         return None
-    router_ms = 1e3 * env.shapes[shape_name]["seq"] / r["tokens_per_sec"] - pace["measured_ms"]
+    router_ms = _ms_per_micro_batch(env, r, shape_name) - pace["measured_ms"]
     return pace["gemm_ms"] / (pace["gemm_ms"] + router_ms)
 
 

@@ -162,7 +162,6 @@ def _ensure_env():
     return None
 
 
-
 def _save_initial_model(run: RunHooks):
     """`--train-iters 0 --save DIR`: the initial model (upstream pretrain saves only at iteration != 0)."""
     from megatron.training import get_args
