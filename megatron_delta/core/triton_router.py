@@ -43,7 +43,7 @@ partial sum), backward 1 + N + (one write per source gradient not deferred) + (o
 an existing buffer) (+ 1 forming a partial sum with later readers). A block's pass: one read per router, and
 per source a read, a write and (added to an existing buffer) a read.
 
-Not done here: the sublayer's own input norm is not fused.
+Not done here: the sublayer's own input norm is not fused (what it would save, and why not: docs/gpu.md).
 """
 from __future__ import annotations
 
