@@ -3,10 +3,13 @@
 recompute chunks; its C kernels compute the same function in fp32 (its Triton kernels: tests/triton_cases.py);
 its counted traffic is the closed form (perf/cost_model.step_traffic; group_router.passes on the C kernels);
 auto chooses S per backend; the option is refused outside the fine-grained modes with a line naming the flag."""
+import contextlib
 import math
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from megatron_delta.core import group_kernels, group_router, router, traffic
@@ -586,3 +589,48 @@ def test_deferred_shares_settle_where_no_merge_adds_them():
     want = given + sum(x.coef[0, x.index, :, None] * x.grad + x.coef[1, x.index, :, None] * x.q[None, :]
                        + x.coef[2, x.index, :, None] * value.detach() for x in shares)
     assert torch.allclose(grad, want, rtol=0, atol=1e-12) and sink.pending == []
+
+
+# ops that, on a GPU, make a tensor from host data or read one back: each a copy the host waits for (a
+# synchronisation, which drains the GPU's queue of launched work) and an error under CUDA graph capture
+HOST_DATA_OPS = ("lift_fresh", "_local_scalar_dense", "nonzero", "is_nonzero", "equal")
+
+
+@contextlib.contextmanager
+def host_data_ops():
+    """The HOST_DATA_OPS dispatched inside, counted by name (a Counter)."""
+    counts = Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in HOST_DATA_OPS:
+                counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        yield counts
+
+
+@pytest.mark.parametrize("mode, group", [("delta", "auto"), ("delta", 3), ("delta_block", "auto")])
+@pytest.mark.parametrize("kernels", ["torch", "c"])
+def test_routed_step_makes_no_tensor_from_host_data(mode, group, kernels):
+    """A routed stream's forward + backward (14 layers: the group router's old passes defer shares, the PyTorch
+    path's projections take gradients from some of their routers) makes no tensor from host data and reads none
+    back: no index list copied to the device (router._rows takes rows without one), no .item()."""
+    from megatron_delta.perf.gpu_check import routed_stream
+
+    call, _ = routed_stream(mode, 14, kernels, group, 8, 16, "cpu", torch.float32, seed=3)
+    call()
+    with host_data_ops() as ops:
+        call()
+    assert not ops, dict(ops)
+
+
+@pytest.mark.parametrize("index", [[0, 1, 2, 3], [1, 2], [2], [0, 2, 3], [3, 1], []])
+def test_rows_takes_the_rows_an_index_list_takes(index):
+    """router._rows(t, index) is t[index] (values and shape), made without an index tensor."""
+    t = torch.randn(4, 5, dtype=torch.float64)
+    with host_data_ops() as ops:
+        got = router._rows(t, index)
+    assert not ops
+    assert torch.equal(got, t[index])

@@ -24,8 +24,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 two-stage pipelines (2 modes x 2 cuts), the group router on its kernels and its counted traffic (5
 # configurations each), the group router's counted traffic in bf16 (2 modes), gpu_check's rate with the partial sums,
 # one table copy per launch (2 modes), gpu_check's host time per router call and its kernel times, no view op per
-# source (3 routers), delta on one router per pass with x's gradient seeding its sinks
-INTERPRETER_CASES = 69
+# source (3 routers), delta on one router per pass with x's gradient seeding its sinks, only the launch tables made
+# from host data (3 routers)
+INTERPRETER_CASES = 72
 
 
 def test_interpreter_cases():
@@ -156,8 +157,10 @@ def test_tiles_and_warps():
 def test_cuda_kernels_do_not_wait_for_the_gpu():
     """On a GPU: the per-router kernels (a block's deferred pass included) and the group router's kernels queue
     their work without a stream synchronisation (torch.cuda.set_sync_debug_mode("error") raises at one), so that
-    the CPU runs ahead of the GPU as it does for the baseline's layers."""
+    the CPU runs ahead of the GPU as it does for the baseline's layers; so does delta's routed stream at 14 layers
+    on the group router (its old passes defer shares: router._rows, no index list copied to the GPU)."""
     from megatron_delta.core.router import DepthRouter, make_source
+    from megatron_delta.perf.gpu_check import routed_stream
     from tests import test_group_router as G
 
     d, shape = 256, (64, 2)
@@ -168,6 +171,8 @@ def test_cuda_kernels_do_not_wait_for_the_gpu():
     for r in toy.routers:
         r.cuda()
     h0 = G._h0(torch.float32).detach().cuda().requires_grad_()
+    stream, _ = routed_stream("delta", 14, "triton", "auto", 64, d, "cuda", torch.bfloat16, seed=3)
+    stream()  # compiles the kernels its groups launch
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -177,6 +182,7 @@ def test_cuda_kernels_do_not_wait_for_the_gpu():
         total.backward()
         out, _ = toy.run(h0, G.CUTS["chunk"])
         out.sum().backward()
+        stream()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(v.grad is not None for v in vals) and h0.grad is not None

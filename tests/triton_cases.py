@@ -227,6 +227,24 @@ def test_no_view_op_per_source(interpreter, mode, group):
     assert views[8] <= views[4], views
 
 
+@pytest.mark.parametrize("mode, group", [("delta", "auto"), ("delta", 1), ("delta_block", 1)])
+def test_only_the_launch_tables_come_from_host_data(interpreter, mode, group, monkeypatch):
+    """On the kernels, the one tensor a router call makes from host data is each launch's table
+    (triton_router.device_tables: on a GPU one pinned copy, without blocking): no other, and nothing read back."""
+    from megatron_delta.perf.gpu_check import routed_stream
+
+    tables = []
+    build = triton_router.device_tables
+    monkeypatch.setattr(triton_router, "device_tables", lambda *lists, device: tables.append(1) or build(
+        *lists, device=device))
+    call, _ = routed_stream(mode, 14, "triton", group, 8, 16, "cpu", torch.float32, seed=3)
+    call()
+    tables.clear()
+    with G.host_data_ops() as ops:
+        call()
+    assert tables and dict(ops) == {"lift_fresh": len(tables)}, (len(tables), dict(ops))
+
+
 def test_gpu_check_kernel_times(interpreter):
     """gpu_check's (k) in the dry run: the routed streams at the (dry) 1B shape's width and depth on the kernels, and
     each router kernel's counted bytes - exactly the traffic records it maps (KERNEL_OF_RECORD), none dropped: the

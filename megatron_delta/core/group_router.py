@@ -84,6 +84,7 @@ from megatron_delta.core.router import (
     _no_autocast,
     _outside_fp8,
     _record_cast,
+    _rows,
     seed_sinks,
 )
 
@@ -759,8 +760,7 @@ def _defer(sinks: Sequence[Optional[_Sink]], needs: Sequence[bool], n: int, G: S
     iv = inv[:n]
     C = (dz[:, :n] * iv).contiguous()  # [S, n, T]
     E = (dz[:, :n] * z[:, :n]).sum(0).mul_(iv.square()).mul_(-1.0 / d)  # [n, T]
-    idx = torch.tensor(list(ks), dtype=torch.long, device=w.device)
-    A = w.index_select(0, idx).unsqueeze(1) * p.index_select(0, idx)[:, :n]  # [len(G), n, T]
+    A = _rows(w, ks).unsqueeze(1) * _rows(p, ks)[:, :n]  # [len(G), n, T]
     if unit:
         A += 1.0
     share = OldShare(tuple(G), A.contiguous(), C, Q.contiguous(), E.contiguous())

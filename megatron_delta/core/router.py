@@ -168,6 +168,18 @@ def _inv_rms(value: Tensor, eps: float, cdt: torch.dtype) -> Tensor:
     return norm.square_().div_(value.shape[-1]).add_(eps).rsqrt_()
 
 
+def _rows(t: Tensor, index: Sequence[int]) -> Tensor:
+    """``t[index]`` along dim 0 with no index tensor made on the host: on a GPU, indexing with a Python list
+    copies the list to the device and waits for the copy (a synchronisation, and an illegal op under CUDA graph
+    capture). ``t`` itself where the index is every row in order, a slice where it is a run, else one stack."""
+    index = list(index)
+    if index == list(range(t.shape[0])):
+        return t
+    if not index or index == list(range(index[0], index[-1] + 1)):
+        return t[index[0]:index[-1] + 1] if index else t[:0]
+    return torch.stack([t[k] for k in index])
+
+
 def _projection_grad_coeffs(dz: Tensor, z: Tensor, inv: Tensor, d: int) -> Tuple[Tensor, Tensor]:
     """The backward of z_k = (v . q_k) * inv, inv = rsqrt(mean(v^2) + eps), for logit gradients dz
     [J, T]: dv = C Q + e v with C = dz * inv [J, T] and e = -(sum_k dz_k z_k) inv^2 / d [T]."""
@@ -217,7 +229,7 @@ class _ProjectSource(torch.autograd.Function):
         d = value.shape[-1]
         rows = inv.numel()
         dz = torch.stack([_as(grad_z[k], cdt) for k in used])  # [J', T]
-        c, e = _projection_grad_coeffs(dz, zt[used], inv, d)  # [J', T], [T]
+        c, e = _projection_grad_coeffs(dz, _rows(zt, used), inv, d)  # [J', T], [T]
         vf = _as(value.reshape(rows, d), cdt)
         _record_cast("project", "backward", value, vf)
         q = torch.stack([_as(queries[k], cdt) for k in used])  # [J', d]
