@@ -5,6 +5,8 @@ its counted traffic is the closed form (perf/cost_model.step_traffic; group_rout
 auto chooses S per backend; the option is refused outside the fine-grained modes with a line naming the flag."""
 import contextlib
 import math
+import os
+import traceback
 from collections import Counter
 
 import pytest
@@ -597,14 +599,22 @@ HOST_DATA_OPS = ("lift_fresh", "_local_scalar_dense", "nonzero", "is_nonzero", "
 
 
 @contextlib.contextmanager
-def host_data_ops():
-    """The HOST_DATA_OPS dispatched inside, counted by name (a Counter)."""
+def host_data_ops(package=None):
+    """The HOST_DATA_OPS dispatched inside, counted by name (a Counter); with ``package`` (a path fragment such as
+    "megatron_delta/") only those the innermost caller outside torch in that package dispatched, by (name, file,
+    line)."""
     counts = Counter()
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in HOST_DATA_OPS:
-                counts[func.overloadpacket.__name__] += 1
+            name = func.overloadpacket.__name__
+            if name in HOST_DATA_OPS and package is None:
+                counts[name] += 1
+            elif name in HOST_DATA_OPS:
+                caller = next(f for f in reversed(traceback.extract_stack()[:-1])
+                              if f"{os.sep}torch{os.sep}" not in f.filename)
+                if package in caller.filename.replace(os.sep, "/"):
+                    counts[name, caller.filename.rsplit(os.sep, 1)[-1], caller.lineno] += 1
             return func(*args, **(kwargs or {}))
 
     with Count():

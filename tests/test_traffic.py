@@ -302,3 +302,23 @@ def test_triton_group_router_count_is_the_closed_form():
             totals[mode, size] = sum(counted.values())
     for mode in ("delta", "full_attnres"):
         assert totals[mode, "auto"] < totals[mode, 1]
+
+
+@pytest.mark.parametrize("mode", ROUTED_MODES)
+def test_model_step_makes_no_tensor_from_host_data(dist, mode):
+    """One training step of the 4-layer model on the PyTorch routers, which run wherever the tensors are (null
+    source, gate, full recompute): no op of this package makes a tensor from host data or reads a value back
+    (tests/test_group_router.HOST_DATA_OPS: on a GPU each waits for the GPU), in the block, the layers, the source
+    buffer or the routers. Megatron's own (its cross-entropy's scalar fills) are not this test's; nor are the C
+    kernels' (CPU tensors only: a scalar read there waits for nothing). The Triton kernels: tests/triton_cases.py,
+    test_only_the_launch_tables_come_from_host_data."""
+    from tests.test_group_router import host_data_ops
+
+    o = _opts(mode, "torch", ("uniform", 1), True)
+    with benchmark.router_backend("torch"):
+        model, _ = benchmark.build_model(o, mode)
+        batch = benchmark.mock_batch(o, o.vocab_size)
+        benchmark.step(model, batch)
+        with host_data_ops("megatron_delta/") as ops:
+            benchmark.step(model, batch)
+    assert not ops, dict(ops)
