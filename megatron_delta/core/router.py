@@ -173,10 +173,10 @@ def _rows(t: Tensor, index: Sequence[int]) -> Tensor:
     copies the list to the device and waits for the copy (a synchronisation, and an illegal op under CUDA graph
     capture). ``t`` itself where the index is every row in order, a slice where it is a run, else one stack."""
     index = list(index)
-    if index == list(range(t.shape[0])):
-        return t
-    if not index or index == list(range(index[0], index[-1] + 1)):
-        return t[index[0]:index[-1] + 1] if index else t[:0]
+    if not index:
+        return t[:0]
+    if index == list(range(index[0], index[-1] + 1)):  # a run of rows
+        return t if len(index) == t.shape[0] else t[index[0]:index[-1] + 1]
     return torch.stack([t[k] for k in index])
 
 
