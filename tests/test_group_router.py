@@ -608,13 +608,14 @@ def host_data_ops(package=None):
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
-            if name in HOST_DATA_OPS and package is None:
-                counts[name] += 1
-            elif name in HOST_DATA_OPS:
-                caller = next(f for f in reversed(traceback.extract_stack()[:-1])
-                              if f"{os.sep}torch{os.sep}" not in f.filename)
-                if package in caller.filename.replace(os.sep, "/"):
-                    counts[name, caller.filename.rsplit(os.sep, 1)[-1], caller.lineno] += 1
+            if name in HOST_DATA_OPS:
+                if package is None:
+                    counts[name] += 1
+                else:
+                    caller = next(f for f in reversed(traceback.extract_stack()[:-1])
+                                  if f"{os.sep}torch{os.sep}" not in f.filename)
+                    if package in caller.filename.replace(os.sep, "/"):
+                        counts[name, caller.filename.rsplit(os.sep, 1)[-1], caller.lineno] += 1
             return func(*args, **(kwargs or {}))
 
     with Count():

@@ -311,7 +311,7 @@ def test_model_step_makes_no_tensor_from_host_data(dist, mode):
     (tests/test_group_router.HOST_DATA_OPS: on a GPU each waits for the GPU), in the block, the layers, the source
     buffer or the routers. Megatron's own (its cross-entropy's scalar fills) are not this test's; nor are the C
     kernels' (CPU tensors only: a scalar read there waits for nothing). The Triton kernels: tests/triton_cases.py,
-    test_only_the_launch_tables_come_from_host_data."""
+    test_models_on_the_kernels_make_only_their_tables_from_host_data."""
     from tests.test_group_router import host_data_ops
 
     o = _opts(mode, "torch", ("uniform", 1), True)

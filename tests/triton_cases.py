@@ -227,42 +227,39 @@ def test_no_view_op_per_source(interpreter, mode, group):
     assert views[8] <= views[4], views
 
 
-def _counting_tables(monkeypatch):
-    tables = []
-    build = triton_router.device_tables
-    monkeypatch.setattr(triton_router, "device_tables", lambda *lists, device: tables.append(1) or build(
-        *lists, device=device))
-    return tables
-
-
 @pytest.mark.parametrize("mode, group", [("delta", "auto"), ("delta", 1), ("delta_block", 1)])
-def test_only_the_launch_tables_come_from_host_data(interpreter, mode, group, monkeypatch):
+def test_only_the_launch_tables_come_from_host_data(interpreter, mode, group):
     """On the kernels, the one tensor a router call makes from host data is each launch's table
     (triton_router.device_tables: on a GPU one pinned copy, without blocking): no other, and nothing read back."""
+    from megatron_delta.perf import host_work
     from megatron_delta.perf.gpu_check import routed_stream
 
-    tables = _counting_tables(monkeypatch)
     call, _ = routed_stream(mode, 14, "triton", group, 8, 16, "cpu", torch.float32, seed=3)
-    call()
-    tables.clear()
-    with G.host_data_ops() as ops:
+    counts = host_work._Counts()
+    with host_work._counting_tables(counts):  # the table copies, counted
         call()
-    assert tables and dict(ops) == {"lift_fresh": len(tables)}, (len(tables), dict(ops))
+        counts.reset()
+        with G.host_data_ops() as ops:
+            call()
+    assert counts.tables and dict(ops) == {"lift_fresh": counts.tables}, (counts.tables, dict(ops))
 
 
 @pytest.mark.parametrize("mode", ["delta", "delta_block", "attnres", "full_attnres"])
-def test_models_on_the_kernels_make_only_their_tables_from_host_data(interpreter, dist, mode, monkeypatch):
+def test_models_on_the_kernels_make_only_their_tables_from_host_data(interpreter, dist, mode):
     """Every mode's model on the kernels, with the null source (and the gate where the mode has one) under full
     recompute, one forward + backward: of this package's ops, only the launch tables come from host data."""
-    tables = _counting_tables(monkeypatch)
+    from megatron_delta.perf import host_work
+
     tok, pos, W = K.batch()
     model, _ = K.build(mode, True, mode in ("delta", "delta_block"), "triton", recompute=True)
-    (model(tok, pos, None) * W).sum().backward()
-    tables.clear()
-    with G.host_data_ops("megatron_delta/") as ops:
+    counts = host_work._Counts()
+    with host_work._counting_tables(counts):
         (model(tok, pos, None) * W).sum().backward()
-    assert tables and sum(ops.values()) == len(tables) and {k[:2] for k in ops} == {
-        ("lift_fresh", "triton_router.py")}, (len(tables), dict(ops))
+        counts.reset()
+        with G.host_data_ops("megatron_delta/") as ops:
+            (model(tok, pos, None) * W).sum().backward()
+    assert counts.tables and sum(ops.values()) == counts.tables and {k[:2] for k in ops} == {
+        ("lift_fresh", "triton_router.py")}, (counts.tables, dict(ops))
 
 
 def test_gpu_check_kernel_times(interpreter):
