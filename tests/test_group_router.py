@@ -1,7 +1,7 @@
 """core/group_router.py: the group router of delta and full_attnres equals the per-router path (float64, to
 1e-12, outputs and every gradient) for S in {1, 2, 3, 4, all}, with groups cut by pipeline chunks and by
 recompute chunks; its C kernels compute the same function in fp32 (its Triton kernels: tests/triton_cases.py);
-its counted traffic is the closed form (perf/cost_model.step_traffic; group_router.passes on the C kernels);
+its counted traffic is the closed form (perf/cost_model.step_traffic; group_plan.passes on the C kernels);
 auto chooses S per backend; the option is refused outside the fine-grained modes with a line naming the flag."""
 import contextlib
 import math
@@ -15,13 +15,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from megatron_delta.core import group_kernels, group_router, router, traffic
-from megatron_delta.core.group_router import (
+from megatron_delta.core.group_plan import (
     AUTO_MAX_GROUP,
     auto_group_sizes,
+    block_defers,
     check_group_size,
     deferring_groups,
     group_spans,
     passes,
+    resolve_sizes,
 )
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
 from tests.test_sources import EPS, Toy, sublayer
@@ -201,7 +203,7 @@ def test_c_kernels_at_wide_shapes(config, size, monkeypatch):
 def test_counted_traffic_is_the_closed_form(config, kernels):
     """The group router's recorded reads and writes of [T, d] tensors, forward and backward, per kernel and
     phase, are perf/cost_model.step_traffic's (fp32: one pass is one [T, d] fp32 tensor); on the C kernels
-    their sum is group_router.passes, the closed form auto sizes the groups by."""
+    their sum is group_plan.passes, the closed form auto sizes the groups by."""
     from megatron_delta.perf import cost_model
 
     mode, null, gate, xs = config
@@ -260,6 +262,28 @@ def test_group_spans_and_auto_sizes():
     # depth's 56 routers end in groups of 8, where the split without the cap ends in 8, 9 and 10
     assert auto_group_sizes(56, 1) == (1, 1, 2, 3, 4, 6, 7, 8, 8, 8, 8) and AUTO_MAX_GROUP == 8
     assert max(auto_group_sizes(72, 1)) == AUTO_MAX_GROUP and passes(72, 1, auto_group_sizes(72, 1)) < passes(72, 1, 8)
+
+
+def test_resolve_sizes_takes_auto_only_where_fused_passes_run():
+    """``auto`` is the split of auto_group_sizes on fused passes (C or Triton), 1 on PyTorch ops or fla's kernel; an
+    explicit S stands as given (check_group_size refuses what S cannot run on)."""
+    def resolve(size, *, fla=False, fused=True, first_u=True):
+        return resolve_sizes(size, 24, 1, one_router_per_call=fla, fused_passes=fused, first_u=first_u)
+
+    assert resolve("auto") == auto_group_sizes(24, 1) == (1, 1, 2, 3, 5, 6, 6)
+    assert resolve("auto", first_u=False) == auto_group_sizes(24, 1, False)
+    assert resolve("auto", fused=False) == 1 and resolve("auto", fla=True) == 1
+    assert resolve(4, fused=False) == 4 and resolve(1) == 1
+
+
+def test_block_deferral_pays_where_it_moves_fewer_rows():
+    """A block's R routers defer the C sources they all read to one pass where 2 R C rows in place exceed the pass's
+    R + 3 C: never for one router, from 3 sources for 2 routers, from 1 source for 4."""
+    for routers in range(1, 9):
+        for sources in range(0, 9):
+            assert block_defers(routers, sources) == (sources > 0 and 2 * routers * sources > routers + 3 * sources)
+    assert not any(block_defers(1, c) for c in range(9))
+    assert not block_defers(2, 2) and block_defers(2, 3) and not block_defers(3, 1) and block_defers(4, 1)
 
 
 @pytest.mark.parametrize("value,residual,sources,kernels,message", [
@@ -367,7 +391,7 @@ def test_auto_groups_only_on_the_kernels(kernels, dtype, grouped, group_passes):
 def test_closed_form_prices_what_auto_runs():
     """perf/cost_model prices auto as group_router.GroupRouting.resolve runs it: one router per pass on torch
     (and fla), auto_group_sizes' split on the C and Triton kernels - whose group passes on the C kernels are
-    group_router.passes of that split (less the first gradients the final sum's seed turns into updates: none)."""
+    group_plan.passes of that split (less the first gradients the final sum's seed turns into updates: none)."""
     from megatron_delta.perf import cost_model
 
     n = 2 * 12

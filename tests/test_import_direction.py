@@ -4,6 +4,7 @@ itself. megatron_delta/hf/ imports no Megatron (an exported model runs with tran
 rules of megatron_delta/core/modes.py, which import nothing."""
 import ast
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -190,3 +191,35 @@ def test_the_layer_checks_see_an_upward_import_and_a_circle(tmp_path, monkeypatc
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert upward_imports() == ["megatron_delta/data/a.py:1 (data) imports megatron_delta.trainer.b (trainer)"]
     assert circles(module_graph()) == [["megatron_delta.data.a", "megatron_delta.trainer.b"]]
+
+
+
+# Modules of pure arithmetic over counts: the plan is read, tested and priced without torch (core/group_plan.py).
+TORCH_FREE = ("megatron_delta.core.group_plan",)
+
+
+def beyond_the_standard_library(name: str) -> list[str]:
+    """'line: module' for each import of module ``name`` (a TORCH_FREE one) outside the standard library."""
+    path = PACKAGE.parent / (name.replace(".", "/") + ".py")
+    return [f"{line}: {mod}" for line, mod in imported_modules(path)
+            if mod.split(".")[0] not in sys.stdlib_module_names]
+
+
+def test_the_planning_modules_import_only_the_standard_library():
+    """Every import of a torch-free module names the standard library; and the module imports in a process where
+    torch cannot be imported (so nothing it reaches through the package's __init__ files imports torch either)."""
+    for name in TORCH_FREE:
+        assert beyond_the_standard_library(name) == [], name
+        code = f"import sys; sys.modules['torch'] = None; import {name}"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              cwd=PACKAGE.parent, timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_torch_free_check_sees_a_torch_import(tmp_path, monkeypatch):
+    """A planning module that imports torch inside a function, or numpy at module level, is reported."""
+    fake = tmp_path / "megatron_delta"
+    (fake / "core").mkdir(parents=True)
+    (fake / "core" / "group_plan.py").write_text("import functools\nimport numpy\ndef f():\n    import torch\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert beyond_the_standard_library("megatron_delta.core.group_plan") == ["2: numpy", "4: torch"]

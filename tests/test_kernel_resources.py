@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron_delta.core.group_router import auto_group_sizes, deferring_groups
+from megatron_delta.core.group_plan import auto_group_sizes, deferring_groups
 from megatron_delta.perf import kernel_resources as kr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -120,7 +120,7 @@ def test_fused_router_passes_by_hand():
     # full_attnres, 1 layer: reads [h0] (p = h0), [h0, v0]; final router [h0, v0, v1]; v1 has one reader.
     assert passes("full_attnres", 1) == sum(4 * n for n in (1, 2, 3)) + 4 * 2
     # The group router (delta / full_attnres, --delta-router-group-size auto on the C kernels): 8 routers whose
-    # first reads 1 source, split as the fewest counted passes (group_router.auto_group_sizes): groups [0, 1),
+    # first reads 1 source, split as the fewest counted passes (group_plan.auto_group_sizes): groups [0, 1),
     # [1, 2), [2, 5), [5, 8) over 1, 2, 3, 6 older sources (with the gate: [0, 2), [2, 5), [5, 8) over 1, 3, 6).
     # Per group of s routers over n_g older sources: the old pass reads the n_g sources and writes s partial mixes
     # (+ X, the older part of x, when x is the sum of the sources), and in backward reads the n_g sources and the
@@ -133,7 +133,7 @@ def test_fused_router_passes_by_hand():
     # the first router's u in place of r_0 and that router has no merge: 2 + X fewer forward, 2 fewer backward.
     # Where x is the sum of the sources (unit), x's gradient seeds every sink and the pass that writes a sink first
     # reads the seed once for all it writes first: the last group's old pass (n_g sinks), so n_g - 1 reads fewer.
-    # A group that defers to the one before (group_router.deferring_groups: here the second and the fourth, with
+    # A group that defers to the one before (group_plan.deferring_groups: here the second and the fourth, with
     # the gate the third) leaves the previous group's n_prev older sources' gradients to that group's old pass,
     # which reads its s output gradients again: 2 n_prev - s fewer, and the seed read once more by that pass where
     # the deferring group is the last one and x is the sum of the sources.

@@ -248,12 +248,12 @@ def test_cuda_host_time_counts_as_on_cpu():
     launches, then without the copies too."""
     from types import SimpleNamespace
 
-    from megatron_delta.core import group_router
+    from megatron_delta.core import group_plan
     from megatron_delta.perf import host_work
 
     env = SimpleNamespace(dry=False, device="cuda")
     routers = 2 * host_work.HOST_STREAM_LAYERS
-    groups = group_router.auto_group_sizes(routers, 1)
+    groups = group_plan.auto_group_sizes(routers, 1)
     got = {(m, g): host_work.host_time(env, m, g) for m, g in host_work.host_runs(env)}
     assert all(r["ok"] and r["host_us"] > 0 for r in got.values())
     # the same stream without its launches, then without its table copies too: each takes the host less time
@@ -314,10 +314,10 @@ def test_host_work_tool(tmp_path):
     """tools/host_work.py (the routers' host work on CPU, the proxy of a host-bound GPU step) at a small size: per
     router call one table copy per launch; delta on one router per pass launches its forward and backward and
     x's final sum once, on the group router each group's old pass twice, each router's merge twice (but a group's first
-    router's: its u is the old pass's) and x's final sum once (group_router.auto_group_sizes' groups); the training
+    router's: its u is the old pass's) and x's final sum once (group_plan.auto_group_sizes' groups); the training
     step of every mode against the baseline's, which launches no Triton kernel, and of each mode with its router
     calls at their host floor (host_work.floor_routers: none launches a kernel either)."""
-    from megatron_delta.core import group_router
+    from megatron_delta.core import group_plan
 
     pytest.importorskip("triton")
     out = tmp_path / "host.json"
@@ -337,7 +337,7 @@ def test_host_work_tool(tmp_path):
         assert r["launches"] == r["table_copies"] > 0 and r["host_us"] > 0
         assert r["torch_ops"] == pytest.approx(r["views"] + r["allocations"] + r["other_ops"])
     routers = 2 * layers
-    groups = group_router.auto_group_sizes(routers, 1)
+    groups = group_plan.auto_group_sizes(routers, 1)
     assert calls["delta", 1]["launches"] == pytest.approx(2 + 1 / routers)  # and x's final sum (its sinks seeded)
     merges = routers - len(groups)
     assert calls["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * merges + 1) / routers)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_delta.core import group_router, traffic, triton_router
+from megatron_delta.core import group_plan, traffic, triton_router
 from megatron_delta.core.router import DepthRouter, make_source
 from megatron_delta.core.sources import SourcePlan
 from tests import kernel_models as K
@@ -201,7 +201,7 @@ def test_gpu_check_host_time(interpreter):
     got = {(m, g): host_work.host_time(env, m, g) for m, g in runs}
     assert all(r["ok"] and r["launches"] == r["table_copies"] and r["host_us"] > 0 for r in got.values())
     routers = 2 * host_work.HOST_STREAM_LAYERS
-    groups = group_router.auto_group_sizes(routers, 1)
+    groups = group_plan.auto_group_sizes(routers, 1)
     assert got["delta", 1]["launches"] == pytest.approx(2 + 1 / routers)
     merges = routers - len(groups)  # a group's first router takes its u from the old pass
     assert got["delta", "auto"]["launches"] == pytest.approx((2 * len(groups) + 2 * merges + 1) / routers)
@@ -408,9 +408,9 @@ def test_model_on_the_kernels_matches_reference_and_torch(interpreter, dist, mod
         formed = [j >= 2 and not plan.is_block_start(j) and not plan.is_block_start(j - 1)  # P_b = P_b + v_{j-1}
                   for j in range(plan.num_sublayers)]
         # h0 (block 0) and h0, D0 (block 1) are each block's completed sources: their gradients are deferred to
-        # the block's pass (4 routers, 1 and 2 sources: triton_router.defers), so no router call writes them
+        # the block's pass (4 routers, 1 and 2 sources: group_plan.block_defers), so no router call writes them
         completed = [sum(not n.startswith("P") for n in r) for r in reads]
-        assert all(triton_router.defers(4, k) for k in (1, 2))
+        assert all(group_plan.block_defers(4, k) for k in (1, 2))
         want = {ph: sum(triton_router.call_rows(len(r), has_base=False, forms_partial=f, grads=len(r) - k)[ph]
                         for r, f, k in zip(reads, formed, completed)) for ph in ("forward", "backward")}
         rows = count.rows(K.B * K.S * K.HIDDEN, act_bytes=4)
@@ -517,7 +517,7 @@ DEFER_CASES = [(m, r) for m in ("delta_block", "attnres") for r in (None, ("unif
 def test_deferred_block_passes_with_recompute_cuts(interpreter, dist, mode, recompute):
     """Several blocks, cut by recompute boundaries (each checkpoint's buffer scope has its own block passes):
     the logits and every parameter's gradient equal the PyTorch path's, the logits and the routers' gradients the
-    float64 reference's; the block passes ran where triton_router.defers says, and the counted traffic is the
+    float64 reference's; the block passes ran where group_plan.block_defers says, and the counted traffic is the
     closed form's (perf.cost_model.step_traffic)."""
     from megatron_delta.perf import cost_model
 
@@ -533,7 +533,7 @@ def test_deferred_block_passes_with_recompute_cuts(interpreter, dist, mode, reco
     for layers in scopes:
         for b in sorted({i // 2 for i in layers}):
             routers = 2 * sum(i // 2 == b for i in layers)
-            passes += triton_router.defers(routers, b + 1)  # h0 (B0) and the b completed sums (B1..Bb)
+            passes += group_plan.block_defers(routers, b + 1)  # h0 (B0) and the b completed sums (B1..Bb)
     assert sum(c.kernel == triton_router.DEFERRED_KERNEL for c in count.calls) == passes
     assert passes == {None: 4, ("uniform", 5): 5, ("block", 3): 4}[recompute]  # block: layers 4..7 (3, 4 sources)
     counted = count.rows(K.B * K.S * K.HIDDEN, act_bytes=4)
@@ -664,7 +664,7 @@ def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
 
 @pytest.mark.parametrize("config", G.CONFIGS, ids=G._cid)
 def test_group_router_traffic_is_the_closed_form(interpreter, config):
-    """The group router's recorded reads and writes on the Triton kernels are group_router.passes, as on the C
+    """The group router's recorded reads and writes on the Triton kernels are group_plan.passes, as on the C
     kernels (fp32: one pass is one [T, d] fp32 tensor)."""
     mode, null, gate, xs = config
     S = 3
@@ -675,7 +675,7 @@ def test_group_router_traffic_is_the_closed_form(interpreter, config):
     # h0, v0 .. v_{2L-2}: each source a router reads; its first gradient is written, not updated - unless x's
     # hand-out as the sum of the sources seeded its sink (group_router._FinalSum)
     n_read = 0 if xs else 2 * G.L
-    assert counted == group_router.passes(2 * G.L, 1, S, unit=xs, base=gate) - n_read
+    assert counted == group_plan.passes(2 * G.L, 1, S, unit=xs, base=gate) - n_read
     # x = the last group's X (the sources older than it, summed by its old pass) + the sources made in it, x written
     last = 2 * G.L - (2 * G.L) % S if (2 * G.L) % S else 2 * G.L - S  # the last group's first router
     assert rows.get(("x_sum", "forward"), 0) == (1 + (2 * G.L - last) + 1 if xs else 0)

@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from megatron_delta.core.group_router import FINE_GRAINED_MODES
+from megatron_delta.core.group_plan import FINE_GRAINED_MODES
 from megatron_delta.perf.kernel_resources import ARCHS, DEFAULT_LATENCY_NS, kernel_resources
 from megatron_delta.perf.shapes import SHAPES
 

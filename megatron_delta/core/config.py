@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_delta.core.group_router import check_group_size
+from megatron_delta.core.group_plan import check_group_size
 from megatron_delta.core.modes import BASELINE, check_delta_options
 from megatron_delta.core.mtp import ROUTED_MTP_REFUSED, check_mtp_options
 from megatron_delta.core.router import KERNEL_CHOICES

@@ -1,5 +1,6 @@
 """The group router of the fine-grained modes (delta, full_attnres): S consecutive routers share one pass
-over the sources older than their group (issue 28, item 4).
+over the sources older than their group. Which routers group together, and the passes counted for them, is
+core/group_plan.py (pure arithmetic, no torch); this module runs that plan.
 
 Why: in the fine-grained modes router j reads every earlier sublayer output, so the per-router path reads
 source i once per later router, forward and backward: traffic grows as (2L)^2. But a router's query
@@ -31,7 +32,7 @@ run in backward - which adds every deferred share as it writes the gradient, so 
 once (merge k: 2 passes and s - 1 - k reads of later G_k, where one per in-group reader read and wrote 2 k). Then
 ONE pass per group over the older sources gives every older
 source's gradient (accumulated in place into its sink) and the group's query and null-source gradients. On the
-kernels every other group from the scope's end (:func:`deferring_groups`) writes only the gradients of the sources
+kernels every other group from the scope's end (group_plan.deferring_groups) writes only the gradients of the sources
 the previous group's pass does not read (the previous group's own): its share of the others waits in their sinks
 (:class:`OldShare`: its G_k and, per token and source, their weights, query and norm terms) for the previous group's
 pass, which adds it as it writes them, reading these G_k again - so those sinks are read and written once per two
@@ -52,8 +53,8 @@ recompute chunk), anchored at the scope's first sublayer: they never cross a chu
 The final router of full_attnres routes as before (router.py). Group size: ``--delta-router-group-size``
 (config ``delta_router_group_size``): ``auto``, or S >= 1 (1 = the per-router path). ``auto`` takes, for a scope of
 n routers whose first reads n0 sources, the split of the n routers into consecutive groups with the fewest counted
-passes (:func:`passes`, :func:`auto_group_sizes`), where the group runs on the C or Triton kernels: the groups grow
-along the scope (24 over 1 source: 1, 1, 2, 3, 5, 6, 6, the deferring pairs chosen with them), because a later
+passes (group_plan.passes, group_plan.auto_group_sizes), where the group runs on the C or Triton kernels: the groups
+grow along the scope (24 over 1 source: 1, 1, 2, 3, 5, 6, 6, the deferring pairs chosen with them), because a later
 group's old pass reads more older sources and so pays more for each group, while a larger group merges more in-group
 sources per router, up to AUTO_MAX_GROUP routers a group; 1 where the routers
 run on PyTorch ops (--delta-router-kernels torch, or tensors neither kernel takes: counted per op, the group router
@@ -68,7 +69,6 @@ the PyTorch path each op it makes.
 """
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -76,6 +76,7 @@ import torch
 from torch import Tensor
 
 from megatron_delta.core import traffic
+from megatron_delta.core.group_plan import Sizes, deferring_starts, group_spans, resolve_sizes
 from megatron_delta.core.router import (
     GradSink,
     _as,
@@ -88,214 +89,7 @@ from megatron_delta.core.router import (
     seed_sinks,
 )
 
-__all__ = ["AUTO", "FLAG", "parse_group_size", "check_group_size", "auto_group_sizes", "deferring_groups",
-           "deferring_starts", "group_spans", "passes", "GroupRouting", "sum_in_order"]
-
-AUTO = "auto"
-FLAG = "--delta-router-group-size"
-# auto's largest group. The Triton kernels pad S to a power of two and hold [S, hidden] fp32 tiles per program, so
-# groups of 9-16 pad to 16, and their old passes spill the most registers: at the 1B width 720-1,296 bytes per thread
-# in the backward and 544-584 in the forward, against at most 152 and 0 up to 8 (tools/kernel_resources.py, sm_90).
-# At the 1B and 8B depths, capping at 8 moves 0.5 % and 1.4 % more counted bytes (perf/cost_model.py, Triton).
-AUTO_MAX_GROUP = 8
-FINE_GRAINED_MODES = ("delta", "full_attnres")
-
-
-# --------------------------------------------------------------------------------------------- the option
-def parse_group_size(text: Union[str, int]) -> Union[str, int]:
-    """``auto`` or a positive integer (the flag's argparse type; ValueError naming the flag)."""
-    if isinstance(text, str) and text == AUTO:
-        return AUTO
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or isinstance(text, bool) or value < 1 or str(value) != str(text).strip():
-        raise ValueError(f"{FLAG} {text!r} is not 'auto' or a positive integer (1 = one router per pass)")
-    return value
-
-
-def check_group_size(value, residual: str, sources: str = "exact", kernels: str = "auto") -> Union[str, int]:
-    """The resolved option: ``auto`` or S >= 1. An explicit S > 1 is refused (ValueError naming the flag)
-    outside the fine-grained modes' exact sources, and with fla's kernel (one router per call)."""
-    value = parse_group_size(value)
-    if value == AUTO or value == 1:
-        return value
-    if residual not in FINE_GRAINED_MODES:
-        raise ValueError(f"{FLAG} {value} applies to --residual delta and full_attnres (every sublayer's output "
-                         f"is a source), not {residual}; drop {FLAG} or set it to 1")
-    if sources != "exact":
-        raise ValueError(f"{FLAG} {value} needs --delta-sources exact (the authors' delta starts with a router "
-                         f"that reads no source); drop {FLAG} or set it to 1")
-    if kernels == "fla":  # fla-core's kernel routes one router per call
-        raise ValueError(f"{FLAG} {value} cannot run on fla's kernel (--delta-router-kernels fla routes one router "
-                         f"per call); use --delta-router-kernels auto, triton, c or torch, or {FLAG} 1")
-    return value
-
-
-Sizes = Union[int, Tuple[int, ...]]  # one group size S, or the sizes of consecutive groups (auto_group_sizes)
-
-
-def passes(n_routers: int, n_older: int, size: Sizes, unit: bool = True, base: bool = False,
-           null: bool = False) -> int:
-    """The closed form of the C kernels' counted traffic (core/traffic.py) for a scope of ``n_routers``
-    routers whose first reads ``n_older`` sources, in groups of ``size`` (S, or the groups' sizes in order):
-    [T, d] tensors read or written, each counted once (fp32 throughout; with bf16 activations r_k and the
-    gradients' fp32 tensors count twice). The PyTorch ops make more passes (one per op; perf/cost_model.py prices them).
-    ``unit``: x is the sum of the sources (delta without a gate: the old pass writes X, each merge reads it);
-    ``base``: the merges read the held x (delta with the gate); neither: full_attnres. Per group of s routers
-    with n_g older sources:
-
-    - forward: the old pass reads the n_g sources and writes s partial mixes (+ X); merge k reads r_k (+ X or
-      x) and its k in-group sources and writes u;
-    - backward: merge k reads G_k, r_k and its k in-group sources, and updates the gradient of its newest one
-      (read + write) with its own share and the shares merges k + 1 .. s - 1 deferred to it (reading their
-      G_k again: :class:`_Merge`); the old pass reads the n_g sources and the s G_k and updates the n_g sources'
-      gradients;
-
-    4 n_g + s (6 + unit + base) + unit + (s - 1)(3 s + 2) / 2 per group, less 4 + unit where the group's first
-    router has no base (its u comes from the old pass, written in place of r_0: no merge reads r_0 and X and writes
-    u, and no merge backward reads G_0 and r_0; :class:`_OldPass`'s first_u), less one per source read with a
-    gradient (its first gradient, the last reader's in forward order, is written, not updated). Where x is handed
-    out as the sum of the sources in the same scope (unit), :class:`_FinalSum` seeds every sink and each first
-    gradient adds the seed; the call that writes a sink first reads the seed once for all the sinks it writes
-    first - the last group's old pass (every older source) - so less all but one of that call's seed reads
-    instead. ``null``: the null source's value gradient reads each G_k once more (s per group); its value and the
-    weight tables are [d] and [T]-sized and not counted. Less, for each group that defers to the one before
-    (:func:`deferring_groups`), what that saves (:func:`_deferral_savings`)."""
-    total, a = 0, 0
-    sizes = _sizes(size, n_routers)
-    for s in sizes:
-        total += _group_passes(n_older + a, s, unit, base, null)
-        a += s
-    if unit and sizes:
-        total -= _seed_reads_saved(n_older + n_routers - sizes[-1], sizes[-1])
-    savings = _deferral_savings(sizes, n_older, unit)
-    return total - sum(sv for sv, defers in zip(savings, deferring_groups(sizes, n_older, unit)) if defers)
-
-
-def _deferral_savings(sizes: Sequence[int], n_older: int, unit: bool) -> List[int]:
-    """Passes saved where group j defers its share of the gradients of the previous group's older sources
-    (n_{j-1} of them) to that group's old pass (:class:`OldShare`): their sinks are not read and written here
-    (2 n_{j-1}), and the previous pass reads this group's s_j output gradients again; where x's gradient seeds the
-    sinks (unit) and j is the scope's last group, the seed is read once more (by the previous pass too)."""
-    out, a = [0], n_older + (sizes[0] if sizes else 0)
-    for j in range(1, len(sizes)):
-        out.append(_deferral_saving(a - sizes[j - 1], sizes[j], unit and j == len(sizes) - 1))
-        a += sizes[j]
-    return out
-
-
-def _deferral_saving(n_prev: int, s: int, seed_read: bool) -> int:
-    """What one group of ``s`` routers saves by deferring to the previous group's pass over ``n_prev`` sources
-    (:func:`_deferral_savings`); ``seed_read``: that pass reads x's seed once more."""
-    return 2 * n_prev - s - int(seed_read)
-
-
-def deferring_groups(sizes: Sequence[int], n_older: int, unit: bool = True) -> Tuple[bool, ...]:
-    """Which groups of a scope (``sizes`` in order, the first reading ``n_older`` sources) defer their share of
-    the gradients of the previous group's older sources to the previous group's old pass (:class:`OldShare`; on
-    the C and Triton kernels): the set with the most passes saved (:func:`_deferral_savings`) in which no group
-    both defers and receives (a receiving pass writes every sink it reads), by dynamic programming along the
-    groups. A scope's later groups read more older sources, so the pairs run from its end: (last, one before),
-    and so on."""
-    sav = _deferral_savings(sizes, n_older, unit)
-    best: List[Tuple[int, Tuple[bool, ...]]] = [(0, ())]  # best[j + 1]: the groups 0 .. j
-    for j in range(len(sizes)):
-        skip = (best[j][0], best[j][1] + (False,))
-        take = (best[j - 1][0] + sav[j], best[j - 1][1] + (False, True)) if j >= 1 and sav[j] > 0 else None
-        best.append(max([skip] + ([take] if take else []), key=lambda c: c[0]))
-    return best[-1][1]
-
-
-def deferring_starts(spans: Dict[int, Tuple[int, int]], n_older: int, unit: bool) -> Dict[int, bool]:
-    """Group start -> whether that group defers to the one before (:func:`deferring_groups`), for a scope's
-    ``spans`` (:func:`group_spans`) whose first router reads ``n_older`` sources."""
-    groups = sorted(set(spans.values()))
-    flags = deferring_groups([b - a for a, b in groups], n_older, unit)
-    return {a: f for (a, _), f in zip(groups, flags)}
-
-
-def _group_passes(n_g: int, s: int, unit: bool = True, base: bool = False, null: bool = False) -> int:
-    """:func:`passes` of one group of ``s`` routers over ``n_g`` older sources."""
-    first_u = 0 if base else 4 + int(unit)  # the first router's u from the old pass (no merge)
-    in_group = (s - 1) * (3 * s + 2) // 2  # merge k: k sources read each way, k + 1 ... s - 1's G_k, one gradient
-    return 4 * n_g + s * (6 + int(unit) + int(base) + int(null)) + int(unit) + in_group - first_u
-
-
-def _seed_reads_saved(n_g: int, s: int) -> int:
-    """The seed reads a scope's last group (``s`` routers over ``n_g`` older sources) saves where x's gradient seeds
-    every sink (unit): its old pass reads the seed once for its n_g sinks (each merge writes one sink)."""
-    return n_g - 1
-
-
-def _nth_size(size: Sizes, i: int) -> int:
-    """The size of group ``i``: S, or the i-th of the given sizes, the last one repeated."""
-    return size if isinstance(size, int) else size[min(i, len(size) - 1)]
-
-
-def _sizes(size: Sizes, n: int) -> List[int]:
-    """The sizes of the groups that cut ``n`` consecutive routers (:func:`_nth_size`), the last group clipped."""
-    out, a = [], 0
-    while a < n:
-        s = min(_nth_size(size, len(out)), n - a)
-        out.append(s)
-        a += s
-    return out
-
-
-@functools.lru_cache(maxsize=256)  # every micro-batch's SourceBuffer asks again: O(n^2) in Python per ask
-def auto_group_sizes(n_routers: int, n_older: int, first_u: bool = True) -> Sizes:
-    """The groups of ``auto``: the split of ``n_routers`` consecutive routers (the first reads ``n_older``
-    sources) into consecutive groups with the fewest counted passes (:func:`passes`; the only terms a split
-    changes are 4 n_g per group, its old pass's sources read and their gradients, against (s - 1)(3 s + 2) / 2 in its
-    merges and one X per group, the last group's seed reads, and what each group saves by deferring to the one before
-    it, :func:`deferring_groups`), by dynamic programming over where each group starts, the size of the group before
-    it and whether that one defers, each group of at most AUTO_MAX_GROUP routers. The sizes grow along the scope (to
-    that cap); 1 where single routers are cheapest (one router per pass). ``first_u``: each group's first router
-    takes its u from the old pass (no gate, no base: :class:`_OldPass`), 4 + 1 passes less per group; else the merges
-    read the base."""
-    n = n_routers
-    # state (a, size of the group ending at a, whether it defers) -> (passes of routers 0 .. a - 1, sizes)
-    states: List[Dict[Tuple[int, bool], Tuple[int, Tuple[int, ...]]]] = [{} for _ in range(n + 1)]
-    states[0][0, False] = (0, ())
-    for a in range(n):
-        for (s_prev, prev_defers), (cost, sizes) in states[a].items():
-            for s in range(1, min(n - a, AUTO_MAX_GROUP) + 1):
-                last = a + s == n
-                c = cost + _group_passes(n_older + a, s, base=not first_u) - (
-                    _seed_reads_saved(n_older + a, s) if last else 0)
-                options = [(c, False)]
-                if s_prev and not prev_defers:  # defer to the group before (it receives, so it did not defer)
-                    saved = _deferral_saving(n_older + a - s_prev, s, last)
-                    if saved > 0:
-                        options.append((c - saved, True))
-                for c2, defers in options:
-                    key, best = (s, defers), states[a + s]
-                    if key not in best or (c2, sizes + (s,)) < best[key]:
-                        best[key] = (c2, sizes + (s,))
-    sizes = min(states[n].values())[1]
-    return 1 if all(s == 1 for s in sizes) else sizes
-
-
-def group_spans(sublayers: Sequence[int], size: Sizes) -> Dict[int, Tuple[int, int]]:
-    """Sublayer -> [a, b) of its group: consecutive runs of ``sublayers`` cut into groups of ``size`` (S, or the
-    groups' sizes in order, as :func:`_nth_size`); a group never crosses a gap in the run (the next group starts
-    after it with the next size)."""
-    out: Dict[int, Tuple[int, int]] = {}
-    js = sorted(sublayers)
-    start = groups = 0
-    while start < len(js):
-        limit = _nth_size(size, groups)
-        groups += 1
-        end = start
-        while end + 1 < len(js) and js[end + 1] == js[end] + 1 and end + 1 - start < limit:
-            end += 1
-        span = (js[start], js[end] + 1)
-        for j in js[start:end + 1]:
-            out[j] = span
-        start = end + 1
-    return out
+__all__ = ["GroupRouting", "sum_in_order"]
 
 
 # --------------------------------------------------------------------------------------------- autograd
@@ -351,7 +145,7 @@ class DeferredShare(NamedTuple):
 
 class OldShare(NamedTuple):
     """A group's share of the gradients of the sources its previous group's old pass also reads, deferred to that
-    pass (:func:`deferring_groups`), which adds it as it writes their sinks - so each of those sinks is written once
+    pass (group_plan.deferring_groups), which adds it as it writes their sinks - so each of those sinks is written once
     per two groups, not once per group. For source i: E[i] v_i + sum_k A[k, i] G_k + sum_k C[k, i] Q_k, where
     ``grads`` are the group's output gradients G_k (those that came), A [len(grads), n, T] their per-token weights
     (gate beta_k p_ki, + 1 where x is the sum of the sources), C [S, n, T] dz_ki inv_i, Q [S, d] the group's
@@ -1022,16 +816,11 @@ class GroupRouting:
 
     def resolve(self, routers: Sequence, value: Tensor, n_older: int, first_u: bool = True) -> Sizes:
         """The scope's group sizes, resolved once (``first_u``: each group's first router takes its u from the old
-        pass, as :func:`passes` counts)."""
+        pass, as group_plan.passes counts)."""
         if self.spans is None:
-            size = self.size
-            if size == AUTO:
-                if any(r.gpu_kernel(value) == "fla" for r in routers):
-                    size = 1  # fla's kernel routes one router per call
-                elif _kernel_lib(routers[0].kernels, [value]) is None:
-                    size = 1  # PyTorch ops: counted per op, the group moves more bytes than one router per pass
-                else:
-                    size = auto_group_sizes(len(self.sublayers), n_older, first_u)
+            size = resolve_sizes(self.size, len(self.sublayers), n_older, first_u=first_u,
+                                 one_router_per_call=any(r.gpu_kernel(value) == "fla" for r in routers),
+                                 fused_passes=_kernel_lib(routers[0].kernels, [value]) is not None)
             self.spans = group_spans(self.sublayers, size)
             self.resolved = size
             self.kernels = routers[0].kernels
@@ -1039,7 +828,7 @@ class GroupRouting:
         return self.resolved
 
     def _deferring(self, a: int, unit: bool) -> bool:
-        """Whether the group starting at sublayer ``a`` defers to the previous one (:func:`deferring_groups`)."""
+        """Whether the group starting at sublayer ``a`` defers to the previous one (group_plan.deferring_groups)."""
         if self._defers is None:
             self._defers = deferring_starts(self.spans, self._n_older, unit)
         return self._defers.get(a, False)

@@ -26,7 +26,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from megatron_delta.core import group_router, traffic
+from megatron_delta.core import group_plan, group_router, traffic
 from megatron_delta.core.modes import RoutedMode, default_num_blocks, routed_mode, routed_mode_class
 from megatron_delta.core.router import DepthRouter, PendingSum, Source, _no_autocast, make_source
 
@@ -68,14 +68,14 @@ class SourcePlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", routed_mode(self.mode, self.num_layers, self.num_blocks, self.sources,
                                                       self.x_from_sources))
-        object.__setattr__(self, "router_group_size", group_router.check_group_size(
+        object.__setattr__(self, "router_group_size", group_plan.check_group_size(
             self.router_group_size, self.mode, self.sources))
 
     @property
     def groups_routers(self) -> bool:
         """The routers of a buffer's scope route in groups (core/group_router.py): a fine-grained mode's exact
         sources, with a group size other than 1."""
-        return (self.router_group_size != 1 and self.mode in group_router.FINE_GRAINED_MODES
+        return (self.router_group_size != 1 and self.mode in group_plan.FINE_GRAINED_MODES
                 and self.sources == "exact")
 
     # ------------------------------------------------------------------ basic facts

@@ -30,7 +30,7 @@ computed in the pass that reads it for the weighted sum), q = w * g, optional nu
   autograd add of two gradients).
 
 - the completed block sources (read by every router of a block through KernelSinks): their gradients are
-  deferred to one pass per block (:class:`BlockDeferral`, where :func:`defers` says it moves fewer rows): the
+  deferred to one pass per block (:class:`BlockDeferral`, where group_plan.block_defers says it moves fewer rows): the
   routers' backward leaves per-token coefficients, the block's pass reads each router's output gradient and
   each source once and writes each source's gradient once.
 
@@ -55,9 +55,10 @@ import torch
 from torch import Tensor
 
 from megatron_delta.core import cpu_kernels, traffic
+from megatron_delta.core.group_plan import block_defers
 
 __all__ = ["SUPPORTED_DTYPES", "TritonUnavailable", "load", "available", "check", "interpreting",
-           "device_ok", "fallback_reason", "KernelSink", "make_sink", "BlockDeferral", "DeferredSink", "defers",
+           "device_ok", "fallback_reason", "KernelSink", "make_sink", "BlockDeferral", "DeferredSink",
            "defer_block", "route", "route_router", "call_rows", "device_tables", "kernel_rows", "summed",
            "TOKENS_PER_PROGRAM"]
 
@@ -146,15 +147,6 @@ def call_rows(n_sources: int, *, has_base: bool, grads: Optional[int] = None, ac
     forward = n_sources + int(has_base) + 1 + 2 * int(forms_partial)  # each source (and x) read once, u written
     backward = 1 + n_sources + grads + accumulated + int(partial_grad)  # grad and each source read once
     return {"forward": forward, "backward": backward}
-
-
-def defers(routers: int, sources: int) -> bool:
-    """Whether a block's ``routers`` (those of one buffer scope) defer the gradients of the ``sources`` they all
-    read through KernelSinks to one pass (:class:`BlockDeferral`): where it moves fewer rows. In place, each
-    router reads and writes each source's gradient (2 rows per router and source); deferred, the pass reads each
-    router's output gradient once, and each source and its gradient once and writes it (routers + 3 per source).
-    The one fresh write per source (its first writer in backward writes without reading) is the same either way."""
-    return sources > 0 and 2 * routers * sources > routers + 3 * sources
 
 
 # ---------------------------------------------------------------------------------------- the kernels
@@ -463,7 +455,7 @@ def make_sink(value: Tensor) -> Optional[KernelSink]:
 
 class BlockDeferral:
     """The gradients of the completed sources that one block's routers (in one buffer scope) read through
-    KernelSinks, written once for the block instead of once per router (:func:`defers` says where that pays).
+    KernelSinks, written once for the block instead of once per router (group_plan.block_defers says where that pays).
 
     Each router's backward reads each source once as before (its dot products <grad, v_i> are needed for the
     softmax's gradient, hence for the in-block sources' gradients), but writes nothing for these sources: the
@@ -544,13 +536,13 @@ class _DeferredPass(torch.autograd.Function):
 
 def defer_block(sources: Sequence, routers: int, deferrals: Dict[int, Optional[BlockDeferral]], block: int) -> list:
     """``sources`` (router.Source tuples) of a router of ``block`` as it should take them: the sources with a
-    KernelSink in the block's deferred pass, where :func:`defers` says it pays for the block's ``routers`` in this
-    scope. ``deferrals`` (block -> the slots, or None: not deferred) is the buffer's, filled at the block's first
-    router; a source the first router did not read keeps its sink."""
+    KernelSink in the block's deferred pass, where group_plan.block_defers says it pays for the block's ``routers``
+    in this scope. ``deferrals`` (block -> the slots, or None: not deferred) is the buffer's, filled at the block's
+    first router; a source the first router did not read keeps its sink."""
     if block not in deferrals:
         shared = [s for s in sources if isinstance(s.sink, KernelSink)]
         deferrals[block] = None
-        if shared and defers(routers, len(shared)):
+        if shared and block_defers(routers, len(shared)):
             slots = BlockDeferral([s.value for s in shared], [s.sink for s in shared]).slots()
             deferrals[block] = {id(s.sink): slot for s, slot in zip(shared, slots)}
     slots = deferrals[block]

@@ -185,9 +185,9 @@ class _Ledger:
         self.entries = {}  # name -> [tensor, projection]; projection: None, "local" or [readers seen]
         self._x = None
         self.group_size = None  # the group router's S or groups' sizes here (core/group_router.py), once resolved
-        self.spans = None  # sublayer -> [a, b) of its group (group_router.group_spans)
+        self.spans = None  # sublayer -> [a, b) of its group (group_plan.group_spans)
         self._group = None  # the number of sources older than the group routing now
-        self._defers = None  # group start -> it defers to the previous group (group_router.deferring_groups)
+        self._defers = None  # group start -> it defers to the previous group (group_plan.deferring_groups)
         self._touches = {}  # a source the groups read -> the passes whose backward update its gradient, in order
         self._seeded = set()  # sources of _touches whose sink x's gradient seeds (group_router._FinalSum)
         self._formed = []  # partial sums a Triton kernel formed in its pass (their gradient is read if read later)
@@ -361,7 +361,8 @@ class _Ledger:
         """The kinds of this router's KernelSink sources ('fresh': its backward writes the gradient, or adds it in
         place where an earlier writer's is in the buffer - counted in settle_groups; 'deferred': its block's pass
         does), and the block's pass, at the block's first router in this scope."""
-        from megatron_delta.core.triton_router import DEFERRED_KERNEL, defers
+        from megatron_delta.core.group_plan import block_defers
+        from megatron_delta.core.triton_router import DEFERRED_KERNEL
 
         group = None
         if key != "final" and self.plan.blocked and self.defer_blocks:
@@ -369,7 +370,7 @@ class _Ledger:
             if b not in self._blocks:
                 routers = sum(1 for k in self.scope if isinstance(k, int) and self.plan.block_of(k) == b)
                 ids = [id(e) for e in sinks]
-                self._blocks[b] = set(ids) if defers(routers, len(ids)) else set()
+                self._blocks[b] = set(ids) if block_defers(routers, len(ids)) else set()
                 if self._blocks[b]:  # backward: each router's output gradient, each source once, its gradient
                     self.add({(DEFERRED_KERNEL, "backward"): (routers + 2 * len(ids)) * self.a})
                     for e in sinks:
@@ -390,18 +391,17 @@ class _Ledger:
 
     # the group router (group_router.GroupRouting): delta / full_attnres with S > 1
     def _grouped(self, key, first_u=True):
-        from megatron_delta.core import group_router
+        from megatron_delta.core import group_plan
 
         if not self.plan.groups_routers or key == "final" or self.backend not in GROUP_BACKENDS:
             return False  # fla: S = 1 (its kernel routes one router per call)
         if self.group_size is None:
             subs = sorted(k for k in self.scope if isinstance(k, int))
-            size = self.plan.router_group_size
-            if size == group_router.AUTO:  # group_router.GroupRouting.resolve: S = 1 on the PyTorch ops
-                size = (1 if self.backend == "torch"
-                        else group_router.auto_group_sizes(len(subs), len(self.plan.reads(subs[0])), first_u))
-            self.group_size = size
-            self.spans = group_router.group_spans(subs, self.group_size)
+            # as group_router.GroupRouting.resolve: fla is ruled out above, torch has no fused passes
+            self.group_size = group_plan.resolve_sizes(self.plan.router_group_size, len(subs),
+                                                       len(self.plan.reads(subs[0])), one_router_per_call=False,
+                                                       fused_passes=self.backend != "torch", first_u=first_u)
+            self.spans = group_plan.group_spans(subs, self.group_size)
         return self.group_size != 1
 
     def _touch(self, t, kernel, call):
@@ -466,11 +466,11 @@ class _Ledger:
 
     def _defers_to_previous(self, a, unit):
         """group_router.GroupRouting._deferring: the group starting at sublayer ``a`` defers to the one before."""
-        from megatron_delta.core import group_router
+        from megatron_delta.core import group_plan
 
         if self._defers is None:
             first = min(self.spans)
-            self._defers = group_router.deferring_starts(self.spans, len(self.plan.reads(first)), unit)
+            self._defers = group_plan.deferring_starts(self.spans, len(self.plan.reads(first)), unit)
         return self._defers.get(a, False)
 
     def settle_groups(self):

@@ -69,7 +69,7 @@ def speed_runs(env, shape_name=None, routers=("fla", "triton", "torch")):
     --delta-router-group-size 1 (one router per pass, what the cost model prices for torch and fla) and, on
     triton, also with ``auto`` (the group router on its Triton kernels); the group size is None (not applicable)
     for the other modes. ``routers``: the backends to time (--speed-routers)."""
-    from megatron_delta.core.group_router import AUTO, FINE_GRAINED_MODES
+    from megatron_delta.core.group_plan import AUTO, FINE_GRAINED_MODES
 
     backends = [k for k in ("fla", "triton", "torch") if k in routers and k in (*router_kernels(env), "torch")]
     runs = [(BASELINE, "-", None)]

@@ -49,7 +49,7 @@ Model of the activations (bytes saved for backward per micro-batch, counted as u
   fragmentation and temporary buffers (add 10-20 %).
 - Backward transient of the Triton kernels' deferred block pass (``deferred_block_stash``, block modes on a GPU with
   --delta-router-kernels triton, or auto: PyTorch's CUDA wheels ship Triton, so auto counts as triton; pass fla
-  where your install lacks it): where triton_router.defers(R, C) says the R routers of a block in one buffer scope
+  where your install lacks it): where group_plan.block_defers(R, C) says the R routers of a block in one buffer scope
   (a pipeline chunk here) defer the gradients of the C completed sources they read through KernelSinks, each
   router's backward stashes its output gradient ([tokens, h] in the activation dtype), three fp32 coefficients
   per token and completed source and its fp32 query [h] (BlockDeferral), and the block's pass releases them all.
@@ -332,11 +332,11 @@ def layer_activation_bytes(a, first_layer, num_layers):
 
 def block_deferrals(a, first_layer, num_layers):
     """The deferred block passes of one buffer scope (the layers first_layer .. +num_layers: a pipeline chunk) with
-    the routers on the Triton kernels: per block whose routers defer (triton_router.defers), (block, R routers, C
+    the routers on the Triton kernels: per block whose routers defer (group_plan.block_defers), (block, R routers, C
     completed sources). As SourceBuffer does: a source read by several receivers of the scope gets a KernelSink at
     its first read there (a rename keeps it, a commit's new value gets its own); the block's first router in the
     scope defers the sources it reads through sinks."""
-    from megatron_delta.core.triton_router import defers
+    from megatron_delta.core.group_plan import block_defers
 
     plan = source_plan(a)
     sublayers = range(2 * first_layer, 2 * (first_layer + num_layers))
@@ -350,7 +350,7 @@ def block_deferrals(a, first_layer, num_layers):
         if j == sublayers[0] or plan.block_of(j - 1) != b:  # the block's first router in the scope
             routers = sum(plan.block_of(k) == b for k in sublayers)
             shared = sum(sinks[name] for name in plan.reads(j))
-            if shared and defers(routers, shared):
+            if shared and block_defers(routers, shared):
                 blocks.append((b, routers, shared))
         old = plan.rules.rewritten_by_commit(j)
         if old is not None:

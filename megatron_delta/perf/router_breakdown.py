@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from megatron_delta.core import group_router
+from megatron_delta.core import group_plan, group_router
 
 # The stand-in variants of the breakdowns (stand_ins arguments): the routers' fused passes stood in,
 # and the shared source projections as well.
@@ -155,7 +155,7 @@ def fused_router_passes(mode, config):
 
     Where the sublayer routers route in groups (delta / full_attnres, the group size not resolving to 1, as
     GroupRouting.resolve does for the config's kernels on fp32 CPU tensors): the passes the group router makes
-    over the scope (group_router.passes: per group one old pass over the older sources and one merge per router but
+    over the scope (group_plan.passes: per group one old pass over the older sources and one merge per router but
     the group's first where no router reads x (its u is the old pass's), forward and backward), less the stand-in
     merge's copy (2 per router), plus the final router of full_attnres
     per router (its sources have one reader there: no shared projection)."""
@@ -167,7 +167,7 @@ def fused_router_passes(mode, config):
     size = group_size(plan, config)
     if size != 1:
         n = plan.num_sublayers
-        grouped = group_router.passes(n, plan.num_sources_read(0), size, unit=plan.x_from_sources, base=bool(base),
+        grouped = group_plan.passes(n, plan.num_sources_read(0), size, unit=plan.x_from_sources, base=bool(base),
                                       null=bool(getattr(config, "delta_null_source", False)))
         nf = len(plan.final_reads())
         return grouped - 2 * n + ((nf - 1) + (3 * nf + 1) if nf else 0)
@@ -191,7 +191,7 @@ def fused_router_passes(mode, config):
     return route + 4 * sum(multi for _, multi in shared.values())
 
 
-def group_size(plan, config) -> group_router.Sizes:
+def group_size(plan, config) -> group_plan.Sizes:
     """The group size (S, or the groups' sizes under auto) the sublayer routers of the benchmark's one scope (every
     layer) resolve to on fp32 CPU tensors (GroupRouting.resolve): 1 where they route one router per pass."""
     if not plan.groups_routers:

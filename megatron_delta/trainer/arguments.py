@@ -11,7 +11,7 @@ import os
 import re
 from typing import Optional
 
-from megatron_delta.core.group_router import check_group_size
+from megatron_delta.core.group_plan import check_group_size
 from megatron_delta.core.modes import BASELINE, BLOCK_MODES, RESIDUAL_MODES, SOURCE_DEFINITIONS
 from megatron_delta.core.router import KERNEL_CHOICES
 
