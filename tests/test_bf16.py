@@ -1,4 +1,4 @@
-"""bf16 end to end on CPU (issue 19, item 3): every residual mode trains with `--bf16` under TP2+PP2+SP.
+"""bf16 end to end on CPU: every residual mode trains with `--bf16` under TP2+PP2+SP.
 
 The runs (tests/rank_runner.py's tiny model: 4 layers, hidden 64, 4 heads in 2 query groups, seq 32, mbs 2, gbs 8,
 mock data, lr 1e-2, ITERS iterations), from the session's fixtures (tests/conftest.py):

@@ -1,4 +1,4 @@
-"""Evaluation tools (issue 6, item 3): held-out perplexity of a checkpoint (tools/perplexity.py) and the
+"""Evaluation tools: held-out perplexity of a checkpoint (tools/perplexity.py) and the
 offline last-word cloze task run with lm-evaluation-harness (tools/cloze_eval.py).
 
 Both are checked against independent computations on a tiny model trained on the bundled corpus and

@@ -1,4 +1,4 @@
-"""Issue 19: the router on fla-core's fused AttnRes kernel (megatron_delta/core/fla_router.py), on CPU.
+"""The router on fla-core's fused AttnRes kernel (megatron_delta/core/fla_router.py), on CPU.
 
 fla's Triton kernel refuses CPU tensors, so every test here routes through fla's own pure-PyTorch
 ``fla.ops.attnres.naive_attnres`` (same signature), put in its place with ``fla_router.use_kernel`` -

@@ -1,4 +1,4 @@
-"""Issue 7, the parts a CPU can check: FP8 flags, FP8 contexts around layers (routers outside them),
+"""The GPU preparation, the parts a CPU can check: FP8 flags, FP8 contexts around layers (routers outside them),
 and tools/gpu_check.py refusing to run without CUDA. Transformer Engine is never imported here: where a
 test needs its FP8 autocast, a stand-in module records how it was entered."""
 import contextlib
@@ -172,7 +172,7 @@ def test_router_without_fp8_imports_no_te(dist, monkeypatch):
     model(torch.randint(0, 64, (2, 16)), torch.arange(16).expand(2, -1), None).sum().backward()
 
 
-# ----------------------------------------------------------------------------- issue 19
+# ------------------------------------------------------------------------ the GPU kernels
 def test_gpu_check_dry_run():
     """tools/gpu_check.py --dry-run: every part of the GPU acceptance run on CPU (tiny sizes, naive_attnres
     for fla's Triton kernel, no TE): parity of the routers' backends, fused kernel vs PyTorch router

@@ -216,7 +216,7 @@ def test_block_mode_without_blocks_that_divide_is_refused(capsys):
     assert default["router_ms"] < cost_model.router_share("H100", "8B", "delta_block", num_blocks=36)["router_ms"]
 
 
-# ------------------------------------------------------------------ the router's share of a step (issue 19)
+# ------------------------------------------------------------------ the router's share of a step
 def test_router_share_predictions():
     """Every routed mode on both shapes: the fused kernel moves fewer bytes than the PyTorch path;
     delta (O(L^2) source reads) costs more than delta_block (<= K+1 sources); faster HBM, smaller share."""
@@ -333,7 +333,7 @@ def test_mtp_params_and_activations_match_the_model(dist, mode):
     assert memory_model.mtp_params(pp2) - memory_model.mtp_params(pp1) == V * h
 
 
-# ------------------------------------------------------------ the Triton kernels' deferred block pass (issue 28)
+# ------------------------------------------------------------ the Triton kernels' deferred block pass
 STASH_CASES = [  # (mode, layers, blocks, hidden, seq, micro batch, PP, VPP layers): the scopes the run splits into
     ("delta_block", 12, 3, 24, 6, 2, 2, None),  # two stages of 6 layers: block 1 cut 4, 5 | 6, 7
     ("attnres", 12, 3, 24, 6, 2, 2, 3),  # 2 x 2 chunks of 3 layers: chunk 1's layer 3 (block 0) does not defer

@@ -1,4 +1,4 @@
-"""Issue 3: the Megatron DeltaGPTModel of every residual mode vs the independent float64 reference
+"""The Megatron DeltaGPTModel of every residual mode vs the independent float64 reference
 (tests/reference_delta.py), plus the initialisation facts, source counts, routing memory and the
 start-up checks of bad flag combinations.
 

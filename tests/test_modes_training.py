@@ -1,4 +1,4 @@
-"""Issue 3: every residual mode trains (30 iterations of a tiny model on the bundled corpus); the five modes' routers
+"""Every residual mode trains (30 iterations of a tiny model on the bundled corpus); the five modes' routers
 train in an optimizer group of their own (--delta-router-lr-mult 2: twice the lr, no weight decay).
 
 One subprocess runs pretrain_gpt.py's `megatron_delta.trainer.main.main` for every configuration in turn (one import of

@@ -1,4 +1,4 @@
-"""Parallel layouts reproduce TP1 training, for every residual mode (issue 4).
+"""Parallel layouts reproduce TP1 training, for every residual mode.
 
 Every layout trains tests/rank_runner.py's tiny model (4 layers, hidden 64, 4 heads / 2 query groups, seq 32, mbs 2,
 gbs 8, mock data; the routers at 10x the lr) ITERS iterations from the TP1 reference's initial model of each mode
@@ -102,7 +102,7 @@ def test_layout_matches_tp1(reference, layout, request):
         assert res[m]["lr"] == pytest.approx(ref[m]["lr"], rel=1e-12), (layout, m)
         assert res[m]["iterations"] == list(range(1, rank_runner.ITERS + 1)), (layout, m)
 
-    # Payload sizes actually received equal the plan's tensors x per-rank sequence (issue 6): every payload
+    # Payload sizes actually received equal the plan's tensors x per-rank sequence: every payload
     # name, or under the interleaved schedule what the source cache sends (on by default).
     from megatron_delta.core.source_cache import SourceCachePlan
     from megatron_delta.core.sources import SourcePlan
@@ -123,7 +123,7 @@ def test_layout_matches_tp1(reference, layout, request):
         assert any(r["delta"]["payloads"] for r in results), "no pipeline payload was received"
 
     if collect:
-        # SP router gradients: TP replicas bitwise equal, and equal to TP1's (issue 4, item 2).
+        # SP router gradients: TP replicas bitwise equal, and equal to TP1's.
         for m in ROUTED:
             r0, r1 = results[0][m]["routers"], results[1][m]["routers"]
             assert r0["params"] == r1["params"], f"{m}: TP replicas of router parameters differ"

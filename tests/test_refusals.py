@@ -1,4 +1,4 @@
-"""What the routed modes do not support fails at start-up with one message naming it (issue item 3), and
+"""What the routed modes do not support fails at start-up with one message naming it, and
 what upstream's TransformerBlock.forward hands its layers reaches the routed layers too (padding_mask).
 
 - Config level: DeltaTransformerConfig refuses each feature of core/config.UNSUPPORTED_FEATURES for a routed

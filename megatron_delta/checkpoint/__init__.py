@@ -7,4 +7,7 @@
                   a command line (the run_config.json keys, SMALL_CPU_MODEL's defaults)
   store         - the tools' torch_dist save / load (atomic, any TP/PP/VPP layout) with run_config.json
   errors        - CheckpointError, ConversionError, and describe_load_failure (a damaged checkpoint file, one line)
+  layout        - where Megatron-LM's trainer puts a checkpoint: the tracker file and the iteration directories
+  integrity     - integrity hashes written on save and verified on load (--no-verify-integrity to skip)
+  save_lock     - one writer per --save directory (the lock file), rank 0's answer broadcast to every rank
 """

@@ -1,5 +1,5 @@
 """The router on GPUs: the project's own Triton kernels, at the per-router floor of memory traffic
-(docs/gpu.md, issue 28 item 3).
+(docs/gpu.md).
 
 ``--delta-router-kernels triton`` routes through them; ``auto`` does so for CUDA tensors when Triton
 imports (fla-core's kernel stays selectable with ``fla``: fla_router.py). Imported lazily: nothing here,

@@ -10,6 +10,7 @@ What Megatron-LM's pretrain_gpt.py holds, for the project's models:
 - :mod:`.embedded`   the run with no data flags: the bundled corpus and the CPU defaults
 - :mod:`.forward_pass` forward-only passes of a loaded model over a dataset, outside a training run
 - :mod:`.run_summary` one run with its measurements (summary.json: parameters, sources, peak RSS, wall time)
+- :mod:`.launch`     torchrun for preemptible jobs: SIGTERM passed on to the workers, which save and exit 0
 - :mod:`.__main__`   ``python -m megatron_delta.trainer``
 
 Megatron's trainer runs as it is; the CPU + gloo adaptation and the trainer's

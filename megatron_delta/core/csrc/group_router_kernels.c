@@ -1,4 +1,4 @@
-/* Fused CPU kernels of the group router (megatron_delta/core/group_router.py, issue 28 item 4).
+/* Fused CPU kernels of the group router (megatron_delta/core/group_router.py).
  *
  * A group of S routers of the fine-grained modes shares one pass over the n sources older than the group
  * (the old pass), and each router merges its k in-group sources with the old pass's partial mix by an

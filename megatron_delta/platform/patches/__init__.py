@@ -14,8 +14,9 @@ silenced only around the upstream calls that emit them (:func:`known_warnings_qu
 ``warnings.catch_warnings`` block): the project never changes the process-wide warning filters.
 
 Modules: this one (the table, apply_patches, describe, the warnings); cpu (the CPU-only entries'
-implementations); distopt (the distributed optimizer's fixes on every device); install (replace / suspend,
-the one way an entry changes upstream); __main__ (``python -m megatron_delta.platform.patches``).
+implementations); distopt (the distributed optimizer's fixes on every device); ckpt_writer (the checkpoint
+writer's results queue in a Manager that exits with its rank); install (replace / suspend, the one way an entry
+changes upstream); __main__ (``python -m megatron_delta.platform.patches``).
 """
 from __future__ import annotations
 
