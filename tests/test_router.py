@@ -1,4 +1,5 @@
-"""DepthRouter / make_source: exact math vs a naive torch.stack router, dtypes, init facts, memory."""
+"""DepthRouter / make_source: exact math against the independent float64 reference's router
+(tests/reference_delta.route), dtypes, init facts, memory."""
 import itertools
 
 import pytest
@@ -6,23 +7,16 @@ import torch
 from torch.func import functional_call
 
 from megatron_delta.core.router import DepthRouter, make_source
+from tests import reference_delta as R
 
 EPS = 1e-6
 
 
-def naive_route(values, w, g, z, a, eps):
-    """Straight from docs/design.md section 1: stack every source (null last), softmax over depth."""
-    srcs = list(values)
-    if z is not None:
-        srcs.append(z.expand_as(values[0]))
-    st = torch.stack(srcs)  # [N, s, b, d]
-    inv = torch.rsqrt(st.pow(2).mean(-1) + eps)
-    logits = (st * (w * g)).sum(-1) * inv
-    alpha = torch.softmax(logits, dim=0)
-    r = (alpha.unsqueeze(-1) * st).sum(0)
-    if a is not None:
-        r = a * r
-    return r, alpha.movedim(0, -1)
+def reference_route(values, w, g, z, a, eps):
+    """The independent float64 reference's router (tests/reference_delta.route: every source stacked, null last,
+    softmax over depth), with the gate applied as the routed layer applies it: r = a * r."""
+    r, alpha = R.route(list(values), w, g, z, eps)
+    return (a * r if a is not None else r), alpha
 
 
 def _params(router):
@@ -30,7 +24,7 @@ def _params(router):
 
 
 @pytest.mark.parametrize("n,null,gate", list(itertools.product([1, 2, 7], [False, True], [False, True])))
-def test_gradcheck_against_naive(n, null, gate):
+def test_gradcheck_against_the_reference(n, null, gate):
     torch.manual_seed(n + 10 * null + 100 * gate)
     s, b, d = 2, 2, 4
     router = DepthRouter(d, null_source=null, gate=gate, eps=EPS).double()
@@ -60,12 +54,12 @@ def test_gradcheck_against_naive(n, null, gate):
         return ours(ww, gg, zz, aa, *it)[0]
 
     r, alpha = ours(w, g, z, a, *values)
-    r_ref, alpha_ref = naive_route(values, w, g, z, a, EPS)
+    r_ref, alpha_ref = reference_route(values, w, g, z, a, EPS)
     torch.testing.assert_close(r, r_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(alpha, alpha_ref, rtol=1e-12, atol=1e-12)
     assert alpha.shape == (s, b, n + int(null))
 
-    # Same gradients as the naive router (autograd through torch.stack) ...
+    # Same gradients as the reference router (autograd through torch.stack) ...
     go = torch.randn_like(r)
     grads = torch.autograd.grad(r, inputs, go)
     grads_ref = torch.autograd.grad(r_ref, inputs, go)
@@ -265,7 +259,7 @@ def test_router_saves_no_copies_of_sources():
 
 
 def test_shared_projection_grads_and_second_backward():
-    """Sources projected once for several routers (make_source readers=...) give the naive
+    """Sources projected once for several routers (make_source readers=...) give the reference
     gradients; a second backward of a retained graph gives them again (the sinks are emptied)."""
     torch.manual_seed(4)
     d = 8
@@ -283,15 +277,15 @@ def test_shared_projection_grads_and_second_backward():
         srcs = [make_source(v, EPS, routers[i:] if shared else ()) for i, v in enumerate(vals)]
         return sum(routers[k](srcs[: k + 1], base=x, apply_gate=True).pow(2).sum() for k in range(3))
 
-    def naive():
+    def reference():
         total = 0
         for k, r in enumerate(routers):
-            rr, _ = naive_route(vals[: k + 1], r.query, r.key_norm_weight, r.null_source, r.gate, EPS)
+            rr, _ = reference_route(vals[: k + 1], r.query, r.key_norm_weight, r.null_source, r.gate, EPS)
             total = total + (x + rr).pow(2).sum()
         return total
 
     leaves = vals + [x] + [p for r in routers for p in r.parameters()]
-    ref = torch.autograd.grad(naive(), leaves)
+    ref = torch.autograd.grad(reference(), leaves)
     loss = run(shared=True)
     torch.testing.assert_close(loss, run(shared=False), rtol=1e-12, atol=1e-12)
     for _ in range(2):
@@ -322,7 +316,7 @@ def _kernel_calls(monkeypatch):
 
 @pytest.mark.parametrize("null,gate,with_base,shared", list(itertools.product([False, True], repeat=4)))
 def test_c_kernels_match_reference(null, gate, with_base, shared, monkeypatch):
-    """The fused C kernels (kernels='c', fp32) give the float64 naive router's outputs and every
+    """The fused C kernels (kernels='c', fp32) give the float64 reference router's outputs and every
     gradient (sources, base, query, key norm, null source, gate) to fp32 round-off, as the PyTorch
     path does; three routers reading 1, 2, 3 sources, so sinks are both created and accumulated."""
     calls = _kernel_calls(monkeypatch)
@@ -351,7 +345,7 @@ def test_c_kernels_match_reference(null, gate, with_base, shared, monkeypatch):
             total = 0
             for k, r in enumerate(rs):
                 p = {n: t.double() for n, t in r.named_parameters()}
-                rr, _ = naive_route(vals[: k + 1], p["query"], p["key_norm_weight"], p.get("null_source"),
+                rr, _ = reference_route(vals[: k + 1], p["query"], p["key_norm_weight"], p.get("null_source"),
                                     p.get("gate"), EPS)
                 total = total + ((x if with_base else 0) + rr).pow(2).sum() * (k + 1)
         else:
@@ -377,7 +371,7 @@ def test_c_kernels_match_reference(null, gate, with_base, shared, monkeypatch):
 def test_base_sums_rebuilds_the_local_source(fallback, monkeypatch):
     """route(base_sums=True) with base = sum of the sources (delta_block's x): the C path saves the
     output u instead of the local source and rebuilds it in backward - with the kernel, or with PyTorch
-    ops where the backward cannot use the kernel (``fallback``) - and gives the float64 naive router's
+    ops where the backward cannot use the kernel (``fallback``) - and gives the float64 reference router's
     gradients. Without base_sums the local source itself is saved."""
     from megatron_delta.core import cpu_kernels
 
@@ -396,7 +390,7 @@ def test_base_sums_rebuilds_the_local_source(fallback, monkeypatch):
         params = list(r.parameters())
         if dtype == torch.float64:
             p = {n: t.double() for n, t in r.named_parameters()}
-            rr, _ = naive_route(vals, p["query"], p["key_norm_weight"], p["null_source"], p["gate"], EPS)
+            rr, _ = reference_route(vals, p["query"], p["key_norm_weight"], p["null_source"], p["gate"], EPS)
             out = x + rr
         else:
             srcs = [make_source(v, EPS, [r]) for v in vals[:2]] + [make_source(vals[2], EPS)]  # last: local
@@ -424,7 +418,7 @@ def test_base_sums_rebuilds_the_local_source(fallback, monkeypatch):
 def test_base_formed_from_the_sources(kernels, null, gate):
     """route(base=None, base_sums=True): the base is the sum of the sources, formed in the router's
     pass (the additive modes keeping x as its sources): out = sum_i (1 + a alpha_i) v_i + a alpha_null z,
-    equal to the float64 naive router's x + a r with x = sum v, in value and in every gradient (each
+    equal to the float64 reference router's x + a r with x = sum v, in value and in every gradient (each
     source's includes x's share); the C path keeps the local source out of memory (rebuilt from u)."""
     torch.manual_seed(22)
     d = 40
@@ -441,7 +435,7 @@ def test_base_formed_from_the_sources(kernels, null, gate):
 
     p = {n: t.double() for n, t in r.named_parameters()}
     vals = [v.clone().requires_grad_() for v in vals64]
-    rr, _ = naive_route(vals, p["query"], p["key_norm_weight"], p.get("null_source"), p.get("gate"), EPS)
+    rr, _ = reference_route(vals, p["query"], p["key_norm_weight"], p.get("null_source"), p.get("gate"), EPS)
     ref_out = sum(vals) + rr
     ref = [ref_out.detach()] + list(torch.autograd.grad((ref_out * weights).sum(),
                                                         vals + [p[n] for n, _ in r.named_parameters()]))
