@@ -363,3 +363,11 @@ def test_outputs_are_gitignored():
     r = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode in (0, 1), r.stderr
     assert sorted(r.stdout.split()) == paths, f"not in .gitignore: {sorted(set(paths) - set(r.stdout.split()))}"
+
+
+README_BUDGET = 200  # lines: the page someone reads to decide, in five minutes; the reference is docs/
+
+
+def test_readme_fits_its_budget():
+    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
+    assert len(lines) <= README_BUDGET, f"README.md: {len(lines)} lines (at most {README_BUDGET}): move detail to docs/"
