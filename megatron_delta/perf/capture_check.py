@@ -120,7 +120,7 @@ class LaunchRecorder:
         self.iterations.append([])
         self.copies.append(0)
 
-    def record(self, name: str, grid, args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+    def record(self, name: str, grid, args, kwargs: Dict[str, Any]) -> None:
         self.busy = True
         try:
             self.iterations[-1].append(signature(name, grid, args, kwargs))
@@ -140,7 +140,9 @@ class LaunchRecorder:
         tables = triton_router.device_tables
 
         def launch(fn_self, *args, grid, warmup, **kwargs):  # the host's side only: what it passes, no work
-            recorder.record(fn_self.fn.__name__, grid, args, kwargs)
+            names = getattr(fn_self, "arg_names", [])
+            recorder.record(fn_self.fn.__name__, grid, dict(zip(names, args)) if len(names) >= len(args) else args,
+                            kwargs)
 
         def copy(*lists, device):
             recorder.copies[-1] += 1
@@ -168,11 +170,12 @@ def _value(v):
     return repr(v)
 
 
-def signature(name: str, grid, args: Sequence[Any], kwargs: Dict[str, Any]) -> tuple:
-    """(kernel, grid, scalars, tensor addresses, table entries): scalars are (position or name, value) of every
-    argument that is not a tensor, addresses those of the tensor arguments, table entries those of the int64
-    tensor arguments."""
-    values = [(i, _value(a)) for i, a in enumerate(args)] + [(k, _value(v)) for k, v in sorted(kwargs.items())]
+def signature(name: str, grid, args, kwargs: Dict[str, Any]) -> tuple:
+    """(kernel, grid, scalars, tensor addresses, table entries): scalars are (name, value) of every argument that
+    is not a tensor, addresses those of the tensor arguments, table entries those of the int64 tensor arguments.
+    ``args``: the positional arguments by name (a dict), or a sequence (named by position)."""
+    named = args.items() if isinstance(args, dict) else enumerate(args)
+    values = [(k, _value(a)) for k, a in named] + [(k, _value(v)) for k, v in sorted(kwargs.items())]
     tensors = [(k, v) for k, v in values if isinstance(v, tuple) and v and v[0] == "tensor"]
     scalars = tuple((k, v) for k, v in values if not (isinstance(v, tuple) and v and v[0] == "tensor"))
     grid = tuple(grid) if isinstance(grid, (list, tuple)) else repr(grid)
