@@ -46,8 +46,9 @@ def parse(argv=None):
     p.add_argument("--num-layers", type=int, default=28, help="the training step's layers (the 1B shape's 28)")
     p.add_argument("--stream-layers", type=int, default=12, help="the routed stream's layers for the per-call counts")
     p.add_argument("--modes", default=None, help="baseline,delta,delta_block (--capture-check: every routed mode)")
-    p.add_argument("--iters", type=int, default=6, help="training iterations per mode, the first not timed")
-    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--iters", type=int, default=None,
+                   help="training iterations per mode, the first not timed (6; --capture-check: 4)")
+    p.add_argument("--micro-batches", type=int, default=None, help="per training step (8; --capture-check: 4)")
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds of the training steps, in order then in reverse; each run's fastest iteration counts")
     p.add_argument("--reps", type=int, default=20, help="routed-stream rounds per timing")
@@ -64,6 +65,10 @@ def parse(argv=None):
         o.modes = (",".join(sorted({m for _, m, _ in capture_check.RUNS})) if o.capture_check
                    else "baseline,delta,delta_block")
     o.modes = [m.strip() for m in o.modes.split(",") if m.strip()]
+    # the capture check's step: fewer micro-batches and iterations (a ratio of forward + backward times, which the
+    # count of micro-batches barely moves), so that the whole check takes minutes
+    o.iters = o.iters if o.iters is not None else 4 if o.capture_check else 6
+    o.micro_batches = o.micro_batches if o.micro_batches is not None else 4 if o.capture_check else 8
     if o.format == "json" and not o.capture_check:
         p.error("--format json: only with --capture-check (the host-work tables are written as JSON with --output)")
     if o.capture_iters < 2:
@@ -104,8 +109,19 @@ def capture(o):
 
     say(f"Capture check: {', '.join(label for label, _, _ in runs)}; cases {', '.join(capture_check.CASES)}, "
         f"{o.capture_iters} iterations each")
-    result = capture_check.check(runs, iterations=o.capture_iters, stream_layers=o.stream_layers,
-                                 step=None if o.skip_step else step, progress=say)
+    json_out = None
+    if o.format == "json":  # stdout is the JSON alone: what anything prints meanwhile (Megatron's log) goes to stderr
+        sys.stdout.flush()
+        json_out = os.dup(1)
+        os.dup2(2, 1)
+    try:
+        result = capture_check.check(runs, iterations=o.capture_iters, stream_layers=o.stream_layers,
+                                     step=None if o.skip_step else step, progress=say)
+    finally:
+        if json_out is not None:
+            sys.stdout.flush()
+            os.dup2(json_out, 1)
+            os.close(json_out)
     if o.format == "json":
         print(json.dumps(result, indent=1))
     else:

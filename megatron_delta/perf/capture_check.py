@@ -8,9 +8,10 @@ graph break. Per routed mode this module measures, on today's code, the seven fi
 targets (:data:`TARGETS`) are what the step must reach before a capture can replay it.
 
 The stream (:func:`stream_case`): a chunk's routed stream as perf/host_work.py's ``per_call`` builds it (every
-router and source operation of the chunk: SourceBuffer over identity sublayers, one [seq, 1, hidden]
-micro-batch, forward + backward), in :data:`CASES`: ``plain`` (no null source, no gate); ``null_gate`` (the null
-source, and the gate where the mode has one: delta, delta_block); ``recompute`` (every layer recomputed in
+router and source operation of the chunk: SourceBuffer over identity sublayers, one [8, 1, 16] micro-batch,
+:data:`CAPTURE_LAYERS` layers, forward + backward into the parameters' .grad), in :data:`CASES`: ``plain``
+(no null source, no gate); ``null_gate`` (the null source, and the gate where the mode has one: delta,
+delta_block); ``recompute`` (every layer recomputed in
 backward, its sources handed to it as explicit inputs as core/block.py's full recompute does, through
 torch.utils.checkpoint's re-entrant checkpoint, the form of Megatron's tensor_parallel.checkpoint); ``pp2`` (two
 pipeline stages cut at layer :data:`CUT`, inside a block in the block modes: the first stage's payload goes to
@@ -44,13 +45,19 @@ launches made no-ops, as perf/host_work.py measures host work):
   and the calls of ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__array__`` (on CPU these dispatch
   nothing). Ops of Triton's interpreter are not counted (its launches are no-ops here).
 - ``compile_graph_breaks``: ``torch._dynamo.explain``'s graph breaks over the forward of the ``plain`` and
-  ``null_gate`` cases on the routers' CPU path (``kernels="auto"``: the C kernels on fp32 CPU tensors; Triton's
-  interpreter cannot be traced), the backward as Dynamo speculates each autograd Function's backward while
-  tracing the forward (the AOTAutograd backward graph itself is not traced); a tracing error counts as one break.
+  ``null_gate`` cases (:data:`COMPILE_LAYERS` layers) on the routers' CPU path (``kernels="auto"``: the C
+  kernels on fp32 CPU tensors, what a CPU run takes; the Triton path launches through the interpreter, which is
+  no kernel Dynamo can trace), the backward as far as Dynamo speculates each autograd Function's backward while
+  tracing the forward (the AOTAutograd backward graph itself is not traced), with Dynamo's recompile limit at 1
+  (:func:`graph_breaks`: the break sites met, each once); a tracing error counts as one break.
 - ``ops_per_call``: PyTorch ops dispatched per router call of the routed stream on the Triton kernels
-  (perf/host_work.per_call's ``torch_ops``).
-- ``step_host_ratio``: a training step's host time against the baseline's (perf/host_work.step_ratios), None
-  where it was skipped.
+  (perf/host_work.per_call's ``torch_ops``, at tools/host_work.py's --stream-layers).
+- ``step_host_ratio``: a training step's host time against the baseline's (perf/host_work.step_ratios, at
+  tools/host_work.py's --num-layers; this CPU's, moving with its load), None where it was skipped.
+
+Targets (:data:`TARGETS`): launches fixed, 0 signatures that differ, 0 copies, 0 syncs, 0 breaks, at most 8 ops
+per call, a step ratio of at most 1.15 (delta) and 1.10 (delta_block); attnres takes delta_block's, full_attnres
+delta's (the block modes' and the fine-grained modes').
 """
 from __future__ import annotations
 
