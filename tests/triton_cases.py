@@ -785,7 +785,7 @@ def test_capture_recorder_on_the_stream(interpreter, plant, monkeypatch):
     call, _, _ = capture_check.stream_case("delta_block", "plain", "triton", 1, layers=4)
     passed, state = [], {"armed": False, "k": 0, "copy": None}
     counts = host_work._Counts()
-    with host_work._counting_tables(counts), capture_check.LaunchRecorder()() as rec:
+    with host_work._counting_tables(counts), capture_check.LaunchRecorder() as rec:
         recording = interp.InterpretedFunction.run
 
         def planting(self, *args, grid, warmup, **kwargs):  # before the recorder: as if a router had changed it
@@ -838,7 +838,7 @@ def test_capture_sync_counter_on_the_stream(interpreter, monkeypatch):
         return commit(self, j, out)
 
     monkeypatch.setattr(SourceBuffer, "commit", reading)
-    with capture_check.LaunchRecorder()() as rec:
+    with capture_check.LaunchRecorder() as rec:
         call()
         with capture_check.counting_syncs(lambda: rec.busy) as counts:
             call()

@@ -116,7 +116,7 @@ def met(mode: str, field: str, value) -> Optional[bool]:
 class LaunchRecorder:
     """Records every Triton launch under the interpreter as a signature (kernel, grid, scalars, tensor addresses,
     table entries) without running it, and counts the table copies (triton_router.device_tables); ``mark()``
-    starts a new iteration. Use as a context manager; undone on exit."""
+    starts a new iteration. A context manager (``with LaunchRecorder() as rec``); undone on exit."""
 
     def __init__(self) -> None:
         self.iterations: List[List[tuple]] = [[]]
@@ -134,8 +134,7 @@ class LaunchRecorder:
         finally:
             self.busy = False
 
-    @contextlib.contextmanager
-    def __call__(self):
+    def __enter__(self) -> "LaunchRecorder":
         from megatron_delta.core import triton_router
 
         if not triton_router.interpreting():
@@ -159,8 +158,13 @@ class LaunchRecorder:
             finally:
                 recorder.busy = False
 
-        with _patched(interp.InterpretedFunction, "run", launch), _patched(triton_router, "device_tables", copy):
-            yield self
+        self._undo = contextlib.ExitStack()
+        self._undo.enter_context(_patched(interp.InterpretedFunction, "run", launch))
+        self._undo.enter_context(_patched(triton_router, "device_tables", copy))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._undo.close()
 
 
 def _value(v):
@@ -383,7 +387,7 @@ def capture_figures(mode: str, group_size, iterations: int = ITERATIONS, layers:
     differ = copies = syncs = 0
     for case in CASES:
         call, _, _ = stream_case(mode, case, "triton", group_size, layers)
-        with LaunchRecorder()() as rec:
+        with LaunchRecorder() as rec:
             call()
             with counting_syncs(lambda: rec.busy) as counted:
                 for _ in range(iterations - 1):
@@ -454,14 +458,14 @@ def format_table(result: Dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def _patched(owner, name: str, value):
-    old = owner.__dict__.get(name, None) if isinstance(owner, type) else None
-    had = isinstance(owner, type) and name in owner.__dict__
-    previous = getattr(owner, name)
+    """``owner.name = value`` (a class or module) while inside; an inherited attribute is shadowed, then unshadowed."""
+    own = name in vars(owner)
+    old = vars(owner).get(name)
     setattr(owner, name, value)
     try:
         yield
     finally:
-        if isinstance(owner, type) and not had:
-            delattr(owner, name)
+        if own:
+            setattr(owner, name, old)
         else:
-            setattr(owner, name, old if had else previous)
+            delattr(owner, name)
