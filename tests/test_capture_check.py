@@ -138,6 +138,7 @@ def test_capture_check_tool_json():
 
 
 def test_format_json_needs_the_capture_check():
+    """--format json without --capture-check: one line naming the flag, exit 2 (argparse's)."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools/host_work.py"), "--format", "json"],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
