@@ -768,3 +768,78 @@ def test_one_table_copy_per_launch(interpreter, dist, mode, monkeypatch):
     assert kernels >= ({"_forward", "_backward", "_block_grad"} if mode == "delta_block" else
                        {"_old_forward", "_old_backward", "_merge_forward", "_merge_backward"}), kernels
     assert copies == [1] * len(launches), (len(copies), len(launches))
+
+
+# ---------------------------------------------------------------------------------------- the capture check
+@pytest.mark.parametrize("plant", [None, "grid", "constant", "address"])
+def test_capture_recorder_on_the_stream(interpreter, plant, monkeypatch):
+    """perf/capture_check.LaunchRecorder over two iterations of delta_block's routed stream (4 layers): each
+    launch's recorded tensor addresses and int64 table entries are those the launch was passed, its table copies
+    per iteration those host_work's own counter counts; the kernels and the grids repeat, and so do the constants
+    unless one is planted: a grid or a constant changed in one launch of the second iteration is one launch that
+    differs in that part alone; a tensor argument swapped for a copy is recorded at the copy's address."""
+    import triton.runtime.interpreter as interp
+
+    from megatron_delta.perf import capture_check, host_work
+
+    call, _, _ = capture_check.stream_case("delta_block", "plain", "triton", 1, layers=4)
+    passed, state = [], {"armed": False, "k": 0, "copy": None}
+    counts = host_work._Counts()
+    with host_work._counting_tables(counts), capture_check.LaunchRecorder() as rec:
+        recording = interp.InterpretedFunction.run
+
+        def planting(self, *args, grid, warmup, **kwargs):  # before the recorder: as if a router had changed it
+            if state["armed"]:
+                state["k"] += 1
+                if state["k"] == 3 and plant == "grid":
+                    grid = (grid[0] + 1, *grid[1:])
+                elif state["k"] == 3 and plant == "constant":
+                    key = next(k for k, v in kwargs.items() if type(v) is int)
+                    kwargs = dict(kwargs, **{key: kwargs[key] + 1})
+                elif state["k"] == 3 and plant == "address":
+                    i = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+                    state["copy"] = args[i].clone()
+                    args = (*args[:i], state["copy"], *args[i + 1:])
+            tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
+                v for _, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)]
+            passed.append(([t.data_ptr() for t in tensors],
+                           [t.tolist() for t in tensors if t.dtype == torch.int64]))
+            return recording(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(interp.InterpretedFunction, "run", planting)
+        call()
+        first = counts.tables
+        rec.mark()
+        state["armed"] = True
+        call()
+    assert rec.copies == [first, counts.tables - first] and first > 0
+    launches = rec.iterations[0] + rec.iterations[1]
+    assert len(launches) == len(passed) and len(rec.iterations[0]) == len(rec.iterations[1]) > 3
+    for sig, (addresses, entries) in zip(launches, passed, strict=True):
+        assert [a for _, a in sig[3]] == addresses and [list(e) for _, e in sig[4]] == entries
+    differ, parts = capture_check.signature_changes(rec.iterations)
+    assert (parts["kernel"], parts["grid"], parts["scalars"]) == (0, int(plant == "grid"), int(plant == "constant"))
+    if plant == "address":
+        sig = rec.iterations[1][2]
+        assert state["copy"].data_ptr() in [a for _, a in sig[3]]
+
+
+def test_capture_sync_counter_on_the_stream(interpreter, monkeypatch):
+    """perf/capture_check.counting_syncs over delta's routed stream on the kernels (group router, 4 layers): a
+    planted .item() in every commit is counted once per sublayer; the recorder's own reads are not counted."""
+    from megatron_delta.core.sources import SourceBuffer
+    from megatron_delta.perf import capture_check
+
+    call, _, _ = capture_check.stream_case("delta", "plain", "triton", "auto", layers=4)
+    commit = SourceBuffer.commit
+
+    def reading(self, j, out):
+        out.sum().item()
+        return commit(self, j, out)
+
+    monkeypatch.setattr(SourceBuffer, "commit", reading)
+    with capture_check.LaunchRecorder() as rec:
+        call()
+        with capture_check.counting_syncs(lambda: rec.busy) as counts:
+            call()
+    assert dict(counts) == {"_local_scalar_dense": 2 * 4} and len(rec.iterations[0]) > 0

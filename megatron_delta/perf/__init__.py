@@ -11,6 +11,7 @@ Modules (one concept each):
   machine_rates    - what this machine charges per [tokens, hidden] pass (operator costs, stream/memory rates)
   gpu_check        - the GPU acceptance checks: parity, fused kernel vs PyTorch router, speed, BF16 / FP8 training
   host_work        - the routers' host work on CPU: launches, table copies and ops per call; a step's host time
+  capture_check    - what a CUDA graph replay of the routed step needs, per mode: launch signatures, copies, syncs
   kernel_resources - the Triton kernels compiled for a GPU on CPU: registers, spills, programs per SM, bytes in flight
 
 It imports megatron_delta.core, megatron.core and the shared training side that builds a model from its fields

@@ -570,7 +570,7 @@ def routed_stream(mode, layers, kernels, group_size, seq, hidden, device, dtype=
     """``mode``'s routed stream alone over ``layers`` layers of identity sublayers (each sublayer's output is its
     routed input; x the sum of the sources in the additive modes; K = 4 blocks where 4 divides L in the block
     modes), one [seq, 1, hidden] micro-batch: a function running one forward + backward, and what it holds (for
-    free()). (b2)'s stream and perf/host_work.py's."""
+    free()). The replacement modes' final router routes after the last layer. (b2)'s stream and perf/host_work.py's."""
     import torch
 
     from megatron_delta.core.router import DepthRouter
@@ -579,8 +579,10 @@ def routed_stream(mode, layers, kernels, group_size, seq, hidden, device, dtype=
     blocks = NUM_BLOCKS if mode in BLOCK_MODES and layers % NUM_BLOCKS == 0 else layers
     plan = SourcePlan(mode, layers, blocks, x_from_sources=mode in ADDITIVE_MODES, router_group_size=group_size)
     g = torch.Generator(device="cpu").manual_seed(seed)
+    keys = [*range(2 * layers)] + (["final"] if plan.final_reads() else [])
     routers = [DepthRouter(hidden, null_source=False, gate=False, eps=1e-6, kernels=kernels).to(device)
-               for _ in range(2 * layers)]
+               for _ in keys]
+    readers = dict(zip(keys, routers))
     with torch.no_grad():
         for r in routers:
             r.query.copy_(0.1 * torch.randn(hidden, generator=g).to(device))
@@ -588,10 +590,10 @@ def routed_stream(mode, layers, kernels, group_size, seq, hidden, device, dtype=
     grad = torch.randn(seq, 1, hidden, generator=g).to(device, dtype)
 
     def call():
-        buf = SourceBuffer.start(plan, h0, 1e-6, readers=dict(enumerate(routers)))
+        buf = SourceBuffer.start(plan, h0, 1e-6, readers=readers)
         for j in range(2 * layers):
             buf.commit(j, buf.routed_input(j, routers[j]))
-        return torch.autograd.grad(buf.output(None), [h0, *(r.query for r in routers)], grad)
+        return torch.autograd.grad(buf.output(readers.get("final")), [h0, *(r.query for r in routers)], grad)
 
     return call, (routers, h0, grad)
 

@@ -164,7 +164,8 @@ def _counting_ops(counts: _Counts):
 
 def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="auto", reps: int = 20,
              shape: Optional[Dict[str, int]] = None, device: str = "cpu") -> Dict[str, float]:
-    """Per router call of ``mode``'s routed stream (2 ``layers`` routers): launches, table copies, PyTorch ops by
+    """Per router call of ``mode``'s routed stream (2 ``layers`` routers, and the final router of the replacement
+    modes): launches, table copies, PyTorch ops by
     kind (counted over one forward + backward) and the host's microseconds (the best of three rounds of ``reps``).
     On CPU the launches are no-ops under Triton's interpreter; on a GPU (``device`` cuda, at this tiny width the
     GPU's work is next to nothing) they run, and the time is the host's wherever it outruns the GPU. On a GPU the
@@ -174,7 +175,6 @@ def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="a
     import torch
 
     shape = dict(HOST_SHAPE, **(shape or {}))
-    n = 2 * layers
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -192,7 +192,9 @@ def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="a
     with (counted_launches() if cuda else noop_launches()) as counts:
         from megatron_delta.perf.gpu_check import routed_stream
 
-        call, _ = routed_stream(mode, layers, kernels, group_size, shape["seq"], shape["hidden"], device, seed=5)
+        call, (routers, _, _) = routed_stream(mode, layers, kernels, group_size, shape["seq"], shape["hidden"], device,
+                                              seed=5)
+        n = len(routers)  # router calls per forward
         call()  # warm: each kernel compiled (or, under the interpreter, rewritten) once
         sync()
         counts.reset()
