@@ -233,7 +233,7 @@ def resume_advice(load_dir: str, iteration: Optional[int], verifies: Optional[Ca
         doomed = [p for p in (ckpt_dir, tracker) if p is not None and os.path.exists(p)]
         scratch = f"delete {' and '.join(doomed)} to start from scratch, or " if doomed else ""
         return head + scratch + "--load another directory"
-    which = "the newest that verifies" if verified and target != complete[0] else "the newest"
+    which = "the newest that verifies" if verified else "the newest"
     if tool:
         return f"{listing}; load {which}, iteration {target}, with --load {iteration_dir(load_dir, target)}"
     if tracker_iteration(load_dir) == target:  # --ckpt-step named another iteration

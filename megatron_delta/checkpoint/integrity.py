@@ -8,7 +8,7 @@ data is written; a load re-hashes every listed file on rank 0 before reading any
 CheckpointingException on a mismatch. run_config.json is written after the manifest of a synchronous save:
 :func:`add_to_manifest` adds its hash (an asynchronous save writes it before the manifest, which then lists it),
 so an edited run_config.json fails verification like a flipped shard. A checkpoint whose manifest does not list
-run_config.json (saved by an older version) still loads: its other files are verified.
+run_config.json (saved by an older version) still loads, with a line: its other files are verified.
 
 This module resolves the default (torch_dist only: upstream refuses the flag for other formats), verifies a
 checkpoint before anything of it is read (:func:`verify_before_load`: integrity.json unreadable is one line
@@ -93,12 +93,18 @@ def verify_before_load(ckpt_dir: str, verify_integrity: bool) -> Optional[str]:
             return (f"note: --no-verify-integrity: {ckpt_dir} is loaded without verifying its files against its "
                     f"{MANIFEST}")
         return None
-    if read_manifest(ckpt_dir) is None:
+    manifest = read_manifest(ckpt_dir)
+    if manifest is None:
         return (f"note: {ckpt_dir} has no {MANIFEST} (saved with --no-verify-integrity or by another tool): "
                 f"loaded without verifying its files")
     from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
 
+    from megatron_delta.checkpoint.run_config import RUN_CONFIG
+
     verify_integrity_manifest(ckpt_dir)
+    if RUN_CONFIG not in manifest["files"] and os.path.exists(os.path.join(ckpt_dir, RUN_CONFIG)):
+        return (f"note: the {MANIFEST} of {ckpt_dir} does not list {RUN_CONFIG} (saved by an older version): its "
+                f"other files are verified, {RUN_CONFIG} is not")
     return None
 
 
