@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What the finite-state check before each save costs: seconds per GB of parameters read by
-megatron_delta.checkpoint.finite.first_non_finite (the largest absolute value of each tensor, one flag), on
+megatron_delta.checkpoint.finite.first_non_finite (the smallest and largest value of each tensor), on
 this machine, and the estimate for an 8B-parameter model from that rate.
 
     python tools/finite_cost.py [--size-gb 1] [--dtype bf16] [--tensor-mb 64] [--device cpu|cuda] [--repeats 5]

@@ -2,11 +2,11 @@
 finite, and a NaN or inf stops the run with one line (the iteration, the first offending tensor, the last good
 checkpoint, which the tracker still names) instead of writing that state and moving the tracker to it.
 
-The check reads every parameter once: the largest absolute value of each tensor (``torch._foreach_norm`` with
-ord inf, one fused kernel per dtype on CUDA; a NaN or inf makes it non-finite, a large finite value never
-overflows it), one flag all-reduced over the ranks, and only when it fails the name of the first offending
-tensor of each rank. The optimizer state is not read: a NaN or inf in an Adam moment reaches the parameters at
-the step before the save. Its cost is in docs/performance.md (tools/finite_cost.py).
+The check reads every parameter once: the smallest and largest value of each tensor (``torch.aminmax``: a NaN or
+inf makes them non-finite, a large finite value never overflows them, unlike a norm), one flag all-reduced over
+the ranks, and only when it fails the name of the first offending tensor of each rank. The optimizer state is not
+read: a NaN or inf in an Adam moment reaches the parameters at the step before the save. Its cost is in
+docs/performance.md (tools/finite_cost.py).
 """
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def first_non_finite(named: Iterable[Tuple[str, object]]) -> Optional[str]:
     if not named:
         return None
     with torch.no_grad():
-        tensors = [p.detach() for _, p in named]
-        maxima = torch._foreach_norm(tensors, float("inf"))
-        finite = torch.isfinite(torch.stack([m.float() for m in maxima]))
+        # aminmax propagates NaN and inf and never overflows; one reduction per tensor, one host sync in all
+        ends = torch.stack([torch.stack(torch.aminmax(p.detach().reshape(-1))).float() for _, p in named])
+        finite = torch.isfinite(ends).all(dim=1)
         if bool(finite.all()):
             return None
         return named[int((~finite).nonzero()[0])][0]
