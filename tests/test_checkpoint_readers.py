@@ -256,6 +256,8 @@ def test_ckpt_step_of_a_missing_iteration_lists_the_checkpoints_and_keeps_the_tr
 
 
 def test_a_tracker_naming_a_missing_iteration_is_told_the_newest_and_deletes_nothing(tmp_path):
+    """A tracker naming a missing 7 beside 6 and 8 is told 8 (not 6); naming a missing 9, it is not told to delete
+    iter_0000009."""
     root = str(tmp_path)
     for it in (6, 8):
         _dcp_dir(root, it)
@@ -265,6 +267,13 @@ def test_a_tracker_naming_a_missing_iteration_is_told_the_newest_and_deletes_not
         _hooks(load=root).checkpoint_to_load()
     assert str(e.value) == (
         f"cannot load the checkpoint of iteration 7: {_it(root, 7)} does not exist ({tracker} names it). "
+        f"Complete checkpoints in {root}, newest first: 8, 6. Write 8 into {tracker} to resume from iteration 8 "
+        f"(the newest), or pass --ckpt-step 8")
+    open(tracker, "w").write("9")  # a missing iteration above the complete ones: nothing there to delete
+    with pytest.raises(CheckpointError) as e:
+        _hooks(load=root).checkpoint_to_load()
+    assert str(e.value) == (
+        f"cannot load the checkpoint of iteration 9: {_it(root, 9)} does not exist ({tracker} names it). "
         f"Complete checkpoints in {root}, newest first: 8, 6. Write 8 into {tracker} to resume from iteration 8 "
         f"(the newest), or pass --ckpt-step 8")
 
@@ -390,10 +399,13 @@ def test_torch_loader_warnings_print_no_traceback(tmp_path):
 
 
 def test_a_long_message_is_cut_at_a_word():
-    text = "metadata is None; global metadata read failed: " + "word " * 60
-    cut = clip(text, 200)
-    assert len(cut) <= 200 and cut.endswith(" ...") and text.startswith(cut[:-4])
-    assert text[len(cut) - 4] == " "  # the cut falls between two words
+    text = "metadata is None; global metadata read failed: " + " ".join(f"word{i}" for i in range(60))
+    words = text.split(" ")
+    for limit in range(60, 200):
+        cut = clip(text, limit)
+        assert len(cut) <= limit and cut.endswith(" ..."), (limit, cut)
+        kept = cut[:-len(" ...")].split(" ")
+        assert kept == words[:len(kept)], (limit, cut)  # whole words only
     assert clip("short line.\nsecond") == "short line."
 
 

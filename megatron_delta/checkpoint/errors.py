@@ -192,8 +192,10 @@ def clip(text: str, limit: int = 200) -> str:
     first = text.splitlines()[0] if text else ""
     if len(first) <= limit:
         return first
-    cut = first[:limit].rsplit(" ", 1)[0].rstrip(" ,;:")
-    return cut + " ..."
+    cut = first[:limit - 4]
+    if first[limit - 4] != " ":  # a word runs over the cut: drop it whole
+        cut = cut.rsplit(" ", 1)[0]
+    return cut.rstrip(" ,;:") + " ..."
 
 
 def _abbreviated(iterations: List[int], most: int = 8) -> str:
