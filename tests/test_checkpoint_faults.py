@@ -6,7 +6,8 @@ The trainer as a program, on the tiny COMMON model of tests/trainer_driver.py:
    one read with --no-verify-integrity, a garbled integrity.json: one line each naming the file and the
    checkpoints to resume from; a NaN written into an Adam second moment and loaded with --no-verify-integrity:
    the run stops before saving iteration 5, naming the tensor, and the tracker still names 4; SIGINT while
-   training: one line naming the last complete checkpoint, exit status 130, that checkpoint verifies.
+   training: one line naming the last complete checkpoint, exit status 130, that checkpoint verifies (one process,
+   and 2 ranks under megatron_delta.trainer.launch).
 1. `.metadata` deleted, `metadata.json` deleted, `--ckpt-step` at a save that did not finish, and a resume
    with a larger `--train-iters` (the weight-decay schedule differs) - four runs in one process (main() runs
    follow each other in-process), then the advice `--override-opt_param-scheduler` resumes.
@@ -237,6 +238,40 @@ def test_sigint_while_training_is_one_line_and_130(tmp_path):
         f"pretrain_gpt.py: error: interrupted (SIGINT): the last complete checkpoint is iteration {last} ({last_dir}), "
         f"which {os.path.join(ckpt, TRACKER)} names; resume with --load {ckpt}")
     assert verifies(last_dir)
+
+
+@pytest.mark.slow
+def test_sigint_under_the_launcher_is_one_line_and_130(tmp_path):
+    """2 ranks under `python -m megatron_delta.trainer.launch`: a Ctrl-C reaches the launcher only (torchrun starts
+    each worker in a session of its own); it passes SIGINT on, global rank 0 prints the one line, the launcher
+    exits 130."""
+    import signal
+    import time
+
+    from megatron_delta.checkpoint.integrity import verifies
+
+    ckpt = str(tmp_path / "ckpt")
+    launch = [sys.executable, "-m", "megatron_delta.trainer.launch", "--standalone", "--nproc-per-node", "2",
+              "-m", "megatron_delta.trainer"]
+    job = Job(launch + COMMON + ["--train-iters", "400", "--save", ckpt, "--save-interval", "3"],
+              str(tmp_path / "run"))
+    try:
+        deadline = time.time() + 300
+        while not os.path.exists(os.path.join(ckpt, TRACKER)) and time.time() < deadline and job.proc.poll() is None:
+            time.sleep(0.5)
+        os.kill(job.proc.pid, signal.SIGINT)
+        code = job.wait(180)
+    finally:
+        job.kill()
+    assert code == 130, job.tail()
+    with open(os.path.join(ckpt, TRACKER)) as f:
+        last = int(f.read())
+    assert "Traceback" not in job.stderr() + job.stdout(), job.tail()
+    ours = [line for line in job.stderr().splitlines() if line.startswith("pretrain_gpt.py:")]
+    assert ours == [f"pretrain_gpt.py: error: interrupted (SIGINT): the last complete checkpoint is iteration {last} "
+                    f"({os.path.join(ckpt, f'iter_{last:07d}')}), which {os.path.join(ckpt, TRACKER)} names; resume "
+                    f"with --load {ckpt}"], job.tail()
+    assert verifies(os.path.join(ckpt, f"iter_{last:07d}"))
 
 
 def _namespace() -> list:

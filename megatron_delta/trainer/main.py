@@ -337,13 +337,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_delta.checkpoint.integrity import describe_mismatch, is_integrity_failure
     from megatron_delta.checkpoint.save_lock import SaveDirInUse
 
+    interrupted = _SigintSeen()
     try:
-        run(args)
+        with interrupted:
+            run(args)
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if isinstance(e, SystemExit) and e.code == 0:  # --exit-interval / -duration / signal: saved, done
             return 0
-        if isinstance(e, KeyboardInterrupt):  # SIGINT (Ctrl-C) on every rank of the job; rank 0 says it
-            return _error(interrupted_message(args), SIGINT_STATUS) if torch_rank() == 0 else SIGINT_STATUS
+        # SIGINT (Ctrl-C) on every rank of the job; rank 0 says it. A rank interrupted inside a collective may
+        # end with its peer's failure (a closed connection) instead of KeyboardInterrupt: the signal decides.
+        if isinstance(e, KeyboardInterrupt) or interrupted.seen:
+            if torch_rank() == 0:
+                return _error(interrupted_message(args), SIGINT_STATUS)
+            time.sleep(SILENT_RANK_EXIT_DELAY_S)  # rank 0 prints first (torchrun stops this rank once it exits)
+            return SIGINT_STATUS
         if isinstance(e, (SystemExit, GeneratorExit)):
             raise
         if isinstance(e, (SaveDirInUse, NonFiniteState)):  # every rank raises it; rank 0 says it
@@ -376,6 +383,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 SIGINT_STATUS = 130  # 128 + SIGINT, as a shell reports a job stopped by Ctrl-C
+
+
+class _SigintSeen:
+    """SIGINT raises KeyboardInterrupt, as Python's default handler does, and is remembered (``seen``) for the run."""
+
+    def __init__(self):
+        self.seen = False
+        self.previous = None
+
+    def _handler(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        return False
 
 
 def interrupted_message(args) -> str:
