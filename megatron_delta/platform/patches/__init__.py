@@ -276,7 +276,9 @@ REGISTRY: Tuple[Patch, ...] = (
           "upstream's pretrain() has no hook for the routers' param group (--delta-router-lr-mult), "
           "--delta-metrics-file, --delta-heldout-data-path and routing statistics, run_config.json in each checkpoint, "
           "the iteration-0 save, the lock of --save (two runs overwrite each other's checkpoints), the line of a "
-          "--load that starts from scratch, the load of a checkpoint without integrity.json",
+          "--load that starts from scratch, the load of a checkpoint without integrity.json, run_config.json "
+          "verified before it is read, a NaN / inf state saved and the tracker moved to it, a Ctrl-C midway "
+          "through a save",
           V019, EVERY_DEVICE,
           made_by="megatron_delta/trainer/hooks.py RunHooks: each function wrapped for one run "
                   "(with RunHooks(args)), the originals back when it ends"),
