@@ -329,7 +329,8 @@ class RunHooks:
 
 class sigint_deferred:
     """SIGINT (Ctrl-C) during a save is held until the save has finished, then raised as KeyboardInterrupt: the
-    checkpoint being written is completed and its tracker written. A second SIGINT stops at once."""
+    checkpoint being written is completed and its tracker written. A second SIGINT stops at once (leaving that
+    save unfinished: it is never loaded, the tracker still names the previous one)."""
 
     def __init__(self, iteration):
         self.iteration = iteration
@@ -339,10 +340,7 @@ class sigint_deferred:
     def _handler(self, signum, frame):
         if self.received:
             raise KeyboardInterrupt
-        self.received = True
-        if torch_rank() == 0:
-            print(f"{PROG}: interrupted: finishing the save of iteration {self.iteration} first (Ctrl-C again stops "
-                  f"now, leaving that save unfinished)", file=sys.stderr, flush=True)
+        self.received = True  # quietly: the run's one line comes when it ends (trainer/main.py)
 
     def __enter__(self):
         import signal

@@ -15,9 +15,10 @@ agent keeps running. On SIGTERM, workers started with ``--exit-signal-handler`` 
 checkpoint, and exit 0, and the launcher then exits 0 like a finished run; the exit status is the agent's: 0
 when every worker exited 0, 1 otherwise (a worker without ``--exit-signal-handler`` dies of the signal, and a
 job under ``--max-restarts`` then restarts it). On SIGINT each worker finishes a save under way, global rank 0
-prints one line naming the last complete checkpoint (trainer/main.py), and the launcher exits 130. SIGHUP and
-SIGQUIT keep torchrun's handling, and a second SIGTERM or SIGINT does too (torchrun's shutdown: the workers
-get SIGTERM and then SIGKILL).
+prints one line naming the last complete checkpoint (trainer/main.py), the workers exit 0 (a non-zero one would
+make the agent SIGTERM the others at once, midway through a save or before the line) and the launcher exits 130.
+SIGHUP and SIGQUIT keep torchrun's handling, and a second SIGTERM or SIGINT does too (torchrun's shutdown: the
+workers get SIGTERM and then SIGKILL).
 """
 from __future__ import annotations
 
@@ -65,13 +66,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     os.environ["PET_SIGNALS_TO_HANDLE"] = AGENT_SIGNALS
+    os.environ["MEGATRON_DELTA_LAUNCH"] = "1"  # trainer/main.py LAUNCHED_BY: on SIGINT a worker exits 0, not 130
     signal.signal(signal.SIGTERM, _forward)
     signal.signal(signal.SIGINT, _forward)
     try:
         torchrun_main(list(sys.argv[1:] if argv is None else argv))
     except ChildFailedError:  # torchrun has printed its summary of the failed workers
         return 130 if signal.SIGINT in _RECEIVED else 1
-    return 0
+    return 130 if signal.SIGINT in _RECEIVED else 0
 
 
 if __name__ == "__main__":

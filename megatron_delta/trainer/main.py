@@ -347,10 +347,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # SIGINT (Ctrl-C) on every rank of the job; rank 0 says it. A rank interrupted inside a collective may
         # end with its peer's failure (a closed connection) instead of KeyboardInterrupt: the signal decides.
         if isinstance(e, KeyboardInterrupt) or interrupted.seen:
+            # Under megatron_delta.trainer.launch a worker exits 0 and the launcher exits 130: torchrun's agent
+            # stops every rank (SIGTERM) as soon as one exits non-zero, before rank 0 - maybe still in a collective
+            # until its peers have left - has finished a save under way or printed the line.
+            status = 0 if os.environ.get(LAUNCHED_BY) == "1" else SIGINT_STATUS
             if torch_rank() == 0:
-                return _error(interrupted_message(args), SIGINT_STATUS)
-            time.sleep(SILENT_RANK_EXIT_DELAY_S)  # rank 0 prints first (torchrun stops this rank once it exits)
-            return SIGINT_STATUS
+                return _error(interrupted_message(args), status)
+            if status:
+                time.sleep(SILENT_RANK_EXIT_DELAY_S)  # rank 0 prints first (torchrun stops this rank once it exits)
+            return status
         if isinstance(e, (SystemExit, GeneratorExit)):
             raise
         if isinstance(e, (SaveDirInUse, NonFiniteState)):  # every rank raises it; rank 0 says it
@@ -383,6 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 SIGINT_STATUS = 130  # 128 + SIGINT, as a shell reports a job stopped by Ctrl-C
+LAUNCHED_BY = "MEGATRON_DELTA_LAUNCH"  # "1" in the workers of megatron_delta.trainer.launch (it sets it)
 
 
 class _SigintSeen:
