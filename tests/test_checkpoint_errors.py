@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_delta.checkpoint.errors import TRACKER, describe_load_failure, describe_save_failure
+from megatron_delta.checkpoint.errors import TRACKER, clip, describe_load_failure, describe_save_failure
 
 STATE = {"weight": torch.arange(1000.0), "bias": torch.ones(300)}
 
@@ -71,12 +71,15 @@ def _detail(exc: BaseException) -> str:
     if isinstance(failures, dict):
         exc = next(iter(failures.values()))[0]
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return text.splitlines()[0][:200]
+    return clip(text.splitlines()[0].rstrip("."))
 
 
 def _resume_advice(root: str, damaged: int, previous: int) -> str:
-    return (f"Delete {os.path.join(root, f'iter_{damaged:07d}')} and write {previous} into "
-            f"{os.path.join(root, TRACKER)} to resume from iteration {previous}, or pass --ckpt-step {previous}")
+    """The advice when ``previous`` is the only other complete checkpoint and the tracker names ``damaged``."""
+    return (f"Complete checkpoints in {root}, newest first: {previous}. "
+            f"Delete {os.path.join(root, f'iter_{damaged:07d}')} and write {previous} into "
+            f"{os.path.join(root, TRACKER)} to resume from iteration {previous} (the newest), or pass --ckpt-step "
+            f"{previous}")
 
 
 def test_truncated_shard_names_it_and_the_previous_checkpoint(tmp_path):
@@ -106,7 +109,7 @@ def test_without_an_earlier_complete_checkpoint(tmp_path):
     exc = _dcp_load_failure(path)
     assert describe_load_failure(exc, root) == (
         f"cannot load the checkpoint of iteration 10: {shard} is truncated (7 of {size} bytes); "
-        f"the load failed with {_detail(exc)}. No earlier complete checkpoint in {root}: delete {path} and "
+        f"the load failed with {_detail(exc)}. No other complete checkpoint in {root}: delete {path} and "
         f"{os.path.join(root, TRACKER)} to start from scratch, or --load another directory")
 
 
@@ -122,7 +125,8 @@ def test_missing_shard_and_ckpt_step_over_the_tracker(tmp_path):
     exc = _dcp_load_failure(path)
     assert describe_load_failure(exc, root, 6) == (
         f"cannot load the checkpoint of iteration 6: {shard} is missing; the load failed with {_detail(exc)}. "
-        + _resume_advice(root, 6, 3))
+        f"Complete checkpoints in {root}, newest first: 9, 3; {os.path.join(root, TRACKER)} names iteration 9, "
+        f"the newest: resume without --ckpt-step, or pass --ckpt-step 9")
 
 
 def test_corrupt_index_and_more_files(tmp_path):
@@ -237,7 +241,7 @@ def test_file_named_by_the_failure_when_every_file_is_whole(tmp_path):
     exc = _torch_load_failure(missing)
     assert describe_load_failure(exc, root) == (
         f"cannot load the checkpoint of iteration 3: {missing} cannot be read (FileNotFoundError: No such file "
-        f"or directory); the load failed with {_detail(exc)}. No earlier complete checkpoint in {root}: delete "
+        f"or directory); the load failed with {_detail(exc)}. No other complete checkpoint in {root}: delete "
         f"{os.path.join(root, 'iter_0000003')} and {os.path.join(root, TRACKER)} to start from scratch, or "
         f"--load another directory")
 

@@ -7,7 +7,7 @@ Runs of pretrain_gpt.py as programs (a lock holder must be another process; torc
   (the stale lock taken over with a line, the fresh start announced with the path, the initial model
   saved), a run from it to iteration 2 (--finetune: the initial model has no optimizer state), and loads of two
   copies of DIR whose iteration-2 shard has bytes flipped inside a model tensor and inside an Adam state tensor: each
-  one line naming the shard, the iteration and the checkpoint that verifies (iteration 0); a copy without
+  one line naming the shard, the iteration and the newest checkpoint that verifies (iteration 0); a copy without
   integrity.json loads with a line.
 - test_argument_error_once_under_torchrun: a bad flag under 2 ranks is printed once, without the usage of
   Megatron-LM's flags.
@@ -135,9 +135,9 @@ def test_lock_integrity_and_fresh_start(tmp_path):
     errors = [ln for ln in second.stderr.splitlines() if ln.startswith(ERROR)]
     assert errors == [
         f"{ERROR}cannot load the checkpoint of iteration 2: {d}/iter_0000002/{shards[what]} differs from its hash "
-        f"in integrity.json (bytes changed since the save). The last checkpoint that verifies is iteration 0 "
-        f"({d}/iter_0000000): resume from it "
-        f"with --ckpt-step 0, or delete {d}/iter_0000002 and write 0 into {d}/latest_checkpointed_iteration.txt"
+        f"in integrity.json (bytes changed since the save). Complete checkpoints in {d}, newest first: 0. Delete "
+        f"{d}/iter_0000002 and write 0 into {d}/latest_checkpointed_iteration.txt to resume from iteration 0 (the "
+        f"newest that verifies), or pass --ckpt-step 0"
         for what, d in flipped.items()], second.stderr[-5000:]
     assert "Traceback" not in second.stderr
 

@@ -6,6 +6,8 @@
       routed modes -> DeltaQwen3ForCausalLM (AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)).
       The run's SentencePiece tokenizer (run_config.json tokenizer_model) is exported as tokenizer.json.
       Works for a checkpoint saved under any TP/PP/VPP layout (it is resharded to TP1/PP1 in-process).
+      The checkpoint's files are verified against its integrity.json first (--no-verify-integrity skips it):
+      a damaged checkpoint is one error line, and nothing is written.
   import: python tools/convert_checkpoint.py import --hf HF_DIR --save CKPT_DIR --residual MODE
               [--delta-gate scalar] [--delta-null-source] [--delta-num-blocks K] [--delta-sources exact]
               [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
@@ -19,6 +21,7 @@ import argparse
 import os
 import sys
 
+from megatron_delta.checkpoint.integrity import add_verify_integrity_argument
 from megatron_delta.platform.patches import known_warnings_quieted
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,6 +39,7 @@ def main(argv=None):
     e.add_argument("--load", required=True)
     e.add_argument("--output", required=True)
     e.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    add_verify_integrity_argument(e)
     i = sub.add_parser("import", help="HF Qwen3/Llama directory -> Megatron checkpoint")
     i.add_argument("--hf", required=True)
     i.add_argument("--save", required=True)
@@ -63,7 +67,7 @@ def main(argv=None):
 
     try:
         if a.cmd == "export":
-            export_checkpoint(a.load, a.output, a.dtype)
+            export_checkpoint(a.load, a.output, a.dtype, verify_integrity=a.verify_integrity)
         else:
             import_checkpoint(a.hf, a.save, a.residual, a.delta_num_blocks, a.delta_null_source, a.delta_gate,
                               a.delta_sources, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,

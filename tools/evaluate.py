@@ -24,12 +24,16 @@ is refused. The numbers do not depend on the layout (fp32: equal to TP1 within 1
 --dtype auto (the default) computes in the precision the checkpoint was trained in: a `--bf16` run's model
 in bf16, as Megatron-LM's own evaluation during training holds it (Float16Module; the routers compute in
 fp32); --dtype fp32 computes with the same weights in fp32. OUT.json records the dtype used.
+
+The checkpoint's files are verified against its integrity.json before it is read (--no-verify-integrity skips
+it): a damaged checkpoint is one error line, and OUT.json is not written.
 """
 import argparse
 import json
 import os
 import sys
 
+from megatron_delta.checkpoint.integrity import add_verify_integrity_argument
 from megatron_delta.evaluation.precision import add_dtype_argument
 from megatron_delta.platform.patches import known_warnings_quieted
 
@@ -47,6 +51,7 @@ def main(argv=None):
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     add_dtype_argument(p)
+    add_verify_integrity_argument(p)
     a = p.parse_args(argv)
 
     import torch
@@ -64,7 +69,8 @@ def main(argv=None):
     try:
         result, logits, parallel = evaluate_checkpoint(a.load, seqs, a.tensor_model_parallel_size,
                                                        a.pipeline_model_parallel_size, a.dtype,
-                                                       where=f"--tokens-file {a.tokens_file}")
+                                                       where=f"--tokens-file {a.tokens_file}",
+                                                       verify_integrity=a.verify_integrity)
     except (ConversionError, CheckpointError) as err:
         print(f"evaluate.py: error: {err}", file=sys.stderr)
         return 2

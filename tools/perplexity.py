@@ -27,6 +27,7 @@ import json
 import os
 import sys
 
+from megatron_delta.checkpoint.integrity import add_verify_integrity_argument
 from megatron_delta.evaluation.perplexity import PerplexityError, measure_perplexity
 from megatron_delta.evaluation.precision import add_dtype_argument
 from megatron_delta.platform.patches import known_warnings_quieted
@@ -48,6 +49,7 @@ def build_parser():
                    help="tokens of context per window (default: the checkpoint's --seq-length)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     add_dtype_argument(p)
+    add_verify_integrity_argument(p)
     p.add_argument("--cache-dir", default=os.path.join("runs", "cache"), help="where the default data is built")
     return p
 

@@ -29,6 +29,7 @@ import argparse
 import os
 import sys
 
+from megatron_delta.checkpoint.integrity import add_verify_integrity_argument
 from megatron_delta.core.modes import BASELINE
 from megatron_delta.evaluation.precision import add_dtype_argument
 
@@ -45,6 +46,7 @@ def build_parser():
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's")
     add_dtype_argument(p)
+    add_verify_integrity_argument(p)
     p.add_argument("--cache-dir", default=os.path.join("runs", "cache"), help="where the default data is built")
     return p
 
@@ -52,12 +54,11 @@ def build_parser():
 def main(argv=None):
     opts = build_parser().parse_args(argv)
     from megatron_delta.checkpoint.errors import CheckpointError, ConversionError
-    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
+    from megatron_delta.checkpoint.reader import open_checkpoint
     from megatron_delta.evaluation.routing_report import run_from_run_config, write_routing_report
 
     try:
-        ckpt_dir, iteration = resolve_checkpoint_dir(opts.load)
-        cfg = read_run_config(ckpt_dir)
+        ckpt_dir, iteration, cfg, _, _ = open_checkpoint(opts.load, opts.verify_integrity)  # verified first
     except CheckpointError as e:
         print(f"routing_report.py: error: {e}", file=sys.stderr)
         return 1
@@ -72,7 +73,11 @@ def main(argv=None):
 
     from megatron_delta.trainer.forward_pass import collect_routing_stats
 
-    write_routing_report(ckpt_dir, iteration, cfg, fields, args, opts, collect_routing_stats)
+    try:
+        write_routing_report(ckpt_dir, iteration, cfg, fields, args, opts, collect_routing_stats)
+    except (CheckpointError, ConversionError) as e:  # a file of the checkpoint found damaged while reading it
+        print(f"routing_report.py: error: {e}", file=sys.stderr)
+        return 1
     print(f"\n wrote {opts.output}/routing.json and routing_*.png")
     return 0
 

@@ -6,8 +6,11 @@
   model_config  - a GPT model (DeltaTransformerConfig + GPTModel options) from a dict of model fields, without
                   a command line (the run_config.json keys, SMALL_CPU_MODEL's defaults)
   store         - the tools' torch_dist save / load (atomic, any TP/PP/VPP layout) with run_config.json
-  errors        - CheckpointError, ConversionError, and describe_load_failure (a damaged checkpoint file, one line)
+  errors        - CheckpointError, ConversionError, describe_load_failure (a damaged checkpoint file, one line) and
+                  resume_advice (the complete checkpoints on disk, newest first)
   layout        - where Megatron-LM's trainer puts a checkpoint: the tracker file and the iteration directories
-  integrity     - integrity hashes written on save and verified on load (--no-verify-integrity to skip)
+  reader        - the tools' one way to open a checkpoint: verified against integrity.json first, one line per fault
+  integrity     - integrity.json (run_config.json included) verified by default, a mismatch in one line
+  finite        - no NaN / inf parameter is ever saved (the check before each save)
   save_lock     - one writer per --save directory (the lock file), rank 0's answer broadcast to every rank
 """

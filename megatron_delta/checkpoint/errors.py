@@ -35,7 +35,7 @@ import json
 import os
 import re
 import zipfile
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from megatron_delta.checkpoint.layout import TRACKER, iteration_dir
 
@@ -108,7 +108,7 @@ def _iterations(load_dir: str) -> List[int]:
     return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, names) if m)
 
 
-def _tracker_iteration(load_dir: str) -> Optional[int]:
+def tracker_iteration(load_dir: str) -> Optional[int]:
     try:
         with open(os.path.join(load_dir, TRACKER)) as f:
             return int(f.read().strip())
@@ -187,11 +187,64 @@ def damaged_files(ckpt_dir: str) -> List[Tuple[str, str]]:
     return found
 
 
-def _previous_complete(load_dir: str, iteration: int) -> Optional[int]:
-    for it in reversed(_iterations(load_dir)):
-        if it < iteration and not damaged_files(iteration_dir(load_dir, it)):
-            return it
-    return None
+def clip(text: str, limit: int = 200) -> str:
+    """text's first line, at most ``limit`` characters, cut at a word boundary ("..." marks a cut)."""
+    first = text.splitlines()[0] if text else ""
+    if len(first) <= limit:
+        return first
+    cut = first[:limit - 4]
+    if first[limit - 4] != " ":  # a word runs over the cut: drop it whole
+        cut = cut.rsplit(" ", 1)[0]
+    return cut.rstrip(" ,;:") + " ..."
+
+
+def _abbreviated(iterations: List[int], most: int = 8) -> str:
+    shown = ", ".join(str(it) for it in iterations[:most])
+    return shown if len(iterations) <= most else f"{shown}, ... ({len(iterations)} in all)"
+
+
+def complete_checkpoints(load_dir: str, exclude: Optional[int] = None) -> List[int]:
+    """The iterations of load_dir whose directory has every file its index lists, newest first."""
+    return [it for it in reversed(_iterations(load_dir))
+            if it != exclude and not damaged_files(iteration_dir(load_dir, it))]
+
+
+def resume_advice(load_dir: str, iteration: Optional[int], verifies: Optional[Callable[[str], bool]] = None,
+                  tool: bool = False) -> str:
+    """What to do when the checkpoint of ``iteration`` in ``load_dir`` cannot be loaded, from what is on disk:
+    the complete checkpoints there, newest first, and how to resume from the newest one (with ``verifies``,
+    integrity.verifies: the newest whose integrity.json verifies). The tracker is never advised below a complete
+    checkpoint newer than that one, and only an existing directory is ever advised to be deleted. ``tool``: the
+    advice of a tool's --load (an iteration directory) instead of the trainer's tracker / --ckpt-step."""
+    complete = complete_checkpoints(load_dir, exclude=iteration)
+    verified = verifies is not None
+    if verified:
+        target = next((it for it in complete if verifies(iteration_dir(load_dir, it))), None)
+    else:
+        target = complete[0] if complete else None
+    tracker = os.path.join(load_dir, TRACKER)
+    ckpt_dir = iteration_dir(load_dir, iteration) if iteration is not None else None
+    listing = f"Complete checkpoints in {load_dir}, newest first: {_abbreviated(complete)}"
+    if target is None:
+        if complete:
+            head = f"{listing}; none of them verifies: "
+        else:
+            head = f"No {'other ' if iteration is not None else ''}complete checkpoint in {load_dir}: "
+        if tool:
+            return head + "--load another checkpoint"
+        doomed = [p for p in (ckpt_dir, tracker) if p is not None and os.path.exists(p)]
+        scratch = f"delete {' and '.join(doomed)} to start from scratch, or " if doomed else ""
+        return head + scratch + "--load another directory"
+    which = "the newest that verifies" if verified else "the newest"
+    if tool:
+        return f"{listing}; load {which}, iteration {target}, with --load {iteration_dir(load_dir, target)}"
+    if tracker_iteration(load_dir) == target:  # --ckpt-step named another iteration
+        return (f"{listing}; {tracker} names iteration {target}, {which}: resume without --ckpt-step, "
+                f"or pass --ckpt-step {target}")
+    delete = (ckpt_dir is not None and iteration is not None and iteration > target and os.path.isdir(ckpt_dir))
+    todo = f"Delete {ckpt_dir} and write" if delete else "Write"
+    return (f"{listing}. {todo} {target} into {tracker} to resume from iteration {target} ({which}), "
+            f"or pass --ckpt-step {target}")
 
 
 def _named_in_messages(exc: BaseException, load_dir: str) -> List[Tuple[str, str]]:
@@ -208,7 +261,7 @@ def _named_in_messages(exc: BaseException, load_dir: str) -> List[Tuple[str, str
 
 
 def describe_load_failure(exc: BaseException, load_dir: Optional[str],
-                          ckpt_step: Optional[int] = None) -> Optional[str]:
+                          ckpt_step: Optional[int] = None, tool: bool = False) -> Optional[str]:
     """One line for a checkpoint load that failed on a damaged file, or None (not such a failure).
 
     ``load_dir`` and ``ckpt_step`` are the run's ``--load`` and ``--ckpt-step``. Note that
@@ -219,7 +272,7 @@ def describe_load_failure(exc: BaseException, load_dir: Optional[str],
         return None
     if not _raised_in(exc, _LOAD_FUNCTIONS):
         return None
-    iteration = ckpt_step if ckpt_step else _tracker_iteration(load_dir)
+    iteration = ckpt_step if ckpt_step else tracker_iteration(load_dir)
     if iteration is None:
         return None
     ckpt_dir = iteration_dir(load_dir, iteration)
@@ -234,24 +287,14 @@ def describe_load_failure(exc: BaseException, load_dir: Optional[str],
     cause = next((e for e in exception_chain(exc) if not type(e).__name__.endswith("CheckpointException")), exc)
     detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
     tracker = os.path.join(load_dir, TRACKER)
-    tracked = _tracker_iteration(load_dir)
+    tracked = tracker_iteration(load_dir)
     unfinished = ""
     if why == "is missing" and os.path.basename(path) in ("metadata.json", ".metadata") and tracked != iteration:
         unfinished = f" (a save that did not finish: {tracker} names iteration {tracked})" if tracked is not None \
             else " (a save that did not finish)"
     line = (f"cannot load the checkpoint of iteration {iteration}: {path} {why}{more}{unfinished}; "
-            f"the load failed with {detail.splitlines()[0][:200].rstrip('.')}. ")
-    previous = _previous_complete(load_dir, iteration)
-    if previous is None:
-        line += (f"No earlier complete checkpoint in {load_dir}: delete {ckpt_dir} and {tracker} "
-                 f"to start from scratch, or --load another directory")
-    elif tracked == previous and tracked != iteration:  # --ckpt-step named a later, unfinished save
-        line += (f"Delete {ckpt_dir} (it is never loaded) and resume without --ckpt-step: {tracker} names "
-                 f"iteration {previous}, the last complete checkpoint; or pass --ckpt-step {previous}")
-    else:
-        line += (f"Delete {ckpt_dir} and write {previous} into {tracker} to resume from iteration "
-                 f"{previous}, or pass --ckpt-step {previous}")
-    return line
+            f"the load failed with {clip(detail.splitlines()[0].rstrip('.'))}. ")
+    return line + resume_advice(load_dir, iteration, tool=tool)
 
 
 # ------------------------------------------------------------------------------- saving on a full disk
@@ -307,7 +350,7 @@ def describe_save_failure(exc: BaseException, save_dir: Optional[str]) -> Option
         free = shutil.disk_usage(save_dir).free
     except OSError:
         return None
-    tracked = _tracker_iteration(save_dir)
+    tracked = tracker_iteration(save_dir)
     previous = iteration_dir(save_dir, tracked) if tracked is not None else None
     needed = _size(previous) if previous else 0
     full = any(isinstance(e, OSError) and e.errno in _FULL for e in exception_chain(exc)) or any(

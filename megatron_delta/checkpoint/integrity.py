@@ -1,27 +1,40 @@
-"""Checkpoint integrity by default: Megatron-LM's ``--verify-integrity``, on unless ``--no-verify-integrity``.
+"""Checkpoint integrity by default: Megatron-LM's ``--verify-integrity``, on unless ``--no-verify-integrity``,
+for the trainer and for every tool that reads a checkpoint (checkpoint/reader.py).
 
 Megatron-Core 0.19.2 (dist_checkpointing.serialization.save / load, validation.save_integrity_manifest):
 with ``verify_integrity`` a torch_dist save writes ``integrity.json`` in the iteration directory, the SHA-256
 of every file in it (the .distcp shards, .metadata, common.pt, metadata.json), hashed by rank 0 after the
 data is written; a load re-hashes every listed file on rank 0 before reading any tensor and raises
-CheckpointingException on a mismatch. run_config.json, written after the manifest, is not listed.
+CheckpointingException on a mismatch. run_config.json is written after the manifest of a synchronous save:
+:func:`add_to_manifest` adds its hash (an asynchronous save writes it before the manifest, which then lists it),
+so an edited run_config.json fails verification like a flipped shard. A checkpoint whose manifest does not list
+run_config.json (saved by an older version) still loads, with a line: its other files are verified.
 
-This module resolves the default (torch_dist only: upstream refuses the flag for other formats), lets a
-checkpoint without ``integrity.json`` (saved with --no-verify-integrity, by an older version or another tool)
-load with one line saying it is unverified, and turns a mismatch into one line naming the shard, the
-iteration and the last checkpoint of the directory that verifies.
+This module resolves the default (torch_dist only: upstream refuses the flag for other formats), verifies a
+checkpoint before anything of it is read (:func:`verify_before_load`: integrity.json unreadable is one line
+naming it; a checkpoint without it loads with a line saying it is unverified, and one loaded with
+--no-verify-integrity although it has one says so too), and turns a mismatch into one line naming the shard,
+the iteration and the checkpoints to resume from (errors.resume_advice).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Optional
 
-from megatron_delta.checkpoint.errors import damaged_files, exception_chain
+from megatron_delta.checkpoint.errors import CheckpointError, damaged_files, exception_chain, resume_advice
 
 MANIFEST = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _FAILED = "Checkpoint integrity verification failed"
+
+
+def add_verify_integrity_argument(parser) -> None:
+    """The tools' --no-verify-integrity (the trainer's flag): a tool verifies the checkpoint it reads by default."""
+    parser.add_argument("--no-verify-integrity", dest="verify_integrity", action="store_false",
+                        help="read the checkpoint without verifying its files against its integrity.json "
+                             "(verified by default, as pretrain_gpt.py does)")
 
 
 def resolve_default(args) -> Optional[str]:
@@ -38,28 +51,77 @@ def resolve_default(args) -> Optional[str]:
 def iteration_to_load(load_dir: str, ckpt_step: Optional[int]) -> Optional[int]:
     if ckpt_step is not None:
         return ckpt_step
-    from megatron_delta.checkpoint.run_config import read_tracker
+    from megatron_delta.checkpoint.errors import tracker_iteration
 
+    return tracker_iteration(load_dir)
+
+
+def read_manifest(ckpt_dir: str) -> Optional[dict]:
+    """The checkpoint's integrity.json ({"algorithm", "files": {name: sha256}}), None when it has none; an
+    unreadable or malformed manifest is a CheckpointError naming it."""
+    path = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
     try:
-        return read_tracker(load_dir)
-    except (OSError, ValueError):
-        return None
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+        ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
+        why = None if ok else 'no "files" object of file hashes'
+    except UnicodeDecodeError as e:
+        why = f"not text: {e.reason} at byte {e.start}"
+    except ValueError as e:
+        why = f"not JSON: {e}"
+    except OSError as e:
+        why = f"cannot be read: {e.strerror or e}"
+    if why is not None:
+        raise CheckpointError(f"{path} is corrupt ({why}): the files of {ckpt_dir} cannot be verified. Restore it "
+                              f"from a copy of the checkpoint, or load the checkpoint unverified with "
+                              f"--no-verify-integrity")
+    return manifest
 
 
-def unverified_load(args) -> Optional[str]:
-    """The iteration directory about to be loaded when it has no integrity.json (then verification is off
-    for this load), else None."""
-    if not getattr(args, "verify_integrity", False) or not args.load or not os.path.isdir(args.load):
+def verify_before_load(ckpt_dir: str, verify_integrity: bool) -> Optional[str]:
+    """Before anything of ckpt_dir is read (run_config.json included): with ``verify_integrity``, re-hash every
+    file its integrity.json lists (rank 0 when torch.distributed runs more than one rank; every rank calls it).
+    Returns the note to print once when the load goes on unverified (no integrity.json; or one there and
+    --no-verify-integrity), else None. Raises CheckpointError (integrity.json unreadable) or upstream's
+    CheckpointingException (a file differs from its hash: is_integrity_failure / describe_mismatch)."""
+    if not os.path.isdir(ckpt_dir):
         return None
-    iteration = iteration_to_load(args.load, getattr(args, "ckpt_step", None))
-    if iteration is None:
+    if not verify_integrity:
+        if os.path.exists(os.path.join(ckpt_dir, MANIFEST)):
+            return (f"note: --no-verify-integrity: {ckpt_dir} is loaded without verifying its files against its "
+                    f"{MANIFEST}")
         return None
-    from megatron_delta.checkpoint.run_config import iteration_dir
+    manifest = read_manifest(ckpt_dir)
+    if manifest is None:
+        return (f"note: {ckpt_dir} has no {MANIFEST} (saved with --no-verify-integrity or by another tool): "
+                f"loaded without verifying its files")
+    from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
 
-    ckpt = iteration_dir(args.load, iteration)
-    if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, MANIFEST)):
-        return ckpt
+    from megatron_delta.checkpoint.run_config import RUN_CONFIG
+
+    verify_integrity_manifest(ckpt_dir)
+    if RUN_CONFIG not in manifest["files"] and os.path.exists(os.path.join(ckpt_dir, RUN_CONFIG)):
+        return (f"note: the {MANIFEST} of {ckpt_dir} does not list {RUN_CONFIG} (saved by an older version): its "
+                f"other files are verified, {RUN_CONFIG} is not")
     return None
+
+
+def add_to_manifest(ckpt_dir: str, name: str) -> bool:
+    """Add the SHA-256 of ckpt_dir/name to its integrity.json (atomically), when it has one."""
+    from megatron.core.dist_checkpointing.validation import _compute_file_hash
+
+    path = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.exists(path):
+        return False
+    manifest = read_manifest(ckpt_dir)
+    manifest["files"][name] = _compute_file_hash(os.path.join(ckpt_dir, name))
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(tmp, path)
+    return True
 
 
 def verifies(ckpt_dir: str) -> bool:
@@ -75,25 +137,13 @@ def verifies(ckpt_dir: str) -> bool:
     return True
 
 
-def last_verified(load_dir: str, below: int) -> Optional[int]:
-    from megatron_delta.checkpoint.run_config import iteration_dir
-
-    try:
-        names = os.listdir(load_dir)
-    except OSError:
-        return None
-    for it in sorted((int(m.group(1)) for m in map(_ITER_DIR.match, names) if m), reverse=True):
-        if it < below and verifies(iteration_dir(load_dir, it)):
-            return it
-    return None
-
-
 def is_integrity_failure(exc: BaseException) -> bool:
     """Upstream's verification on load failed (dist_checkpointing.validation.verify_integrity_manifest)."""
     return any(_FAILED in str(e) for e in exception_chain(exc))
 
 
-def describe_mismatch(exc: BaseException, load_dir: Optional[str], ckpt_step: Optional[int]) -> Optional[str]:
+def describe_mismatch(exc: BaseException, load_dir: Optional[str], ckpt_step: Optional[int],
+                      tool: bool = False) -> Optional[str]:
     """One line for upstream's integrity failure on load, or None when exc is not one."""
     text = next((str(e) for e in exception_chain(exc) if _FAILED in str(e)), None)
     if text is None or not load_dir:
@@ -117,17 +167,8 @@ def describe_mismatch(exc: BaseException, load_dir: Optional[str], ckpt_step: Op
     if more > 0:
         shard += f" (and {more} more file(s))"
     line = f"cannot load the checkpoint of iteration {iteration}: {shard}. "
-    previous = last_verified(load_dir, iteration if iteration is not None else 1 << 62)
-    if previous is None:
-        line += f"No earlier checkpoint in {load_dir} verifies: --load another directory or start from scratch"
-    else:
-        from megatron_delta.checkpoint.run_config import TRACKER, iteration_dir
-
-        line += (f"The last checkpoint that verifies is iteration {previous} ({iteration_dir(load_dir, previous)}): "
-                 f"resume from it with --ckpt-step {previous}, or delete {ckpt_dir} and write {previous} into "
-                 f"{os.path.join(load_dir, TRACKER)}")
-    return line
+    return line + resume_advice(load_dir, iteration, verifies=verifies, tool=tool)
 
 
-__all__ = ["MANIFEST", "resolve_default", "unverified_load", "verifies", "last_verified", "is_integrity_failure",
-           "describe_mismatch"]
+__all__ = ["MANIFEST", "add_verify_integrity_argument", "resolve_default", "read_manifest", "verify_before_load",
+           "add_to_manifest", "verifies", "is_integrity_failure", "describe_mismatch"]

@@ -35,28 +35,48 @@ from megatron_delta.core.modes import BLOCK_MODES, GATES, SOURCE_DEFINITIONS
 RUN_CONFIG = "run_config.json"
 
 
-def read_tracker(root: str) -> int | None:
+def read_tracker(root: str, tool: bool = False) -> int | None:
+    """The iteration the tracker names (None: no tracker). An unreadable or garbled tracker is a CheckpointError
+    naming it, with the complete checkpoints on disk (``tool``: the advice of a tool's --load)."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"--load: {path} is corrupt (expected an iteration number, got {text!r})")
-    return int(text)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+        text = raw.decode("utf-8").strip()
+        why = None if text.isdigit() else f"expected an iteration number, got {text[:40]!r}"
+    except UnicodeDecodeError:
+        why = f"not text: it starts with {raw[:16]!r}"
+    except OSError as e:
+        why = f"cannot be read: {e.strerror or e}"
+    if why is None:
+        return int(text)
+    from megatron_delta.checkpoint.errors import resume_advice
+
+    raise CheckpointError(f"--load: {path} is corrupt ({why}); it names the checkpoint to resume from. "
+                          + resume_advice(root, None, tool=tool))
 
 
 def resolve_checkpoint_dir(path: str) -> tuple[str, int]:
     """`--load` takes a run directory (its latest checkpoint) or one iter_* directory."""
     if not os.path.exists(path):
         raise CheckpointError(f"--load: {path} does not exist")
-    iteration = read_tracker(path)
+    iteration = read_tracker(path, tool=True)
     if iteration is not None:
         ckpt = iteration_dir(path, iteration)
         if not os.path.isdir(ckpt):
-            raise CheckpointError(f"--load: {path}/{TRACKER} names iteration {iteration}, but {ckpt} is missing")
+            from megatron_delta.checkpoint.errors import resume_advice
+
+            raise CheckpointError(f"--load: {path}/{TRACKER} names iteration {iteration}, but {ckpt} is missing. "
+                                  + resume_advice(path, iteration, tool=True))
         return ckpt, iteration
     if os.path.isfile(os.path.join(path, RUN_CONFIG)):
-        return path, json.load(open(os.path.join(path, RUN_CONFIG)))["iteration"]
+        rc = read_run_config(path)
+        if not isinstance(rc.get("iteration"), int):
+            raise CheckpointError(f"{os.path.join(path, RUN_CONFIG)} records no iteration: {path} is not a "
+                                  f"checkpoint saved by megatron-delta; --load its run directory instead")
+        return path, rc["iteration"]
     raise CheckpointError(f"--load: {path} holds no complete checkpoint (no {TRACKER} and no {RUN_CONFIG}); "
                           f"an interrupted save leaves only iter_*.partial, which is never loaded")
 
@@ -85,10 +105,25 @@ HF_TOKENIZER_SUBDIR = "hf_tokenizer"  # the HF tokenizer files, copied into the 
 
 
 def read_run_config(ckpt_dir: str) -> dict:
+    """The checkpoint's run_config.json; a missing, unreadable or garbled file is a CheckpointError naming it."""
     path = os.path.join(ckpt_dir, RUN_CONFIG)
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a megatron-delta checkpoint")
-    return json.load(open(path))
+    try:
+        with open(path, "rb") as f:
+            rc = json.loads(f.read().decode("utf-8"))
+        why = None if isinstance(rc, dict) else f"a JSON {type(rc).__name__}, not an object"
+    except UnicodeDecodeError as e:
+        why = f"not text: {e.reason} at byte {e.start}"
+    except ValueError as e:
+        why = f"not JSON: {e}"
+    except OSError as e:
+        why = f"cannot be read: {e.strerror or e}"
+    if why is not None:
+        raise CheckpointError(f"{path} is corrupt ({why}); it records the checkpoint's model flags. Restore it "
+                              f"from a copy of the checkpoint, or load another checkpoint of "
+                              f"{os.path.dirname(os.path.abspath(ckpt_dir))}")
+    return rc
 
 
 def hf_tokenizer_dir(ckpt_dir: str, rc: dict) -> str | None:

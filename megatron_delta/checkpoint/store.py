@@ -4,6 +4,7 @@ TP/PP/VPP layout (the trainer saves and loads through Megatron-LM's own checkpoi
 Layout of `--save DIR`:
     DIR/iter_0000020/                     one dist_checkpointing checkpoint (model, optimizer, RNG)
     DIR/iter_0000020/run_config.json      the model flags, readable without torch (tools use it)
+    DIR/iter_0000020/integrity.json       the SHA-256 of every file above (checkpoint/integrity.py)
     DIR/latest_checkpointed_iteration.txt written last, by atomic rename: `--load` only ever sees
                                           complete checkpoints (a save interrupted midway stays
                                           under `iter_*.partial` and is ignored, then replaced).
@@ -20,7 +21,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import StrictHandling
 
-from megatron_delta.checkpoint.errors import CheckpointError
+from megatron_delta.checkpoint.errors import CheckpointError, describe_load_failure
+from megatron_delta.checkpoint.integrity import add_to_manifest
 from megatron_delta.checkpoint.run_config import (
     HF_TOKENIZER_SUBDIR,
     LAYOUT_FLAGS,
@@ -30,8 +32,6 @@ from megatron_delta.checkpoint.run_config import (
     check_model_flags,
     copy_hf_tokenizer,
     iteration_dir,
-    read_run_config,
-    resolve_checkpoint_dir,
 )
 
 
@@ -93,7 +93,7 @@ def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed_sampl
         state["rng_state"] = _rng_sharded_object(_rng_state())
     state["iteration"] = iteration
     state["consumed_samples"] = consumed_samples
-    dist_checkpointing.save(state, partial)
+    dist_checkpointing.save(state, partial, verify_integrity=True)  # integrity.json, as the trainer's saves
     torch.distributed.barrier()
 
     if _rank0():
@@ -107,6 +107,7 @@ def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed_sampl
         config.update(carried)
         with open(os.path.join(partial, RUN_CONFIG), "w") as f:
             json.dump(config, f, indent=1)
+        add_to_manifest(partial, RUN_CONFIG)  # run_config.json is verified with the checkpoint's files
         if os.path.isdir(final_dir):  # re-saving an iteration (e.g. --train-iters 0 twice)
             shutil.rmtree(final_dir)
         os.replace(partial, final_dir)
@@ -118,10 +119,14 @@ def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed_sampl
     return final_dir
 
 
-def load_checkpoint(path, model, optimizer, scheduler, args, load_optim=True, load_rng=True):
-    """Load into the current layout. Returns (iteration, consumed_samples, ckpt_dir)."""
-    ckpt_dir, iteration = resolve_checkpoint_dir(path)
-    saved = read_run_config(ckpt_dir)
+def load_checkpoint(path, model, optimizer, scheduler, args, load_optim=True, load_rng=True, verify_integrity=True):
+    """Load into the current layout. Returns (iteration, consumed_samples, ckpt_dir). The checkpoint is opened by
+    checkpoint/reader.py (its files verified against integrity.json unless not ``verify_integrity``); a damaged
+    file found while reading it is a CheckpointError naming the file (errors.describe_load_failure)."""
+    from megatron_delta.checkpoint.reader import open_checkpoint
+
+    opened = open_checkpoint(path, verify_integrity)
+    ckpt_dir, iteration, saved = opened.ckpt_dir, opened.iteration, opened.run_config
     check_model_flags(saved, args, ckpt_dir)
     same_layout = all(saved.get(k) == getattr(args, k, None) for k in LAYOUT_FLAGS)
     load_optim = load_optim and optimizer is not None and saved.get("has_optimizer", False)
@@ -136,7 +141,13 @@ def load_checkpoint(path, model, optimizer, scheduler, args, load_optim=True, lo
     load_rng = load_rng and load_optim and same_layout
     if load_rng:
         state["rng_state"] = _rng_sharded_object()
-    loaded = dist_checkpointing.load(state, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    try:
+        loaded = dist_checkpointing.load(state, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        message = describe_load_failure(e, opened.root, opened.step, tool=True)
+        if message is None:
+            raise
+        raise CheckpointError(message) from None
 
     if len(model) == 1:
         _unwrap(model[0]).load_state_dict(loaded["model"])

@@ -154,20 +154,22 @@ def _finish(tmp, final):
     os.replace(tmp, final)
 
 
-def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) -> str:
-    """Megatron checkpoint -> HF directory (written to a temporary sibling, renamed at the end)."""
+def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print, verify_integrity: bool = True) -> str:
+    """Megatron checkpoint -> HF directory (written to a temporary sibling, renamed at the end). The checkpoint
+    is opened by checkpoint/reader.py (verified against its integrity.json unless not ``verify_integrity``)
+    before anything is written."""
     if dtype not in ("fp32", "bf16"):
         raise ConversionError(f"--dtype must be fp32 or bf16, got {dtype!r}")
-    from megatron_delta.checkpoint.run_config import hf_tokenizer_dir, read_run_config, resolve_checkpoint_dir
+    from megatron_delta.checkpoint.reader import open_checkpoint
+    from megatron_delta.checkpoint.run_config import hf_tokenizer_dir
 
-    ckpt_dir, _ = resolve_checkpoint_dir(load)
-    rc = read_run_config(ckpt_dir)
+    ckpt_dir, _, rc, _, _ = open_checkpoint(load, verify_integrity)
     vocab = true_vocab_size(rc)  # fails early on a missing tokenizer
     hf_tok = hf_tokenizer_dir(ckpt_dir, rc)
     if hf_tok is not None and not os.path.isdir(hf_tok):
         raise ConversionError(f"--load {ckpt_dir}: the HF tokenizer directory {hf_tok} (run_config.json "
                               f"hf_tokenizer_dir) is missing; restore it or re-import the model")
-    model, _, rc = load_megatron(load)
+    model, _, rc = load_megatron(load, verify_integrity=verify_integrity)
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()
           if isinstance(v, torch.Tensor) and not k.endswith("_extra_state") and not k.startswith("mtp.")}
     if rc.get("mtp_num_layers"):

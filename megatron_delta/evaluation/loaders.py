@@ -1,7 +1,9 @@
 """A Megatron checkpoint loaded for evaluation: one model in this process (load_megatron: TP1/PP1) or under the
 checkpoint's own or another layout (load_megatron_parallel), computing as it was trained (as_trained /
 precision.eval_in_bf16: --dtype auto), and its logits (megatron_logits, megatron_logits_parallel). The tools
-(evaluate, perplexity, routing_report, convert_checkpoint export) read checkpoints through these.
+(evaluate, perplexity, routing_report, convert_checkpoint export) read checkpoints through these, and these open
+them through checkpoint/reader.py: the files verified against integrity.json first (``verify_integrity=False``: the
+tools' --no-verify-integrity), every failure one CheckpointError line.
 """
 import os
 
@@ -41,29 +43,29 @@ def build_megatron_model(run_config: dict, padded_vocab_size: int, where: str = 
     return model, args
 
 
-def load_megatron(load: str, dtype: str = "fp32"):
+def load_megatron(load: str, dtype: str = "fp32", verify_integrity: bool = True):
     """Load a checkpoint (any TP/PP/VPP layout) as one TP1/PP1 model computing in ``dtype``
     (precision.EVAL_DTYPES; the export reads weights in fp32). Returns (model, args, run_config)."""
-    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
+    from megatron_delta.checkpoint.reader import open_checkpoint
     from megatron_delta.checkpoint.store import load_checkpoint
 
-    ckpt_dir, _ = resolve_checkpoint_dir(load)
-    rc = read_run_config(ckpt_dir)
+    ckpt_dir, _, rc, _, _ = open_checkpoint(load, verify_integrity)
     _check_supported_run_config(rc, f"--load {ckpt_dir}")
     bf16 = eval_in_bf16(rc, dtype)
     model, args = build_megatron_model(rc, rc["padded_vocab_size"], f"--load {ckpt_dir}", bf16=bf16)
-    load_checkpoint(ckpt_dir, [model], None, None, args, load_optim=False, load_rng=False)
+    load_checkpoint(load, [model], None, None, args, load_optim=False, load_rng=False,
+                    verify_integrity=verify_integrity)
     model.eval()
     return model, args, rc
 
 
 def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                           dtype: str = "fp32"):
+                           dtype: str = "fp32", verify_integrity: bool = True):
     """Load a checkpoint (saved under any layout) split over TP x PP ranks of this torch.distributed world
     (torchrun's WORLD_SIZE; the remaining factor is data parallel), as training would hold it, computing in
     ``dtype`` (precision.EVAL_DTYPES). Returns (model chunks of this rank, args, run_config)."""
     from megatron_delta.checkpoint.model_config import model_config
-    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
+    from megatron_delta.checkpoint.reader import open_checkpoint
     from megatron_delta.checkpoint.store import load_checkpoint
     from megatron_delta.core.model import build_model_chunks
     from megatron_delta.platform.cpu import activate_cpu_platform
@@ -75,8 +77,7 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
         raise ConversionError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs "
                               f"{tp * pp} ranks per model, but the world size is {world}: launch with "
                               f"`torchrun --nproc-per-node {tp * pp}` (or a multiple of it)")
-    ckpt_dir, _ = resolve_checkpoint_dir(load)
-    rc = read_run_config(ckpt_dir)
+    ckpt_dir, _, rc, _, _ = open_checkpoint(load, verify_integrity)
     _check_supported_run_config(rc, f"--load {ckpt_dir}")
     bf16 = eval_in_bf16(rc, dtype)
     padded = rc["padded_vocab_size"]
@@ -92,7 +93,7 @@ def load_megatron_parallel(load: str, tensor_model_parallel_size: int = 1, pipel
     initialize_distributed(tp, pp, seed=args.seed)
     config, options = model_config(fields)
     chunks = as_trained(build_model_chunks(config, padded, **options), config, bf16)
-    load_checkpoint(ckpt_dir, chunks, None, None, args, load_optim=False, load_rng=False)
+    load_checkpoint(load, chunks, None, None, args, load_optim=False, load_rng=False, verify_integrity=verify_integrity)
     for c in chunks:
         c.eval()
     return chunks, args, rc

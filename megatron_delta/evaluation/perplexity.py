@@ -112,13 +112,14 @@ def measure_perplexity(opts, log=print) -> dict:
     import torch.distributed as dist
 
     from megatron_delta.checkpoint.errors import CheckpointError, ConversionError
-    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir, true_vocab_size
+    from megatron_delta.checkpoint.reader import open_checkpoint
+    from megatron_delta.checkpoint.run_config import true_vocab_size
     from megatron_delta.evaluation.loaders import load_megatron, megatron_logits
     from megatron_delta.platform.distributed import destroy_distributed
 
     try:
-        ckpt_dir, iteration = resolve_checkpoint_dir(opts.load)
-        rc = read_run_config(ckpt_dir)
+        verify = getattr(opts, "verify_integrity", True)
+        ckpt_dir, iteration, rc, _, _ = open_checkpoint(opts.load, verify)  # verified before anything is read
         seq = opts.seq_length or rc.get("seq_length") or rc["max_position_embeddings"]
         if seq > rc["max_position_embeddings"]:
             raise PerplexityError(f"--seq-length {seq} exceeds the checkpoint's --max-position-embeddings "
@@ -130,7 +131,7 @@ def measure_perplexity(opts, log=print) -> dict:
                 streams.append((name, prefix, read_token_stream(prefix, opts.max_tokens, flag)))
             except ValueError as err:
                 raise PerplexityError(str(err)) from err
-        model, args, rc = load_megatron(ckpt_dir, dtype=opts.dtype)
+        model, args, rc = load_megatron(opts.load, dtype=opts.dtype, verify_integrity=verify)
         dtype = "bf16" if args.bf16 else "fp32"
         vocab = true_vocab_size(rc)
         result = {"checkpoint": os.path.abspath(ckpt_dir), "iteration": iteration, "residual": rc.get("residual"),

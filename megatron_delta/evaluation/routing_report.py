@@ -205,7 +205,8 @@ def write_routing_report(ckpt_dir, iteration, cfg, fields, args, opts, collect, 
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
         config, options = model_config(fields)
         model = as_trained(build_model_chunks(config, fields["padded_vocab_size"], **options), config, fields["bf16"])
-        load_checkpoint(ckpt_dir, model, None, None, args, load_optim=False, load_rng=False)
+        load_checkpoint(ckpt_dir, model, None, None, args, load_optim=False, load_rng=False,
+                        verify_integrity=getattr(opts, "verify_integrity", True))
         log(f" loaded {ckpt_dir} (iteration {iteration}, --residual {args.residual}, saved with TP"
             f"{cfg.get('tensor_model_parallel_size')} PP{cfg.get('pipeline_model_parallel_size')}"
             f" VPP{cfg.get('virtual_pipeline_model_parallel_size')}; read as TP1 PP1, computing in "

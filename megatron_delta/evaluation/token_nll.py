@@ -73,7 +73,8 @@ def evaluate_tokens_parallel(chunks, vocab, seqs):
 
 
 def evaluate_checkpoint(load: str, seqs: list, tensor_model_parallel_size: int = 1,
-                        pipeline_model_parallel_size: int = 1, dtype: str = "auto", where: str = "--tokens-file"):
+                        pipeline_model_parallel_size: int = 1, dtype: str = "auto", where: str = "--tokens-file",
+                        verify_integrity: bool = True):
     """The checkpoint ``load`` (any saved layout) evaluated on ``seqs``: in this process (TP1/PP1), or split over
     TP x PP ranks of this torch.distributed world when it has more than one rank or the layout asks for more.
     Returns (result with its "dtype", logits per sequence, parallel). Token ids outside the vocabulary and
@@ -90,9 +91,9 @@ def evaluate_checkpoint(load: str, seqs: list, tensor_model_parallel_size: int =
     try:
         if parallel:
             chunks, args, rc = load_megatron_parallel(load, tensor_model_parallel_size, pipeline_model_parallel_size,
-                                                      dtype=dtype)
+                                                      dtype=dtype, verify_integrity=verify_integrity)
         else:
-            model, args, rc = load_megatron(load, dtype=dtype)
+            model, args, rc = load_megatron(load, dtype=dtype, verify_integrity=verify_integrity)
         vocab = true_vocab_size(rc)
         bad = [x for s in seqs for x in s if not 0 <= x < vocab]
         if bad:

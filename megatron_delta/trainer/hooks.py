@@ -24,15 +24,20 @@ class RunHooks:
     training.get_megatron_optimizer_config   + the routers' param group (--delta-router-lr-mult)
     training.setup_model_and_optimizer       first: the lock of --save (rank 0); keeps model/optimizer; payload
                                              lines (routed, PP > 1)
-    training.load_checkpoint                 first: the fresh-start line, run_config.json's model flags == the
-                                             run's; no integrity.json: loaded unverified, with a line
+    training.load_checkpoint                 first: the fresh-start line; the checkpoint to load exists, its files
+                                             verified (run_config.json included; a line when unverified);
+                                             run_config.json's model flags == the run's
     training.train                           the clock of tokens_per_sec
     training.training_log                    metrics: iteration, lm_loss, lr, grad_norm, tokens_per_sec
     training.evaluate                        captures the loss dict of each evaluation
     training.evaluate_and_print_results      metrics per split (valid / test), then --delta-heldout-data-path
                                              and the routing statistics beside every validation
-    checkpointing.save_checkpoint (+ training's name for it), checkpointing.get_checkpoint_tracker_filename
-                                             run_config.json into iter_NNNNNNN/ before the tracker names it
+    checkpointing.save_checkpoint (+ training's name for it)
+                                             first: no NaN / inf parameter (checkpoint/finite.py); SIGINT held
+                                             until the save has finished
+    checkpointing.get_checkpoint_tracker_filename
+                                             run_config.json into iter_NNNNNNN/ (and its hash into
+                                             integrity.json) before the tracker names it
     """
 
     def __init__(self, args):
@@ -100,33 +105,37 @@ class RunHooks:
         original_load = mt.load_checkpoint
 
         def load_checkpoint(*a, **k):
-            from megatron_delta.checkpoint.integrity import unverified_load
+            from megatron_delta.checkpoint.integrity import verify_before_load
             from megatron_delta.checkpoint.run_config import check_load
 
             self.announce_fresh_start()
+            ckpt = self.checkpoint_to_load()
+            # its files (run_config.json included) verified before anything of it is read (every rank: rank 0
+            # hashes, the others learn its answer); upstream's load then does not hash them again
+            note = verify_before_load(ckpt, self.args.verify_integrity) if ckpt else None
+            if note and torch_rank() == 0:
+                print(f" {note}", flush=True)
             self.carried = check_load(self.args)
-            unverified = unverified_load(self.args)
-            if unverified is None:
-                return original_load(*a, **k)
-            if torch_rank() == 0:
-                print(f" note: {unverified} has no integrity.json (saved with --no-verify-integrity or by another "
-                      f"tool): loaded without verifying its files", flush=True)
-            self.args.verify_integrity = False  # upstream's load would refuse it; later saves hash again
+            verify, self.args.verify_integrity = self.args.verify_integrity, False
             try:
                 return original_load(*a, **k)
             finally:
-                self.args.verify_integrity = True
+                self.args.verify_integrity = verify
 
         self._replace(mt, "load_checkpoint", load_checkpoint)
         # Wraps checkpointing.save_checkpoint (and training's import of it): notes which iteration is being saved.
         original_save = ckpt.save_checkpoint
 
         def save_checkpoint(iteration, model, optimizer, *a, **k):
-            self.saving = (iteration, optimizer)
-            try:
-                return original_save(iteration, model, optimizer, *a, **k)
-            finally:
-                self.saving = None
+            from megatron_delta.checkpoint.finite import check_before_save
+
+            check_before_save(iteration, model, self.args.save)  # a NaN / inf is never saved (every rank)
+            with sigint_deferred(iteration):  # Ctrl-C during the save: the save finishes first
+                self.saving = (iteration, optimizer)
+                try:
+                    return original_save(iteration, model, optimizer, *a, **k)
+                finally:
+                    self.saving = None
 
         self._replace(ckpt, "save_checkpoint", save_checkpoint)
         self._replace(mt, "save_checkpoint", save_checkpoint)
@@ -139,11 +148,15 @@ class RunHooks:
             # writes the tracker: run_config.json goes in now
             if self.saving is not None and torch_rank() == 0:
                 iteration, optimizer = self.saving
-                from megatron_delta.checkpoint.run_config import write_run_config
+                from megatron_delta.checkpoint.integrity import add_to_manifest
+                from megatron_delta.checkpoint.run_config import RUN_CONFIG, write_run_config
 
                 self.saved.append(write_run_config(
                     checkpoints_path, iteration, self.args,
                     has_optimizer=optimizer is not None and not self.args.no_save_optim, carried=self.carried))
+                # a synchronous save has written integrity.json already: run_config.json's hash goes in (an
+                # asynchronous one writes it later, over every file, this one included)
+                add_to_manifest(self.saved[-1], RUN_CONFIG)
             return original_tracker(checkpoints_path)
 
         self._replace(ckpt, "get_checkpoint_tracker_filename", get_checkpoint_tracker_filename)
@@ -223,6 +236,28 @@ class RunHooks:
             self.lock.release()
             self.lock = None
 
+    def checkpoint_to_load(self):
+        """The iteration directory upstream's load will read (None: nothing to load). A tracker that cannot be
+        read, or an iteration directory that does not exist, is a CheckpointError naming it, with the complete
+        checkpoints on disk."""
+        from megatron_delta.checkpoint.errors import CheckpointError, resume_advice
+        from megatron_delta.checkpoint.run_config import TRACKER, iteration_dir, read_tracker
+
+        load = self.args.load
+        if not load or not os.path.isdir(load):
+            return None
+        step = getattr(self.args, "ckpt_step", None)
+        named_by = "--ckpt-step"
+        if step is None:
+            step, named_by = read_tracker(load), os.path.join(load, TRACKER)
+            if step is None:
+                return None
+        ckpt = iteration_dir(load, step)
+        if not os.path.isdir(ckpt):
+            raise CheckpointError(f"cannot load the checkpoint of iteration {step}: {ckpt} does not exist "
+                                  f"({named_by} names it). " + resume_advice(load, step))
+        return ckpt
+
     def announce_fresh_start(self):
         """--load given, nothing there to load: one line on stderr with the path (upstream's two WARNING lines
         are lost among the start-up output). --save X --load X then starts fresh, as it should."""
@@ -290,6 +325,39 @@ class RunHooks:
         self.routing = routing["stats"]
         self._print(routing["text"])
         self._write({"iteration": int(iteration), "routing": routing["stats"]})
+
+
+class sigint_deferred:
+    """SIGINT (Ctrl-C) during a save is held until the save has finished, then raised as KeyboardInterrupt: the
+    checkpoint being written is completed and its tracker written. A second SIGINT stops at once (leaving that
+    save unfinished: it is never loaded, the tracker still names the previous one)."""
+
+    def __init__(self, iteration):
+        self.iteration = iteration
+        self.received = False
+        self.previous = None
+
+    def _handler(self, signum, frame):
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = True  # quietly: the run's one line comes when it ends (trainer/main.py)
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        if self.received and exc_type is None:
+            raise KeyboardInterrupt
+        return False
 
 
 def torch_rank() -> int:

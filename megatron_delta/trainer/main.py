@@ -31,6 +31,9 @@ removed; the trainer itself is upstream's; the list is RunHooks' docstring (trai
   (checkpoint/errors: a damaged checkpoint file named by describe_load_failure, a full --save
   filesystem by describe_save_failure, schedule flags that differ from the checkpoint's by
   describe_schedule_mismatch; a file failing its integrity hash: checkpoint/integrity.describe_mismatch);
+- a NaN / inf parameter before a save: one line (checkpoint/finite.py), nothing saved, the tracker unmoved;
+- SIGINT (Ctrl-C): a save under way finishes first, then one line naming the last complete checkpoint, from
+  global rank 0, exit status 130;
 - argument errors: one line (argparse's after a short usage, not Megatron-LM's usage of every flag), printed
   once per launch (global rank 0).
 
@@ -330,17 +333,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if isinstance(e, ArgparseError):
             print(SHORT_USAGE, file=sys.stderr)
         return _error(str(e), 2)
+    from megatron_delta.checkpoint.finite import NonFiniteState
     from megatron_delta.checkpoint.integrity import describe_mismatch, is_integrity_failure
     from megatron_delta.checkpoint.save_lock import SaveDirInUse
 
+    interrupted = _SigintSeen()
     try:
-        run(args)
+        with interrupted:
+            run(args)
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if isinstance(e, SystemExit) and e.code == 0:  # --exit-interval / -duration / signal: saved, done
             return 0
-        if isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+        # SIGINT (Ctrl-C) on every rank of the job; rank 0 says it. A rank interrupted inside a collective may
+        # end with its peer's failure (a closed connection) instead of KeyboardInterrupt: the signal decides.
+        if isinstance(e, KeyboardInterrupt) or interrupted.seen:
+            # Under megatron_delta.trainer.launch a worker exits 0 and the launcher exits 130: torchrun's agent
+            # stops every rank (SIGTERM) as soon as one exits non-zero, before rank 0 - maybe still in a collective
+            # until its peers have left - has finished a save under way or printed the line.
+            status = 0 if os.environ.get(LAUNCHED_BY) == "1" else SIGINT_STATUS
+            if torch_rank() == 0:
+                return _error(interrupted_message(args), status)
+            if status:
+                time.sleep(SILENT_RANK_EXIT_DELAY_S)  # rank 0 prints first (torchrun stops this rank once it exits)
+            return status
+        if isinstance(e, (SystemExit, GeneratorExit)):
             raise
-        if isinstance(e, SaveDirInUse):  # every rank raises it; rank 0 says it
+        if isinstance(e, (SaveDirInUse, NonFiniteState)):  # every rank raises it; rank 0 says it
             return _error(str(e), 1) if torch_rank() == 0 else 1
         if is_integrity_failure(e):  # rank 0 verified and broadcast the failure: every rank raised it
             if torch_rank() != 0:
@@ -367,6 +385,51 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if LAST_RUN is not None and LAST_RUN.saved and args.rank == 0:
         print(f" saved checkpoint {LAST_RUN.saved[-1]}", flush=True)
     return 0
+
+
+SIGINT_STATUS = 130  # 128 + SIGINT, as a shell reports a job stopped by Ctrl-C
+LAUNCHED_BY = "MEGATRON_DELTA_LAUNCH"  # "1" in the workers of megatron_delta.trainer.launch (it sets it)
+
+
+class _SigintSeen:
+    """SIGINT raises KeyboardInterrupt, as Python's default handler does, and is remembered (``seen``) for the run."""
+
+    def __init__(self):
+        self.seen = False
+        self.previous = None
+
+    def _handler(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
+def interrupted_message(args) -> str:
+    """The line of a run stopped by SIGINT: the last complete checkpoint, which the tracker names (a save under
+    way when the signal came was finished first: hooks.sigint_deferred)."""
+    from megatron_delta.checkpoint.finite import last_complete
+
+    good = last_complete(args.save)
+    if good is not None:
+        return (f"interrupted (SIGINT): the last complete checkpoint is iteration {good[0]} ({good[1]}), which "
+                f"{good[2]} names; resume with --load {args.save}")
+    if args.save:
+        return f"interrupted (SIGINT): no checkpoint was saved in {args.save}"
+    return "interrupted (SIGINT): nothing was saved (no --save)"
 
 
 def _run_errors():

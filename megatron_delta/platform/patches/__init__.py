@@ -30,7 +30,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 __all__ = [
     "Patch", "REGISTRY", "CPU_ONLY", "EVERY_DEVICE", "megatron_core_version", "applies", "apply_patches",
     "entry", "applied", "describe", "patches_suspended", "batch_p2p_comm", "check_p2p_config", "KnownWarning",
-    "KNOWN_WARNINGS", "known_warnings_quieted", "import_megatron", "PATCHED_MODULES", "TRAINING_MODULES",
+    "KNOWN_WARNINGS", "KNOWN_LOG_RECORDS", "known_warnings_quieted", "import_megatron", "PATCHED_MODULES",
+    "TRAINING_MODULES",
 ]
 
 CPU_ONLY = "CPU only"
@@ -276,7 +277,9 @@ REGISTRY: Tuple[Patch, ...] = (
           "upstream's pretrain() has no hook for the routers' param group (--delta-router-lr-mult), "
           "--delta-metrics-file, --delta-heldout-data-path and routing statistics, run_config.json in each checkpoint, "
           "the iteration-0 save, the lock of --save (two runs overwrite each other's checkpoints), the line of a "
-          "--load that starts from scratch, the load of a checkpoint without integrity.json",
+          "--load that starts from scratch, the load of a checkpoint without integrity.json, run_config.json "
+          "verified before it is read, a NaN / inf state saved and the tracker moved to it, a Ctrl-C midway "
+          "through a save",
           V019, EVERY_DEVICE,
           made_by="megatron_delta/trainer/hooks.py RunHooks: each function wrapped for one run "
                   "(with RunHooks(args)), the originals back when it ends"),
@@ -458,11 +461,41 @@ KNOWN_WARNINGS: Tuple[KnownWarning, ...] = (
 )
 
 
+# Upstream log records that print a traceback in front of the project's own line for the same failure, with the
+# logger's file (path suffix) and the start of the message: dropped while known_warnings_quieted runs.
+KNOWN_LOG_RECORDS: Tuple[Tuple[str, str, str], ...] = (
+    ("torch/distributed/checkpoint/state_dict_loader.py", "Global metadata is not found",
+     "torch's loader logs (on the root logger, with exc_info) a .metadata it cannot read, then fails: "
+     "errors.describe_load_failure names the file in one line"),
+    ("torch/distributed/checkpoint/state_dict_loader.py", "Rank local metadata is not found",
+     "its fall-back to a per-rank __N.metadata that torch_dist checkpoints never have, logged the same way"),
+)
+
+
+class _KnownLogRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        path = str(record.pathname).replace("\\", "/")
+        return not any(path.endswith(where) and str(record.msg).startswith(start)
+                       for where, start, _ in KNOWN_LOG_RECORDS)
+
+
 @contextlib.contextmanager
 def known_warnings_quieted():
     """KNOWN_WARNINGS silenced while the block runs (``warnings.catch_warnings``: the filters are restored
-    after it). Put it around the upstream calls that emit them (a tool: around its main, as a decorator
-    ``@known_warnings_quieted()``); the filters match those messages only, never the project's warnings."""
+    after it), and KNOWN_LOG_RECORDS dropped (a filter on the root logger, removed after it). Put it around the
+    upstream calls that emit them (a tool: around its main, as a decorator ``@known_warnings_quieted()``); the
+    filters match those messages only, never the project's warnings."""
+    records = _KnownLogRecords()
+    logging.getLogger().addFilter(records)
+    try:
+        with _warnings_quieted():
+            yield
+    finally:
+        logging.getLogger().removeFilter(records)
+
+
+@contextlib.contextmanager
+def _warnings_quieted():
     theirs = []
     with warnings.catch_warnings():
         for w in KNOWN_WARNINGS:
