@@ -1,0 +1,338 @@
+"""Multi-latent attention (--multi-latent-attention, DeepSeek-V2/V3's attention) in every residual mode.
+
+- the config class: Megatron's MLATransformerConfig with the delta_* fields, checked by the one definition of
+  them (core/config.py DeltaFields), as the trainer builds it from Megatron-LM's flags;
+- the layer spec: Megatron's MLA spec (MLASelfAttention) in baseline and in the routed layers, with the local
+  core attention that takes MLA's head sizes (core/mla.py);
+- the model of every mode vs the independent float64 reference (tests/reference_delta.py mla_attention): the
+  routers read MLA sublayers' addends as any other's;
+- the start-up refusals of MLA flags (one line naming the flag).
+
+In-process, one rank, fp32, CPU. Tolerances as tests/test_modes_reference.py (measured there and here: logits
+<= ~1e-6 relative, router gradients <= ~1e-5).
+"""
+
+import dataclasses
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.flags import tiny
+from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
+from tests.test_modes_reference import _rel, randomise
+
+torch.set_num_threads(1)
+
+B, S, V = 2, 16, 128
+HIDDEN, HEADS = 64, 4
+SEED = 1234
+LOGIT_TOL = 1e-5
+GRAD_TOL = 1e-4
+# DeepSeek-style shapes at a tiny size: query and key/value latents, per-head no-position and rotary parts
+MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12)
+MLA_FLAGS = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+             "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--rope-type", "rope"]
+
+
+def mla_cli(extra=(), **tiny_kw) -> list[str]:
+    """The tests' tiny Megatron-LM command line (tests/flags.py) with multi-latent attention instead of grouped-query
+    attention (Megatron-LM refuses the two together)."""
+    flags = tiny(**{"num_layers": 2, "hidden": 32, "heads": 2, "seq": 16, "mbs": 2, "train_iters": 1, **tiny_kw})
+    flags.remove("--group-query-attention")
+    i = flags.index("--num-query-groups")
+    del flags[i:i + 2]
+    return flags + ["--eval-iters", "0", "--eval-interval", "1000"] + MLA_FLAGS + list(extra)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dist():
+    from megatron_delta.platform.distributed import initialize_distributed
+
+    initialize_distributed(1, 1, None, 1, seed=SEED)
+    yield
+
+
+def build(mode, null=False, gate=False, num_blocks=None, q_lora_rank=MLA["q_lora_rank"], sources="exact",
+          qk_layernorm=True):
+    """(model, fields): the tiny CPU model of megatron_delta.checkpoint.model_config with MLA sublayers (its config
+    as DeltaMLATransformerConfig), freshly seeded so every mode gets the same backbone."""
+    from megatron.core import tensor_parallel
+
+    from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
+    from megatron_delta.core.config import DeltaMLATransformerConfig
+    from megatron_delta.core.model import build_model_chunks
+
+    f = dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=HEADS, seq_length=S,
+             vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null, delta_sources=sources,
+             delta_gate="scalar" if gate else "none", qk_layernorm=qk_layernorm)
+    if num_blocks:
+        f["delta_num_blocks"] = num_blocks
+    fields = resolve_model_fields(f)
+    config, options = model_config(fields)
+    kw = {x.name: getattr(config, x.name) for x in dataclasses.fields(config) if x.init}
+    kw.update(MLA, q_lora_rank=q_lora_rank, multi_latent_attention=True, rope_type="rope",
+              rotary_base=fields["rotary_base"])
+    config = DeltaMLATransformerConfig(**kw)
+    torch.manual_seed(SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    model = build_model_chunks(config, V, **options)[0]
+    return model.eval(), SimpleNamespace(**fields)
+
+
+def ref_config(f, q_lora_rank=MLA["q_lora_rank"]):
+    return RefConfig(vocab_size=V, hidden_size=f.hidden_size, num_layers=f.num_layers, qk_layernorm=f.qk_layernorm,
+                     num_attention_heads=f.num_attention_heads, ffn_hidden_size=f.ffn_hidden_size,
+                     norm_eps=f.norm_epsilon, rotary_base=float(f.rotary_base),
+                     share_embeddings_and_output_weights=not f.untie_embeddings_and_output_weights,
+                     **dict(MLA, q_lora_rank=q_lora_rank))
+
+
+def tokens(seed=0):
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, tok):
+    return model(tok, torch.arange(S)[None].expand(B, S), None)
+
+
+# ------------------------------------------------------------------------------------------------ config, spec
+def test_the_config_class_is_megatrons_mla_config_with_the_delta_fields():
+    """One definition of the delta_* fields and their checks: the MLA class refuses what the plain one refuses,
+    with the same line, and keeps Megatron's MLA fields and checks."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    from megatron_delta.core.config import DeltaFields, DeltaMLATransformerConfig, DeltaTransformerConfig
+
+    assert issubclass(DeltaMLATransformerConfig, MLATransformerConfig)
+    assert issubclass(DeltaMLATransformerConfig, DeltaFields) and issubclass(DeltaTransformerConfig, DeltaFields)
+    delta = {f.name for f in dataclasses.fields(DeltaFields)}
+    assert {f.name for f in dataclasses.fields(DeltaMLATransformerConfig)} == (
+        {f.name for f in dataclasses.fields(MLATransformerConfig)} | delta)
+    assert {f.name for f in dataclasses.fields(DeltaTransformerConfig)} == (
+        {f.name for f in dataclasses.fields(TransformerConfig)} | delta)
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4)
+    for bad in (dict(residual="attnres", delta_gate="scalar"), dict(residual="delta", fp4="e2m1"),
+                dict(residual="delta", delta_router_kernels="x")):
+        with pytest.raises(ValueError) as plain:
+            DeltaTransformerConfig(**base, **bad)
+        with pytest.raises(ValueError) as mla:
+            DeltaMLATransformerConfig(**base, **bad)
+        assert str(mla.value) == str(plain.value)
+    config = DeltaMLATransformerConfig(**base, residual="delta_block", delta_num_blocks=2, q_lora_rank=32)
+    assert config.routed and config.delta_num_blocks == 2 and config.q_lora_rank == 32
+    with pytest.raises(NotImplementedError, match="Output gate is not supported for MLA"):
+        DeltaMLATransformerConfig(**base, attention_output_gate=True)  # Megatron's own check still runs
+
+
+@pytest.mark.parametrize("residual", ["baseline", "delta_block"])
+def test_the_trainer_builds_the_mla_config_from_megatron_lms_flags(residual, monkeypatch):
+    """pretrain_gpt.py's flags -> DeltaMLATransformerConfig through Megatron-LM's own mapping, every MLA flag
+    carried; megatron.core.transformer's MLATransformerConfig is Megatron's again afterwards."""
+    import megatron.core.transformer as transformer
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_delta.core.config import DeltaMLATransformerConfig
+    from megatron_delta.trainer.main import parse_args
+    from megatron_delta.trainer.provider import transformer_config
+
+    args = parse_args(mla_cli(["--residual", residual, "--rotary-scaling-factor", "4", "--mscale", "0.5",
+                               "--mscale-all-dim", "0.7"]))
+    config = transformer_config(args)
+    assert type(config) is DeltaMLATransformerConfig and transformer.MLATransformerConfig is MLATransformerConfig
+    assert (config.residual, config.multi_latent_attention, config.rope_type) == (residual, True, "rope")
+    assert {k: getattr(config, k) for k in MLA} == dict(MLA, kv_lora_rank=16, v_head_dim=12)
+    assert (config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (4.0, 0.5, 0.7)
+    plain = transformer_config(parse_args(tiny(num_layers=2, hidden=32, heads=2, seq=16, mbs=2, train_iters=1)
+                                          + ["--eval-iters", "0", "--eval-interval", "1000"]))
+    assert type(plain).__name__ == "DeltaTransformerConfig" and not plain.multi_latent_attention
+
+
+def test_the_layer_specs_are_megatrons_mla_specs():
+    """Baseline: Megatron's TransformerLayer with MLASelfAttention; routed: the same submodules in a
+    DeltaTransformerLayer; local core attention with MLA's head sizes, SP-capable latent norms."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_delta.core.layer import DeltaTransformerLayer
+    from megatron_delta.core.mla import MLADotProductAttention
+    from megatron_delta.core.norms import LocalNorm
+
+    for mode, cls in (("baseline", TransformerLayer), ("delta", DeltaTransformerLayer)):
+        model, _ = build(mode)
+        layer = model.decoder.layers[0]
+        assert type(layer) is cls and type(layer.self_attention) is MLASelfAttention
+        attn = layer.self_attention
+        assert type(attn.core_attention) is MLADotProductAttention
+        assert type(attn.q_layernorm) is LocalNorm and type(attn.kv_layernorm) is LocalNorm
+        assert attn.core_attention.hidden_size_per_partition == HEADS * MLA["v_head_dim"]
+
+
+# ------------------------------------------------------------------------------------ every mode vs the reference
+VARIANTS = [("baseline", False, False, None), ("delta", True, True, None), ("delta", False, False, None),
+            ("delta_block", True, True, 2), ("attnres", True, False, 2), ("full_attnres", False, False, None)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(str(x) for x in v if x))
+def test_logits_and_router_grads_match_reference(variant):
+    """Megatron's model with MLA sublayers == the float64 reference with DeepSeek's attention, in every mode
+    (random router parameters): the routed stream around an MLA sublayer is the reference's."""
+    mode, null, gate, k = variant
+    model, fields = build(mode, null, gate, k)
+    randomise(model)
+    tok = tokens()
+    W = torch.randn(B, S, V, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    logits = run(model, tok)
+    (logits.double() * W).sum().backward()
+    w = weights_from_megatron_state_dict(model.state_dict())
+    router_names = [n for n in w if "router" in n]
+    for n in router_names:
+        w[n].requires_grad_(True)
+    ref = reference_forward(w, ref_config(fields), tok, mode=mode, num_blocks=k, null_source=null, gate=gate,
+                            eps=fields.delta_router_eps)
+    rel = _rel(logits.detach().double(), ref.detach())
+    assert rel < LOGIT_TOL, (variant, rel)
+    if not router_names:
+        return
+    (ref * W).sum().backward()
+    params = dict(model.named_parameters())
+    worst = 0.0
+    for n in router_names:
+        if w[n].grad is None:  # a router that reads one source: its query and key norm get no gradient
+            continue
+        scale = w[n].grad.abs().max().item() or 1.0
+        err = (params[n].grad.double() - w[n].grad).abs().max().item() / scale
+        worst = max(worst, err)
+        assert err < GRAD_TOL, (variant, n, err)
+    print(f"\nMLA {variant}: logits rel err {rel:.2e}, router grads rel err {worst:.2e}")
+
+
+def test_one_query_projection_without_q_lora_rank():
+    """--q-lora-rank unset: one query projection (linear_q_proj), as DeepSeek-V2-Lite; without --qk-layernorm
+    (Megatron's local spec refuses a query-latent norm without a query latent), no latent norm."""
+    model, fields = build("delta_block", num_blocks=2, q_lora_rank=None, qk_layernorm=False)
+    randomise(model)
+    assert hasattr(model.decoder.layers[0].self_attention, "linear_q_proj")
+    tok = tokens(1)
+    with torch.no_grad():
+        logits = run(model, tok)
+    ref = reference_forward(weights_from_megatron_state_dict(model.state_dict()), ref_config(fields, None), tok,
+                            mode="delta_block", num_blocks=2, eps=fields.delta_router_eps)
+    assert _rel(logits.double(), ref) < LOGIT_TOL
+
+
+def test_scalar_gate_at_init_is_bitwise_baseline():
+    base, _ = build("baseline")
+    model, _ = build("delta_block", gate=True, num_blocks=2)
+    tok = tokens(2)
+    with torch.no_grad():
+        assert torch.equal(run(model, tok), run(base, tok))
+
+
+# ---------------------------------------------------------------------------------------------- start-up refusals
+def _refused(argv, monkeypatch, capsys) -> str:
+    from megatron_delta.trainer import main as trainer_main
+
+    def started(args):
+        raise AssertionError("the run started: the flags were not refused at start-up")
+
+    monkeypatch.setattr(trainer_main, "run", started)
+    rc = trainer_main.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def _without_mla(flags):
+    flags = list(flags)
+    i = flags.index("--multi-latent-attention")
+    return flags[:i] + flags[i + 1:]
+
+
+@pytest.mark.parametrize("flag,value", [("--q-lora-rank", "32"), ("--kv-lora-rank", "8"), ("--qk-head-dim", "8"),
+                                        ("--qk-pos-emb-head-dim", "4"), ("--v-head-dim", "8"),
+                                        ("--cache-mla-latents", None), ("--mscale", "2")])
+def test_an_mla_flag_without_multi_latent_attention_is_refused(flag, value, monkeypatch, capsys):
+    flags = [f for f in tiny(num_layers=2, hidden=32, heads=2, seq=16, mbs=2, train_iters=1)]
+    argv = flags + ["--eval-iters", "0", "--eval-interval", "1000", flag] + ([value] if value else [])
+    line = _refused(argv, monkeypatch, capsys)
+    assert line == (f"pretrain_gpt.py: error: {flag} configures multi-latent attention: add "
+                    f"--multi-latent-attention, or drop {flag}"), line
+
+
+def test_megatron_lm_defaults_of_the_mla_flags_are_the_tables():
+    """MLA_FLAGS holds Megatron-LM's parser defaults (a flag at its default is not 'given')."""
+    from megatron.training.arguments import parse_args
+
+    from megatron_delta.trainer.arguments import MLA_FLAGS, add_delta_args
+
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt.py"]
+    try:
+        args = parse_args(extra_args_provider=add_delta_args)
+    finally:
+        sys.argv = saved
+    assert {attr: getattr(args, attr) for attr in MLA_FLAGS} == {a: d for a, (_, d) in MLA_FLAGS.items()}
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--rope-type", "yarn"], "--rope-type yarn applies to multi-latent attention only"),
+])
+def test_rope_type_yarn_without_mla_is_refused(extra, message, monkeypatch, capsys):
+    argv = tiny(num_layers=2, hidden=32, heads=2, seq=16, mbs=2, train_iters=1) + [
+        "--eval-iters", "0", "--eval-interval", "1000"] + extra
+    assert message in _refused(argv, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--tensor-model-parallel-size", "3", "--num-attention-heads", "3"],
+     "--tensor-model-parallel-size 3 must divide --q-lora-rank (32): the local backend's MLA down projections "
+     "split it over the tensor-parallel ranks"),
+    (["--tensor-model-parallel-size", "2", "--q-lora-rank", "31"],
+     "--tensor-model-parallel-size 2 must divide --q-lora-rank (31)"),
+    (["--tensor-model-parallel-size", "2", "--qk-pos-emb-head-dim", "6", "--kv-lora-rank", "15"],
+     "--tensor-model-parallel-size 2 must divide --kv-lora-rank + --qk-pos-emb-head-dim (21)"),
+    (["--kv-lora-rank", "0"], "--kv-lora-rank 0 must be a positive size"),
+    (["--position-embedding-type", "yarn"], "--position-embedding-type yarn would add another: use "
+                                            "--position-embedding-type rope (or none)"),
+    (["--yarn-beta-fast", "16"], "--yarn-beta-fast is not read with --multi-latent-attention"),
+    (["--group-query-attention", "--num-query-groups", "1"],
+     "Group query attention is mutually exclusive with multi latent attention. (Megatron-LM validate_args"),
+    (["--q-lora-rank", "0"], "--q-lora-rank 0 must be a positive size"),
+    (["--attention-output-gate"], "Output gate is not supported for MLA yet. (Megatron-Core transformer_config.py"),
+])
+def test_bad_mla_input_is_one_line(extra, message, monkeypatch, capsys):
+    """Sizes that do not divide, flags MLA does not read, and what Megatron refuses for MLA (its line, at
+    start-up): one line naming the flag."""
+    line = _refused(mla_cli(extra), monkeypatch, capsys)
+    assert line.startswith("pretrain_gpt.py: error: ") and message in line, line
+
+
+def test_a_query_latent_norm_without_a_query_latent_is_refused(monkeypatch, capsys):
+    """--qk-layernorm without --q-lora-rank: Megatron-Core's local MLA spec refuses the unused query norm when the
+    model is built (mla_qk_norm_config.py); here at start-up, naming both flags."""
+    flags = mla_cli()
+    i = flags.index("--q-lora-rank")
+    line = _refused(flags[:i] + flags[i + 2:], monkeypatch, capsys)
+    assert line == ("pretrain_gpt.py: error: --qk-layernorm with --multi-latent-attention and no --q-lora-rank: "
+                    "Megatron-Core's local MLA spec refuses a query-latent norm without a query latent "
+                    "(mla_qk_norm_config.py). Pass --q-lora-rank, or drop --qk-layernorm (the key/value latent "
+                    "is then not normed either)"), line
+
+
+def test_rope_fusion_without_transformer_engine_is_refused():
+    """RoPE fusion (Megatron-LM's default) with the local backend on a GPU (on CPU the GPU-defaults check names
+    --no-rope-fusion first): MLA's fused RoPE is Transformer Engine's, which Megatron-Core asserts only at the
+    first forward."""
+    from megatron_delta.trainer.arguments import check_mla_flags
+    from megatron_delta.trainer.main import parse_args
+
+    args = parse_args(mla_cli())
+    check_mla_flags(args)
+    args.apply_rope_fusion = True
+    with pytest.raises(ValueError) as e:
+        check_mla_flags(args)
+    assert str(e.value) == ("--multi-latent-attention with RoPE fusion (Megatron-LM's default) needs Transformer "
+                            "Engine's fused MLA RoPE kernels: pass --no-rope-fusion, or --transformer-impl "
+                            "transformer_engine on a GPU")
