@@ -150,19 +150,19 @@ def test_the_trainer_builds_the_mla_config_from_megatron_lms_flags(residual, mon
 
 
 def test_the_layer_specs_are_megatrons_mla_specs():
-    """Baseline: Megatron's TransformerLayer with MLASelfAttention; routed: the same submodules in a
-    DeltaTransformerLayer; local core attention with MLA's head sizes, SP-capable latent norms."""
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    """Baseline: Megatron's TransformerLayer with MLASelfAttention (LocalMLASelfAttention: its local-backend
+    gradients under TP); routed: the same submodules in a DeltaTransformerLayer; local core attention with MLA's
+    head sizes, SP-capable latent norms."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_delta.core.layer import DeltaTransformerLayer
-    from megatron_delta.core.mla import MLADotProductAttention
+    from megatron_delta.core.mla import LocalMLASelfAttention, MLADotProductAttention
     from megatron_delta.core.norms import LocalNorm
 
     for mode, cls in (("baseline", TransformerLayer), ("delta", DeltaTransformerLayer)):
         model, _ = build(mode)
         layer = model.decoder.layers[0]
-        assert type(layer) is cls and type(layer.self_attention) is MLASelfAttention
+        assert type(layer) is cls and type(layer.self_attention) is LocalMLASelfAttention
         attn = layer.self_attention
         assert type(attn.core_attention) is MLADotProductAttention
         assert type(attn.q_layernorm) is LocalNorm and type(attn.kv_layernorm) is LocalNorm

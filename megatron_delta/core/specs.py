@@ -24,7 +24,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_delta.core.mla import MLADotProductAttention
+from megatron_delta.core.mla import LocalMLASelfAttention, MLADotProductAttention
 from megatron_delta.core.norms import LocalNorm
 
 # The attention's own norms: q/k of SelfAttention (--qk-layernorm), q/kv latents of MLASelfAttention
@@ -33,8 +33,8 @@ _ATTENTION_NORMS = ("q_layernorm", "k_layernorm", "kv_layernorm")
 
 def _replace_norms(submodules, norm):
     """Swap the local spec's WrappedTorchNorm (no SP support) for `norm`; everything else stays Megatron's but
-    MLA's core attention (MLADotProductAttention). Under SP the MLA latent norms see sequence shards too
-    (MLASelfAttention scatters the latents)."""
+    MLA's attention and core attention (LocalMLASelfAttention, MLADotProductAttention). Under SP the MLA latent
+    norms see sequence shards too (MLASelfAttention scatters the latents)."""
     submodules.input_layernorm = norm
     submodules.pre_mlp_layernorm = norm
     attn = submodules.self_attention.submodules
@@ -42,8 +42,9 @@ def _replace_norms(submodules, norm):
         module = getattr(attn, name, None)
         if module is not None and getattr(module, "__name__", "") != "IdentityOp":
             setattr(attn, name, norm)
-    if submodules.self_attention.module is MLASelfAttention:
-        attn.core_attention = MLADotProductAttention  # local DotProductAttention lacks MLA's head sizes (core/mla.py)
+    if submodules.self_attention.module is MLASelfAttention:  # what megatron-core 0.19 lacks locally (core/mla.py)
+        submodules.self_attention.module = LocalMLASelfAttention
+        attn.core_attention = MLADotProductAttention
     return submodules
 
 

@@ -272,6 +272,15 @@ REGISTRY: Tuple[Patch, ...] = (
           V019, EVERY_DEVICE,
           made_by="subclass MLADotProductAttention, megatron_delta/core/mla.py; the local MLA layer specs of "
                   "megatron_delta/core/specs.py use it"),
+    Patch("local_mla_tp_gradients",
+          ("megatron.core.transformer.multi_latent_attention.MLASelfAttention._qkv_down_projection",
+           "megatron.core.distributed.finalize_model_grads._allreduce_non_tensor_model_parallel_grads (q_layernorm)"),
+          "the local MLA spec under TP > 1 (no upstream issue found): k_pe's gradient keeps only this rank's heads "
+          "(gathered ColumnParallelLinear output, split in backward), and without SP the replicated q_layernorm's "
+          "gradient is summed over the TP ranks: TP2 training drifts from TP1 (1e-4 in loss after 3 steps)",
+          V019, EVERY_DEVICE,
+          made_by="subclass LocalMLASelfAttention, megatron_delta/core/mla.py; the local MLA layer specs of "
+                  "megatron_delta/core/specs.py use it"),
     Patch("delta_mla_config_class", ("megatron.core.transformer.MLATransformerConfig",),
           "core_transformer_config_from_args (argument_utils.py) builds the MLATransformerConfig it imports from "
           "megatron.core.transformer for --multi-latent-attention, whatever config_class it is given: no delta_* "
