@@ -13,6 +13,7 @@ In-process, one rank, fp32, CPU. Tolerances as tests/test_modes_reference.py (me
 """
 
 import dataclasses
+import os
 import sys
 from types import SimpleNamespace
 
@@ -56,25 +57,23 @@ def dist():
 
 def build(mode, null=False, gate=False, num_blocks=None, q_lora_rank=MLA["q_lora_rank"], sources="exact",
           qk_layernorm=True):
-    """(model, fields): the tiny CPU model of megatron_delta.checkpoint.model_config with MLA sublayers (its config
-    as DeltaMLATransformerConfig), freshly seeded so every mode gets the same backbone."""
+    """(model, fields): the tiny CPU model of megatron_delta.checkpoint.model_config with MLA sublayers (the fields a
+    checkpoint's run_config.json records; DeltaMLATransformerConfig), freshly seeded so every mode gets the same
+    backbone."""
     from megatron.core import tensor_parallel
 
     from megatron_delta.checkpoint.model_config import model_config, resolve_model_fields
-    from megatron_delta.core.config import DeltaMLATransformerConfig
     from megatron_delta.core.model import build_model_chunks
 
     f = dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=HEADS, seq_length=S,
              vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null, delta_sources=sources,
-             delta_gate="scalar" if gate else "none", qk_layernorm=qk_layernorm)
+             delta_gate="scalar" if gate else "none", qk_layernorm=qk_layernorm, multi_latent_attention=True,
+             rope_type="rope", **dict(MLA, q_lora_rank=q_lora_rank))
     if num_blocks:
         f["delta_num_blocks"] = num_blocks
     fields = resolve_model_fields(f)
     config, options = model_config(fields)
-    kw = {x.name: getattr(config, x.name) for x in dataclasses.fields(config) if x.init}
-    kw.update(MLA, q_lora_rank=q_lora_rank, multi_latent_attention=True, rope_type="rope",
-              rotary_base=fields["rotary_base"])
-    config = DeltaMLATransformerConfig(**kw)
+    assert type(config).__name__ == "DeltaMLATransformerConfig"
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     model = build_model_chunks(config, V, **options)[0]
@@ -336,3 +335,39 @@ def test_rope_fusion_without_transformer_engine_is_refused():
     assert str(e.value) == ("--multi-latent-attention with RoPE fusion (Megatron-LM's default) needs Transformer "
                             "Engine's fused MLA RoPE kernels: pass --no-rope-fusion, or --transformer-impl "
                             "transformer_engine on a GPU")
+
+
+def test_a_checkpoint_records_mla_and_its_export_is_refused_before_any_file(tmp_path, capsys):
+    """run_config.json records the MLA flags (a --load with other MLA flags is refused by name; the tools rebuild
+    the model); the Hugging Face export refuses it in one line and writes nothing."""
+    import json
+
+    from megatron_delta.checkpoint.errors import ConversionError
+    from megatron_delta.checkpoint.run_config import MODEL_FLAGS, run_config_fields
+    from megatron_delta.convert.hf_checkpoint import export_checkpoint
+    from megatron_delta.trainer.main import main
+
+    save = str(tmp_path / "ckpt")
+    assert main(mla_cli(["--residual", "delta_block", "--train-iters", "0", "--save", save])) == 0
+    rc = json.load(open(os.path.join(save, "iter_0000000", "run_config.json")))
+    assert {k: rc[k] for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                               "qk_pos_emb_head_dim", "v_head_dim", "rope_type")} == dict(
+        multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8,
+        v_head_dim=12, rope_type="rope")
+    assert "multi_latent_attention" in MODEL_FLAGS and run_config_fields(rc)["multi_latent_attention"] is True
+    with pytest.raises(ConversionError, match="trained with --multi-latent-attention: its export"):
+        export_checkpoint(save, str(tmp_path / "hf"))
+    assert not os.path.exists(tmp_path / "hf") and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    capsys.readouterr()
+    line = _refused_run(mla_cli(["--residual", "delta_block", "--kv-lora-rank", "8", "--load", save,
+                                 "--finetune"]), capsys)
+    assert "--kv-lora-rank: checkpoint 16, flags 8" in line, line
+
+
+def _refused_run(argv, capsys) -> str:
+    from megatron_delta.trainer.main import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]

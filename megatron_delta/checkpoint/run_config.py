@@ -72,6 +72,9 @@ MODEL_FLAGS = (
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_layer_freq",
     "moe_router_score_function",
     "mtp_num_layers",
+    # multi-latent attention (--multi-latent-attention and the flags of its shapes and rotary embedding)
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
 )
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")

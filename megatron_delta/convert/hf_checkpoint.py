@@ -162,6 +162,10 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
 
     ckpt_dir, _ = resolve_checkpoint_dir(load)
     rc = read_run_config(ckpt_dir)
+    if rc.get("multi_latent_attention"):
+        raise ConversionError(f"--load {ckpt_dir} was trained with --multi-latent-attention: its export (to "
+                              f"DeepSeek-V3's Hugging Face layout) is not implemented; evaluate it with the Megatron "
+                              f"tools (tools/evaluate.py, tools/perplexity.py)")
     vocab = true_vocab_size(rc)  # fails early on a missing tokenizer
     hf_tok = hf_tokenizer_dir(ckpt_dir, rc)
     if hf_tok is not None and not os.path.isdir(hf_tok):
