@@ -56,7 +56,7 @@ def dist():
 
 
 def build(mode, null=False, gate=False, num_blocks=None, q_lora_rank=MLA["q_lora_rank"], sources="exact",
-          qk_layernorm=True):
+          qk_layernorm=True, mtp_num_layers=None):
     """(model, fields): the tiny CPU model of megatron_delta.checkpoint.model_config with MLA sublayers (the fields a
     checkpoint's run_config.json records; DeltaMLATransformerConfig), freshly seeded so every mode gets the same
     backbone."""
@@ -68,7 +68,7 @@ def build(mode, null=False, gate=False, num_blocks=None, q_lora_rank=MLA["q_lora
     f = dict(num_layers=4, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=HEADS, seq_length=S,
              vocab_size=V, norm_epsilon=1e-6, residual=mode, delta_null_source=null, delta_sources=sources,
              delta_gate="scalar" if gate else "none", qk_layernorm=qk_layernorm, multi_latent_attention=True,
-             rope_type="rope", **dict(MLA, q_lora_rank=q_lora_rank))
+             rope_type="rope", mtp_num_layers=mtp_num_layers, **dict(MLA, q_lora_rank=q_lora_rank))
     if num_blocks:
         f["delta_num_blocks"] = num_blocks
     fields = resolve_model_fields(f)
@@ -221,6 +221,32 @@ def test_one_query_projection_without_q_lora_rank():
     assert _rel(logits.double(), ref) < LOGIT_TOL
 
 
+@pytest.mark.parametrize("mode,k", [("baseline", None), ("delta_block", 2), ("attnres", 2)])
+def test_mtp_depths_with_mla_match_the_reference(mode, k):
+    """Multi-token prediction with MLA sublayers (the depths' layers are MLA layers too): main and depth logits ==
+    the float64 reference (attnres: the depths' own routers over the decoder's sources)."""
+    model, fields = build(mode, null=mode != "baseline", num_blocks=k, mtp_num_layers=2)
+    randomise(model)
+    tok = tokens(4)
+    captured = []
+    handle = model.mtp.register_forward_hook(lambda mod, args, out: captured.append(out))
+    try:
+        with torch.no_grad():
+            logits = run(model, tok)
+    finally:
+        handle.remove()
+    weight = model.shared_embedding_or_output_weight()
+    with torch.no_grad():
+        depth_logits = [model.output_layer(h, weight=weight)[0].transpose(0, 1)
+                        for h in torch.chunk(captured[0], 3, dim=0)[1:]]
+    ref, ref_depths = reference_forward(weights_from_megatron_state_dict(model.state_dict()), ref_config(fields), tok,
+                                        mode=mode, num_blocks=k, null_source=mode != "baseline",
+                                        eps=fields.delta_router_eps, mtp_num_layers=2)
+    assert _rel(logits.double(), ref) < LOGIT_TOL
+    for got, want in zip(depth_logits, ref_depths):
+        assert _rel(got.double(), want) < LOGIT_TOL
+
+
 def test_scalar_gate_at_init_is_bitwise_baseline():
     base, _ = build("baseline")
     model, _ = build("delta_block", gate=True, num_blocks=2)
@@ -371,3 +397,20 @@ def _refused_run(argv, capsys) -> str:
     err = capsys.readouterr().err
     assert rc != 0 and "Traceback" not in err, err
     return err.strip().splitlines()[-1]
+
+
+def test_the_embedded_run_leaves_out_grouped_query_attention_with_mla(monkeypatch):
+    """`pretrain_gpt.py --multi-latent-attention` without data (docs/usage.md's recipe): the embedded defaults
+    without their grouped-query attention, which Megatron-LM refuses with MLA; the other defaults stay."""
+    from megatron_delta.data import corpus
+    from megatron_delta.trainer.embedded import embedded_argv
+
+    paths = dict(train_data_path=["t"], sotu_valid_data_path="v", tokenizer_model="m", heldout_data_path="h")
+    monkeypatch.setattr(corpus, "ensure_default_data", lambda cache: paths)
+    plain = embedded_argv(["--residual", "delta_block"])
+    mla = embedded_argv(["--residual", "delta_block", "--multi-latent-attention"])
+    assert "--group-query-attention" in plain and "--num-query-groups" in plain
+    assert "--group-query-attention" not in mla and "--num-query-groups" not in mla
+    flags = [a for a in plain if a.startswith("--")]
+    assert [a for a in mla if a.startswith("--")] == ["--residual", "--multi-latent-attention"] + [
+        a for a in flags[1:] if a not in ("--group-query-attention", "--num-query-groups")]
