@@ -55,6 +55,8 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
         kw["bos_token_id"] = rc["bos_token_id"]
     if rc.get("eos_token_id") is not None:
         kw["eos_token_id"] = rc["eos_token_id"]
+    if rc.get("multi_latent_attention"):
+        return deepseek_v3_config(rc, kw)
     moe = hf_moe_fields(rc)
     if moe and not rc["qk_layernorm"]:
         raise ConversionError("a mixture-of-experts model without --qk-layernorm has no Hugging Face counterpart "
@@ -82,6 +84,58 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
         delta_gate=rc.get("delta_gate") or GATES[0],
         delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
         use_qk_norm=bool(rc["qk_layernorm"]), **moe, **kw)
+
+
+def check_deepseek_export(rc: dict, ckpt_dir: str) -> None:
+    """What of a multi-latent-attention checkpoint DeepSeek-V3's stock layout (DeepseekV3ForCausalLM) expresses
+    here: baseline, dense, its latent norms; one ConversionError naming the flag otherwise (before any file)."""
+    why = None
+    if rc["residual"] != BASELINE:
+        why = (f"--residual {rc['residual']}: the routed MLA export (remote code with DeepSeek-V3's attention) is not "
+               f"implemented")
+    elif rc.get("num_experts"):
+        why = "--num-experts: the export of DeepSeek-V3's mixture of experts is not implemented (dense MLA models only)"
+    elif not rc.get("qk_layernorm"):
+        why = "no --qk-layernorm: DeepSeek-V3's attention always norms its query and key/value latents"
+    elif (rc.get("rope_type") or "yarn") == "rope" and float(rc.get("rotary_scaling_factor") or 1) > 1 and \
+            float(rc.get("mscale_all_dim") or 0):
+        why = ("--rope-type rope with --rotary-scaling-factor > 1 and --mscale-all-dim: Megatron scales the softmax "
+               "by YaRN's mscale, DeepSeek-V3 only with YaRN rotary embeddings")
+    if why:
+        raise ConversionError(f"--load {ckpt_dir} (--multi-latent-attention) has no Hugging Face counterpart here: "
+                              f"{why}; evaluate it with the Megatron tools (tools/evaluate.py, tools/perplexity.py)")
+
+
+def _mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention scale, as Megatron's MLA (_yarn_get_mscale) and DeepSeek-V3 compute it."""
+    import math
+
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def deepseek_v3_config(rc: dict, kw: dict):
+    """DeepseekV3Config of a dense baseline MLA checkpoint: every layer dense (first_k_dense_replace = layers),
+    RoPE on the rotary dimensions as Megatron's MLA applies it (rope_interleave), YaRN with MLATransformerConfig's
+    fixed original_max_position_embeddings / beta_fast / beta_slow and Megatron's cos/sin scale
+    mscale(factor, --mscale) / mscale(factor, --mscale-all-dim) given explicitly (transformers infers another
+    without --mscale-all-dim)."""
+    from transformers import DeepseekV3Config
+
+    rope = dict(rope_type="default", rope_theta=float(rc["rotary_base"]))
+    if (rc.get("rope_type") or "yarn") == "yarn":
+        factor = float(rc.get("rotary_scaling_factor") or 1.0)
+        mscale, mscale_all = float(rc.get("mscale") or 1.0), float(rc.get("mscale_all_dim") or 0.0)
+        rope.update(rope_type="yarn", factor=factor, original_max_position_embeddings=4096, beta_fast=32.0,
+                    beta_slow=1.0, mscale=mscale, mscale_all_dim=mscale_all, truncate=True,
+                    attention_factor=_mscale(factor, mscale) / _mscale(factor, mscale_all))
+    kw = dict(kw, num_key_value_heads=rc["num_attention_heads"])
+    kw.pop("head_dim")
+    cfg = DeepseekV3Config(
+        **kw, q_lora_rank=rc.get("q_lora_rank"), kv_lora_rank=rc["kv_lora_rank"], qk_nope_head_dim=rc["qk_head_dim"],
+        qk_rope_head_dim=rc["qk_pos_emb_head_dim"], v_head_dim=rc["v_head_dim"], rope_interleave=True,
+        first_k_dense_replace=rc["num_layers"], rope_parameters=rope, num_mtp_layers=0)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    return cfg
 
 
 def hf_moe_fields(rc: dict) -> dict:
@@ -163,9 +217,7 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
     ckpt_dir, _ = resolve_checkpoint_dir(load)
     rc = read_run_config(ckpt_dir)
     if rc.get("multi_latent_attention"):
-        raise ConversionError(f"--load {ckpt_dir} was trained with --multi-latent-attention: its export (to "
-                              f"DeepSeek-V3's Hugging Face layout) is not implemented; evaluate it with the Megatron "
-                              f"tools (tools/evaluate.py, tools/perplexity.py)")
+        check_deepseek_export(rc, ckpt_dir)
     vocab = true_vocab_size(rc)  # fails early on a missing tokenizer
     hf_tok = hf_tokenizer_dir(ckpt_dir, rc)
     if hf_tok is not None and not os.path.isdir(hf_tok):
@@ -181,7 +233,7 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
     hf_sd = megatron_to_hf_state_dict(
         sd, num_layers=rc["num_layers"], num_attention_heads=rc["num_attention_heads"],
         num_query_groups=rc["num_query_groups"], kv_channels=rc["kv_channels"], hidden_size=rc["hidden_size"],
-        qk_layernorm=rc["qk_layernorm"], tied=tied, vocab_size=vocab)
+        qk_layernorm=rc["qk_layernorm"], tied=tied, vocab_size=vocab, mla=bool(rc.get("multi_latent_attention")))
     spm = rc.get("tokenizer_model") if rc.get("tokenizer_type") != "NullTokenizer" else None
     if spm:
         import sentencepiece
@@ -194,10 +246,10 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
     tmp = _tmp_sibling(output)
     try:
         if rc["residual"] == BASELINE:
-            from transformers import LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+            from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-            cls = (Qwen3MoeForCausalLM if rc.get("num_experts") else Qwen3ForCausalLM if rc["qk_layernorm"]
-                   else LlamaForCausalLM)
+            cls = (DeepseekV3ForCausalLM if rc.get("multi_latent_attention") else Qwen3MoeForCausalLM
+                   if rc.get("num_experts") else Qwen3ForCausalLM if rc["qk_layernorm"] else LlamaForCausalLM)
             hf = cls(cfg)
             missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
             missing = [m for m in missing if not (tied and m == "lm_head.weight")]

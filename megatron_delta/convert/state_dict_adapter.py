@@ -47,6 +47,18 @@ MOE_ROUTER = ("mlp.router.weight", "mlp.gate.weight")
 MOE_EXPERTS = (("mlp.experts.local_experts.{e}.linear_fc1.weight", "mlp.experts.gate_up_proj"),
                ("mlp.experts.local_experts.{e}.linear_fc2.weight", "mlp.experts.down_proj"))
 DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")  # the Megatron names a MoE layer lacks
+# Multi-latent attention (Megatron's MLA spec) <-> DeepSeek-V3's (DeepseekV3ForCausalLM): the same tensors and layouts
+# (q / kv up projections [heads x (no-position + rotary | no-position + value)], the latent [kv_lora_rank + rotary]),
+# renamed; q_a_* only with --q-lora-rank (else one q_proj). Present instead of linear_qkv and the q/k norms.
+MLA_RENAMES = (
+    ("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+    ("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+    ("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+    ("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),
+    ("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    ("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+    ("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+)
 # Router tensors keep their field names; these prefix / module renames apply in order (reversed for import).
 ROUTER_RENAMES = (("decoder.", "model."), ("self_attention_router", "attn_router"))
 
@@ -64,8 +76,21 @@ def _layer_renames(num_layers, qk_layernorm, moe_layers=()):
                 yield p + meg, q + hf
 
 
-def _fused(i, moe_layers):
-    return [(meg, hfs) for meg, hfs in LAYER_FUSED if not (i in moe_layers and meg in DENSE_MLP)]
+def _fused(i, moe_layers, mla=False):
+    return [(meg, hfs) for meg, hfs in LAYER_FUSED if not (i in moe_layers and meg in DENSE_MLP)
+            and not (mla and meg.endswith("linear_qkv.weight"))]
+
+
+def _mla_renames(sd, num_layers, to_hf):
+    """Pop each layer's MLA tensors present in sd, under the other side's names."""
+    out = {}
+    for i in range(num_layers):
+        p, q = _layer_prefixes(i)
+        for meg, hf in MLA_RENAMES:
+            src, dst = (p + meg, q + hf) if to_hf else (q + hf, p + meg)
+            if src in sd:
+                out[dst] = sd.pop(src)
+    return out
 
 
 def _experts_to_hf(sd, p, q, out):
@@ -109,9 +134,12 @@ def _fuse(meg, parts, per, num_query_groups, hn, d):
 
 
 def megatron_to_hf_state_dict(sd, *, num_layers, num_attention_heads, num_query_groups, kv_channels,
-                              hidden_size, qk_layernorm, tied, vocab_size):
-    """Megatron (TP1, full tensors) state dict -> HF (Qwen3/Llama/DeltaQwen3) state dict."""
+                              hidden_size, qk_layernorm, tied, vocab_size, mla=False):
+    """Megatron (TP1, full tensors) state dict -> HF (Qwen3/Llama/DeltaQwen3; DeepSeek-V3 attention with
+    ``mla``) state dict."""
     sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
+    mla_tensors = _mla_renames(sd, num_layers, to_hf=True) if mla else {}
+    qk_layernorm = qk_layernorm and not mla  # MLA's latent norms are MLA_RENAMES
     geom = (num_attention_heads // num_query_groups, num_query_groups, kv_channels, hidden_size)
     emb = sd.pop(EMBEDDING[0])
     if emb.shape[0] < vocab_size:
@@ -122,11 +150,12 @@ def megatron_to_hf_state_dict(sd, *, num_layers, num_attention_heads, num_query_
         if not tied:
             out[OUTPUT[1]] = w[:vocab_size]
     moe = {i for i in range(num_layers) if _layer_prefixes(i)[0] + MOE_ROUTER[0] in sd}
+    out.update(mla_tensors)
     for meg, hf in _layer_renames(num_layers, qk_layernorm, moe):
         out[hf] = sd.pop(meg)
     for i in range(num_layers):
         p, q = _layer_prefixes(i)
-        for meg, hfs in _fused(i, moe):
+        for meg, hfs in _fused(i, moe, mla):
             out.update(zip((q + h for h in hfs), _split_fused(meg, sd.pop(p + meg), *geom)))
         if i in moe:
             _experts_to_hf(sd, p, q, out)
