@@ -452,3 +452,67 @@ def test_baseline_mla_exports_to_stock_deepseek_v3(rope, tmp_path):
         diff = (hl - ml).abs().max().item()
         assert diff <= EXPORT_TOL, diff
         print(f"[MLA export {rope[1]}] max |HF - Megatron| logits {diff:.1e}")
+
+
+def test_baseline_mla_with_deepseek_moe_exports_to_stock_deepseek_v3(tmp_path):
+    """DeepSeek's MoE routing (tests/rank_runner.py DEEPSEEK_MOE: sigmoid scores with the trained expert bias,
+    group-limited top-k, scaled top-k weights, a shared expert, the first layer dense) -> DeepseekV3ForCausalLM's
+    MoE: logits equal Megatron's within EXPORT_TOL."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_delta.convert.hf_checkpoint import export_checkpoint
+    from megatron_delta.evaluation.loaders import load_megatron
+    from megatron_delta.evaluation.token_nll import evaluate_tokens
+    from megatron_delta.trainer.main import main
+    from tests.rank_runner import DEEPSEEK_MOE
+    from tests.test_conversion import EXPORT_TOL, SEQS
+
+    save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    moe = list(DEEPSEEK_MOE)
+    moe[moe.index("--moe-layer-freq") + 1] = "[0,1]"
+    moe[moe.index("--moe-router-bias-update-rate") + 1] = "0.1"  # a bias far from zero after 3 steps
+    assert main(mla_cli(moe + ["--rope-type", "yarn", "--train-iters", "3", "--lr", "1e-2", "--save", save,
+                               "--save-interval", "3"], num_layers=2, hidden=32, heads=2, seq=16, mbs=2)) == 0
+    export_checkpoint(save, out, log=lambda *a: None)
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM" and hf.config.first_k_dense_replace == 1
+    assert hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0.05  # the trained bias travelled
+    model, _, rc = load_megatron(save)
+    seqs = [[t % 256 for t in s] for s in SEQS]
+    _, meg_logits = evaluate_tokens(model, 256, seqs)
+    for ids, ml in zip(seqs, meg_logits):
+        with torch.no_grad():
+            hl = hf(torch.tensor([ids])).logits[0].float()
+        diff = (hl - ml).abs().max().item()
+        assert diff <= EXPORT_TOL, diff
+        print(f"[MLA + DeepSeek MoE export] max |HF - Megatron| logits {diff:.1e}")
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(residual="delta_block"), "--residual delta_block: the routed MLA export (remote code with DeepSeek-V3's "
+                                   "attention) is not implemented"),
+    (dict(qk_layernorm=False), "no --qk-layernorm: DeepSeek-V3's attention always norms its query and key/value "
+                               "latents"),
+    (dict(moe_router_score_function="softmax"), "--moe-router-score-function softmax (or --moe-router-pre-softmax): "
+                                                "DeepSeek-V3's router is a sigmoid"),
+    (dict(moe_layer_freq=[1, 0, 1, 1]), "--moe-layer-freq [1, 0, 1, 1]: DeepSeek-V3 has dense layers first, then "
+                                        "MoE layers only"),
+    (dict(moe_router_group_topk=2), "--moe-router-num-groups 2 / --moe-router-group-topk 2: DeepSeek-V3 scores each "
+                                    "group by its top 2 experts, Megatron by its top --moe-router-topk / "
+                                    "--moe-router-group-topk (1)"),
+    (dict(moe_shared_expert_intermediate_size=48), "--moe-shared-expert-intermediate-size 48 is not a multiple of "
+                                                   "--moe-ffn-hidden-size 32 (DeepSeek-V3's n_shared_experts)"),
+])
+def test_what_deepseek_v3_cannot_express_is_refused_naming_the_flag(change, why):
+    from megatron_delta.checkpoint.errors import ConversionError
+    from megatron_delta.convert.hf_checkpoint import check_deepseek_export
+
+    rc = dict(residual="baseline", multi_latent_attention=True, qk_layernorm=True, rope_type="yarn", num_layers=4,
+              ffn_hidden_size=96, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1, 1, 1],
+              moe_router_score_function="sigmoid", moe_router_num_groups=2, moe_router_group_topk=1,
+              moe_shared_expert_intermediate_size=32)
+    check_deepseek_export(rc, "CKPT")  # DeepSeek's own routing: expressible
+    with pytest.raises(ConversionError) as e:
+        check_deepseek_export(dict(rc, **change), "CKPT")
+    assert str(e.value) == (f"--load CKPT (--multi-latent-attention) has no Hugging Face counterpart here: {why}; "
+                            f"evaluate it with the Megatron tools (tools/evaluate.py, tools/perplexity.py)")

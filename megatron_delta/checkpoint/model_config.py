@@ -44,6 +44,8 @@ SMALL_CPU_MODEL = dict(
     # mixture of experts (Megatron-LM's defaults; num_experts None: dense) and multi-token prediction
     num_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2, moe_router_pre_softmax=False, moe_layer_freq=1,
     moe_router_score_function="softmax",
+    moe_shared_expert_intermediate_size=None, moe_router_enable_expert_bias=False, moe_router_num_groups=None,
+    moe_router_group_topk=None, moe_router_topk_scaling_factor=None,
     mtp_num_layers=None,
     # multi-latent attention (Megatron-LM's parser defaults; rope_type None: MLATransformerConfig's, yarn)
     multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64,
@@ -67,11 +69,13 @@ _INT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "
         "make_vocab_size_divisible_by", "delta_num_blocks", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "fp8_amax_history_len",
         "recompute_num_layers", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "mtp_num_layers",
-        "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+        "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk")
 _FLOAT = ("norm_epsilon", "delta_router_eps", "init_method_std", "hidden_dropout", "attention_dropout",
-          "rotary_scaling_factor", "mscale", "mscale_all_dim")
+          "rotary_scaling_factor", "mscale", "mscale_all_dim", "moe_router_topk_scaling_factor")
 _BOOL = ("swiglu", "qk_layernorm", "disable_bias_linear", "untie_embeddings_and_output_weights", "delta_null_source",
-         "sequence_parallel", "bf16", "attention_softmax_in_fp32", "moe_router_pre_softmax", "multi_latent_attention")
+         "sequence_parallel", "bf16", "attention_softmax_in_fp32", "moe_router_pre_softmax", "multi_latent_attention",
+         "moe_router_enable_expert_bias")
 # Choices of the fields the modes module does not check (residual, delta_gate, delta_sources: modes.py;
 # delta_router_kernels: the config).
 _CHOICES = dict(normalization=("RMSNorm", "LayerNorm"), position_embedding_type=("rope", "learned_absolute", "none"),
@@ -255,6 +259,10 @@ def model_config(fields: Mapping, **config_overrides):
         num_moe_experts=f["num_experts"], moe_ffn_hidden_size=f["moe_ffn_hidden_size"],
         moe_router_topk=f["moe_router_topk"], moe_router_pre_softmax=f["moe_router_pre_softmax"],
         moe_layer_freq=f["moe_layer_freq"], moe_router_score_function=f["moe_router_score_function"],
+        moe_shared_expert_intermediate_size=f["moe_shared_expert_intermediate_size"],
+        moe_router_enable_expert_bias=f["moe_router_enable_expert_bias"],
+        moe_router_num_groups=f["moe_router_num_groups"], moe_router_group_topk=f["moe_router_group_topk"],
+        moe_router_topk_scaling_factor=f["moe_router_topk_scaling_factor"],
         mtp_num_layers=f["mtp_num_layers"],
     )
     if f["multi_latent_attention"]:  # MLATransformerConfig's fields, as core_transformer_config_from_args maps them

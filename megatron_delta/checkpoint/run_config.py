@@ -75,6 +75,9 @@ MODEL_FLAGS = (
     # multi-latent attention (--multi-latent-attention and the flags of its shapes and rotary embedding)
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+    # DeepSeek's MoE routing: shared experts, the expert bias, group-limited top-k, the top-k scale
+    "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_router_topk_scaling_factor",
 )
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")

@@ -88,13 +88,14 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
 
 def check_deepseek_export(rc: dict, ckpt_dir: str) -> None:
     """What of a multi-latent-attention checkpoint DeepSeek-V3's stock layout (DeepseekV3ForCausalLM) expresses
-    here: baseline, dense, its latent norms; one ConversionError naming the flag otherwise (before any file)."""
-    why = None
+    here: baseline, dense or DeepSeek's MoE routing (_deepseek_moe_problem), its latent norms; one ConversionError
+    naming the flag otherwise (before any file)."""
+    why = _deepseek_moe_problem(rc) if rc.get("num_experts") else None
     if rc["residual"] != BASELINE:
         why = (f"--residual {rc['residual']}: the routed MLA export (remote code with DeepSeek-V3's attention) is not "
                f"implemented")
-    elif rc.get("num_experts"):
-        why = "--num-experts: the export of DeepSeek-V3's mixture of experts is not implemented (dense MLA models only)"
+    elif why:
+        pass  # the mixture of experts' reason
     elif not rc.get("qk_layernorm"):
         why = "no --qk-layernorm: DeepSeek-V3's attention always norms its query and key/value latents"
     elif (rc.get("rope_type") or "yarn") == "rope" and float(rc.get("rotary_scaling_factor") or 1) > 1 and \
@@ -104,6 +105,36 @@ def check_deepseek_export(rc: dict, ckpt_dir: str) -> None:
     if why:
         raise ConversionError(f"--load {ckpt_dir} (--multi-latent-attention) has no Hugging Face counterpart here: "
                               f"{why}; evaluate it with the Megatron tools (tools/evaluate.py, tools/perplexity.py)")
+
+
+def _first_dense_layers(rc: dict):
+    """k when --moe-layer-freq makes the first k layers dense and the others MoE (DeepSeek-V3's
+    first_k_dense_replace), else None."""
+    L, freq = rc["num_layers"], rc.get("moe_layer_freq") or 1
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(L)]
+    k = pattern.index(1) if 1 in pattern else L
+    return k if pattern == [0] * k + [1] * (L - k) else None
+
+
+def _deepseek_moe_problem(rc: dict):
+    """Why this mixture of experts has no DeepSeek-V3 counterpart (None: it has one)."""
+    topk, groups, group_topk = rc.get("moe_router_topk") or 2, rc.get("moe_router_num_groups"), \
+        rc.get("moe_router_group_topk")
+    ffn, shared = rc.get("moe_ffn_hidden_size") or rc["ffn_hidden_size"], rc.get("moe_shared_expert_intermediate_size")
+    if (rc.get("moe_router_score_function") or "softmax") != "sigmoid" or rc.get("moe_router_pre_softmax"):
+        return "--moe-router-score-function softmax (or --moe-router-pre-softmax): DeepSeek-V3's router is a sigmoid"
+    if _first_dense_layers(rc) is None:
+        return f"--moe-layer-freq {rc.get('moe_layer_freq')}: DeepSeek-V3 has dense layers first, then MoE layers only"
+    if groups and (topk // group_topk != 2 or rc["num_experts"] % groups):
+        return (f"--moe-router-num-groups {groups} / --moe-router-group-topk {group_topk}: DeepSeek-V3 scores each "
+                f"group by its top 2 experts, Megatron by its top --moe-router-topk / --moe-router-group-topk "
+                f"({topk // group_topk})")
+    if not groups and rc["num_experts"] < 2:
+        return "one expert: DeepSeek-V3's router scores its one group by its top 2 experts"
+    if shared and shared % ffn:
+        return (f"--moe-shared-expert-intermediate-size {shared} is not a multiple of --moe-ffn-hidden-size {ffn} "
+                f"(DeepSeek-V3's n_shared_experts)")
+    return None
 
 
 def _mscale(factor: float, mscale: float) -> float:
@@ -130,10 +161,19 @@ def deepseek_v3_config(rc: dict, kw: dict):
                     attention_factor=_mscale(factor, mscale) / _mscale(factor, mscale_all))
     kw = dict(kw, num_key_value_heads=rc["num_attention_heads"])
     kw.pop("head_dim")
+    moe = dict(first_k_dense_replace=rc["num_layers"])
+    if rc.get("num_experts"):  # _deepseek_moe_problem said it fits
+        ffn, topk = rc.get("moe_ffn_hidden_size") or rc["ffn_hidden_size"], rc.get("moe_router_topk") or 2
+        moe = dict(first_k_dense_replace=_first_dense_layers(rc), n_routed_experts=rc["num_experts"],
+                   num_experts_per_tok=topk, moe_intermediate_size=ffn,
+                   n_shared_experts=(rc.get("moe_shared_expert_intermediate_size") or 0) // ffn,
+                   routed_scaling_factor=float(rc.get("moe_router_topk_scaling_factor") or 1.0),
+                   n_group=rc.get("moe_router_num_groups") or 1, topk_group=rc.get("moe_router_group_topk") or 1,
+                   norm_topk_prob=topk > 1)  # Megatron normalises the sigmoid top-k weights for top-k > 1
     cfg = DeepseekV3Config(
         **kw, q_lora_rank=rc.get("q_lora_rank"), kv_lora_rank=rc["kv_lora_rank"], qk_nope_head_dim=rc["qk_head_dim"],
         qk_rope_head_dim=rc["qk_pos_emb_head_dim"], v_head_dim=rc["v_head_dim"], rope_interleave=True,
-        first_k_dense_replace=rc["num_layers"], rope_parameters=rope, num_mtp_layers=0)
+        rope_parameters=rope, num_mtp_layers=0, **moe)
     cfg.architectures = ["DeepseekV3ForCausalLM"]
     return cfg
 

@@ -47,6 +47,12 @@ MOE_ROUTER = ("mlp.router.weight", "mlp.gate.weight")
 MOE_EXPERTS = (("mlp.experts.local_experts.{e}.linear_fc1.weight", "mlp.experts.gate_up_proj"),
                ("mlp.experts.local_experts.{e}.linear_fc2.weight", "mlp.experts.down_proj"))
 DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")  # the Megatron names a MoE layer lacks
+# DeepSeek-V3's MoE (DeepseekV3ForCausalLM) adds the router's expert bias (--moe-router-enable-expert-bias; HF always
+# has it, zero without) and the shared experts (--moe-shared-expert-intermediate-size), [gate; up] as linear_fc1.
+MOE_EXPERT_BIAS = ("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias")
+SHARED_EXPERTS = (("mlp.shared_experts.linear_fc1.weight", ("mlp.shared_experts.gate_proj.weight",
+                                                            "mlp.shared_experts.up_proj.weight")),
+                  ("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",)))
 # Multi-latent attention (Megatron's MLA spec) <-> DeepSeek-V3's (DeepseekV3ForCausalLM): the same tensors and layouts
 # (q / kv up projections [heads x (no-position + rotary | no-position + value)], the latent [kv_lora_rank + rotary]),
 # renamed; q_a_* only with --q-lora-rank (else one q_proj). Present instead of linear_qkv and the q/k norms.
@@ -96,6 +102,11 @@ def _mla_renames(sd, num_layers, to_hf):
 def _experts_to_hf(sd, p, q, out):
     """One MoE layer's Megatron tensors (popped from sd) into out under HF names."""
     out[q + MOE_ROUTER[1]] = sd.pop(p + MOE_ROUTER[0])
+    if p + MOE_EXPERT_BIAS[0] in sd:
+        out[q + MOE_EXPERT_BIAS[1]] = sd.pop(p + MOE_EXPERT_BIAS[0])
+    for meg, hfs in SHARED_EXPERTS:
+        if p + meg in sd:
+            out.update(zip((q + h for h in hfs), sd.pop(p + meg).chunk(len(hfs), dim=0)))
     for meg, hf in MOE_EXPERTS:
         experts = []
         while p + meg.format(e=len(experts)) in sd:
