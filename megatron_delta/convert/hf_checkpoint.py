@@ -267,8 +267,10 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print) ->
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()
           if isinstance(v, torch.Tensor) and not k.endswith("_extra_state") and not k.startswith("mtp.")}
     if rc.get("mtp_num_layers"):
+        why = ("the DeepseekV3 export writes none (num_mtp_layers 0)" if rc.get("multi_latent_attention")
+               else "Hugging Face's Qwen3 has no MTP head")
         log(f"[export] the {rc['mtp_num_layers']} multi-token prediction depth(s) (mtp.layers.*) are not exported: "
-            f"Hugging Face's Qwen3 has no MTP head; they stay in the Megatron checkpoint {ckpt_dir}")
+            f"{why}; they stay in the Megatron checkpoint {ckpt_dir}")
     tied = not rc["untie_embeddings_and_output_weights"]
     hf_sd = megatron_to_hf_state_dict(
         sd, num_layers=rc["num_layers"], num_attention_heads=rc["num_attention_heads"],
