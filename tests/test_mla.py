@@ -516,3 +516,64 @@ def test_what_deepseek_v3_cannot_express_is_refused_naming_the_flag(change, why)
         check_deepseek_export(dict(rc, **change), "CKPT")
     assert str(e.value) == (f"--load CKPT (--multi-latent-attention) has no Hugging Face counterpart here: {why}; "
                             f"evaluate it with the Megatron tools (tools/evaluate.py, tools/perplexity.py)")
+
+
+# --------------------------------------------------------------------------------------- Hugging Face import
+def _tiny_deepseek_v3(tmp_path, moe: bool, yarn: bool):
+    """A tiny DeepseekV3ForCausalLM that transformers builds offline (random weights; its norms, latent norms and
+    expert bias perturbed so that each of them matters), saved to a directory."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    rope = dict(rope_type="default", rope_theta=10000.0)
+    if yarn:
+        rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4096,
+                    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    cfg = DeepseekV3Config(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=24,
+                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                           n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                           routed_scaling_factor=2.5, first_k_dense_replace=1 if moe else 3,
+                           max_position_embeddings=64, rope_parameters=rope, tie_word_embeddings=False,
+                           num_mtp_layers=0)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                p.normal_(0, 0.2, generator=g)
+    out = str(tmp_path / "deepseek")
+    hf.save_pretrained(out)
+    return out, hf
+
+
+@pytest.mark.parametrize("moe,yarn", [(False, False), (True, True)], ids=["dense-rope", "moe-yarn"])
+@pytest.mark.parametrize("residual", ["baseline", "delta_block"])
+def test_deepseek_v3_imports_and_scalar_gate_keeps_its_logits(tmp_path, residual, moe, yarn):
+    """A DeepseekV3ForCausalLM directory -> a Megatron checkpoint (MLA; DeepSeek's MoE routing with its correction
+    bias as the expert bias); with --delta-gate scalar the routed model's step-0 logits equal the original's."""
+    from megatron_delta.convert.hf_checkpoint import import_checkpoint
+    from megatron_delta.evaluation.loaders import load_megatron
+    from megatron_delta.evaluation.token_nll import evaluate_tokens
+    from tests.test_conversion import EXPORT_TOL, SEQS
+
+    hf_dir, hf = _tiny_deepseek_v3(tmp_path, moe, yarn)
+    save = str(tmp_path / "imported")
+    kw = dict(delta_num_blocks=3, delta_gate="scalar") if residual != "baseline" else {}
+    import_checkpoint(hf_dir, save, residual=residual, log=lambda *a: None, **kw)
+    model, _, rc = load_megatron(save)
+    assert rc["multi_latent_attention"] and bool(rc.get("num_experts")) == moe
+    seqs = [[t % 256 for t in s] for s in SEQS]
+    _, meg_logits = evaluate_tokens(model, 256, seqs)
+    for ids, ml in zip(seqs, meg_logits):
+        with torch.no_grad():
+            hl = hf(torch.tensor([ids])).logits[0].float()
+        diff = (hl - ml).abs().max().item()
+        assert diff <= EXPORT_TOL * max(1.0, hl.abs().max().item()), diff  # fp32 round-off of logits ~4
+        print(f"[DeepSeek-V3 import {residual} moe={moe} yarn={yarn}] max |HF - Megatron| logits {diff:.1e} "
+              f"(max |logit| {hl.abs().max().item():.1f})")

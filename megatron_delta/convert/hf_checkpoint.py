@@ -2,13 +2,14 @@
 
     export: Megatron checkpoint -> HF directory
             baseline      -> stock Qwen3ForCausalLM (qk_layernorm) / LlamaForCausalLM (no qk norm) /
-                             Qwen3MoeForCausalLM (--num-experts), loadable without remote code
+                             Qwen3MoeForCausalLM (--num-experts) / DeepseekV3ForCausalLM
+                             (--multi-latent-attention, dense or DeepSeek's MoE routing), loadable without remote code
             routed modes  -> DeltaQwen3ForCausalLM remote code (trust_remote_code=True; its MoE MLP in
                              Qwen3-MoE's layout)
             multi-token prediction depths are not exported (one printed line says so)
             + the SentencePiece tokenizer named in run_config.json (tokenizer.json, tokenizer.model)
-    import: HF Qwen3 / Qwen3-MoE / Llama directory -> Megatron checkpoint (iteration 0, model weights only) in any
-            residual mode; router parameters get their initial values (zero query, unit key norm,
+    import: HF Qwen3 / Qwen3-MoE / Llama / DeepSeek-V3 directory -> Megatron checkpoint (iteration 0, model weights
+            only) in any residual mode; router parameters get their initial values (zero query, unit key norm,
             zero null source / gate), so with `--delta-gate scalar` the imported model computes
             the HF model's function exactly.
 
@@ -201,6 +202,10 @@ def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source
     """A run_config-like dict (Megatron model flags) for a stock Qwen3 / Llama config."""
     archs = list(getattr(cfg, "architectures", None) or [])
     mtype = getattr(cfg, "model_type", None)
+    routing = dict(residual=residual, delta_num_blocks=delta_num_blocks, delta_null_source=delta_null_source,
+                   delta_gate=delta_gate, delta_sources=delta_sources, delta_router_eps=delta_router_eps)
+    if mtype == "deepseek_v3" and (not archs or archs[0] == "DeepseekV3ForCausalLM"):
+        return _deepseek_model_config(cfg, routing)
     if mtype not in ("qwen3", "qwen3_moe", "llama") or (archs and archs[0] not in SUPPORTED_HF_ARCHS):
         raise ConversionError(f"unsupported architecture {archs or mtype!r} (model_type {mtype!r}): import "
                               f"supports {', '.join(SUPPORTED_HF_ARCHS)}")
@@ -233,6 +238,66 @@ def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source
                 max_position_embeddings=cfg.max_position_embeddings, residual=residual,
                 delta_num_blocks=delta_num_blocks, delta_null_source=delta_null_source, delta_gate=delta_gate,
                 delta_sources=delta_sources, delta_router_eps=delta_router_eps)
+
+
+def _deepseek_model_config(cfg, routing: dict) -> dict:
+    """The Megatron model flags of a DeepseekV3Config (multi-latent attention, DeepSeek's MoE routing), or a
+    ConversionError naming what Megatron's MLA and MoE do not compute as transformers does."""
+    def refuse(what):
+        raise ConversionError(f"DeepseekV3ForCausalLM with {what}: not importable")
+
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "hidden_act", "silu") != "silu":
+        refuse("attention_bias or a hidden_act other than silu")
+    if cfg.q_lora_rank is None:
+        refuse("q_lora_rank None (Megatron's local MLA spec norms the key/value latent only with --qk-layernorm, "
+               "which needs a query latent)")
+    if not getattr(cfg, "rope_interleave", True):
+        refuse("rope_interleave false (Megatron's MLA reads the rotary dimensions as interleaved pairs)")
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = rope.get("rope_theta", 10000.0)
+    if float(theta) != int(theta):
+        refuse(f"rope_theta {theta} (Megatron's --rotary-base is an integer)")
+    mla = dict(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+               qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+               rope_type="rope")
+    if rope.get("rope_type", "default") == "yarn":
+        factor, mscale, mscale_all = rope["factor"], rope.get("mscale") or 0.0, rope.get("mscale_all_dim") or 0.0
+        fixed = (rope.get("original_max_position_embeddings"), rope.get("beta_fast", 32), rope.get("beta_slow", 1),
+                 rope.get("truncate", True))
+        given = rope.get("attention_factor")
+        hf_factor = given if given is not None else (
+            _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all else _mscale(factor, 1.0))
+        megatron = _mscale(factor, mscale or 1.0) / _mscale(factor, mscale_all)
+        if fixed != (4096, 32, 1, True) or abs(hf_factor - megatron) > 1e-12:
+            refuse(f"YaRN parameters {rope} (Megatron's MLA has original_max_position_embeddings 4096, beta_fast 32, "
+                   f"beta_slow 1 and the cos/sin scale mscale(factor, mscale) / mscale(factor, mscale_all_dim))")
+        mla.update(rope_type="yarn", rotary_scaling_factor=float(factor), mscale=float(mscale or 1.0),
+                   mscale_all_dim=float(mscale_all))
+    elif rope.get("rope_type", "default") != "default":
+        refuse(f"rope_type {rope.get('rope_type')!r}")
+    L, k = cfg.num_hidden_layers, min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    moe = {}
+    if k < L:
+        topk, groups, group_topk = cfg.num_experts_per_tok, cfg.n_group or 1, cfg.topk_group or 1
+        if groups > 1 and topk // group_topk != 2:
+            refuse(f"n_group {groups}, topk_group {group_topk}, num_experts_per_tok {topk} (Megatron scores a group by "
+                   f"its top num_experts_per_tok / topk_group experts, transformers by its top 2)")
+        if bool(cfg.norm_topk_prob) != (topk > 1):
+            refuse(f"norm_topk_prob {cfg.norm_topk_prob} with top-{topk} (Megatron normalises a sigmoid top-k "
+                   f"exactly when k > 1)")
+        moe = dict(num_experts=cfg.n_routed_experts, moe_router_topk=topk,
+                   moe_ffn_hidden_size=cfg.moe_intermediate_size,
+                   moe_layer_freq=[0] * k + [1] * (L - k), moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(cfg.routed_scaling_factor),
+                   moe_router_num_groups=groups if groups > 1 else None,
+                   moe_router_group_topk=group_topk if groups > 1 else None,
+                   moe_shared_expert_intermediate_size=(cfg.n_shared_experts * cfg.moe_intermediate_size) or None)
+    return dict(num_layers=L, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+                num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_attention_heads,
+                kv_channels=cfg.hidden_size // cfg.num_attention_heads, norm_epsilon=cfg.rms_norm_eps,
+                qk_layernorm=True,
+                untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, rotary_base=int(theta),
+                max_position_embeddings=cfg.max_position_embeddings, **mla, **moe, **routing)
 
 
 # =============================================================================================== export / import
@@ -389,7 +454,8 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES
         {k: v.detach().float() for k, v in hf.state_dict().items()}, num_layers=mc["num_layers"],
         num_attention_heads=mc["num_attention_heads"], num_query_groups=mc["num_query_groups"],
         kv_channels=mc["kv_channels"], hidden_size=mc["hidden_size"], qk_layernorm=mc["qk_layernorm"],
-        tied=tied, padded_vocab_size=padded)
+        tied=tied, padded_vocab_size=padded, mla=bool(mc.get("multi_latent_attention")),
+        expert_bias=bool(mc.get("moe_router_enable_expert_bias")))
     target = model.state_dict()
     new = {}
     for k, v in target.items():

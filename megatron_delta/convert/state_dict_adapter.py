@@ -14,7 +14,7 @@ import torch
 from megatron_delta.checkpoint.errors import ConversionError
 
 ROUTER_FIELDS = ("query", "key_norm_weight", "null_source", "gate")
-SUPPORTED_HF_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
+SUPPORTED_HF_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "DeepseekV3ForCausalLM")
 
 
 # =============================================================================================== names
@@ -114,8 +114,19 @@ def _experts_to_hf(sd, p, q, out):
         out[q + hf] = torch.stack(experts)
 
 
-def _experts_to_megatron(hf, p, q, out):
+def _experts_to_megatron(hf, p, q, out, expert_bias=False):
+    """One MoE layer's HF tensors (popped from hf) into out under Megatron names; DeepSeek-V3's correction bias
+    becomes the router's expert bias with ``expert_bias`` (Megatron's --moe-router-enable-expert-bias), else it
+    must be zero."""
     out[p + MOE_ROUTER[0]] = hf.pop(q + MOE_ROUTER[1])
+    bias = hf.pop(q + MOE_EXPERT_BIAS[1], None)
+    if expert_bias:
+        out[p + MOE_EXPERT_BIAS[0]] = bias
+    elif bias is not None and bias.abs().max() > 0:
+        raise ConversionError(f"{q + MOE_EXPERT_BIAS[1]} is not zero: the model needs the expert bias")
+    for meg, hfs in SHARED_EXPERTS:
+        if q + hfs[0] in hf:
+            out[p + meg] = torch.cat([hf.pop(q + h) for h in hfs], dim=0)
     for meg, name in MOE_EXPERTS:
         for e, w in enumerate(hf.pop(q + name).unbind(0)):
             out[p + meg.format(e=e)] = w
@@ -179,9 +190,12 @@ def megatron_to_hf_state_dict(sd, *, num_layers, num_attention_heads, num_query_
 
 
 def hf_to_megatron_state_dict(hf, *, num_layers, num_attention_heads, num_query_groups, kv_channels,
-                              hidden_size, qk_layernorm, tied, padded_vocab_size):
-    """HF backbone state dict -> Megatron (TP1) names; vocabulary padded with zero rows."""
+                              hidden_size, qk_layernorm, tied, padded_vocab_size, mla=False, expert_bias=False):
+    """HF backbone state dict -> Megatron (TP1) names; vocabulary padded with zero rows. ``mla``: DeepSeek-V3's
+    attention; ``expert_bias``: its router's correction bias."""
     hf = dict(hf)
+    mla_tensors = _mla_renames(hf, num_layers, to_hf=False) if mla else {}
+    qk_layernorm = qk_layernorm and not mla
     geom = (num_attention_heads // num_query_groups, num_query_groups, kv_channels, hidden_size)
 
     def pad(w):
@@ -199,15 +213,16 @@ def hf_to_megatron_state_dict(hf, *, num_layers, num_attention_heads, num_query_
         if head is None:
             raise ConversionError(f"untied embeddings but the HF model has no {OUTPUT[1]}")
         out[OUTPUT[0]] = pad(head)
+    out.update(mla_tensors)
     moe = {i for i in range(num_layers) if _layer_prefixes(i)[1] + MOE_ROUTER[1] in hf}
     for meg, name in _layer_renames(num_layers, qk_layernorm, moe):
         out[meg] = hf.pop(name)
     for i in range(num_layers):
         p, q = _layer_prefixes(i)
-        for meg, hfs in _fused(i, moe):
+        for meg, hfs in _fused(i, moe, mla):
             out[p + meg] = _fuse(meg, [hf.pop(q + h) for h in hfs], *geom)
         if i in moe:
-            _experts_to_megatron(hf, p, q, out)
+            _experts_to_megatron(hf, p, q, out, expert_bias)
     for name in list(hf):
         if "_router." in name:
             out[_router_name(name, to_hf=False)] = hf.pop(name)
