@@ -2,7 +2,8 @@
 
 Modules (one concept each):
   modes        - the residual modes and their rules (what each sublayer reads, commits and forms), checks
-  config       - DeltaTransformerConfig: TransformerConfig + the delta_* fields, validated on construction
+  config       - DeltaFields (the delta_* fields, validated on construction) on TransformerConfig
+                 (DeltaTransformerConfig) and MLATransformerConfig (DeltaMLATransformerConfig)
   router       - DepthRouter: softmax over depth (fp32)
   cpu_kernels  - the router's fused CPU kernels (C sources in csrc/, compiled on first use)
   fla_router   - the GPU kernel adapter (fla-core's fused_attnres)
@@ -10,6 +11,7 @@ Modules (one concept each):
   source_cache - the pipeline source cache shared by a rank's virtual-pipeline chunks
   payload      - the stage payload: one tensor per micro-batch across a pipeline boundary
   layer / block / model / specs / norms - the Megatron-Core integration (subclasses + layer specs)
+  mla          - multi-latent attention on the local backend (what megatron-core 0.19 lacks there)
 
 Nothing here imports the training side (megatron_delta.platform, .data, .checkpoint, .evaluation, .convert,
 .trainer) or megatron.training; tests/test_import_direction.py holds that.

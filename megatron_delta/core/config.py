@@ -3,7 +3,6 @@
 :class:`DeltaFields` defines the fields and their checks once; each Megatron-Core config class Megatron-LM's
 core_transformer_config_from_args can build gets them by a dataclass combination: DeltaTransformerConfig
 (TransformerConfig), DeltaMLATransformerConfig (MLATransformerConfig, ``--multi-latent-attention``).
-:func:`delta_config_class` picks the one for a Megatron config class.
 
 The rules about which residual options go together live in `modes.check_delta_options`; what the routed
 modes refuse of Megatron-Core (RESIDUAL_FUSIONS, UNSUPPORTED_FEATURES) lives here. Each is used both by the
@@ -154,12 +153,3 @@ class DeltaTransformerConfig(DeltaFields, TransformerConfig):
 @dataclass
 class DeltaMLATransformerConfig(DeltaFields, MLATransformerConfig):
     """MLATransformerConfig (multi-latent attention, ``--multi-latent-attention``) + residual routing."""
-
-
-# Megatron-Core's config class -> the one with the delta_* fields
-DELTA_CONFIG_CLASSES = {TransformerConfig: DeltaTransformerConfig, MLATransformerConfig: DeltaMLATransformerConfig}
-
-
-def delta_config_class(megatron_class: type) -> type:
-    """The config class with the delta_* fields for a Megatron-Core config class (KeyError for one without)."""
-    return DELTA_CONFIG_CLASSES[megatron_class]

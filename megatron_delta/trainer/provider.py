@@ -5,7 +5,8 @@
   (core/specs.get_gpt_layer_local_spec_sp; LocalNorm instead of WrappedTorchNorm), or the TE spec.
 - routed modes: DeltaGPTModel with the Delta layer spec; same backbone weights for one --seed.
 The TransformerConfig comes from Megatron-LM's own flag mapping (core_transformer_config_from_args)
-with DeltaTransformerConfig as the class, so every Megatron-LM flag means what it means upstream and
+with DeltaTransformerConfig as the class (DeltaMLATransformerConfig for --multi-latent-attention), so every
+Megatron-LM flag means what it means upstream and
 the `--delta-*` fields map by name.
 """
 from __future__ import annotations
