@@ -577,3 +577,14 @@ def test_deepseek_v3_imports_and_scalar_gate_keeps_its_logits(tmp_path, residual
         assert diff <= EXPORT_TOL * max(1.0, hl.abs().max().item()), diff  # fp32 round-off of logits ~4
         print(f"[DeepSeek-V3 import {residual} moe={moe} yarn={yarn}] max |HF - Megatron| logits {diff:.1e} "
               f"(max |logit| {hl.abs().max().item():.1f})")
+    if residual == "delta_block" and moe:
+        # fine-tuning it takes the flags run_config.model_flags gives (MLA and the MoE routing among them)
+        from megatron_delta.checkpoint.run_config import model_flags
+        from megatron_delta.trainer.main import main
+        from tests.flags import CPU
+
+        argv = model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
+                                  "--finetune", "--load", save, "--seq-length", "16", "--micro-batch-size", "1",
+                                  "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
+                                  "--eval-iters", "0", "--eval-interval", "1000"] + CPU
+        assert main(argv) == 0
