@@ -365,7 +365,8 @@ def test_rope_fusion_without_transformer_engine_is_refused():
 
 def test_a_checkpoint_records_mla_and_its_export_is_refused_before_any_file(tmp_path, capsys):
     """run_config.json records the MLA flags (a --load with other MLA flags is refused by name; the tools rebuild
-    the model); the Hugging Face export refuses it in one line and writes nothing."""
+    the model); an export DeepSeek-V3 cannot express (here a softmax router) is refused in one line, writing
+    nothing."""
     import json
 
     from megatron_delta.checkpoint.errors import ConversionError
@@ -374,7 +375,8 @@ def test_a_checkpoint_records_mla_and_its_export_is_refused_before_any_file(tmp_
     from megatron_delta.trainer.main import main
 
     save = str(tmp_path / "ckpt")
-    assert main(mla_cli(["--residual", "delta_block", "--train-iters", "0", "--save", save])) == 0
+    moe = ["--num-experts", "2", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16"]
+    assert main(mla_cli(["--residual", "delta_block", "--train-iters", "0", "--save", save] + moe)) == 0
     rc = json.load(open(os.path.join(save, "iter_0000000", "run_config.json")))
     assert {k: rc[k] for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                "qk_pos_emb_head_dim", "v_head_dim", "rope_type")} == dict(
@@ -384,13 +386,13 @@ def test_a_checkpoint_records_mla_and_its_export_is_refused_before_any_file(tmp_
     with pytest.raises(ConversionError) as e:
         export_checkpoint(save, str(tmp_path / "hf"))
     assert str(e.value) == (f"--load {save}/iter_0000000 (--multi-latent-attention) has no Hugging Face counterpart "
-                            f"here: --residual delta_block: the routed MLA export (remote code with DeepSeek-V3's "
-                            f"attention) is not implemented; evaluate it with the Megatron tools (tools/evaluate.py, "
+                            f"here: --moe-router-score-function softmax (or --moe-router-pre-softmax): DeepSeek-V3's "
+                            f"router is a sigmoid; evaluate it with the Megatron tools (tools/evaluate.py, "
                             f"tools/perplexity.py)")
     assert not os.path.exists(tmp_path / "hf") and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     capsys.readouterr()
     line = _refused_run(mla_cli(["--residual", "delta_block", "--kv-lora-rank", "8", "--load", save,
-                                 "--finetune"]), capsys)
+                                 "--finetune"] + moe), capsys)
     assert "--kv-lora-rank: checkpoint 16, flags 8" in line, line
 
 
@@ -489,8 +491,6 @@ def test_baseline_mla_with_deepseek_moe_exports_to_stock_deepseek_v3(tmp_path):
 
 
 @pytest.mark.parametrize("change,why", [
-    (dict(residual="delta_block"), "--residual delta_block: the routed MLA export (remote code with DeepSeek-V3's "
-                                   "attention) is not implemented"),
     (dict(qk_layernorm=False), "no --qk-layernorm: DeepSeek-V3's attention always norms its query and key/value "
                                "latents"),
     (dict(moe_router_score_function="softmax"), "--moe-router-score-function softmax (or --moe-router-pre-softmax): "
@@ -588,3 +588,46 @@ def test_deepseek_v3_imports_and_scalar_gate_keeps_its_logits(tmp_path, residual
                                   "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
                                   "--eval-iters", "0", "--eval-interval", "1000"] + CPU
         assert main(argv) == 0
+
+
+@pytest.mark.parametrize("mode,moe", [("delta_block", True), ("attnres", False)])
+def test_routed_mla_exports_as_remote_code_with_deepseek_modules(mode, moe, tmp_path):
+    """A trained routed MLA checkpoint (routers at 10x the lr, so that they matter) -> DeltaDeepseekV3ForCausalLM
+    remote code (DeepSeek-V3's attention and MoE, the routers of megatron_delta/hf): logits equal Megatron's;
+    generate() with and without the KV cache gives the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_delta.convert.hf_checkpoint import export_checkpoint
+    from megatron_delta.evaluation.loaders import load_megatron
+    from megatron_delta.evaluation.token_nll import evaluate_tokens
+    from megatron_delta.trainer.main import main
+    from tests.rank_runner import DEEPSEEK_MOE
+    from tests.test_conversion import EXPORT_TOL, SEQS
+
+    save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    extra = ["--residual", mode, "--delta-num-blocks", "2", "--delta-null-source", "--delta-router-lr-mult", "10",
+             "--rope-type", "yarn", "--train-iters", "3", "--lr", "1e-2", "--save", save, "--save-interval", "3"]
+    if moe:
+        extra += DEEPSEEK_MOE
+        extra[extra.index("--moe-layer-freq") + 1] = "[0,1]"
+    assert main(mla_cli(extra, num_layers=2, hidden=32, heads=2, seq=16, mbs=2)) == 0
+    export_checkpoint(save, out, log=lambda *a: None)
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(hf).__name__ == "DeltaDeepseekV3ForCausalLM"
+    assert type(hf.model.layers[0].self_attn).__name__ == "DeepseekV3Attention"
+    assert type(hf.model.layers[1].mlp).__name__ == ("DeepseekV3MoE" if moe else "DeepseekV3MLP")
+    assert any(p.abs().sum() > 0 for n, p in hf.named_parameters() if n.endswith("_router.query"))
+    model, _, rc = load_megatron(save)
+    seqs = [[t % 256 for t in s] for s in SEQS]
+    _, meg_logits = evaluate_tokens(model, 256, seqs)
+    for ids, ml in zip(seqs, meg_logits):
+        with torch.no_grad():
+            hl = hf(torch.tensor([ids])).logits[0].float()
+        diff = (hl - ml).abs().max().item()
+        assert diff <= EXPORT_TOL, diff
+        print(f"[routed MLA export {mode} moe={moe}] max |HF - Megatron| logits {diff:.1e}")
+    prompt = torch.tensor([SEQS[0][:5]])
+    with torch.no_grad():
+        cached = hf.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+        uncached = hf.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert cached.tolist() == uncached.tolist() and cached.shape[1] == 11

@@ -5,7 +5,7 @@
                              Qwen3MoeForCausalLM (--num-experts) / DeepseekV3ForCausalLM
                              (--multi-latent-attention, dense or DeepSeek's MoE routing), loadable without remote code
             routed modes  -> DeltaQwen3ForCausalLM remote code (trust_remote_code=True; its MoE MLP in
-                             Qwen3-MoE's layout)
+                             Qwen3-MoE's layout) / DeltaDeepseekV3ForCausalLM (--multi-latent-attention)
             multi-token prediction depths are not exported (one printed line says so)
             + the SentencePiece tokenizer named in run_config.json (tokenizer.json, tokenizer.model)
     import: HF Qwen3 / Qwen3-MoE / Llama / DeepSeek-V3 directory -> Megatron checkpoint (iteration 0, model weights
@@ -77,14 +77,7 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
         return cfg
     from megatron_delta.hf import DeltaQwen3Config
 
-    return DeltaQwen3Config(
-        residual=rc["residual"],
-        delta_num_blocks=rc.get("delta_num_blocks") if rc["residual"] in BLOCK_MODES else None,
-        delta_sources=rc.get("delta_sources") or SOURCE_DEFINITIONS[0],
-        delta_null_source=bool(rc.get("delta_null_source")),
-        delta_gate=rc.get("delta_gate") or GATES[0],
-        delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
-        use_qk_norm=bool(rc["qk_layernorm"]), **moe, **kw)
+    return DeltaQwen3Config(**_delta_hf_fields(rc), use_qk_norm=bool(rc["qk_layernorm"]), **moe, **kw)
 
 
 def check_deepseek_export(rc: dict, ckpt_dir: str) -> None:
@@ -92,10 +85,7 @@ def check_deepseek_export(rc: dict, ckpt_dir: str) -> None:
     here: baseline, dense or DeepSeek's MoE routing (_deepseek_moe_problem), its latent norms; one ConversionError
     naming the flag otherwise (before any file)."""
     why = _deepseek_moe_problem(rc) if rc.get("num_experts") else None
-    if rc["residual"] != BASELINE:
-        why = (f"--residual {rc['residual']}: the routed MLA export (remote code with DeepSeek-V3's attention) is not "
-               f"implemented")
-    elif why:
+    if why:
         pass  # the mixture of experts' reason
     elif not rc.get("qk_layernorm"):
         why = "no --qk-layernorm: DeepSeek-V3's attention always norms its query and key/value latents"
@@ -146,7 +136,8 @@ def _mscale(factor: float, mscale: float) -> float:
 
 
 def deepseek_v3_config(rc: dict, kw: dict):
-    """DeepseekV3Config of a dense baseline MLA checkpoint: every layer dense (first_k_dense_replace = layers),
+    """DeepseekV3Config of a baseline MLA checkpoint (DeltaDeepseekV3Config, remote code, for a routed one): dense
+    layers first (first_k_dense_replace; all of them without --num-experts), DeepSeek's MoE routing,
     RoPE on the rotary dimensions as Megatron's MLA applies it (rope_interleave), YaRN with MLATransformerConfig's
     fixed original_max_position_embeddings / beta_fast / beta_slow and Megatron's cos/sin scale
     mscale(factor, --mscale) / mscale(factor, --mscale-all-dim) given explicitly (transformers infers another
@@ -171,12 +162,26 @@ def deepseek_v3_config(rc: dict, kw: dict):
                    routed_scaling_factor=float(rc.get("moe_router_topk_scaling_factor") or 1.0),
                    n_group=rc.get("moe_router_num_groups") or 1, topk_group=rc.get("moe_router_group_topk") or 1,
                    norm_topk_prob=topk > 1)  # Megatron normalises the sigmoid top-k weights for top-k > 1
-    cfg = DeepseekV3Config(
+    fields = dict(
         **kw, q_lora_rank=rc.get("q_lora_rank"), kv_lora_rank=rc["kv_lora_rank"], qk_nope_head_dim=rc["qk_head_dim"],
         qk_rope_head_dim=rc["qk_pos_emb_head_dim"], v_head_dim=rc["v_head_dim"], rope_interleave=True,
         rope_parameters=rope, num_mtp_layers=0, **moe)
+    if rc["residual"] != BASELINE:  # remote code: DeepSeek-V3's modules with the routers (megatron_delta/hf)
+        from megatron_delta.hf import DeltaDeepseekV3Config
+
+        return DeltaDeepseekV3Config(**_delta_hf_fields(rc), **fields)
+    cfg = DeepseekV3Config(**fields)
     cfg.architectures = ["DeepseekV3ForCausalLM"]
     return cfg
+
+
+def _delta_hf_fields(rc: dict) -> dict:
+    """The remote-code configs' residual fields of a checkpoint (DeltaQwen3Config, DeltaDeepseekV3Config)."""
+    return dict(residual=rc["residual"],
+                delta_num_blocks=rc.get("delta_num_blocks") if rc["residual"] in BLOCK_MODES else None,
+                delta_sources=rc.get("delta_sources") or SOURCE_DEFINITIONS[0],
+                delta_null_source=bool(rc.get("delta_null_source")), delta_gate=rc.get("delta_gate") or GATES[0],
+                delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]))
 
 
 def hf_moe_fields(rc: dict) -> dict:
