@@ -53,12 +53,27 @@ VARIANTS = {
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq",
        "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-router-dtype", "fp32"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--rotary-scaling-factor", "4", "--mscale", "1.0",
+       "--mscale-all-dim", "1.0"]
+DEEPSEEK_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq",
+                "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+                "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3", "--moe-router-num-groups",
+                "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+                "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
+                "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall"]
 FLAVOURS = {"": [], "authors-code": ["--delta-sources", "authors-code"], "gate": ["--delta-gate", "scalar"],
             # untied: megatron-core 0.19.2 gives a tied model's MTP stage under PP > 1 an output-layer weight that
             # its sharded state dict refuses (NVIDIA/Megatron-LM PR #7577), so --load fails there in every mode
             "mtp": ["--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"],
             "moe": MOE + ["--moe-token-dispatcher-type", "alltoall"],
-            "moe-allgather": MOE + ["--moe-token-dispatcher-type", "allgather"]}
+            "moe-allgather": MOE + ["--moe-token-dispatcher-type", "allgather"],
+            # multi-latent attention (tests/test_mla.py), DeepSeek-V3's shapes at a tiny size: query and key/value
+            # latents (TP2 divides both down projections), YaRN rotary scaling (Megatron-LM's MLA default)
+            "mla": MLA,
+            # and DeepSeek-V3's MoE routing: sigmoid scores with the aux-loss-free expert bias, group-limited top-k,
+            # scaled top-k weights, a shared expert, the first layer dense
+            "mla-moe": MLA + DEEPSEEK_MOE}
 
 PAYLOADS: dict = {}  # {first global layer of a receiving chunk: dim-0 size of the payload it got}
 SEEN: dict = {}  # {what: set of dtype names} of the tensors met during the current run
@@ -199,6 +214,9 @@ def spec_flags(spec: str) -> list[str]:
     mode, flavour, layers = parse_spec(spec)
     model = list(COMMON)
     model[model.index("--num-layers") + 1] = str(layers)
+    if "--multi-latent-attention" in FLAVOURS[flavour]:  # Megatron-LM refuses it with grouped-query attention
+        model.remove("--group-query-attention")
+        del model[model.index("--num-query-groups"):model.index("--num-query-groups") + 2]
     return model + mode_flags(mode, layers) + FLAVOURS[flavour]
 
 
@@ -367,7 +385,7 @@ def recompute_compare(root: str, modes: list[str], variants: list[str], iters: i
         out[mode] = {}
         for v in variants:
             r = train(spec_flags(mode) + RECOMPUTE_VARIANTS[v] + data_cache(root) + ["--train-iters", str(iters)],
-                      os.path.join(root, f"recompute-{mode}-{v}.jsonl"))
+                      os.path.join(root, f"recompute-{mode.replace('/', '-')}-{v}.jsonl"))
             grads = all_grads(last_run().model)
             if ref_grads is None:
                 ref_grads, gdiff = grads, 0.0

@@ -37,6 +37,21 @@ A plain dict ``name -> tensor`` whose names mirror Megatron-Core's GPTModel stat
     decoder.final_layernorm.weight                         [d]
     output_layer.weight                                    [V, d]    (absent when tied)
 
+Multi-latent attention (``cfg.kv_lora_rank`` set; DeepSeek-V2/V3's attention, Megatron-Core's local MLA spec
+names, see ``mla_attention``) replaces linear_qkv / q_layernorm / k_layernorm by::
+
+    decoder.layers.{i}.self_attention.linear_q_down_proj.weight  [q_lora_rank, d]      (q_lora_rank set)
+    decoder.layers.{i}.self_attention.q_layernorm.weight         [q_lora_rank]         (q_lora_rank set)
+    decoder.layers.{i}.self_attention.linear_q_up_proj.weight    [np*(dn+dr), q_lora_rank]
+    decoder.layers.{i}.self_attention.linear_q_proj.weight       [np*(dn+dr), d]       (q_lora_rank None)
+    decoder.layers.{i}.self_attention.linear_kv_down_proj.weight [kv_lora_rank+dr, d]
+    decoder.layers.{i}.self_attention.kv_layernorm.weight        [kv_lora_rank]
+    decoder.layers.{i}.self_attention.linear_kv_up_proj.weight   [np*(dn+dv), kv_lora_rank]
+    decoder.layers.{i}.self_attention.linear_proj.weight         [d, np*dv]
+
+(dn = qk_head_dim, dr = qk_pos_emb_head_dim, dv = v_head_dim; the latent norms with ``qk_layernorm``, as
+Megatron's --qk-layernorm; DeepSeek's models have them.)
+
 Router parameters (names chosen here; map them with ``reference_router_key``)::
 
     receiving sublayer j = 2i   (attention of layer i): decoder.layers.{i}.self_attention_router.{which}
@@ -111,6 +126,12 @@ class RefConfig:
     rotary_base: float = 10000.0
     position_embedding_type: str = "rope"  # 'rope' or 'none'
     share_embeddings_and_output_weights: bool = False
+    # multi-latent attention (DeepSeek-V2/V3) when kv_lora_rank is set; plain RoPE on the dr dimensions
+    kv_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None  # None: one query projection (linear_q_proj)
+    qk_head_dim: int = 16
+    qk_pos_emb_head_dim: int = 8
+    v_head_dim: int = 16
 
     def __post_init__(self):
         if self.num_query_groups is None:
@@ -326,6 +347,46 @@ def attention(x, w, prefix, cfg: RefConfig, rope_emb):
     return ctx @ w[prefix + "linear_proj.weight"].T
 
 
+def mla_attention(x, w, prefix, cfg: RefConfig):
+    """Multi-latent attention (DeepSeek-V2 paper, section 2.1; its public modeling code), body after the input
+    norm: queries (optionally through a low-rank latent) and a low-rank key/value latent (each RMS-normed with
+    ``cfg.qk_layernorm``), per-head
+    no-position parts dn, one shared rotary key part dr per token, causal softmax with scale 1/sqrt(dn+dr).
+    RoPE on the dr dimensions is DeepSeek's: the dimensions are read as interleaved pairs (0,1), (2,3), ...,
+    reordered to [evens; odds], then rotated half against half (cos/sin of cat(freqs, freqs))."""
+    b, s, _ = x.shape
+    nh, dn, dr, dv, r = (cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim,
+                         cfg.kv_lora_rank)
+    if cfg.q_lora_rank is None:
+        q = x @ w[prefix + "linear_q_proj.weight"].T
+    else:
+        cq = x @ w[prefix + "linear_q_down_proj.weight"].T
+        if cfg.qk_layernorm:
+            cq = rms_norm(cq, w[prefix + "q_layernorm.weight"], cfg.norm_eps)
+        q = cq @ w[prefix + "linear_q_up_proj.weight"].T
+    q_nope, q_pe = q.view(b, s, nh, dn + dr).split([dn, dr], dim=-1)
+    ckv, k_pe = (x @ w[prefix + "linear_kv_down_proj.weight"].T).split([r, dr], dim=-1)
+    if cfg.qk_layernorm:
+        ckv = rms_norm(ckv, w[prefix + "kv_layernorm.weight"], cfg.norm_eps)
+    kv = ckv @ w[prefix + "linear_kv_up_proj.weight"].T
+    k_nope, v = kv.view(b, s, nh, dn + dv).split([dn, dv], dim=-1)
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dr, 2, dtype=DTYPE) / dr))
+    freqs = torch.outer(torch.arange(s, dtype=DTYPE), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)[None, :, None, :]  # [1, s, 1, dr]
+
+    def rope(t):  # [b, s, heads, dr]
+        t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+        return t * torch.cos(emb) + rotate_half(t) * torch.sin(emb)
+
+    q = torch.cat((q_nope, rope(q_pe)), dim=-1)
+    k = torch.cat((k_nope, rope(k_pe[:, :, None, :]).expand(b, s, nh, dr)), dim=-1)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, nh, s, .]
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(dn + dr)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    ctx = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v  # [b, nh, s, dv]
+    return ctx.transpose(1, 2).reshape(b, s, nh * dv) @ w[prefix + "linear_proj.weight"].T
+
+
 def mlp(x, w, prefix):
     gate_, up = torch.chunk(x @ w[prefix + "linear_fc1.weight"].T, 2, dim=-1)
     return (F.silu(gate_) * up) @ w[prefix + "linear_fc2.weight"].T
@@ -337,6 +398,8 @@ def sublayer(j, u, w, cfg: RefConfig, rope_emb, prefix: Optional[str] = None):
     p = f"decoder.layers.{j // 2}." if prefix is None else prefix
     if j % 2 == 0:
         h = rms_norm(u, w[p + "input_layernorm.weight"], cfg.norm_eps)
+        if cfg.kv_lora_rank is not None:
+            return mla_attention(h, w, p + "self_attention.", cfg)
         return attention(h, w, p + "self_attention.", cfg, rope_emb)
     h = rms_norm(u, w[p + "pre_mlp_layernorm.weight"], cfg.norm_eps)
     return mlp(h, w, p + "mlp.")

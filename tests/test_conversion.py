@@ -544,7 +544,7 @@ def _same(a, b):
     return a == b
 
 
-@pytest.mark.parametrize("name", list(MODES) + ["delta_without_gqa"])
+@pytest.mark.parametrize("name", list(MODES) + ["delta_without_gqa", "baseline_mla", "delta_block_mla"])
 def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
     """The model conversion and the tools build from a checkpoint's run_config.json
     (megatron_delta.checkpoint.model_config) has the config the trainer built from its flags, field by field
@@ -563,6 +563,11 @@ def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
     common = [a for a in COMMON if a != "--qk-layernorm"] if name == "baseline_llama" else COMMON
     if name == "delta_without_gqa":  # Megatron-LM then builds one query group per head, whatever args hold
         common, name = [a for a in COMMON if a != "--group-query-attention"], "delta"
+    if name.endswith("_mla"):  # multi-latent attention (DeltaMLATransformerConfig), YaRN rotary scaling
+        from tests.rank_runner import MLA
+
+        common = [a for a in COMMON if a != "--group-query-attention"] + MLA + ["--mscale", "0.9"]  # not a default
+        name = name[:-len("_mla")]
     args = parse_args(common + MODES[name] + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256"])
     trained = transformer_config(args)
     # the vocabulary padding, as Megatron-LM's trainer computes it when it builds the tokenizer

@@ -43,16 +43,23 @@ LAYOUTS = {
 # routers).
 GROUPED = {"pp2": [["delta", "fp32_g2"], ["full_attnres", "fp32_g2"]]}
 
+# Multi-latent attention (tests/test_mla.py; rank_runner FLAVOURS mla, mla-moe) rides on the same launch: Megatron-LM's
+# MLA in the baseline and delta_block under TP2 (+SP, with DeepSeek's MoE routing) and the interleaved pipeline.
+MLA_RUNS = {"tp2": [["baseline/mla", "fp32"], ["delta_block/mla", "fp32"]],
+            "tp2_sp": [["delta_block/mla", "fp32"], ["delta_block/mla-moe", "fp32"]],
+            "pp2_vpp2": [["delta_block/mla", "fp32"]]}
+MLA_SPECS = sorted({spec for runs in MLA_RUNS.values() for spec, _ in runs})
+
 REPORT = os.environ.get("PARITY_REPORT")  # optional: append measured max |loss diff| here (JSON lines)
 
 
 @pytest.fixture(scope="module")
 def reference(tp1_reference):
-    res = tp1_reference.runs(MODES)
-    for mode in MODES:
+    res = tp1_reference.runs(MODES + MLA_SPECS)
+    for mode in MODES + MLA_SPECS:
         losses = res[mode]["fp32"]["losses"]
         assert losses[-1] < losses[0], (mode, losses)  # it trains
-    return tp1_reference.root, {m: res[m]["fp32"] for m in MODES}
+    return tp1_reference.root, {m: res[m]["fp32"] for m in MODES + MLA_SPECS}
 
 
 def _max_diff(a, b):
@@ -65,7 +72,7 @@ def two_rank_runs(reference):
     """Per rank {layout: results}: every 2-rank layout in one launch (rank_runner.run_layouts), the routers
     collected (the tp2_sp checks)."""
     root, _ = reference
-    launches = [[name, flags, [[m, "fp32"] for m in MODES] + GROUPED.get(name, [])]
+    launches = [[name, flags, [[m, "fp32"] for m in MODES] + GROUPED.get(name, []) + MLA_RUNS.get(name, [])]
                 for name, (world, flags) in LAYOUTS.items() if world == 2]
     return run_distributed(rank_runner.run_layouts, 2, root, launches, kwargs={"collect": ["routers"]},
                            timeout=2400)
@@ -137,6 +144,23 @@ def test_layout_matches_tp1(reference, layout, request):
 
 
 # ------------------------------------------------------------------------------------ recompute
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(MLA_RUNS))
+def test_mla_layout_matches_tp1(reference, layout, two_rank_runs):
+    """Multi-latent attention (baseline and delta_block; with DeepSeek's MoE routing under TP2+SP) under 2-rank
+    layouts: TP1's losses within TOL (the same launch as the other modes, two_rank_runs)."""
+    _, ref = reference
+    res = two_rank_runs[-1][layout]
+    diffs = {f"{spec}": _max_diff(res[spec][v]["losses"], ref[spec]["losses"]) for spec, v in MLA_RUNS[layout]}
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(json.dumps({"layout": layout, "mla_max_abs_loss_diff": diffs}) + "\n")
+    bad = {m: d for m, d in diffs.items() if not d <= TOL}
+    assert not bad, f"{layout}: MLA losses differ from TP1 by {bad}"
+    for spec, v in MLA_RUNS[layout]:
+        assert res[spec][v]["iterations"] == list(range(1, rank_runner.ITERS + 1)), (layout, spec)
+
+
 # Activation recompute (full uniform / block, selective) in the training loop changes nothing:
 # same losses and gradients as without, for every residual mode (single process).
 
@@ -146,7 +170,8 @@ RECOMPUTE_TOL = 1e-6
 @pytest.mark.slow
 def test_recompute_same_losses_and_grads(tmp_path):
     variants = list(rank_runner.RECOMPUTE_VARIANTS)
-    res = run_distributed(rank_runner.recompute_compare, 1, str(tmp_path), MODES, variants, timeout=1800)[0]
+    res = run_distributed(rank_runner.recompute_compare, 1, str(tmp_path), MODES + ["delta_block/mla"], variants,
+                          timeout=1800)[0]
     bad = []
     for mode, by_v in res.items():
         ref = by_v["none"]["losses"]

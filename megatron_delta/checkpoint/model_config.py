@@ -44,7 +44,12 @@ SMALL_CPU_MODEL = dict(
     # mixture of experts (Megatron-LM's defaults; num_experts None: dense) and multi-token prediction
     num_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2, moe_router_pre_softmax=False, moe_layer_freq=1,
     moe_router_score_function="softmax",
+    moe_shared_expert_intermediate_size=None, moe_router_enable_expert_bias=False, moe_router_num_groups=None,
+    moe_router_group_topk=None, moe_router_topk_scaling_factor=None,
     mtp_num_layers=None,
+    # multi-latent attention (Megatron-LM's parser defaults; rope_type None: MLATransformerConfig's, yarn)
+    multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64,
+    v_head_dim=128, rope_type=None, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
     # initialisation and regularisation (a CPU test model: no dropout)
     init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0,
     # Megatron-LM's default (--attention-softmax-in-fp32 off): BF16 models take the softmax in BF16, as trained
@@ -63,17 +68,22 @@ _INT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "
         "rotary_base", "max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size",
         "make_vocab_size_divisible_by", "delta_num_blocks", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "fp8_amax_history_len",
-        "recompute_num_layers", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "mtp_num_layers")
-_FLOAT = ("norm_epsilon", "delta_router_eps", "init_method_std", "hidden_dropout", "attention_dropout")
+        "recompute_num_layers", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "mtp_num_layers",
+        "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+        "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk")
+_FLOAT = ("norm_epsilon", "delta_router_eps", "init_method_std", "hidden_dropout", "attention_dropout",
+          "rotary_scaling_factor", "mscale", "mscale_all_dim", "moe_router_topk_scaling_factor")
 _BOOL = ("swiglu", "qk_layernorm", "disable_bias_linear", "untie_embeddings_and_output_weights", "delta_null_source",
-         "sequence_parallel", "bf16", "attention_softmax_in_fp32", "moe_router_pre_softmax")
+         "sequence_parallel", "bf16", "attention_softmax_in_fp32", "moe_router_pre_softmax", "multi_latent_attention",
+         "moe_router_enable_expert_bias")
 # Choices of the fields the modes module does not check (residual, delta_gate, delta_sources: modes.py;
 # delta_router_kernels: the config).
 _CHOICES = dict(normalization=("RMSNorm", "LayerNorm"), position_embedding_type=("rope", "learned_absolute", "none"),
                 transformer_impl=("local", "transformer_engine"), fp8_format=("e4m3", "hybrid"),
                 fp8_recipe=("delayed", "tensorwise", "mxfp8", "blockwise"),
                 fp8_amax_compute_algo=("max", "most_recent"), recompute_granularity=("full", "selective"),
-                recompute_method=("uniform", "block"), moe_router_score_function=("softmax", "sigmoid"))
+                recompute_method=("uniform", "block"), moe_router_score_function=("softmax", "sigmoid"),
+                rope_type=("rope", "yarn"))
 
 
 def _name(field: str) -> str:
@@ -215,7 +225,7 @@ def model_config(fields: Mapping, **config_overrides):
     import torch
     import torch.nn.functional as F
 
-    from megatron_delta.core.config import DeltaTransformerConfig
+    from megatron_delta.core.config import DeltaMLATransformerConfig, DeltaTransformerConfig
     from megatron_delta.platform import patches
 
     f = resolve_model_fields(fields)
@@ -249,13 +259,22 @@ def model_config(fields: Mapping, **config_overrides):
         num_moe_experts=f["num_experts"], moe_ffn_hidden_size=f["moe_ffn_hidden_size"],
         moe_router_topk=f["moe_router_topk"], moe_router_pre_softmax=f["moe_router_pre_softmax"],
         moe_layer_freq=f["moe_layer_freq"], moe_router_score_function=f["moe_router_score_function"],
+        moe_shared_expert_intermediate_size=f["moe_shared_expert_intermediate_size"],
+        moe_router_enable_expert_bias=f["moe_router_enable_expert_bias"],
+        moe_router_num_groups=f["moe_router_num_groups"], moe_router_group_topk=f["moe_router_group_topk"],
+        moe_router_topk_scaling_factor=f["moe_router_topk_scaling_factor"],
         mtp_num_layers=f["mtp_num_layers"],
     )
+    if f["multi_latent_attention"]:  # MLATransformerConfig's fields, as core_transformer_config_from_args maps them
+        kw.update(multi_latent_attention=True, num_query_groups=None, rotary_base=f["rotary_base"],
+                  **{k: f[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                       "v_head_dim", "rotary_scaling_factor", "mscale", "mscale_all_dim")},
+                  **({"rope_type": f["rope_type"]} if f["rope_type"] else {}))
     kw.update(config_overrides)
     options = dict(transformer_impl=f["transformer_impl"], max_sequence_length=f["max_position_embeddings"],
                    share_embeddings_and_output_weights=not f["untie_embeddings_and_output_weights"],
                    position_embedding_type=f["position_embedding_type"], rotary_base=f["rotary_base"])
-    config = DeltaTransformerConfig(**kw)
+    config = (DeltaMLATransformerConfig if f["multi_latent_attention"] else DeltaTransformerConfig)(**kw)
     if f["residual"] != BASELINE and f["pipeline_model_parallel_size"] > 1:
         # As the trainer (trainer/provider.transformer_config), after __post_init__ (whose MoE check refuses it
         # with the default token dispatcher): routed payloads differ in length from stage boundary to boundary,

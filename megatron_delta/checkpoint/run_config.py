@@ -92,6 +92,12 @@ MODEL_FLAGS = (
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_layer_freq",
     "moe_router_score_function",
     "mtp_num_layers",
+    # multi-latent attention (--multi-latent-attention and the flags of its shapes and rotary embedding)
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+    # DeepSeek's MoE routing: shared experts, the expert bias, group-limited top-k, the top-k scale
+    "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_router_topk_scaling_factor",
 )
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
@@ -231,6 +237,17 @@ def model_flags(c: dict) -> list:
                  "--moe-layer-freq", str(freq).replace(" ", "")]
         argv += ["--moe-ffn-hidden-size", c["moe_ffn_hidden_size"]] if c.get("moe_ffn_hidden_size") else []
         argv += ["--moe-router-pre-softmax"] if c.get("moe_router_pre_softmax") else []
+        if (c.get("moe_router_score_function") or "softmax") != "softmax":
+            argv += ["--moe-router-score-function", c["moe_router_score_function"]]
+        argv += ["--moe-router-enable-expert-bias"] if c.get("moe_router_enable_expert_bias") else []
+        for key in ("moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk",
+                    "moe_router_topk_scaling_factor"):
+            argv += [f"--{key.replace('_', '-')}", c[key]] if c.get(key) else []
+    if c.get("multi_latent_attention"):
+        argv.append("--multi-latent-attention")
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                    "rotary_scaling_factor", "mscale", "mscale_all_dim"):
+            argv += [f"--{key.replace('_', '-')}", c[key]] if c.get(key) is not None else []
     if c.get("mtp_num_layers"):
         argv += ["--mtp-num-layers", c["mtp_num_layers"]]
     return [str(a) for a in argv]

@@ -2,13 +2,14 @@
 
     export: Megatron checkpoint -> HF directory
             baseline      -> stock Qwen3ForCausalLM (qk_layernorm) / LlamaForCausalLM (no qk norm) /
-                             Qwen3MoeForCausalLM (--num-experts), loadable without remote code
+                             Qwen3MoeForCausalLM (--num-experts) / DeepseekV3ForCausalLM
+                             (--multi-latent-attention, dense or DeepSeek's MoE routing), loadable without remote code
             routed modes  -> DeltaQwen3ForCausalLM remote code (trust_remote_code=True; its MoE MLP in
-                             Qwen3-MoE's layout)
+                             Qwen3-MoE's layout) / DeltaDeepseekV3ForCausalLM (--multi-latent-attention)
             multi-token prediction depths are not exported (one printed line says so)
             + the SentencePiece tokenizer named in run_config.json (tokenizer.json, tokenizer.model)
-    import: HF Qwen3 / Qwen3-MoE / Llama directory -> Megatron checkpoint (iteration 0, model weights only) in any
-            residual mode; router parameters get their initial values (zero query, unit key norm,
+    import: HF Qwen3 / Qwen3-MoE / Llama / DeepSeek-V3 directory -> Megatron checkpoint (iteration 0, model weights
+            only) in any residual mode; router parameters get their initial values (zero query, unit key norm,
             zero null source / gate), so with `--delta-gate scalar` the imported model computes
             the HF model's function exactly.
 
@@ -55,6 +56,8 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
         kw["bos_token_id"] = rc["bos_token_id"]
     if rc.get("eos_token_id") is not None:
         kw["eos_token_id"] = rc["eos_token_id"]
+    if rc.get("multi_latent_attention"):
+        return deepseek_v3_config(rc, kw)
     moe = hf_moe_fields(rc)
     if moe and not rc["qk_layernorm"]:
         raise ConversionError("a mixture-of-experts model without --qk-layernorm has no Hugging Face counterpart "
@@ -74,14 +77,111 @@ def hf_config_from_run_config(rc: dict, vocab_size: int):
         return cfg
     from megatron_delta.hf import DeltaQwen3Config
 
-    return DeltaQwen3Config(
-        residual=rc["residual"],
-        delta_num_blocks=rc.get("delta_num_blocks") if rc["residual"] in BLOCK_MODES else None,
-        delta_sources=rc.get("delta_sources") or SOURCE_DEFINITIONS[0],
-        delta_null_source=bool(rc.get("delta_null_source")),
-        delta_gate=rc.get("delta_gate") or GATES[0],
-        delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]),
-        use_qk_norm=bool(rc["qk_layernorm"]), **moe, **kw)
+    return DeltaQwen3Config(**_delta_hf_fields(rc), use_qk_norm=bool(rc["qk_layernorm"]), **moe, **kw)
+
+
+def check_deepseek_export(rc: dict, ckpt_dir: str) -> None:
+    """What of a multi-latent-attention checkpoint DeepSeek-V3's stock layout (DeepseekV3ForCausalLM) expresses
+    here: baseline, dense or DeepSeek's MoE routing (_deepseek_moe_problem), its latent norms; one ConversionError
+    naming the flag otherwise (before any file)."""
+    why = _deepseek_moe_problem(rc) if rc.get("num_experts") else None
+    if why:
+        pass  # the mixture of experts' reason
+    elif not rc.get("qk_layernorm"):
+        why = "no --qk-layernorm: DeepSeek-V3's attention always norms its query and key/value latents"
+    elif (rc.get("rope_type") or "yarn") == "rope" and float(rc.get("rotary_scaling_factor") or 1) > 1 and \
+            float(rc.get("mscale_all_dim") or 0):
+        why = ("--rope-type rope with --rotary-scaling-factor > 1 and --mscale-all-dim: Megatron scales the softmax "
+               "by YaRN's mscale, DeepSeek-V3 only with YaRN rotary embeddings")
+    if why:
+        raise ConversionError(f"--load {ckpt_dir} (--multi-latent-attention) has no Hugging Face counterpart here: "
+                              f"{why}; evaluate it with the Megatron tools (tools/evaluate.py, tools/perplexity.py)")
+
+
+def _first_dense_layers(rc: dict):
+    """k when --moe-layer-freq makes the first k layers dense and the others MoE (DeepSeek-V3's
+    first_k_dense_replace), else None."""
+    L, freq = rc["num_layers"], rc.get("moe_layer_freq") or 1
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(L)]
+    k = pattern.index(1) if 1 in pattern else L
+    return k if pattern == [0] * k + [1] * (L - k) else None
+
+
+def _deepseek_moe_problem(rc: dict):
+    """Why this mixture of experts has no DeepSeek-V3 counterpart (None: it has one)."""
+    topk, groups, group_topk = rc.get("moe_router_topk") or 2, rc.get("moe_router_num_groups"), \
+        rc.get("moe_router_group_topk")
+    ffn, shared = rc.get("moe_ffn_hidden_size") or rc["ffn_hidden_size"], rc.get("moe_shared_expert_intermediate_size")
+    if (rc.get("moe_router_score_function") or "softmax") != "sigmoid" or rc.get("moe_router_pre_softmax"):
+        return "--moe-router-score-function softmax (or --moe-router-pre-softmax): DeepSeek-V3's router is a sigmoid"
+    if _first_dense_layers(rc) is None:
+        return f"--moe-layer-freq {rc.get('moe_layer_freq')}: DeepSeek-V3 has dense layers first, then MoE layers only"
+    if groups and (topk // group_topk != 2 or rc["num_experts"] % groups):
+        return (f"--moe-router-num-groups {groups} / --moe-router-group-topk {group_topk}: DeepSeek-V3 scores each "
+                f"group by its top 2 experts, Megatron by its top --moe-router-topk / --moe-router-group-topk "
+                f"({topk // group_topk})")
+    if not groups and rc["num_experts"] < 2:
+        return "one expert: DeepSeek-V3's router scores its one group by its top 2 experts"
+    if shared and shared % ffn:
+        return (f"--moe-shared-expert-intermediate-size {shared} is not a multiple of --moe-ffn-hidden-size {ffn} "
+                f"(DeepSeek-V3's n_shared_experts)")
+    return None
+
+
+def _mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention scale, as Megatron's MLA (_yarn_get_mscale) and DeepSeek-V3 compute it."""
+    import math
+
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def deepseek_v3_config(rc: dict, kw: dict):
+    """DeepseekV3Config of a baseline MLA checkpoint (DeltaDeepseekV3Config, remote code, for a routed one): dense
+    layers first (first_k_dense_replace; all of them without --num-experts), DeepSeek's MoE routing,
+    RoPE on the rotary dimensions as Megatron's MLA applies it (rope_interleave), YaRN with MLATransformerConfig's
+    fixed original_max_position_embeddings / beta_fast / beta_slow and Megatron's cos/sin scale
+    mscale(factor, --mscale) / mscale(factor, --mscale-all-dim) given explicitly (transformers infers another
+    without --mscale-all-dim)."""
+    from transformers import DeepseekV3Config
+
+    rope = dict(rope_type="default", rope_theta=float(rc["rotary_base"]))
+    if (rc.get("rope_type") or "yarn") == "yarn":
+        factor = float(rc.get("rotary_scaling_factor") or 1.0)
+        mscale, mscale_all = float(rc.get("mscale") or 1.0), float(rc.get("mscale_all_dim") or 0.0)
+        rope.update(rope_type="yarn", factor=factor, original_max_position_embeddings=4096, beta_fast=32.0,
+                    beta_slow=1.0, mscale=mscale, mscale_all_dim=mscale_all, truncate=True,
+                    attention_factor=_mscale(factor, mscale) / _mscale(factor, mscale_all))
+    kw = dict(kw, num_key_value_heads=rc["num_attention_heads"])
+    kw.pop("head_dim")
+    moe = dict(first_k_dense_replace=rc["num_layers"])
+    if rc.get("num_experts"):  # _deepseek_moe_problem said it fits
+        ffn, topk = rc.get("moe_ffn_hidden_size") or rc["ffn_hidden_size"], rc.get("moe_router_topk") or 2
+        moe = dict(first_k_dense_replace=_first_dense_layers(rc), n_routed_experts=rc["num_experts"],
+                   num_experts_per_tok=topk, moe_intermediate_size=ffn,
+                   n_shared_experts=(rc.get("moe_shared_expert_intermediate_size") or 0) // ffn,
+                   routed_scaling_factor=float(rc.get("moe_router_topk_scaling_factor") or 1.0),
+                   n_group=rc.get("moe_router_num_groups") or 1, topk_group=rc.get("moe_router_group_topk") or 1,
+                   norm_topk_prob=topk > 1)  # Megatron normalises the sigmoid top-k weights for top-k > 1
+    fields = dict(
+        **kw, q_lora_rank=rc.get("q_lora_rank"), kv_lora_rank=rc["kv_lora_rank"], qk_nope_head_dim=rc["qk_head_dim"],
+        qk_rope_head_dim=rc["qk_pos_emb_head_dim"], v_head_dim=rc["v_head_dim"], rope_interleave=True,
+        rope_parameters=rope, num_mtp_layers=0, **moe)
+    if rc["residual"] != BASELINE:  # remote code: DeepSeek-V3's modules with the routers (megatron_delta/hf)
+        from megatron_delta.hf import DeltaDeepseekV3Config
+
+        return DeltaDeepseekV3Config(**_delta_hf_fields(rc), **fields)
+    cfg = DeepseekV3Config(**fields)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    return cfg
+
+
+def _delta_hf_fields(rc: dict) -> dict:
+    """The remote-code configs' residual fields of a checkpoint (DeltaQwen3Config, DeltaDeepseekV3Config)."""
+    return dict(residual=rc["residual"],
+                delta_num_blocks=rc.get("delta_num_blocks") if rc["residual"] in BLOCK_MODES else None,
+                delta_sources=rc.get("delta_sources") or SOURCE_DEFINITIONS[0],
+                delta_null_source=bool(rc.get("delta_null_source")), delta_gate=rc.get("delta_gate") or GATES[0],
+                delta_router_eps=float(rc.get("delta_router_eps") or rc["norm_epsilon"]))
 
 
 def hf_moe_fields(rc: dict) -> dict:
@@ -107,6 +207,10 @@ def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source
     """A run_config-like dict (Megatron model flags) for a stock Qwen3 / Llama config."""
     archs = list(getattr(cfg, "architectures", None) or [])
     mtype = getattr(cfg, "model_type", None)
+    routing = dict(residual=residual, delta_num_blocks=delta_num_blocks, delta_null_source=delta_null_source,
+                   delta_gate=delta_gate, delta_sources=delta_sources, delta_router_eps=delta_router_eps)
+    if mtype == "deepseek_v3" and (not archs or archs[0] == "DeepseekV3ForCausalLM"):
+        return _deepseek_model_config(cfg, routing)
     if mtype not in ("qwen3", "qwen3_moe", "llama") or (archs and archs[0] not in SUPPORTED_HF_ARCHS):
         raise ConversionError(f"unsupported architecture {archs or mtype!r} (model_type {mtype!r}): import "
                               f"supports {', '.join(SUPPORTED_HF_ARCHS)}")
@@ -141,6 +245,66 @@ def model_config_from_hf(cfg, residual, delta_num_blocks=None, delta_null_source
                 delta_sources=delta_sources, delta_router_eps=delta_router_eps)
 
 
+def _deepseek_model_config(cfg, routing: dict) -> dict:
+    """The Megatron model flags of a DeepseekV3Config (multi-latent attention, DeepSeek's MoE routing), or a
+    ConversionError naming what Megatron's MLA and MoE do not compute as transformers does."""
+    def refuse(what):
+        raise ConversionError(f"DeepseekV3ForCausalLM with {what}: not importable")
+
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "hidden_act", "silu") != "silu":
+        refuse("attention_bias or a hidden_act other than silu")
+    if cfg.q_lora_rank is None:
+        refuse("q_lora_rank None (Megatron's local MLA spec norms the key/value latent only with --qk-layernorm, "
+               "which needs a query latent)")
+    if not getattr(cfg, "rope_interleave", True):
+        refuse("rope_interleave false (Megatron's MLA reads the rotary dimensions as interleaved pairs)")
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = rope.get("rope_theta", 10000.0)
+    if float(theta) != int(theta):
+        refuse(f"rope_theta {theta} (Megatron's --rotary-base is an integer)")
+    mla = dict(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+               qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+               rope_type="rope")
+    if rope.get("rope_type", "default") == "yarn":
+        factor, mscale, mscale_all = rope["factor"], rope.get("mscale") or 0.0, rope.get("mscale_all_dim") or 0.0
+        fixed = (rope.get("original_max_position_embeddings"), rope.get("beta_fast", 32), rope.get("beta_slow", 1),
+                 rope.get("truncate", True))
+        given = rope.get("attention_factor")
+        hf_factor = given if given is not None else (
+            _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all else _mscale(factor, 1.0))
+        megatron = _mscale(factor, mscale or 1.0) / _mscale(factor, mscale_all)
+        if fixed != (4096, 32, 1, True) or abs(hf_factor - megatron) > 1e-12:
+            refuse(f"YaRN parameters {rope} (Megatron's MLA has original_max_position_embeddings 4096, beta_fast 32, "
+                   f"beta_slow 1 and the cos/sin scale mscale(factor, mscale) / mscale(factor, mscale_all_dim))")
+        mla.update(rope_type="yarn", rotary_scaling_factor=float(factor), mscale=float(mscale or 1.0),
+                   mscale_all_dim=float(mscale_all))
+    elif rope.get("rope_type", "default") != "default":
+        refuse(f"rope_type {rope.get('rope_type')!r}")
+    L, k = cfg.num_hidden_layers, min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    moe = {}
+    if k < L:
+        topk, groups, group_topk = cfg.num_experts_per_tok, cfg.n_group or 1, cfg.topk_group or 1
+        if groups > 1 and topk // group_topk != 2:
+            refuse(f"n_group {groups}, topk_group {group_topk}, num_experts_per_tok {topk} (Megatron scores a group by "
+                   f"its top num_experts_per_tok / topk_group experts, transformers by its top 2)")
+        if bool(cfg.norm_topk_prob) != (topk > 1):
+            refuse(f"norm_topk_prob {cfg.norm_topk_prob} with top-{topk} (Megatron normalises a sigmoid top-k "
+                   f"exactly when k > 1)")
+        moe = dict(num_experts=cfg.n_routed_experts, moe_router_topk=topk,
+                   moe_ffn_hidden_size=cfg.moe_intermediate_size,
+                   moe_layer_freq=[0] * k + [1] * (L - k), moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(cfg.routed_scaling_factor),
+                   moe_router_num_groups=groups if groups > 1 else None,
+                   moe_router_group_topk=group_topk if groups > 1 else None,
+                   moe_shared_expert_intermediate_size=(cfg.n_shared_experts * cfg.moe_intermediate_size) or None)
+    return dict(num_layers=L, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+                num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_attention_heads,
+                kv_channels=cfg.hidden_size // cfg.num_attention_heads, norm_epsilon=cfg.rms_norm_eps,
+                qk_layernorm=True,
+                untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, rotary_base=int(theta),
+                max_position_embeddings=cfg.max_position_embeddings, **mla, **moe, **routing)
+
+
 # =============================================================================================== export / import
 def _tmp_sibling(path):
     parent = os.path.dirname(os.path.abspath(path)) or "."
@@ -164,6 +328,8 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print, ve
     from megatron_delta.checkpoint.run_config import hf_tokenizer_dir
 
     ckpt_dir, _, rc, _, _ = open_checkpoint(load, verify_integrity)
+    if rc.get("multi_latent_attention"):
+        check_deepseek_export(rc, ckpt_dir)
     vocab = true_vocab_size(rc)  # fails early on a missing tokenizer
     hf_tok = hf_tokenizer_dir(ckpt_dir, rc)
     if hf_tok is not None and not os.path.isdir(hf_tok):
@@ -173,13 +339,15 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print, ve
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()
           if isinstance(v, torch.Tensor) and not k.endswith("_extra_state") and not k.startswith("mtp.")}
     if rc.get("mtp_num_layers"):
+        why = ("the DeepseekV3 export writes none (num_mtp_layers 0)" if rc.get("multi_latent_attention")
+               else "Hugging Face's Qwen3 has no MTP head")
         log(f"[export] the {rc['mtp_num_layers']} multi-token prediction depth(s) (mtp.layers.*) are not exported: "
-            f"Hugging Face's Qwen3 has no MTP head; they stay in the Megatron checkpoint {ckpt_dir}")
+            f"{why}; they stay in the Megatron checkpoint {ckpt_dir}")
     tied = not rc["untie_embeddings_and_output_weights"]
     hf_sd = megatron_to_hf_state_dict(
         sd, num_layers=rc["num_layers"], num_attention_heads=rc["num_attention_heads"],
         num_query_groups=rc["num_query_groups"], kv_channels=rc["kv_channels"], hidden_size=rc["hidden_size"],
-        qk_layernorm=rc["qk_layernorm"], tied=tied, vocab_size=vocab)
+        qk_layernorm=rc["qk_layernorm"], tied=tied, vocab_size=vocab, mla=bool(rc.get("multi_latent_attention")))
     spm = rc.get("tokenizer_model") if rc.get("tokenizer_type") != "NullTokenizer" else None
     if spm:
         import sentencepiece
@@ -192,10 +360,10 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print, ve
     tmp = _tmp_sibling(output)
     try:
         if rc["residual"] == BASELINE:
-            from transformers import LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+            from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-            cls = (Qwen3MoeForCausalLM if rc.get("num_experts") else Qwen3ForCausalLM if rc["qk_layernorm"]
-                   else LlamaForCausalLM)
+            cls = (DeepseekV3ForCausalLM if rc.get("multi_latent_attention") else Qwen3MoeForCausalLM
+                   if rc.get("num_experts") else Qwen3ForCausalLM if rc["qk_layernorm"] else LlamaForCausalLM)
             hf = cls(cfg)
             missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
             missing = [m for m in missing if not (tied and m == "lm_head.weight")]
@@ -293,7 +461,8 @@ def import_checkpoint(hf_dir_or_model, save: str, residual: str = RESIDUAL_MODES
         {k: v.detach().float() for k, v in hf.state_dict().items()}, num_layers=mc["num_layers"],
         num_attention_heads=mc["num_attention_heads"], num_query_groups=mc["num_query_groups"],
         kv_channels=mc["kv_channels"], hidden_size=mc["hidden_size"], qk_layernorm=mc["qk_layernorm"],
-        tied=tied, padded_vocab_size=padded)
+        tied=tied, padded_vocab_size=padded, mla=bool(mc.get("multi_latent_attention")),
+        expert_bias=bool(mc.get("moe_router_enable_expert_bias")))
     target = model.state_dict()
     new = {}
     for k, v in target.items():

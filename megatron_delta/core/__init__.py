@@ -2,7 +2,8 @@
 
 Modules (one concept each):
   modes        - the residual modes and their rules (what each sublayer reads, commits and forms), checks
-  config       - DeltaTransformerConfig: TransformerConfig + the delta_* fields, validated on construction
+  config       - DeltaFields (the delta_* fields, validated on construction) on TransformerConfig
+                 (DeltaTransformerConfig) and MLATransformerConfig (DeltaMLATransformerConfig)
   router       - DepthRouter: softmax over depth (fp32)
   group_plan   - which routers route together and the passes counted for them (pure arithmetic, no torch)
   group_router - the group router of delta / full_attnres: one pass over a group's older sources, then merges
@@ -17,6 +18,7 @@ Modules (one concept each):
   payload      - the stage payload: one tensor per micro-batch across a pipeline boundary
   mtp          - the residual modes in Megatron-Core's multi-token prediction layers
   layer / block / model / specs / norms - the Megatron-Core integration (subclasses + layer specs)
+  mla          - multi-latent attention on the local backend (what megatron-core 0.19 lacks there)
 
 Nothing here imports the training side (megatron_delta.platform, .data, .checkpoint, .evaluation, .convert,
 .trainer) or megatron.training; tests/test_import_direction.py holds that.

@@ -1,4 +1,8 @@
-"""DeltaTransformerConfig: Megatron's TransformerConfig plus the residual-routing fields (`delta_*`).
+"""The residual-routing fields (`delta_*`) on Megatron's config classes.
+
+:class:`DeltaFields` defines the fields and their checks once; each Megatron-Core config class Megatron-LM's
+core_transformer_config_from_args can build gets them by a dataclass combination: DeltaTransformerConfig
+(TransformerConfig), DeltaMLATransformerConfig (MLATransformerConfig, ``--multi-latent-attention``).
 
 The rules about which residual options go together live in `modes.check_delta_options`; what the routed
 modes refuse of Megatron-Core (RESIDUAL_FUSIONS, UNSUPPORTED_FEATURES) lives here. Each is used both by the
@@ -8,7 +12,7 @@ the distributed start-up). Messages name the command-line flag, since that is wh
 
 from dataclasses import dataclass, fields
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_delta.core.group_plan import check_group_size
 from megatron_delta.core.modes import BASELINE, check_delta_options
@@ -91,8 +95,9 @@ def check_unsupported_features(residual: str, **values) -> None:
 
 
 @dataclass
-class DeltaTransformerConfig(TransformerConfig):
-    """TransformerConfig + residual routing. `residual='baseline'` is plain Megatron."""
+class DeltaFields:
+    """The residual-routing fields and their checks, combined with a Megatron-Core config class (first base:
+    its ``__post_init__`` checks these, then runs the Megatron class's). `residual='baseline'` is plain Megatron."""
 
     residual: str = BASELINE
     """baseline or a routed mode of core/modes.py (``--residual``'s choices; docs/design.md section 1)."""
@@ -133,8 +138,18 @@ class DeltaTransformerConfig(TransformerConfig):
         check_unsupported_features(self.residual, **{f: getattr(self, f) for f in UNSUPPORTED_FEATURES})
         check_mtp_options(self.residual, self.mtp_num_layers, self.recompute_granularity,
                           **{f: getattr(self, f) for f in ROUTED_MTP_REFUSED})
-        super().__post_init__()
+        super().__post_init__()  # the Megatron-Core config class's checks and derived fields
 
     @property
     def routed(self) -> bool:
         return self.residual != BASELINE
+
+
+@dataclass
+class DeltaTransformerConfig(DeltaFields, TransformerConfig):
+    """TransformerConfig + residual routing."""
+
+
+@dataclass
+class DeltaMLATransformerConfig(DeltaFields, MLATransformerConfig):
+    """MLATransformerConfig (multi-latent attention, ``--multi-latent-attention``) + residual routing."""

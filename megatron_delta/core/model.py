@@ -34,12 +34,15 @@ from megatron_delta.core.specs import (
 def megatron_layer_spec(config: DeltaTransformerConfig, transformer_impl: str = "local"):
     """Megatron's GPT layer spec (an MoE layer with --num-experts), local or TE backend: baseline's layers."""
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    mla = config.multi_latent_attention  # Megatron's MLA spec (DeltaMLATransformerConfig), as gpt_builders.py
     if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
+        return get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=mla,
+            mla_down_proj_fusion=getattr(config, "mla_down_proj_fusion", False), **moe)
     return get_gpt_layer_local_spec_sp(qk_layernorm=config.qk_layernorm, normalization=config.normalization,
-                                       **moe)
+                                       multi_latent_attention=mla, **moe)
 
 
 def layer_spec_for(config: DeltaTransformerConfig, transformer_impl: str = "local"):
@@ -47,9 +50,11 @@ def layer_spec_for(config: DeltaTransformerConfig, transformer_impl: str = "loca
     otherwise (local or TE backend)."""
     if not config.routed:
         return megatron_layer_spec(config, transformer_impl)
-    kw = dict(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    kw = dict(qk_layernorm=config.qk_layernorm, normalization=config.normalization,
+              multi_latent_attention=config.multi_latent_attention)
     if transformer_impl == "transformer_engine":
-        return get_gpt_layer_with_delta_te_spec(**kw)
+        return get_gpt_layer_with_delta_te_spec(**kw, mla_down_proj_fusion=getattr(config, "mla_down_proj_fusion",
+                                                                                    False))
     return get_gpt_layer_with_delta_spec(**kw)
 
 

@@ -1,6 +1,7 @@
 """Layer specs: Megatron-Core's own GPT submodules, with depth routers for the routed modes.
 
-- `get_gpt_layer_local_spec_sp`: Megatron's local spec with norms that support sequence parallelism.
+- `get_gpt_layer_local_spec_sp`: Megatron's local spec with norms that support sequence parallelism (with
+  ``multi_latent_attention``: its MLA spec, MLASelfAttention, whose latent norms are swapped too).
 - `get_gpt_layer_with_delta_spec`: the same submodules in a DeltaTransformerLayer, plus two routers, and
   bias-dropout modules that return the addend v instead of adding it to a residual (layer.get_bias_dropout).
 - `get_gpt_layer_with_delta_te_spec`: the Transformer Engine variant (input norms fused into
@@ -19,20 +20,31 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec,
     get_gpt_mtp_block_spec_for_backend,
 )
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from megatron_delta.core.mla import LocalMLASelfAttention, MLADotProductAttention
 from megatron_delta.core.norms import LocalNorm
+
+# The attention's own norms: q/k of SelfAttention (--qk-layernorm), q/kv latents of MLASelfAttention
+_ATTENTION_NORMS = ("q_layernorm", "k_layernorm", "kv_layernorm")
 
 
 def _replace_norms(submodules, norm):
-    """Swap the local spec's WrappedTorchNorm (no SP support) for `norm`; everything else stays Megatron's."""
+    """Swap the local spec's WrappedTorchNorm (no SP support) for `norm`; everything else stays Megatron's but
+    MLA's attention and core attention (LocalMLASelfAttention, MLADotProductAttention). Under SP the MLA latent
+    norms see sequence shards too (MLASelfAttention scatters the latents)."""
     submodules.input_layernorm = norm
     submodules.pre_mlp_layernorm = norm
     attn = submodules.self_attention.submodules
-    if getattr(attn, "q_layernorm", None) is not None and attn.q_layernorm.__name__ != "IdentityOp":
-        attn.q_layernorm = norm
-        attn.k_layernorm = norm
+    for name in _ATTENTION_NORMS:
+        module = getattr(attn, name, None)
+        if module is not None and getattr(module, "__name__", "") != "IdentityOp":
+            setattr(attn, name, norm)
+    if submodules.self_attention.module is MLASelfAttention:  # what megatron-core 0.19 lacks locally (core/mla.py)
+        submodules.self_attention.module = LocalMLASelfAttention
+        attn.core_attention = MLADotProductAttention
     return submodules
 
 
@@ -58,17 +70,24 @@ def _delta_layer_spec(spec: ModuleSpec) -> ModuleSpec:
         **submodules, self_attention_router=DepthRouter, mlp_router=DepthRouter))
 
 
-def get_gpt_layer_with_delta_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
-    """Local backend: Megatron's attention/MLP/norm submodules inside a DeltaTransformerLayer."""
-    return _delta_layer_spec(get_gpt_layer_local_spec_sp(qk_layernorm=qk_layernorm, normalization=normalization))
+def get_gpt_layer_with_delta_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm",
+                                  multi_latent_attention: bool = False) -> ModuleSpec:
+    """Local backend: Megatron's attention (MLASelfAttention with multi_latent_attention)/MLP/norm submodules
+    inside a DeltaTransformerLayer."""
+    return _delta_layer_spec(get_gpt_layer_local_spec_sp(qk_layernorm=qk_layernorm, normalization=normalization,
+                                                         multi_latent_attention=multi_latent_attention))
 
 
-def get_gpt_layer_with_delta_te_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
+def get_gpt_layer_with_delta_te_spec(qk_layernorm: bool = True, normalization: str = "RMSNorm",
+                                     multi_latent_attention: bool = False,
+                                     mla_down_proj_fusion: bool = False) -> ModuleSpec:
     """Transformer Engine backend (GPU only): Megatron's TE spec inside a DeltaTransformerLayer."""
     try:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm,
+                                                          multi_latent_attention=multi_latent_attention,
+                                                          mla_down_proj_fusion=mla_down_proj_fusion)
     except (ImportError, AssertionError) as e:
         raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not importable "
                            f"({e}); install megatron-delta[te] on a GPU machine or use --transformer-impl local")

@@ -1,7 +1,9 @@
 """Hugging Face side of checkpoint conversion.
 
-  configuration_delta - DeltaQwen3Config (Qwen3Config + residual/delta_* fields, use_qk_norm)
-  modeling_delta      - DeltaQwen3ForCausalLM (Qwen3 / Llama backbone + depth routers)
+  configuration_delta - DeltaQwen3Config (Qwen3Config + residual/delta_* fields, use_qk_norm), DeltaDeepseekV3Config
+                        (DeepseekV3Config + the same fields)
+  modeling_delta      - DeltaQwen3ForCausalLM (Qwen3 / Llama backbone + depth routers), DeltaDeepseekV3ForCausalLM
+                        (DeepSeek-V3's multi-latent attention and MoE + depth routers)
   tokenizer           - export_sentencepiece_tokenizer (spm model -> tokenizer.json)
 
 ``configuration_delta.py`` and ``modeling_delta.py`` are self-contained remote code:
@@ -13,8 +15,8 @@ without this package installed.
 import os
 import shutil
 
-from .configuration_delta import DeltaQwen3Config
-from .modeling_delta import DeltaQwen3ForCausalLM, DeltaRouter
+from .configuration_delta import DeltaDeepseekV3Config, DeltaQwen3Config
+from .modeling_delta import DeltaDeepseekV3ForCausalLM, DeltaQwen3ForCausalLM, DeltaRouter
 from .tokenizer import build_fast_tokenizer, export_sentencepiece_tokenizer
 
 # remote-code file in an export -> its source, relative to the megatron_delta package
@@ -27,6 +29,8 @@ AUTO_MAP = {
     "AutoConfig": "configuration_delta.DeltaQwen3Config",
     "AutoModelForCausalLM": "modeling_delta.DeltaQwen3ForCausalLM",
 }
+# the config class of an export -> its model class (remote code)
+MODEL_CLASSES = {DeltaQwen3Config: DeltaQwen3ForCausalLM, DeltaDeepseekV3Config: DeltaDeepseekV3ForCausalLM}
 
 
 def write_remote_code_model(model_or_state_dict, config: DeltaQwen3Config, out_dir, dtype=None):
@@ -39,8 +43,8 @@ def write_remote_code_model(model_or_state_dict, config: DeltaQwen3Config, out_d
     """
     from safetensors.torch import save_file
 
-    if not isinstance(config, DeltaQwen3Config):
-        raise TypeError(f"config must be a DeltaQwen3Config, got {type(config).__name__}")
+    if type(config) not in MODEL_CLASSES:
+        raise TypeError(f"config must be a DeltaQwen3Config or DeltaDeepseekV3Config, got {type(config).__name__}")
     config.validate_delta()
     sd = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") else dict(model_or_state_dict)
     if config.tie_word_embeddings:
@@ -56,9 +60,11 @@ def write_remote_code_model(model_or_state_dict, config: DeltaQwen3Config, out_d
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
-    cfg = DeltaQwen3Config.from_dict(config.to_dict())
-    cfg.auto_map = dict(AUTO_MAP)
-    cfg.architectures = ["DeltaQwen3ForCausalLM"]
+    cfg = type(config).from_dict(config.to_dict())
+    model_name = MODEL_CLASSES[type(config)].__name__
+    cfg.auto_map = {"AutoConfig": f"configuration_delta.{type(config).__name__}",
+                    "AutoModelForCausalLM": f"modeling_delta.{model_name}"}
+    cfg.architectures = [model_name]
     if dtype is not None:
         cfg.dtype = dtype
     cfg.save_pretrained(out_dir)
@@ -71,6 +77,8 @@ def write_remote_code_model(model_or_state_dict, config: DeltaQwen3Config, out_d
 __all__ = [
     "AUTO_MAP",
     "REMOTE_CODE_FILES",
+    "DeltaDeepseekV3Config",
+    "DeltaDeepseekV3ForCausalLM",
     "DeltaQwen3Config",
     "DeltaQwen3ForCausalLM",
     "DeltaRouter",

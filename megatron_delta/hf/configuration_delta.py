@@ -12,7 +12,7 @@ One config class covers both backbones the project converts:
 
 The extra fields follow docs/design.md section 1 (the Megatron flags ``--residual``, ``--delta-*``).
 """
-from transformers import Qwen3Config
+from transformers import DeepseekV3Config, Qwen3Config
 
 try:  # an exported model: the copy of core/modes.py next to this file (hf.write_remote_code_model)
     from .modes import (
@@ -46,7 +46,51 @@ except ModuleNotFoundError:  # inside the megatron_delta package
     )
 
 
-class DeltaQwen3Config(Qwen3Config):
+class DeltaFieldsMixin:
+    """The residual-mode fields (``residual``, ``delta_*``) and their rules, for each backbone's config class
+    (first base: DeltaQwen3Config, DeltaDeepseekV3Config)."""
+
+    def set_delta_fields(self, residual=BASELINE, delta_num_blocks=None, delta_sources=EXACT, delta_null_source=False,
+                         delta_gate="none", delta_router_eps=1e-6):
+        self.residual = residual
+        self.delta_num_blocks = delta_num_blocks
+        self.delta_sources = delta_sources
+        self.delta_null_source = delta_null_source
+        self.delta_gate = delta_gate
+        self.delta_router_eps = delta_router_eps
+
+    # ------------------------------------------------------------------ validation
+    def validate_delta(self):
+        """Raise ValueError with a clear message for an inconsistent residual configuration: the field types
+        here, the residual rules in modes.check_delta_options (those of the command line, naming the fields).
+        A block mode without ``delta_num_blocks`` gets the command line's default K."""
+        if not isinstance(self.delta_null_source, bool):
+            raise ValueError(f"delta_null_source must be a bool, got {self.delta_null_source!r}")
+        if not isinstance(self.delta_router_eps, (int, float)) or isinstance(self.delta_router_eps, bool) \
+                or not self.delta_router_eps > 0:
+            raise ValueError(f"delta_router_eps must be a positive float, got {self.delta_router_eps!r}")
+        self.delta_num_blocks = check_delta_options(
+            self.residual, self.num_hidden_layers, self.delta_num_blocks, self.delta_null_source, self.delta_gate,
+            self.delta_sources, spell=HF_FIELDS)
+
+    @property
+    def has_routers(self) -> bool:
+        return self.residual != BASELINE
+
+    @property
+    def has_final_router(self) -> bool:
+        return self.residual in REPLACEMENT_MODES
+
+    def residual_rules(self) -> RoutedMode | None:
+        """The routed mode's rules (modes.py, those of the Megatron model): which sources each sublayer
+        reads, how it forms its input and what its output adds to the sources; None for ``baseline``."""
+        if not self.has_routers:
+            return None
+        L = self.num_hidden_layers
+        return routed_mode_class(self.residual, self.delta_sources, HF_FIELDS)(L, self.delta_num_blocks or L)
+
+
+class DeltaQwen3Config(DeltaFieldsMixin, Qwen3Config):
     """Qwen3Config plus the residual-mode fields.
 
     Args (in addition to Qwen3Config's):
@@ -91,52 +135,22 @@ class DeltaQwen3Config(Qwen3Config):
         self.norm_topk_prob = norm_topk_prob
         self.decoder_sparse_step = decoder_sparse_step
         self.mlp_only_layers = list(mlp_only_layers or [])
-        self.residual = residual
-        self.delta_num_blocks = delta_num_blocks
-        self.delta_sources = delta_sources
-        self.delta_null_source = delta_null_source
-        self.delta_gate = delta_gate
-        self.delta_router_eps = delta_router_eps
+        self.set_delta_fields(residual, delta_num_blocks, delta_sources, delta_null_source, delta_gate,
+                              delta_router_eps)
         self.use_qk_norm = use_qk_norm
         super().__init__(**kwargs)
         self.validate_delta()
 
-    # ------------------------------------------------------------------ validation
     def validate_delta(self):
-        """Raise ValueError with a clear message for an inconsistent residual configuration: the field types
-        here, the residual rules in modes.check_delta_options (those of the command line, naming the fields).
-        A block mode without ``delta_num_blocks`` gets the command line's default K."""
-        if not isinstance(self.delta_null_source, bool):
-            raise ValueError(f"delta_null_source must be a bool, got {self.delta_null_source!r}")
         if not isinstance(self.use_qk_norm, bool):
             raise ValueError(f"use_qk_norm must be a bool, got {self.use_qk_norm!r}")
-        if not isinstance(self.delta_router_eps, (int, float)) or isinstance(self.delta_router_eps, bool) \
-                or not self.delta_router_eps > 0:
-            raise ValueError(f"delta_router_eps must be a positive float, got {self.delta_router_eps!r}")
-        self.delta_num_blocks = check_delta_options(
-            self.residual, self.num_hidden_layers, self.delta_num_blocks, self.delta_null_source, self.delta_gate,
-            self.delta_sources, spell=HF_FIELDS)
+        super().validate_delta()
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is the mixture of experts (Qwen3-MoE's rule)."""
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
 
-    @property
-    def has_routers(self) -> bool:
-        return self.residual != BASELINE
-
-    @property
-    def has_final_router(self) -> bool:
-        return self.residual in REPLACEMENT_MODES
-
-    def residual_rules(self) -> RoutedMode | None:
-        """The routed mode's rules (modes.py, those of the Megatron model): which sources each sublayer
-        reads, how it forms its input and what its output adds to the sources; None for ``baseline``."""
-        if not self.has_routers:
-            return None
-        L = self.num_hidden_layers
-        return routed_mode_class(self.residual, self.delta_sources, HF_FIELDS)(L, self.delta_num_blocks or L)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -162,4 +176,25 @@ class DeltaQwen3Config(Qwen3Config):
         return cls(**keep)
 
 
-__all__ = ["ATTNRES", "AUTHORS_CODE", "BASELINE", "DELTA", "DELTA_BLOCK", "DeltaQwen3Config", "FULL_ATTNRES"]
+
+
+class DeltaDeepseekV3Config(DeltaFieldsMixin, DeepseekV3Config):
+    """DeepseekV3Config (multi-latent attention, DeepSeek's MoE: DeepseekV3Config's fields and meaning, its
+    parameter layout) plus the residual-mode fields (DeltaQwen3Config's)."""
+
+    model_type = "delta_deepseek_v3"
+
+    def __init__(self, residual: str = BASELINE, delta_num_blocks: int | None = None, delta_sources: str = EXACT,
+                 delta_null_source: bool = False, delta_gate: str = "none", delta_router_eps: float = 1e-6, **kwargs):
+        self.set_delta_fields(residual, delta_num_blocks, delta_sources, delta_null_source, delta_gate,
+                              delta_router_eps)
+        super().__init__(**kwargs)
+        self.validate_delta()
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the mixture of experts (DeepSeek-V3's rule: after the first dense layers)."""
+        return i >= self.first_k_dense_replace
+
+
+__all__ = ["ATTNRES", "AUTHORS_CODE", "BASELINE", "DELTA", "DELTA_BLOCK", "DeltaDeepseekV3Config", "DeltaQwen3Config",
+           "FULL_ATTNRES"]

@@ -37,6 +37,15 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Attention,
+    DeepseekV3Experts,
+    DeepseekV3MLP,
+    DeepseekV3MoE,
+    DeepseekV3RMSNorm,
+    DeepseekV3RotaryEmbedding,
+    DeepseekV3TopkRouter,
+)
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3Attention,
     Qwen3MLP,
@@ -49,7 +58,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeTopKRouter,
 )
 
-from .configuration_delta import DeltaQwen3Config
+from .configuration_delta import DeltaDeepseekV3Config, DeltaQwen3Config
 
 
 class DeltaRouter(nn.Module):
@@ -212,6 +221,9 @@ class DeltaQwen3DecoderLayer(nn.Module):
         self.mlp = Qwen3MoeSparseMoeBlock(config) if config.is_moe_layer(layer_idx) else Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.add_routers(config)
+
+    def add_routers(self, config):
         if config.has_routers:
             kw = dict(eps=config.delta_router_eps, null_source=config.delta_null_source,
                       gate=config.delta_gate == "scalar")
@@ -231,6 +243,19 @@ class DeltaQwen3DecoderLayer(nn.Module):
 
     def mlp_sublayer(self, u):
         return self.mlp(self.post_attention_layernorm(u))
+
+
+class DeltaDeepseekV3DecoderLayer(DeltaQwen3DecoderLayer):
+    """DeepSeek-V3's layer (multi-latent attention; its MoE after the first dense layers) as two routed sublayers."""
+
+    def __init__(self, config: DeltaDeepseekV3Config, layer_idx: int):
+        nn.Module.__init__(self)  # replaces DeltaQwen3DecoderLayer.__init__: DeepSeek-V3's submodules, same names
+        self.layer_idx = layer_idx
+        self.self_attn = DeepseekV3Attention(config=config, layer_idx=layer_idx)
+        self.mlp = DeepseekV3MoE(config) if config.is_moe_layer(layer_idx) else DeepseekV3MLP(config)
+        self.input_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.add_routers(config)
 
 
 class DeltaQwen3PreTrainedModel(PreTrainedModel):
@@ -258,20 +283,24 @@ class DeltaQwen3PreTrainedModel(PreTrainedModel):
 
 
 class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
+    # the backbone's modules (DeltaDeepseekV3Model: DeepSeek-V3's)
+    decoder_layer_class, norm_class, rotary_class = DeltaQwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
     def __init__(self, config: DeltaQwen3Config):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(
-            [DeltaQwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+            [self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers)]
         )
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = self.rotary_class(config=config)
         if config.has_final_router:
             self.final_router = DeltaRouter(config.hidden_size, eps=config.delta_router_eps,
                                             null_source=config.delta_null_source, gate=False)
-        self.has_sliding_layers = "sliding_attention" in config.layer_types
+        self.layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        self.has_sliding_layers = "sliding_attention" in self.layer_types
         self.last_routing = None
         self.post_init()
 
@@ -325,7 +354,7 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
 
         h0 = inputs_embeds
         position_embeddings = self.rotary_emb(h0, position_ids)
-        layer_types = self.config.layer_types
+        layer_types = self.layer_types
 
         def f(layer, is_attn, u):
             if is_attn:
@@ -356,9 +385,11 @@ class DeltaQwen3Model(DeltaQwen3PreTrainedModel):
 class DeltaQwen3ForCausalLM(DeltaQwen3PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
+    model_class = DeltaQwen3Model  # DeltaDeepseekV3ForCausalLM: DeltaDeepseekV3Model
+
     def __init__(self, config: DeltaQwen3Config):
         super().__init__(config)
-        self.model = DeltaQwen3Model(config)
+        self.model = self.model_class(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -426,4 +457,32 @@ class DeltaQwen3ForCausalLM(DeltaQwen3PreTrainedModel, GenerationMixin):
         return model
 
 
-__all__ = ["DeltaQwen3ForCausalLM", "DeltaQwen3Model", "DeltaQwen3PreTrainedModel", "DeltaRouter"]
+class DeltaDeepseekV3PreTrainedModel(DeltaQwen3PreTrainedModel):
+    config_class = DeltaDeepseekV3Config
+    config: DeltaDeepseekV3Config
+    _no_split_modules = ["DeltaDeepseekV3DecoderLayer"]
+    # DeepSeek-V3's router and its correction bias stay fp32, as in DeepseekV3PreTrainedModel
+    _keep_in_fp32_modules_strict = DeltaQwen3PreTrainedModel._keep_in_fp32_modules_strict + [
+        "e_score_correction_bias", "gate.weight"]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DeepseekV3TopkRouter):  # as DeepseekV3PreTrainedModel initialises them
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+            nn.init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, DeepseekV3Experts):
+            nn.init.normal_(module.gate_up_proj, std=self.config.initializer_range)
+            nn.init.normal_(module.down_proj, std=self.config.initializer_range)
+
+
+class DeltaDeepseekV3Model(DeltaDeepseekV3PreTrainedModel, DeltaQwen3Model):
+    decoder_layer_class, norm_class, rotary_class = (DeltaDeepseekV3DecoderLayer, DeepseekV3RMSNorm,
+                                                     DeepseekV3RotaryEmbedding)
+
+
+class DeltaDeepseekV3ForCausalLM(DeltaDeepseekV3PreTrainedModel, DeltaQwen3ForCausalLM):
+    model_class = DeltaDeepseekV3Model
+
+
+__all__ = ["DeltaDeepseekV3ForCausalLM", "DeltaDeepseekV3Model", "DeltaQwen3ForCausalLM", "DeltaQwen3Model",
+           "DeltaQwen3PreTrainedModel", "DeltaRouter"]

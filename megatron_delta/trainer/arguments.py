@@ -114,10 +114,78 @@ def check_cpu_switches(args: argparse.Namespace) -> None:
 # Megatron-LM's args attribute of a TransformerConfig field, where the names differ
 # (megatron.training.argument_utils.core_transformer_config_from_args: num_moe_experts = args.num_experts).
 CONFIG_FIELD_ARGS = {"num_moe_experts": "num_experts"}
-# Flags for which Megatron-LM's core_transformer_config_from_args builds another config class
-# (MLATransformerConfig, HeterogeneousTransformerConfig) than the config_class it is given.
-OTHER_CONFIG_CLASSES = (("multi_latent_attention", "--multi-latent-attention"),
-                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"))
+# Flags for which Megatron-LM's core_transformer_config_from_args builds HeterogeneousTransformerConfig, and
+# gpt_builders.py its per-layer spec (get_gpt_heterogeneous_layer_spec), neither of which the provider builds.
+OTHER_CONFIG_CLASSES = (("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),)
+
+# Megatron-LM's multi-latent-attention flags (arguments.py _add_mla_args): args attribute -> (flag, parser default).
+# They mean something only with --multi-latent-attention (MLATransformerConfig's fields); the three rotary ones
+# also configure --position-embedding-type yarn (argument_utils.py _apply_yarn_config_from_args).
+MLA_FLAGS = {
+    "q_lora_rank": ("--q-lora-rank", None), "kv_lora_rank": ("--kv-lora-rank", 32),
+    "qk_head_dim": ("--qk-head-dim", 128), "qk_pos_emb_head_dim": ("--qk-pos-emb-head-dim", 64),
+    "v_head_dim": ("--v-head-dim", 128), "cache_mla_latents": ("--cache-mla-latents", False),
+    "rotary_scaling_factor": ("--rotary-scaling-factor", 1.0), "mscale": ("--mscale", 1.0),
+    "mscale_all_dim": ("--mscale-all-dim", 0.0),
+}
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+YARN_SHARED_FLAGS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")
+# --position-embedding-type yarn's own flags, which MLATransformerConfig does not read (its
+# original_max_position_embeddings, beta_fast and beta_slow have no Megatron-LM flag and keep their defaults)
+YARN_ONLY_FLAGS = {"yarn_original_max_position_embeddings": "--yarn-original-max-position-embeddings",
+                   "yarn_beta_fast": "--yarn-beta-fast", "yarn_beta_slow": "--yarn-beta-slow",
+                   "yarn_correction_range_round_to_int": "--yarn-correction-range-round-to-int"}
+
+
+def check_mla_flags(args: argparse.Namespace) -> None:
+    """Multi-latent attention's flags, checked before the distributed start-up (one line naming the flag): an
+    MLA flag without --multi-latent-attention, a combination Megatron-Core would refuse only when the model is
+    built (or at the first step), and the sizes tensor parallelism splits."""
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    if not mla:
+        yarn = args.position_embedding_type == "yarn"
+        for attr, (flag, default) in MLA_FLAGS.items():
+            if getattr(args, attr, default) != default and not (yarn and attr in YARN_SHARED_FLAGS):
+                raise ValueError(f"{flag} configures multi-latent attention: add --multi-latent-attention, or drop "
+                                 f"{flag}")
+        if args.rope_type == "yarn":
+            raise ValueError("--rope-type yarn applies to multi-latent attention only (Megatron-LM's other "
+                             "attention takes --rope-type rope): add --multi-latent-attention, or use "
+                             "--position-embedding-type yarn")
+        return
+    if args.position_embedding_type not in ("rope", "none"):
+        raise ValueError(f"--multi-latent-attention computes its rotary embedding inside the attention (--rope-type "
+                         f"rope or yarn, default yarn); --position-embedding-type {args.position_embedding_type} "
+                         f"would add another: use --position-embedding-type rope (or none)")
+    for attr, flag in YARN_ONLY_FLAGS.items():
+        if getattr(args, attr, None) is not None:
+            raise ValueError(f"{flag} is not read with --multi-latent-attention: Megatron-LM's MLATransformerConfig "
+                             f"keeps its own YaRN defaults (original_max_position_embeddings 4096, beta_fast 32, "
+                             f"beta_slow 1); its YaRN flags are --rotary-scaling-factor, --mscale, --mscale-all-dim. "
+                             f"Drop {flag}")
+    if getattr(args, "apply_rope_fusion", False) and args.transformer_impl != "transformer_engine":
+        raise ValueError("--multi-latent-attention with RoPE fusion (Megatron-LM's default) needs Transformer "
+                         "Engine's fused MLA RoPE kernels: pass --no-rope-fusion, or --transformer-impl "
+                         "transformer_engine on a GPU")
+    if args.qk_layernorm and args.q_lora_rank is None and args.transformer_impl != "transformer_engine":
+        raise ValueError("--qk-layernorm with --multi-latent-attention and no --q-lora-rank: Megatron-Core's local "
+                         "MLA spec refuses a query-latent norm without a query latent (mla_qk_norm_config.py). "
+                         "Pass --q-lora-rank, or drop --qk-layernorm (the key/value latent is then not normed "
+                         "either)")
+    for attr in MLA_SIZES:
+        flag, value = MLA_FLAGS[attr][0], getattr(args, attr)
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} {value} must be a positive size")
+    tp = args.tensor_model_parallel_size
+    if args.transformer_impl != "transformer_engine" and tp > 1:
+        # The local spec's down projections are ColumnParallelLinear (TE's are replicated): their outputs split
+        sizes = [("--kv-lora-rank + --qk-pos-emb-head-dim", args.kv_lora_rank + args.qk_pos_emb_head_dim)]
+        if args.q_lora_rank is not None:
+            sizes.insert(0, ("--q-lora-rank", args.q_lora_rank))
+        for flag, n in sizes:
+            if n % tp:
+                raise ValueError(f"--tensor-model-parallel-size {tp} must divide {flag} ({n}): the local "
+                                 f"backend's MLA down projections split it over the tensor-parallel ranks")
 
 
 def check_routed_features(args: argparse.Namespace) -> None:
@@ -142,8 +210,9 @@ def check_routed_features(args: argparse.Namespace) -> None:
     for attr, flag in OTHER_CONFIG_CLASSES:
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported by megatron-delta's model provider (in every --residual "
-                             f"mode): Megatron-LM builds its own TransformerConfig class for it, not "
-                             f"DeltaTransformerConfig. Drop {flag}")
+                             f"mode): Megatron-LM builds HeterogeneousTransformerConfig and a layer spec per layer "
+                             f"(attention or MLP replaced by a linear layer or a no-op) for it, neither of which "
+                             f"the provider builds. Drop {flag}")
 
 
 def check_tensor_parallel_split(args: argparse.Namespace) -> None:
@@ -248,6 +317,7 @@ def validate_delta_args(args: argparse.Namespace) -> None:
                                                         args.delta_sources, args.delta_router_kernels)
         check_routed_features(args)
         check_moe_backend(args.transformer_impl, args.num_experts, args.moe_grouped_gemm)
+        check_mla_flags(args)
         check_tensor_parallel_split(args)
         if args.residual != BASELINE:
             check_kernels(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1

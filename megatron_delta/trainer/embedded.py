@@ -12,7 +12,8 @@ does not count). Then:
   ``--vocab-size`` without data is an error (the corpus is tokenized with its own tokenizer).
 - every flag of :data:`EMBEDDED_DEFAULTS` that the arguments do not give is added: the embedded
   defaults (4 layers, hidden 128, Qwen3-style: RMSNorm, SwiGLU, RoPE base 1e6, qk-layernorm, GQA 4
-  heads / 2 groups, no biases; seq 128, MBS 8, 200 iterations, lr 3e-3 cosine to 3e-4, warmup 5 %,
+  heads / 2 groups (none with --multi-latent-attention), no biases;
+  seq 128, MBS 8, 200 iterations, lr 3e-3 cosine to 3e-4, warmup 5 %,
   weight decay 0.1, clip 1, beta2 0.95, eval every 100 iterations over 10 batches, log every 10);
   a flag given on the command line wins (``--train-iters 20``, ``--num-layers 8``, ...); training
   Megatron-LM's ``--exit-duration-in-mins 5`` guards the 5 minutes the run promises (on an idle 2-core
@@ -100,6 +101,8 @@ def embedded_argv(argv: Sequence[str]) -> List[str]:
     defaults = dict(EMBEDDED_DEFAULTS)
     if not torch.cuda.is_available():
         defaults.update(_cpu_switches())
+    if _given(argv, "--multi-latent-attention"):  # its latents replace the query groups (Megatron-LM refuses both)
+        del defaults["--group-query-attention"], defaults["--num-query-groups"]
     for flag, value in defaults.items():
         if not _given(argv, flag):
             extra += [flag] if value is None else [flag, value]

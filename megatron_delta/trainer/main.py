@@ -135,7 +135,26 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         raise TrainerArgumentError(f"{detail} (Megatron-LM validate_args, "
                                    f"{os.path.basename(where.filename)}:{where.lineno})") from None
     resolve_pp_source_cache(args)
+    check_config_class_builds(args)
     return args
+
+
+def check_config_class_builds(args) -> None:
+    """--multi-latent-attention: build the config once at start-up, so that what MLATransformerConfig refuses
+    (e.g. its output gate, --cache-mla-latents with RoPE fusion) is Megatron's line before the distributed
+    start-up, not a traceback from the model provider."""
+    if not getattr(args, "multi_latent_attention", False):
+        return
+    from megatron_delta.trainer.provider import transformer_config
+
+    try:
+        transformer_config(args)
+    except (ValueError, AssertionError, NotImplementedError) as e:
+        import traceback
+
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise TrainerArgumentError(f"{' '.join(str(e).split()) or where.line} (Megatron-Core "
+                                   f"{os.path.basename(where.filename)}:{where.lineno})") from None
 
 
 _OWN_ADDRESS = None  # the (MASTER_ADDR, MASTER_PORT) _ensure_env set for a one-process world

@@ -5,11 +5,13 @@
   (core/specs.get_gpt_layer_local_spec_sp; LocalNorm instead of WrappedTorchNorm), or the TE spec.
 - routed modes: DeltaGPTModel with the Delta layer spec; same backbone weights for one --seed.
 The TransformerConfig comes from Megatron-LM's own flag mapping (core_transformer_config_from_args)
-with DeltaTransformerConfig as the class, so every Megatron-LM flag means what it means upstream and
+with DeltaTransformerConfig as the class (DeltaMLATransformerConfig for --multi-latent-attention), so every
+Megatron-LM flag means what it means upstream and
 the `--delta-*` fields map by name.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -18,16 +20,37 @@ from megatron_delta.core.modes import BASELINE
 
 
 def transformer_config(args):
-    """Megatron-LM's args -> DeltaTransformerConfig (upstream mapping) + what routing needs."""
+    """Megatron-LM's args -> its config class with the delta_* fields (upstream mapping) + what routing needs:
+    DeltaTransformerConfig, or DeltaMLATransformerConfig for --multi-latent-attention."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_delta.core.config import DeltaTransformerConfig
 
-    config = core_transformer_config_from_args(args, config_class=DeltaTransformerConfig)
+    with delta_mla_config_class():
+        config = core_transformer_config_from_args(args, config_class=DeltaTransformerConfig)
     if needs_variable_payload(args):
         # Routed payloads differ in length from boundary to boundary: p2p sends shapes first.
         config.variable_seq_lengths = True
     return config
+
+
+@contextlib.contextmanager
+def delta_mla_config_class():
+    """While the block runs, megatron.core.transformer.MLATransformerConfig is DeltaMLATransformerConfig (its
+    subclass with the delta_* fields). core_transformer_config_from_args replaces the config_class it is given by
+    the MLATransformerConfig it imports from there when args.multi_latent_attention is set; with this, the rest
+    of its mapping (fields by name, Megatron's checks) stays upstream's. Registry entry delta_mla_config_class of
+    megatron_delta.platform.patches."""
+    import megatron.core.transformer as transformer
+
+    from megatron_delta.core.config import DeltaMLATransformerConfig
+
+    original = transformer.MLATransformerConfig
+    transformer.MLATransformerConfig = DeltaMLATransformerConfig
+    try:
+        yield
+    finally:
+        transformer.MLATransformerConfig = original
 
 
 def needs_variable_payload(args) -> bool:

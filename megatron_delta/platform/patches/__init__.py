@@ -268,6 +268,28 @@ REGISTRY: Tuple[Patch, ...] = (
                   "megatron_delta.checkpoint.model_config.model_config); "
                   "the trainer keeps upstream's (batch_p2p_comm = not overlap_p2p_comm, and validate_args refuses "
                   "PP=2 + VPP without overlap); check_p2p_config() refuses a config with the trap"),
+    Patch("local_mla_core_attention", ("megatron.core.transformer.dot_product_attention.DotProductAttention",),
+          "NVIDIA/Megatron-LM #1589 (PR #6564 open): the local MLA spec's DotProductAttention takes no k_channels / "
+          "v_channels, which MLASelfAttention passes: TypeError when a --transformer-impl local MLA model is built",
+          V019, EVERY_DEVICE,
+          made_by="subclass MLADotProductAttention, megatron_delta/core/mla.py; the local MLA layer specs of "
+                  "megatron_delta/core/specs.py use it"),
+    Patch("local_mla_tp_gradients",
+          ("megatron.core.transformer.multi_latent_attention.MLASelfAttention._qkv_down_projection",
+           "megatron.core.distributed.finalize_model_grads._allreduce_non_tensor_model_parallel_grads (q_layernorm)"),
+          "the local MLA spec under TP > 1 (no upstream issue found): k_pe's gradient keeps only this rank's heads "
+          "(gathered ColumnParallelLinear output, split in backward), and without SP the replicated q_layernorm's "
+          "gradient is summed over the TP ranks: TP2 training drifts from TP1 (1e-4 in loss after 3 steps)",
+          V019, EVERY_DEVICE,
+          made_by="subclass LocalMLASelfAttention, megatron_delta/core/mla.py; the local MLA layer specs of "
+                  "megatron_delta/core/specs.py use it"),
+    Patch("delta_mla_config_class", ("megatron.core.transformer.MLATransformerConfig",),
+          "core_transformer_config_from_args (argument_utils.py) builds the MLATransformerConfig it imports from "
+          "megatron.core.transformer for --multi-latent-attention, whatever config_class it is given: no delta_* "
+          "fields, so no routed mode (and no --residual) with multi-latent attention",
+          V019, EVERY_DEVICE,
+          made_by="megatron_delta/trainer/provider.py delta_mla_config_class: DeltaMLATransformerConfig in its place "
+                  "for the one call of transformer_config, the original back after it"),
     Patch("trainer_hooks",
           tuple(f"megatron.training.training.{f}" for f in (
               "get_megatron_optimizer_config", "setup_model_and_optimizer", "load_checkpoint", "train",
