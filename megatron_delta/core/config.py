@@ -112,8 +112,9 @@ class DeltaFields:
     delta_router_eps: float = 1e-6
     """eps of the routers' key RMS norm."""
     delta_router_kernels: str = "auto"
-    """'auto' / 'c': fused C kernels for fp32 CPU tensors (cpu_kernels.py); 'torch': PyTorch ops;
-    'fla' (and 'auto' for CUDA tensors): fla-core's fused GPU kernel (fla_router.py)."""
+    """'auto': fused C kernels for fp32 CPU tensors (cpu_kernels.py), the project's Triton kernels for CUDA tensors
+    (triton_router.py; fla-core's kernel where Triton does not import), PyTorch ops otherwise; 'c', 'triton', 'fla'
+    (fla_router.py) or 'torch' (PyTorch ops) force one (docs/usage.md, router kernels)."""
 
     delta_router_group_size: int | str = "auto"
     """delta / full_attnres: routers per group pass over the older sources (core/group_router.py); 'auto' splits
