@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -135,6 +136,44 @@ def test_capture_check_tool_json():
         assert result["met"][label] == {f: C.met(label, f, figures[f]) for f in C.FIELDS}
     table = C.format_table(result)
     assert all(f in table for f in C.FIELDS) and "skipped" in table
+
+
+def markdown_rows(text):
+    """{first cell: [the other cells]} of a Markdown table's body rows."""
+    rows = [line.strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+
+
+def test_capture_check_tool_markdown():
+    """tools/host_work.py --capture-check --format markdown (one mode, two iterations, step skipped): stdout holds a
+    Markdown table with a column per figure; the mode's row gives each figure's value with ": yes" / ": NO" as the
+    JSON written by --output says it is met (nothing where not measured), and a target row names the mode with its
+    targets."""
+    pytest.importorskip("triton")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "capture.json")
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "tools/host_work.py"), "--capture-check", "--format",
+                               "markdown", "--skip-step", "--modes", "delta_block", "--capture-iters", "2",
+                               "--output", out],
+                              cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        result = json.load(open(out))
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| mode |"))
+    assert header == "| mode | " + " | ".join(f"`{f}`" for f in C.FIELDS) + " |"
+    rows = markdown_rows(proc.stdout)
+    assert list(rows) == ["delta_block", "target (delta_block)"]
+    figures, met = result["modes"]["delta_block"], result["met"]["delta_block"]
+    for f, cell in zip(C.FIELDS, rows["delta_block"]):
+        value, _, mark = cell.partition(": ")
+        assert mark == {None: "", True: "yes", False: "NO"}[met[f]], f
+        if f == "launches_per_step":
+            launches = figures[f]
+            counts = sorted({n for ns in launches["cases"].values() for n in ns})
+            assert value == f"{'fixed' if launches['fixed'] else 'varies'} ({'/'.join(map(str, counts))})"
+        else:
+            assert value == ("skipped" if figures[f] is None else str(figures[f])), f
+    assert rows["target (delta_block)"] == [result["targets"]["delta_block"][f] for f in C.FIELDS]
 
 
 def test_format_json_needs_the_capture_check():

@@ -279,6 +279,17 @@ def test_docs_router_share_tables_are_the_tools_output(capsys):
         assert f"python tools/memory_plan.py --router-share {gpu}\n```\n\n{table}\n" in doc, gpu
 
 
+@pytest.mark.parametrize("argv", [["--preset", "qwen3-8b"], ["--preset", "qwen3-8b", "--residual", "baseline"]])
+def test_docs_plan_tables_are_the_tools_output(capsys, argv):
+    """docs/performance.md's memory plans of the 8B recipe are what the command printed above them prints today
+    (its table, before the plan's JSON)."""
+    doc = open(os.path.join(REPO, "docs", "performance.md"), encoding="utf-8").read()
+    assert memory_plan.main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[:out.index("\n{")]
+    assert f"python tools/memory_plan.py {' '.join(argv)}\n```\n\n```\n{table}\n```\n" in doc
+
+
 def test_router_share_cli(capsys):
     assert memory_plan.main(["--router-share", "B200"]) == 0
     out = capsys.readouterr().out

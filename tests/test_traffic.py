@@ -231,6 +231,34 @@ def test_docs_traffic_table_is_the_closed_form():
             assert bf16 == "-"
 
 
+def test_docs_traffic_table_is_the_tools_output():
+    """The whole `benchmark.py --traffic` block of docs/performance.md (heading line, every column, "where it goes"
+    included) is what the tool's format_traffic prints for today's closed form, which the counting tests above
+    hold equal to the count, in the order the tool runs the modes and backends."""
+    import importlib.util
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    spec = importlib.util.spec_from_file_location("_benchmark_tool", os.path.join(root, "tools", "benchmark.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    opts = tool.build_parser().parse_args(["--traffic"])
+    report = {}
+    for mode in (m for m in opts.modes.split(",") if m != "baseline"):
+        for backend in benchmark.TRAFFIC_BACKENDS:
+            kw = dict(num_blocks=4 if mode in BLOCK_MODES else None)
+            fp32 = cost_model.step_traffic(mode, opts.num_layers, backend, act_bytes=4, **kw)
+            bf16 = (cost_model.step_traffic(mode, opts.num_layers, backend, act_bytes=2, **kw)
+                    if backend in cost_model.GPU_BACKENDS else None)
+            report[f"{mode}/{backend}"] = {
+                "mode": mode, "backend": backend, "sublayers": 2 * opts.num_layers,
+                "counted": {f"{k}/{p}": v for (k, p), v in sorted(fp32.items())},
+                "counted_u": cost_model.total_u(fp32), "closed_form_u": cost_model.total_u(fp32),
+                "closed_form_bf16_u": None if bf16 is None else cost_model.total_u(bf16)}
+    doc = open(os.path.join(root, "docs", "performance.md"), encoding="utf-8").read()
+    assert f"python tools/benchmark.py --traffic\n```\n\n{tool.format_traffic(report, opts, None)}\n\n" in doc
+
+
 def group_counts(mode, backend, size, recompute=None, extras=False):
     """(counted, closed form) {(kernel, phase): u} of one step of the 4-layer model of a fine-grained mode with
     --delta-router-group-size ``size`` on ``backend`` (fp32)."""

@@ -14,7 +14,7 @@ an H200: docs/performance.md, GPU figures), a router costs its host work, not it
   its router calls at their host floor ("floor": one autograd node per call, no kernel, no math), which leaves
   the routed layers' own host work, so that the rest of the mode's ratio is its router calls'.
 
-    python tools/host_work.py --capture-check [--format json] [--skip-step]
+    python tools/host_work.py --capture-check [--format json|markdown] [--skip-step]
 
 prints, per routed mode, what a CUDA graph replay of the routed step needs (megatron_delta/perf/capture_check.py
 defines each figure): {"launches_per_step", "launch_signatures_differ", "table_copies_after_first", "syncs",
@@ -56,8 +56,9 @@ def parse(argv=None):
     p.add_argument("--output", default=None, help="JSON results")
     p.add_argument("--capture-check", action="store_true",
                    help="what a CUDA graph replay of the routed step needs, per routed mode, against its targets")
-    p.add_argument("--format", choices=("table", "json"), default="table",
-                   help="--capture-check's output on stdout: a readable table, or the JSON alone")
+    p.add_argument("--format", choices=("table", "json", "markdown"), default="table",
+                   help="--capture-check's output on stdout: a readable table, the JSON alone, or a Markdown table "
+                        "(docs/performance.md's)")
     p.add_argument("--capture-iters", type=int, default=capture_check.ITERATIONS,
                    help="--capture-check: iterations of each case, each compared with the one before")
     o = p.parse_args(argv)
@@ -69,8 +70,9 @@ def parse(argv=None):
     # count of micro-batches barely moves), so that the whole check takes minutes
     o.iters = o.iters if o.iters is not None else 4 if o.capture_check else 6
     o.micro_batches = o.micro_batches if o.micro_batches is not None else 4 if o.capture_check else 8
-    if o.format == "json" and not o.capture_check:
-        p.error("--format json: only with --capture-check (the host-work tables are written as JSON with --output)")
+    if o.format != "table" and not o.capture_check:
+        p.error(f"--format {o.format}: only with --capture-check (the host-work tables are written as JSON with "
+                "--output)")
     if o.capture_iters < 2:
         p.error(f"--capture-iters {o.capture_iters}: at least 2 (each iteration is compared with the one before)")
     bad = [m for m in o.modes if m != BASELINE and m not in RESIDUAL_MODES]
@@ -125,7 +127,7 @@ def capture(o):
     if o.format == "json":
         print(json.dumps(result, indent=1))
     else:
-        say(capture_check.format_table(result))
+        say((capture_check.format_markdown if o.format == "markdown" else capture_check.format_table)(result))
         say(f"({result['seconds']:.0f} s; the figures per case are in --format json's \"detail\")")
     if o.output:
         with open(o.output, "w") as f:

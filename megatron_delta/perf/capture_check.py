@@ -68,7 +68,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from megatron_delta.core.modes import ADDITIVE_MODES, BLOCK_MODES
 
 __all__ = ["FIELDS", "TARGETS", "CASES", "RUNS", "LaunchRecorder", "counting_syncs", "graph_breaks",
-           "stream_case", "signature_changes", "capture_figures", "check", "met", "format_table"]
+           "stream_case", "signature_changes", "capture_figures", "check", "met", "format_table", "format_markdown"]
 
 FIELDS = ("launches_per_step", "launch_signatures_differ", "table_copies_after_first", "syncs",
           "compile_graph_breaks", "ops_per_call", "step_host_ratio")
@@ -437,22 +437,43 @@ def check(runs=RUNS, *, iterations: int = ITERATIONS, layers: int = CAPTURE_LAYE
                 detail=detail, seconds=round(time.perf_counter() - t0, 1))
 
 
+def _value_text(field: str, value) -> str:
+    """One figure as the tables print it: launches as fixed/varies with the distinct per-iteration counts."""
+    if field == "launches_per_step":
+        counts = sorted({n for ns in value["cases"].values() for n in ns})
+        return f"{'fixed' if value['fixed'] else 'varies'} ({'/'.join(map(str, counts))})"
+    return "skipped" if value is None else str(value)
+
+
 def format_table(result: Dict[str, Any]) -> str:
     """The readable table: per mode each figure, its target and whether it is met."""
     lines = [f"  {'mode':13s} {'field':25s} {'value':>24s}  {'target':>8s}  met"]
     for label, figures in result["modes"].items():
         for f in FIELDS:
-            v = figures[f]
-            if f == "launches_per_step":
-                counts = sorted({n for ns in v["cases"].values() for n in ns})
-                text = f"{'fixed' if v['fixed'] else 'varies'} ({'/'.join(map(str, counts))})"
-            elif v is None:
-                text = "skipped"
-            else:
-                text = str(v)
             ok = result["met"][label][f]
-            lines.append(f"  {label:13s} {f:25s} {text:>24s}  {result['targets'][label][f]:>8s}  "
+            lines.append(f"  {label:13s} {f:25s} {_value_text(f, figures[f]):>24s}  {result['targets'][label][f]:>8s}  "
                          f"{'-' if ok is None else 'yes' if ok else 'NO'}")
+    return "\n".join(lines)
+
+
+def format_markdown(result: Dict[str, Any]) -> str:
+    """The same figures as a Markdown table for docs (--format markdown): a row per mode, a column per figure, each
+    cell the value and, against its target, "yes" or "NO" (nothing where the figure was not measured); the targets
+    in a row of their own per distinct set."""
+    lines = ["| mode | " + " | ".join(f"`{f}`" for f in FIELDS) + " |", "|---" * (len(FIELDS) + 1) + "|"]
+    targets = []
+    for label, figures in result["modes"].items():
+        cells = []
+        for f in FIELDS:
+            ok = result["met"][label][f]
+            cells.append(_value_text(f, figures[f]) + ("" if ok is None else ": yes" if ok else ": NO"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        row = tuple(result["targets"][label][f] for f in FIELDS)
+        if row not in [t for t, _ in targets]:
+            targets.append((row, []))
+        next(labels for t, labels in targets if t == row).append(label)
+    for row, labels in targets:
+        lines.append(f"| target ({', '.join(labels)}) | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
