@@ -405,6 +405,39 @@ def _refused_run(argv, capsys) -> str:
     return err.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("mla", [True, False], ids=["deepseek-v3", "qwen3-moe"])
+def test_an_export_with_the_shared_expert_gate_is_refused_before_any_file(mla, tmp_path):
+    """--moe-shared-expert-gate: run_config.json records it (the tools rebuild the gate), and the export, whose
+    Hugging Face layouts have ungated shared experts, refuses it in one line naming the flag, writing nothing."""
+    from megatron_delta.checkpoint.errors import ConversionError
+    from megatron_delta.convert.hf_checkpoint import export_checkpoint
+    from megatron_delta.evaluation.loaders import load_megatron
+    from megatron_delta.trainer.main import main
+    from tests.rank_runner import DEEPSEEK_MOE
+
+    save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    moe = list(DEEPSEEK_MOE) if mla else ["--num-experts", "2", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
+                                          "32", "--moe-shared-expert-intermediate-size", "32"]
+    if mla:
+        moe[moe.index("--moe-layer-freq") + 1] = "[0,1]"
+    extra = moe + ["--moe-shared-expert-gate", "--train-iters", "0", "--save", save]
+    argv = (mla_cli(extra) if mla else
+            tiny(num_layers=2, hidden=32, heads=2, seq=16, mbs=2, train_iters=1) + ["--eval-iters", "0",
+                                                                                    "--eval-interval", "1000"] + extra)
+    assert main(argv) == 0
+    model, _, rc = load_megatron(save)
+    assert rc["moe_shared_expert_gate"] is True
+    assert any(k.endswith("mlp.shared_experts.gate_weight") for k in model.state_dict())
+    with pytest.raises(ConversionError) as e:
+        export_checkpoint(save, out, log=lambda *a: None)
+    assert str(e.value) == (
+        f"--load {save}/iter_0000000 was trained with --moe-shared-expert-gate, which the Hugging Face layouts the "
+        f"export writes (DeepSeek-V3, Qwen3-MoE) have no counterpart for: their shared experts are ungated; train "
+        f"without --moe-shared-expert-gate to export, or evaluate this checkpoint with the Megatron tools "
+        f"(tools/evaluate.py, tools/perplexity.py)")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no output, no temporary sibling
+
+
 def test_the_embedded_run_leaves_out_grouped_query_attention_with_mla(monkeypatch):
     """`pretrain_gpt.py --multi-latent-attention` without data (docs/usage.md's recipe): the embedded defaults
     without their grouped-query attention, which Megatron-LM refuses with MLA; the other defaults stay."""

@@ -27,7 +27,7 @@ ENTRIES = [
     "distopt_fresh_state_dict", "distopt_step_per_param", "distopt_load_no_grad", "distopt_missing_state_key",
     "ckpt_writer_manager_exits_with_rank", "expert_parallel_optimizer_reshard",
     "p2p_shape_exchange", "vpp_pp2_batched_p2p", "local_mla_core_attention", "local_mla_tp_gradients",
-    "delta_mla_config_class", "trainer_hooks",
+    "delta_config_classes", "trainer_hooks",
     "checkpoint_hint",
     "verify_integrity_default", "model_parallel_release",
 ]

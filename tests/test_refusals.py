@@ -121,26 +121,6 @@ def test_trainer_baseline_keeps_the_flags(flags, monkeypatch):
     validate_delta_args(args)
 
 
-@pytest.mark.parametrize("residual", ["baseline", "delta_block"])
-def test_trainer_refuses_heterogeneous_layers(residual, monkeypatch, capsys):
-    """Megatron-LM builds HeterogeneousTransformerConfig and a per-layer spec for this flag, neither of which
-    the provider builds: refused in every mode, before start-up, naming the flag."""
-    from megatron_delta.trainer import main as trainer_main
-
-    def started(args):
-        raise AssertionError("the run started: the flag was not refused at start-up")
-
-    flag = "--heterogeneous-layers-config-path"
-    monkeypatch.setattr(trainer_main, "run", started)
-    rc = trainer_main.main(CLI_TINY + ["--residual", residual, flag, "layers.json"])
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert rc == 2
-    assert line == (f"pretrain_gpt.py: error: {flag} is not supported by megatron-delta's model provider (in "
-                    f"every --residual mode): Megatron-LM builds HeterogeneousTransformerConfig and a layer spec "
-                    f"per layer (attention or MLP replaced by a linear layer or a no-op) for it, neither of which "
-                    f"the provider builds. Drop {flag}"), line
-
-
 # ----------------------------------------------------------------------------- built models
 @pytest.fixture(scope="module")
 def dist():

@@ -45,7 +45,7 @@ SMALL_CPU_MODEL = dict(
     num_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2, moe_router_pre_softmax=False, moe_layer_freq=1,
     moe_router_score_function="softmax",
     moe_shared_expert_intermediate_size=None, moe_router_enable_expert_bias=False, moe_router_num_groups=None,
-    moe_router_group_topk=None, moe_router_topk_scaling_factor=None,
+    moe_router_group_topk=None, moe_router_topk_scaling_factor=None, moe_shared_expert_gate=False,
     mtp_num_layers=None,
     # multi-latent attention (Megatron-LM's parser defaults; rope_type None: MLATransformerConfig's, yarn)
     multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64,
@@ -75,7 +75,7 @@ _FLOAT = ("norm_epsilon", "delta_router_eps", "init_method_std", "hidden_dropout
           "rotary_scaling_factor", "mscale", "mscale_all_dim", "moe_router_topk_scaling_factor")
 _BOOL = ("swiglu", "qk_layernorm", "disable_bias_linear", "untie_embeddings_and_output_weights", "delta_null_source",
          "sequence_parallel", "bf16", "attention_softmax_in_fp32", "moe_router_pre_softmax", "multi_latent_attention",
-         "moe_router_enable_expert_bias")
+         "moe_router_enable_expert_bias", "moe_shared_expert_gate")
 # Choices of the fields the modes module does not check (residual, delta_gate, delta_sources: modes.py;
 # delta_router_kernels: the config).
 _CHOICES = dict(normalization=("RMSNorm", "LayerNorm"), position_embedding_type=("rope", "learned_absolute", "none"),
@@ -263,6 +263,7 @@ def model_config(fields: Mapping, **config_overrides):
         moe_router_enable_expert_bias=f["moe_router_enable_expert_bias"],
         moe_router_num_groups=f["moe_router_num_groups"], moe_router_group_topk=f["moe_router_group_topk"],
         moe_router_topk_scaling_factor=f["moe_router_topk_scaling_factor"],
+        moe_shared_expert_gate=f["moe_shared_expert_gate"],
         mtp_num_layers=f["mtp_num_layers"],
     )
     if f["multi_latent_attention"]:  # MLATransformerConfig's fields, as core_transformer_config_from_args maps them

@@ -97,7 +97,7 @@ MODEL_FLAGS = (
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
     # DeepSeek's MoE routing: shared experts, the expert bias, group-limited top-k, the top-k scale
     "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias", "moe_router_num_groups",
-    "moe_router_group_topk", "moe_router_topk_scaling_factor",
+    "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_shared_expert_gate",
 )
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
@@ -240,6 +240,7 @@ def model_flags(c: dict) -> list:
         if (c.get("moe_router_score_function") or "softmax") != "softmax":
             argv += ["--moe-router-score-function", c["moe_router_score_function"]]
         argv += ["--moe-router-enable-expert-bias"] if c.get("moe_router_enable_expert_bias") else []
+        argv += ["--moe-shared-expert-gate"] if c.get("moe_shared_expert_gate") else []
         for key in ("moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk",
                     "moe_router_topk_scaling_factor"):
             argv += [f"--{key.replace('_', '-')}", c[key]] if c.get(key) else []

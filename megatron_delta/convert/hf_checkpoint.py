@@ -98,6 +98,18 @@ def check_deepseek_export(rc: dict, ckpt_dir: str) -> None:
                               f"{why}; evaluate it with the Megatron tools (tools/evaluate.py, tools/perplexity.py)")
 
 
+def check_shared_expert_gate(rc: dict, ckpt_dir: str) -> None:
+    """--moe-shared-expert-gate (a sigmoid gate on the shared experts' output, mlp.shared_experts.gate_weight) has no
+    counterpart in the Hugging Face layouts the export writes (DeepSeek-V3, Qwen3-MoE): one ConversionError
+    naming the flag, before any file."""
+    if rc.get("moe_shared_expert_gate"):
+        raise ConversionError(f"--load {ckpt_dir} was trained with --moe-shared-expert-gate, which the Hugging Face "
+                              f"layouts the export writes (DeepSeek-V3, Qwen3-MoE) have no counterpart for: their "
+                              f"shared experts are ungated; train without --moe-shared-expert-gate to export, or "
+                              f"evaluate this checkpoint with the Megatron tools (tools/evaluate.py, "
+                              f"tools/perplexity.py)")
+
+
 def _first_dense_layers(rc: dict):
     """k when --moe-layer-freq makes the first k layers dense and the others MoE (DeepSeek-V3's
     first_k_dense_replace), else None."""
@@ -328,6 +340,7 @@ def export_checkpoint(load: str, output: str, dtype: str = "fp32", log=print, ve
     from megatron_delta.checkpoint.run_config import hf_tokenizer_dir
 
     ckpt_dir, _, rc, _, _ = open_checkpoint(load, verify_integrity)
+    check_shared_expert_gate(rc, ckpt_dir)
     if rc.get("multi_latent_attention"):
         check_deepseek_export(rc, ckpt_dir)
     vocab = true_vocab_size(rc)  # fails early on a missing tokenizer

@@ -2,7 +2,8 @@
 
 :class:`DeltaFields` defines the fields and their checks once; each Megatron-Core config class Megatron-LM's
 core_transformer_config_from_args can build gets them by a dataclass combination: DeltaTransformerConfig
-(TransformerConfig), DeltaMLATransformerConfig (MLATransformerConfig, ``--multi-latent-attention``).
+(TransformerConfig), DeltaMLATransformerConfig (MLATransformerConfig, ``--multi-latent-attention``),
+DeltaHeterogeneousTransformerConfig (HeterogeneousTransformerConfig, ``--heterogeneous-layers-config-path``).
 
 The rules about which residual options go together live in `modes.check_delta_options`; what the routed
 modes refuse of Megatron-Core (RESIDUAL_FUSIONS, UNSUPPORTED_FEATURES) lives here. Each is used both by the
@@ -12,6 +13,7 @@ the distributed start-up). Messages name the command-line flag, since that is wh
 
 from dataclasses import dataclass, fields
 
+from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_delta.core.group_plan import check_group_size
@@ -94,6 +96,20 @@ def check_unsupported_features(residual: str, **values) -> None:
                              f"use --residual baseline (Megatron-Core's own layers support it)")
 
 
+# Why the routed modes refuse --heterogeneous-layers-config-path (the baseline builds Megatron's own model).
+HETEROGENEOUS_REFUSED = (
+    "Megatron's heterogeneous layer spec gives each layer its own submodules (attention or MLP a no-op or a "
+    "linear layer, its own FFN size) and TransformerBlock gives each layer a plain TransformerConfig without the "
+    "delta_* fields, while a routed model builds every layer from the one routed layer spec")
+
+
+def check_heterogeneous_layers(residual: str, path) -> None:
+    """Refuse --heterogeneous-layers-config-path for a routed mode (ValueError naming the flag and what to do)."""
+    if path and residual != BASELINE:
+        raise ValueError(f"--heterogeneous-layers-config-path is not supported with --residual {residual}: "
+                         f"{HETEROGENEOUS_REFUSED}. Drop the flag, or use --residual baseline")
+
+
 @dataclass
 class DeltaFields:
     """The residual-routing fields and their checks, combined with a Megatron-Core config class (first base:
@@ -154,3 +170,13 @@ class DeltaTransformerConfig(DeltaFields, TransformerConfig):
 @dataclass
 class DeltaMLATransformerConfig(DeltaFields, MLATransformerConfig):
     """MLATransformerConfig (multi-latent attention, ``--multi-latent-attention``) + residual routing."""
+
+
+@dataclass
+class DeltaHeterogeneousTransformerConfig(DeltaFields, HeterogeneousTransformerConfig):
+    """HeterogeneousTransformerConfig (a config per layer, ``--heterogeneous-layers-config-path``) + residual
+    routing; `baseline` only (HETEROGENEOUS_REFUSED says why the routed modes refuse it)."""
+
+    def __post_init__(self):
+        check_heterogeneous_layers(self.residual, self.heterogeneous_layers_config_path or "<encoded json>")
+        super().__post_init__()

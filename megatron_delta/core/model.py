@@ -7,6 +7,7 @@ routers consume no random numbers, so one `--seed` gives the same backbone weigh
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
 from megatron.core.pipeline_parallel.utils import (
     is_pp_first_stage,
     is_pp_last_stage,
@@ -104,6 +105,11 @@ def gpt_model(config: DeltaTransformerConfig, vocab_size: int, *, pre_process: b
         # Megatron-LM's gpt_builders.py: the MoE block spec (dense and MoE layers, --moe-layer-freq; routed:
         # each layer in a DeltaTransformerLayer)
         block_spec = moe_decoder_block_spec(config, vp_stage, transformer_impl)
+    elif config.heterogeneous_block_specs:
+        # Megatron-LM's gpt_builders.py for HeterogeneousTransformerConfig (baseline only: core/config.py
+        # HETEROGENEOUS_REFUSED): its per-layer block spec, this chunk's layers, as upstream builds it
+        block_spec = get_gpt_heterogeneous_layer_spec(config, transformer_impl == "transformer_engine",
+                                                      vp_stage=vp_stage)
     else:
         block_spec = decoder_block_spec(config, layer_spec_for(config, transformer_impl), vp_stage,
                                         final_norm_for(transformer_impl))

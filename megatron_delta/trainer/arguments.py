@@ -114,9 +114,6 @@ def check_cpu_switches(args: argparse.Namespace) -> None:
 # Megatron-LM's args attribute of a TransformerConfig field, where the names differ
 # (megatron.training.argument_utils.core_transformer_config_from_args: num_moe_experts = args.num_experts).
 CONFIG_FIELD_ARGS = {"num_moe_experts": "num_experts"}
-# Flags for which Megatron-LM's core_transformer_config_from_args builds HeterogeneousTransformerConfig, and
-# gpt_builders.py its per-layer spec (get_gpt_heterogeneous_layer_spec), neither of which the provider builds.
-OTHER_CONFIG_CLASSES = (("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),)
 
 # Megatron-LM's multi-latent-attention flags (arguments.py _add_mla_args): args attribute -> (flag, parser default).
 # They mean something only with --multi-latent-attention (MLATransformerConfig's fields); the three rotary ones
@@ -195,6 +192,7 @@ def check_routed_features(args: argparse.Namespace) -> None:
     from megatron_delta.core.config import (
         RESIDUAL_FUSIONS,
         UNSUPPORTED_FEATURES,
+        check_heterogeneous_layers,
         check_residual_fusions,
         check_unsupported_features,
     )
@@ -207,12 +205,7 @@ def check_routed_features(args: argparse.Namespace) -> None:
     check_unsupported_features(args.residual, **values(UNSUPPORTED_FEATURES))
     check_mtp_options(args.residual, args.mtp_num_layers, args.recompute_granularity,
                       **{f: getattr(args, f, False) for f in ROUTED_MTP_REFUSED})
-    for attr, flag in OTHER_CONFIG_CLASSES:
-        if getattr(args, attr, None):
-            raise ValueError(f"{flag} is not supported by megatron-delta's model provider (in every --residual "
-                             f"mode): Megatron-LM builds HeterogeneousTransformerConfig and a layer spec per layer "
-                             f"(attention or MLP replaced by a linear layer or a no-op) for it, neither of which "
-                             f"the provider builds. Drop {flag}")
+    check_heterogeneous_layers(args.residual, getattr(args, "heterogeneous_layers_config_path", None))
 
 
 def check_tensor_parallel_split(args: argparse.Namespace) -> None:

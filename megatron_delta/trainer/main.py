@@ -134,22 +134,29 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         detail = str(e) or where.line
         raise TrainerArgumentError(f"{detail} (Megatron-LM validate_args, "
                                    f"{os.path.basename(where.filename)}:{where.lineno})") from None
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        # validate_model_config_args_from_heterogeneous_config reads the file and compares the flags with it
+        if not getattr(args, "heterogeneous_layers_config_path", None):
+            raise
+        raise TrainerArgumentError(f"--heterogeneous-layers-config-path {args.heterogeneous_layers_config_path}: "
+                                   f"{e} (Megatron-LM validate_args); pass flags that match the file") from None
     resolve_pp_source_cache(args)
     check_config_class_builds(args)
     return args
 
 
 def check_config_class_builds(args) -> None:
-    """--multi-latent-attention: build the config once at start-up, so that what MLATransformerConfig refuses
-    (e.g. its output gate, --cache-mla-latents with RoPE fusion) is Megatron's line before the distributed
-    start-up, not a traceback from the model provider."""
-    if not getattr(args, "multi_latent_attention", False):
+    """--multi-latent-attention, --heterogeneous-layers-config-path: build the config once at start-up, so that what
+    MLATransformerConfig / HeterogeneousTransformerConfig refuses (e.g. its output gate, --cache-mla-latents with
+    RoPE fusion, a block config it cannot read) is Megatron's line before the distributed start-up, not a
+    traceback from the model provider."""
+    if not (getattr(args, "multi_latent_attention", False) or getattr(args, "heterogeneous_layers_config_path", None)):
         return
     from megatron_delta.trainer.provider import transformer_config
 
     try:
         transformer_config(args)
-    except (ValueError, AssertionError, NotImplementedError) as e:
+    except (ValueError, AssertionError, NotImplementedError, KeyError) as e:
         import traceback
 
         where = traceback.extract_tb(e.__traceback__)[-1]

@@ -5,7 +5,8 @@
   (core/specs.get_gpt_layer_local_spec_sp; LocalNorm instead of WrappedTorchNorm), or the TE spec.
 - routed modes: DeltaGPTModel with the Delta layer spec; same backbone weights for one --seed.
 The TransformerConfig comes from Megatron-LM's own flag mapping (core_transformer_config_from_args)
-with DeltaTransformerConfig as the class (DeltaMLATransformerConfig for --multi-latent-attention), so every
+with DeltaTransformerConfig as the class (DeltaMLATransformerConfig for --multi-latent-attention,
+DeltaHeterogeneousTransformerConfig for --heterogeneous-layers-config-path), so every
 Megatron-LM flag means what it means upstream and
 the `--delta-*` fields map by name.
 """
@@ -21,12 +22,13 @@ from megatron_delta.core.modes import BASELINE
 
 def transformer_config(args):
     """Megatron-LM's args -> its config class with the delta_* fields (upstream mapping) + what routing needs:
-    DeltaTransformerConfig, or DeltaMLATransformerConfig for --multi-latent-attention."""
+    DeltaTransformerConfig, or DeltaMLATransformerConfig for --multi-latent-attention, or
+    DeltaHeterogeneousTransformerConfig for --heterogeneous-layers-config-path."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_delta.core.config import DeltaTransformerConfig
 
-    with delta_mla_config_class():
+    with delta_config_classes():
         config = core_transformer_config_from_args(args, config_class=DeltaTransformerConfig)
     if needs_variable_payload(args):
         # Routed payloads differ in length from boundary to boundary: p2p sends shapes first.
@@ -35,22 +37,28 @@ def transformer_config(args):
 
 
 @contextlib.contextmanager
-def delta_mla_config_class():
-    """While the block runs, megatron.core.transformer.MLATransformerConfig is DeltaMLATransformerConfig (its
-    subclass with the delta_* fields). core_transformer_config_from_args replaces the config_class it is given by
-    the MLATransformerConfig it imports from there when args.multi_latent_attention is set; with this, the rest
-    of its mapping (fields by name, Megatron's checks) stays upstream's. Registry entry delta_mla_config_class of
-    megatron_delta.platform.patches."""
+def delta_config_classes():
+    """While the block runs, Megatron-Core's MLATransformerConfig (in megatron.core.transformer) and
+    HeterogeneousTransformerConfig (in megatron.core.transformer.heterogeneous.heterogeneous_config) are their
+    subclasses with the delta_* fields. core_transformer_config_from_args replaces the config_class it is given by
+    the class it imports from there when args.multi_latent_attention / args.heterogeneous_layers_config_path is
+    set; with this, the rest of its mapping (fields by name, Megatron's checks) stays upstream's. Registry entry
+    delta_config_classes of megatron_delta.platform.patches."""
     import megatron.core.transformer as transformer
+    import megatron.core.transformer.heterogeneous.heterogeneous_config as heterogeneous
 
-    from megatron_delta.core.config import DeltaMLATransformerConfig
+    from megatron_delta.core.config import DeltaHeterogeneousTransformerConfig, DeltaMLATransformerConfig
 
-    original = transformer.MLATransformerConfig
-    transformer.MLATransformerConfig = DeltaMLATransformerConfig
+    swaps = ((transformer, "MLATransformerConfig", DeltaMLATransformerConfig),
+             (heterogeneous, "HeterogeneousTransformerConfig", DeltaHeterogeneousTransformerConfig))
+    originals = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+    for module, name, ours in swaps:
+        setattr(module, name, ours)
     try:
         yield
     finally:
-        transformer.MLATransformerConfig = original
+        for module, name, original in originals:
+            setattr(module, name, original)
 
 
 def needs_variable_payload(args) -> bool:

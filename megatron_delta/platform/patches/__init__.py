@@ -283,13 +283,17 @@ REGISTRY: Tuple[Patch, ...] = (
           V019, EVERY_DEVICE,
           made_by="subclass LocalMLASelfAttention, megatron_delta/core/mla.py; the local MLA layer specs of "
                   "megatron_delta/core/specs.py use it"),
-    Patch("delta_mla_config_class", ("megatron.core.transformer.MLATransformerConfig",),
-          "core_transformer_config_from_args (argument_utils.py) builds the MLATransformerConfig it imports from "
-          "megatron.core.transformer for --multi-latent-attention, whatever config_class it is given: no delta_* "
-          "fields, so no routed mode (and no --residual) with multi-latent attention",
+    Patch("delta_config_classes", ("megatron.core.transformer.MLATransformerConfig",
+                                   "megatron.core.transformer.heterogeneous.heterogeneous_config."
+                                   "HeterogeneousTransformerConfig"),
+          "core_transformer_config_from_args (argument_utils.py) builds the MLATransformerConfig / "
+          "HeterogeneousTransformerConfig it imports for --multi-latent-attention / "
+          "--heterogeneous-layers-config-path, whatever config_class it is given: no delta_* fields, so no "
+          "--residual with either flag",
           V019, EVERY_DEVICE,
-          made_by="megatron_delta/trainer/provider.py delta_mla_config_class: DeltaMLATransformerConfig in its place "
-                  "for the one call of transformer_config, the original back after it"),
+          made_by="megatron_delta/trainer/provider.py delta_config_classes: DeltaMLATransformerConfig and "
+                  "DeltaHeterogeneousTransformerConfig in their places for the one call of transformer_config, the "
+                  "originals back after it"),
     Patch("trainer_hooks",
           tuple(f"megatron.training.training.{f}" for f in (
               "get_megatron_optimizer_config", "setup_model_and_optimizer", "load_checkpoint", "train",
