@@ -117,13 +117,29 @@ def test_the_baseline_builds_megatron_lms_heterogeneous_model(layers_json, dist)
 
 def test_the_baseline_trains_a_heterogeneous_config(layers_json, tmp_path):
     """pretrain_gpt.py --residual baseline with the file trains: finite losses in its metrics file, the second
-    below the first (deterministic: one seed, one CPU thread)."""
+    below the first (deterministic: one seed, one CPU thread). Its checkpoint records the file, and the tools,
+    which rebuild a model from run_config.json's flags, refuse it in one line before writing anything (they would
+    otherwise build a uniform model)."""
+    from megatron_delta.checkpoint.errors import CheckpointError
+    from megatron_delta.checkpoint.reader import open_checkpoint
+    from megatron_delta.convert.hf_checkpoint import export_checkpoint
     from megatron_delta.trainer.main import main
 
-    metrics = tmp_path / "metrics.jsonl"
-    assert main(cli(layers_json, ["--residual", "baseline", "--delta-metrics-file", str(metrics)])) == 0
+    metrics, save = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    assert main(cli(layers_json, ["--residual", "baseline", "--delta-metrics-file", str(metrics),
+                                  "--save", str(save), "--save-interval", "2"])) == 0
     losses = [json.loads(line)["lm_loss"] for line in metrics.read_text().splitlines()]
     assert len(losses) == 2 and torch.isfinite(torch.tensor(losses)).all() and losses[1] < losses[0], losses
+    ckpt = save / "iter_0000002"
+    expected = (f"{ckpt} was trained with {FLAG} {layers_json}: the tools rebuild a model from run_config.json's "
+                f"flags and cannot rebuild per-layer configurations; evaluate it with pretrain_gpt.py --load {save} "
+                f"{FLAG} {layers_json} --skip-train and the run's other flags")
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(str(save))
+    assert str(e.value) == expected
+    with pytest.raises(CheckpointError) as e:
+        export_checkpoint(str(save), str(tmp_path / "hf"))
+    assert str(e.value) == expected and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("residual", ["delta_block", "full_attnres"])

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Optional
 from megatron_delta.checkpoint.errors import CheckpointError
 from megatron_delta.checkpoint.integrity import describe_mismatch, is_integrity_failure, verify_before_load
 from megatron_delta.checkpoint.layout import TRACKER
-from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
+from megatron_delta.checkpoint.run_config import PER_LAYER_CONFIG, read_run_config, resolve_checkpoint_dir
 
 
 class OpenedCheckpoint(NamedTuple):
@@ -69,6 +69,12 @@ def open_checkpoint(load: str, verify_integrity: bool = True,
     if note:
         log(note)
     opened = OpenedCheckpoint(ckpt_dir, iteration, read_run_config(ckpt_dir), root, step)
+    per_layer = opened.run_config.get(PER_LAYER_CONFIG)
+    if per_layer:
+        raise CheckpointError(f"{ckpt_dir} was trained with --heterogeneous-layers-config-path {per_layer}: the tools "
+                              f"rebuild a model from run_config.json's flags and cannot rebuild per-layer "
+                              f"configurations; evaluate it with pretrain_gpt.py --load {root} "
+                              f"--heterogeneous-layers-config-path {per_layer} --skip-train and the run's other flags")
     _OPENED[key] = (signature, opened)
     return opened
 

@@ -101,8 +101,12 @@ MODEL_FLAGS = (
 )
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
+# A per-layer configuration (--heterogeneous-layers-config-path) is a file, not flags: recorded so that the tools,
+# which rebuild a model from the flags alone, refuse such a checkpoint (checkpoint/reader.py) instead of building a
+# uniform model.
+PER_LAYER_CONFIG = "heterogeneous_layers_config_path"
 RECORDED_FLAGS = MODEL_FLAGS + LAYOUT_FLAGS + ("seq_length", "tokenizer_type", "tokenizer_model", "vocab_size",
-                                               "transformer_impl", "bf16", "seed")
+                                               "transformer_impl", "bf16", "seed", PER_LAYER_CONFIG)
 # What a checkpoint imported from Hugging Face (tools/convert_checkpoint.py import) records about its origin;
 # a run that loads it (`--finetune --load`, or a resume) with the same NullTokenizer vocabulary keeps it in
 # every checkpoint it saves, so exporting the fine-tuned model writes the HF tokenizer again.
