@@ -68,6 +68,16 @@ def offline_single_thread(monkeypatch):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_moe_metrics():
+    """Megatron's MoE metrics tracker is process-global and sizes each metric by the layers of the first model that
+    records it: a module's in-process MoE model must not leave it to the next module's model of another depth."""
+    yield
+    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
+    if moe_logging is not None:
+        moe_logging.destroy_moe_metrics_tracker()
+
+
 @pytest.fixture(scope="module")
 def distributed_teardown():
     """Destroy the in-process (gloo) world a module's tests initialised, after the module."""

@@ -383,12 +383,15 @@ def moe_launch(root: str) -> dict:
 
 
 def usage_moe_recipe() -> list[str]:
-    """The pretrain_gpt.py flags of docs/usage.md's MoE recipe (its torchrun command with --num-experts), less
-    --save: trained on the tiny model of the launch (its flags win over the tiny model's)."""
+    """The pretrain_gpt.py flags of docs/usage.md's MoE recipe (the torchrun command with --num-experts of its
+    "Mixture of experts" section), less --save: trained on the tiny model of the launch (its flags win over the
+    tiny model's)."""
     import os
     import shlex
 
     text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "usage.md")).read()
+    text = text[text.index("### Mixture of experts"):]
+    text = text[:re.search(r"\n#{2,3} ", text[1:]).start() + 1]  # to the next section
     commands = [" ".join(block.replace("\\\n", " ").split()) for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
     (command,) = [c for c in commands if c.startswith("torchrun") and "--num-experts" in c]
     argv = shlex.split(command)
