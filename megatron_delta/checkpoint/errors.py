@@ -209,6 +209,22 @@ def complete_checkpoints(load_dir: str, exclude: Optional[int] = None) -> List[i
             if it != exclude and not damaged_files(iteration_dir(load_dir, it))]
 
 
+def read_json(path: str, check: Callable[[object], Optional[str]]) -> Tuple[object, Optional[str]]:
+    """A checkpoint's JSON file: (its value, None), or (None, why it cannot be used: not text, not JSON, not
+    readable, or what ``check`` says of the value) - for the caller's one line naming the file."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return None, f"not text: {e.reason} at byte {e.start}"
+    except ValueError as e:
+        return None, f"not JSON: {e}"
+    except OSError as e:
+        return None, f"cannot be read: {e.strerror or e}"
+    why = check(value)
+    return (None, why) if why else (value, None)
+
+
 def resume_advice(load_dir: str, iteration: Optional[int], verifies: Optional[Callable[[str], bool]] = None,
                   tool: bool = False) -> str:
     """What to do when the checkpoint of ``iteration`` in ``load_dir`` cannot be loaded, from what is on disk:

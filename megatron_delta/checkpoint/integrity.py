@@ -23,7 +23,7 @@ import os
 import re
 from typing import Optional
 
-from megatron_delta.checkpoint.errors import CheckpointError, damaged_files, exception_chain, resume_advice
+from megatron_delta.checkpoint.errors import CheckpointError, damaged_files, exception_chain, read_json, resume_advice
 
 MANIFEST = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
@@ -62,17 +62,8 @@ def read_manifest(ckpt_dir: str) -> Optional[dict]:
     path = os.path.join(ckpt_dir, MANIFEST)
     if not os.path.exists(path):
         return None
-    try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-        ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
-        why = None if ok else 'no "files" object of file hashes'
-    except UnicodeDecodeError as e:
-        why = f"not text: {e.reason} at byte {e.start}"
-    except ValueError as e:
-        why = f"not JSON: {e}"
-    except OSError as e:
-        why = f"cannot be read: {e.strerror or e}"
+    manifest, why = read_json(path, lambda m: None if isinstance(m, dict) and isinstance(m.get("files"), dict)
+                              else 'no "files" object of file hashes')
     if why is not None:
         raise CheckpointError(f"{path} is corrupt ({why}): the files of {ckpt_dir} cannot be verified. Restore it "
                               f"from a copy of the checkpoint, or load the checkpoint unverified with "

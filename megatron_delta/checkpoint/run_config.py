@@ -27,7 +27,7 @@ import shutil
 import types
 from typing import Mapping, Optional
 
-from megatron_delta.checkpoint.errors import CheckpointError, ConversionError
+from megatron_delta.checkpoint.errors import CheckpointError, ConversionError, read_json
 from megatron_delta.checkpoint.layout import TRACKER, iteration_dir  # noqa: F401 (part of the contract)
 from megatron_delta.checkpoint.model_config import ModelConfigError, resolve_model_fields
 from megatron_delta.core.modes import BLOCK_MODES, GATES, SOURCE_DEFINITIONS
@@ -119,16 +119,7 @@ def read_run_config(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, RUN_CONFIG)
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a megatron-delta checkpoint")
-    try:
-        with open(path, "rb") as f:
-            rc = json.loads(f.read().decode("utf-8"))
-        why = None if isinstance(rc, dict) else f"a JSON {type(rc).__name__}, not an object"
-    except UnicodeDecodeError as e:
-        why = f"not text: {e.reason} at byte {e.start}"
-    except ValueError as e:
-        why = f"not JSON: {e}"
-    except OSError as e:
-        why = f"cannot be read: {e.strerror or e}"
+    rc, why = read_json(path, lambda v: None if isinstance(v, dict) else f"a JSON {type(v).__name__}, not an object")
     if why is not None:
         raise CheckpointError(f"{path} is corrupt ({why}); it records the checkpoint's model flags. Restore it "
                               f"from a copy of the checkpoint, or load another checkpoint of "
