@@ -70,12 +70,17 @@ def offline_single_thread(monkeypatch):
 
 @pytest.fixture(scope="module", autouse=True)
 def fresh_moe_metrics():
-    """Megatron's MoE metrics tracker is process-global and sizes each metric by the layers of the first model that
-    records it: a module's in-process MoE model must not leave it to the next module's model of another depth."""
+    """Megatron's MoE state is process-global: its metrics tracker sizes each metric by the layers of the first model
+    that records it, and MoEAuxLossAutoScaler keeps the first loss scale's tensor, whose shape a later set must
+    match (a schedule's 0-dim scale, then initialize_megatron's [1]: RuntimeError). A module's in-process MoE runs
+    must not leave either to the next module's."""
     yield
     moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
     if moe_logging is not None:
         moe_logging.destroy_moe_metrics_tracker()
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 @pytest.fixture(scope="module")
