@@ -72,8 +72,8 @@ def offline_single_thread(monkeypatch):
 def fresh_moe_metrics():
     """Megatron's MoE state is process-global: its metrics tracker sizes each metric by the layers of the first model
     that records it, and MoEAuxLossAutoScaler keeps the first loss scale's tensor, whose shape a later set must
-    match (a schedule's 0-dim scale, then initialize_megatron's [1]: RuntimeError). A module's in-process MoE runs
-    must not leave either to the next module's."""
+    match (an MoE backward outside a schedule leaves its 0-dim default, then initialize_megatron sets [1]:
+    RuntimeError). A module's in-process MoE runs must not leave either to the next module's."""
     yield
     moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
     if moe_logging is not None:
