@@ -33,6 +33,7 @@ import torch
 
 from megatron_delta.checkpoint.errors import CheckpointError, clip
 from megatron_delta.checkpoint.layout import TRACKER
+from tests.checkpoint_damage import flip_tensor_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 O_PROJ = "decoder.layers.self_attention.linear_proj.weight"
@@ -46,22 +47,6 @@ def _tool(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _flip(ckpt_dir: str, fqn_prefix: str) -> str:
-    """Invert 16 bytes in the middle of the first tensor whose name starts with fqn_prefix; its shard's path."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    storage = FileSystemReader(ckpt_dir).read_metadata().storage_data
-    info = next(v for k, v in storage.items() if k.fqn.startswith(fqn_prefix))
-    path = os.path.join(ckpt_dir, info.relative_path)
-    middle = info.offset + info.length // 2
-    with open(path, "r+b") as f:
-        f.seek(middle)
-        data = f.read(16)
-        f.seek(middle)
-        f.write(bytes(b ^ 0xFF for b in data))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +105,7 @@ TOOLS = {  # tool -> (argv after --load, its error prefix, its exit status, what
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))
 def test_every_tool_refuses_flipped_weights_before_writing(run, tmp_path, tool, capsys):
-    shard = _flip(_it(run, 1), O_PROJ)
+    shard = flip_tensor_bytes(_it(run, 1), O_PROJ)
     out = tmp_path / "out"
     out.mkdir()
     (out / "tokens.json").write_text(json.dumps([[1, 2, 3, 4]]))
@@ -136,7 +121,7 @@ def test_every_tool_refuses_flipped_weights_before_writing(run, tmp_path, tool, 
 def test_export_without_verification_says_so_once(run, tmp_path, capsys):
     """--no-verify-integrity: the export reads the flipped weights (it exits 0), and says once that the
     checkpoint was not verified although it has integrity.json."""
-    _flip(_it(run, 1), O_PROJ)
+    flip_tensor_bytes(_it(run, 1), O_PROJ)
     code = _tool("convert_checkpoint").main(["export", "--load", run, "--output", str(tmp_path / "hf"),
                                              "--no-verify-integrity"])
     err = capsys.readouterr().err

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from tests.checkpoint_damage import flip_tensor_bytes
 from tests.flags import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,22 +62,6 @@ from megatron_delta.trainer.main import main
 for argv in json.loads(sys.argv[1]):
     print("RC", main(argv), flush=True)
 """
-
-
-def _flip(ckpt_dir: str, fqn_prefix: str) -> str:
-    """Invert 16 bytes in the middle of the first tensor whose name starts with fqn_prefix; its shard's name."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    storage = FileSystemReader(ckpt_dir).read_metadata().storage_data
-    index, info = next((k, v) for k, v in storage.items() if k.fqn.startswith(fqn_prefix))
-    path = os.path.join(ckpt_dir, info.relative_path)
-    middle = info.offset + info.length // 2
-    with open(path, "r+b") as f:
-        f.seek(middle)
-        data = f.read(16)
-        f.seek(middle)
-        f.write(bytes(b ^ 0xFF for b in data))
-    return info.relative_path
 
 
 @pytest.mark.slow
@@ -123,8 +108,9 @@ def test_lock_integrity_and_fresh_start(tmp_path):
     shards = {}
     for what, d in flipped.items():
         shutil.copytree(run, d)
-        shards[what] = _flip(os.path.join(d, "iter_0000002"),
-                             "decoder.layers.mlp.linear_fc1.weight" if what == "model" else "optimizer.state.exp_avg.")
+        it = os.path.join(d, "iter_0000002")
+        shards[what] = os.path.relpath(flip_tensor_bytes(
+            it, "decoder.layers.mlp.linear_fc1.weight" if what == "model" else "optimizer.state.exp_avg."), it)
     shutil.copytree(run, unhashed)
     os.remove(os.path.join(unhashed, "iter_0000002", "integrity.json"))
     second = _run([sys.executable, "-c", _DRIVER, json.dumps(runs[2:])], tmp_path)
