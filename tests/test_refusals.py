@@ -14,7 +14,13 @@ import sys
 import pytest
 import torch
 
-from megatron_delta.core.config import UNSUPPORTED_FEATURES, DeltaTransformerConfig
+from megatron_delta.core.config import (
+    PER_LAYER_GRAPHS_REFUSED,
+    PIPELINED_GRAPHS_REFUSED,
+    UNSUPPORTED_FEATURES,
+    DeltaTransformerConfig,
+)
+from megatron_delta.core.modes import ADDITIVE_MODES, ROUTED_MODES
 from tests.flags import tiny
 
 pytestmark = pytest.mark.usefixtures("distributed_teardown")
@@ -29,9 +35,6 @@ SWITCHED_ON = {
     "context_parallel_size": (2, {}),
     "overlap_moe_expert_parallel_comm": (True, dict(num_moe_experts=4, expert_model_parallel_size=2, bf16=True,
                                                     moe_token_dispatcher_type="alltoall")),
-    "cuda_graph_impl": ("local", {}),
-    "enable_cuda_graph": (True, {}),
-    "external_cuda_graph": (True, {}),
 }
 
 REMEDY = "or use --residual baseline (Megatron-Core's own layers support it)"
@@ -51,9 +54,54 @@ def test_config_refuses_for_routed_modes(field):
         DeltaTransformerConfig(**SMALL, residual="delta_block", **{field: value}, **needs)
     assert str(e.value) == f"{flag} is not supported with --residual delta_block: {why}. Drop {flag}, {REMEDY}"
     config = DeltaTransformerConfig(**SMALL, residual="baseline", **{field: value}, **needs)
-    # Megatron-Core turns the deprecated CUDA-graph switches into cuda_graph_impl
-    assert (getattr(config, field) == value if field not in ("enable_cuda_graph", "external_cuda_graph") else
-            config.cuda_graph_impl == ("local" if field == "enable_cuda_graph" else "transformer_engine"))
+    assert getattr(config, field) == value
+
+
+@pytest.mark.parametrize("mode", ROUTED_MODES)
+def test_config_accepts_full_iteration_graphs(mode):
+    """--cuda-graph-impl full_iteration (the whole forward-backward captured once) constructs for every routed mode,
+    with the router options a replay must repeat (null source, gate, recompute)."""
+    config = DeltaTransformerConfig(**SMALL, residual=mode, cuda_graph_impl="full_iteration")
+    assert config.cuda_graph_impl == "full_iteration" and config.routed
+    gate = "scalar" if mode in ADDITIVE_MODES else "none"  # the gate is the additive modes'
+    config = DeltaTransformerConfig(**SMALL, residual=mode, cuda_graph_impl="full_iteration", delta_null_source=True,
+                                    delta_gate=gate, recompute_granularity="full", recompute_method="uniform",
+                                    recompute_num_layers=1)
+    assert config.cuda_graph_impl == "full_iteration"
+
+
+# (config fields that ask for per-layer graphs, the flag the message names); Megatron-Core turns the deprecated
+# switches into cuda_graph_impl (enable_cuda_graph: local, external_cuda_graph: transformer_engine)
+PER_LAYER_GRAPHS = [
+    (dict(cuda_graph_impl="local"), "--cuda-graph-impl local", "local"),
+    (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl transformer_engine", "transformer_engine"),
+    (dict(enable_cuda_graph=True), "--enable-cuda-graph", "local"),
+    (dict(external_cuda_graph=True), "--external-cuda-graph", "transformer_engine"),
+]
+
+
+@pytest.mark.parametrize("fields, flag, impl", PER_LAYER_GRAPHS, ids=[p[1] for p in PER_LAYER_GRAPHS])
+def test_config_refuses_per_layer_graphs(fields, flag, impl):
+    """Per-layer graphs: one line naming the flag, why, and the graph mode that works; the baseline keeps them."""
+    with pytest.raises(ValueError) as e:
+        DeltaTransformerConfig(**SMALL, residual="delta", **fields)
+    assert str(e.value) == (f"{flag} is not supported with --residual delta: {PER_LAYER_GRAPHS_REFUSED}. Use "
+                            f"--cuda-graph-impl full_iteration (the whole forward-backward in one graph), or "
+                            f"--residual baseline")
+    assert DeltaTransformerConfig(**SMALL, residual="baseline", **fields).cuda_graph_impl == impl
+
+
+def test_config_refuses_pipelined_full_iteration_graphs():
+    """Full-iteration graphs with pipeline parallelism: refused for the routed modes (the payload's shape message),
+    kept for the baseline."""
+    pp = dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    with pytest.raises(ValueError) as e:
+        DeltaTransformerConfig(**SMALL, residual="delta_block", cuda_graph_impl="full_iteration", **pp)
+    assert str(e.value) == (f"--cuda-graph-impl full_iteration with --pipeline-model-parallel-size 2 is not supported "
+                            f"with --residual delta_block: {PIPELINED_GRAPHS_REFUSED}. Drop --cuda-graph-impl, or use "
+                            f"--residual baseline")
+    assert DeltaTransformerConfig(**SMALL, residual="baseline", cuda_graph_impl="full_iteration",
+                                  **pp).cuda_graph_impl == "full_iteration"
 
 
 def test_config_names_each_flag():
@@ -61,9 +109,7 @@ def test_config_names_each_flag():
         "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
         "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
         "context_parallel_size": "--context-parallel-size",
-        "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
-        "cuda_graph_impl": "--cuda-graph-impl", "enable_cuda_graph": "--enable-cuda-graph",
-        "external_cuda_graph": "--external-cuda-graph"}
+        "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm"}
 
 
 def test_config_off_values_are_accepted():
@@ -83,8 +129,6 @@ CLI_REFUSED = [
     (["--overlap-moe-expert-parallel-comm", "--num-experts", "4", "--expert-model-parallel-size", "2",
       "--moe-token-dispatcher-type", "alltoall", "--bf16"],
      "--overlap-moe-expert-parallel-comm is not supported with --residual delta: "),
-    (["--cuda-graph-impl", "local"], "--cuda-graph-impl is not supported with --residual delta: "),
-    (["--enable-cuda-graph"], "--enable-cuda-graph is not supported with --residual delta: "),
     (["--fused-residual-rmsnorm"], "--fused-residual-rmsnorm folds the residual add into a fused kernel and cannot "
                                    "be used with --residual delta: "),
 ]
@@ -107,6 +151,44 @@ def test_trainer_refuses_before_startup(flags, start, monkeypatch, capsys):
     line = err.strip().splitlines()[-1]
     assert line.startswith("pretrain_gpt.py: error: " + start), line
     assert line.endswith(REMEDY) or line.endswith("x <- x + v itself)"), line
+
+
+@pytest.mark.parametrize("flags", [["--cuda-graph-impl", "local"], ["--enable-cuda-graph"],
+                                   ["--cuda-graph-impl", "full_iteration", "--pipeline-model-parallel-size", "2"]],
+                         ids=["local", "enable", "full_iteration-pp2"])
+def test_trainer_refuses_graphs_a_routed_mode_cannot_honour(flags, monkeypatch, capsys):
+    """The graph options a routed mode cannot honour: the routed line (config.check_cuda_graphs'), before the
+    distributed start-up and before the line about CUDA (the routed refusal says what to use instead)."""
+    from megatron_delta.trainer import main as trainer_main
+
+    def started(args):
+        raise AssertionError("the run started: the flag was not refused at start-up")
+
+    monkeypatch.setattr(trainer_main, "run", started)
+    rc = trainer_main.main(CLI_TINY + ["--residual", "delta"] + flags)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    why = PIPELINED_GRAPHS_REFUSED if "--pipeline-model-parallel-size" in flags else PER_LAYER_GRAPHS_REFUSED
+    assert line.startswith(f"pretrain_gpt.py: error: {flags[0]}") and why in line, line
+
+
+@pytest.mark.parametrize("residual", ["baseline", "delta"])
+def test_trainer_refuses_graphs_without_cuda(residual, monkeypatch, capsys):
+    """--cuda-graph-impl full_iteration on a machine without CUDA, in any mode: one line saying that graphs need
+    CUDA, before the distributed start-up (Megatron would fail making its capture stream)."""
+    from megatron_delta.trainer import main as trainer_main
+
+    def started(args):
+        raise AssertionError("the run started: graphs on CPU were not refused at start-up")
+
+    monkeypatch.setattr(trainer_main, "run", started)
+    rc = trainer_main.main(CLI_TINY + ["--residual", residual, "--cuda-graph-impl", "full_iteration"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: no CUDA device: --cuda-graph-impl full_iteration captures CUDA kernels into a "
+        "graph, which needs a CUDA device; drop it on CPU")
 
 
 @pytest.mark.parametrize("flags", [f for f, _ in CLI_REFUSED], ids=[f[0][0] for f in CLI_REFUSED])

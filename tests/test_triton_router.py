@@ -222,6 +222,28 @@ def test_cuda_group_kernels_match_torch_path(dtype, monkeypatch):
                                            atol=10 * tol * max(r.float().abs().max().item(), 1e-3))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
+def test_cuda_graph_replays_the_captured_launch_tables():
+    """A launch table copied during a CUDA graph capture (--cuda-graph-impl full_iteration) is kept
+    (triton_router.CAPTURED_HOST_TABLES): the graph's copy node re-reads its pinned host buffer at every replay.
+    Tables made eagerly after the capture, which take freed pinned blocks, do not overwrite it: the replay copies
+    the capture's entries."""
+    kept = len(triton_router.CAPTURED_HOST_TABLES)
+    out = torch.zeros(4, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (table,) = triton_router.device_tables([11, 12, 13, 14], device="cuda")
+        out.copy_(table[:4])
+    assert len(triton_router.CAPTURED_HOST_TABLES) == kept + 1
+    for k in range(64):  # eager tables of the same size: freed pinned blocks are reused for them
+        triton_router.device_tables([100 + k] * 4, device="cuda")
+    torch.cuda.synchronize()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.tolist() == [11, 12, 13, 14]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_pretrain_gpt_refuses_triton_without_cuda(monkeypatch, capsys):

@@ -6,8 +6,8 @@ core_transformer_config_from_args can build gets them by a dataclass combination
 DeltaHeterogeneousTransformerConfig (HeterogeneousTransformerConfig, ``--heterogeneous-layers-config-path``).
 
 The rules about which residual options go together live in `modes.check_delta_options`; what the routed
-modes refuse of Megatron-Core (RESIDUAL_FUSIONS, UNSUPPORTED_FEATURES) lives here. Each is used both by the
-dataclass's `__post_init__` (library users) and by the argument parsers (so pretrain_gpt.py fails before
+modes refuse of Megatron-Core (RESIDUAL_FUSIONS, UNSUPPORTED_FEATURES, check_cuda_graphs) lives here. Each is used
+both by the dataclass's `__post_init__` (library users) and by the argument parsers (so pretrain_gpt.py fails before
 the distributed start-up). Messages name the command-line flag, since that is what most users typed.
 """
 
@@ -50,10 +50,6 @@ def check_residual_fusions(residual: str, **fusions: bool) -> None:
                              f"u = x + G(r) and x <- x + v itself)")
 
 
-_CUDA_GRAPHS = ("a CUDA graph replays a layer's kernels with the tensor addresses and arguments of its capture; a "
-                "routed layer reads its SourceBuffer, whose sources, pointer tables and gradient sinks the host makes "
-                "anew for every micro-batch, which a replay does not redo")
-
 # Megatron-Core features the routed layer and block do not implement: config field -> (flag, why). The
 # baseline is Megatron's own TransformerLayer / TransformerBlock and keeps all of them. Cross-attention
 # has no config field: DeltaTransformerLayer refuses a layer spec that has it.
@@ -72,11 +68,6 @@ UNSUPPORTED_FEATURES = {
                                          "Megatron's TransformerLayer piece by piece (attention, dispatch, experts, "
                                          "combine) on one hidden-states tensor, bypassing the routed block and "
                                          "its SourceBuffer"),
-    # CUDA graphs (upstream: --cuda-graph-impl; --enable-cuda-graph and --external-cuda-graph are its deprecated
-    # spellings, which Megatron-Core turns into cuda_graph_impl in __post_init__, after this check)
-    "cuda_graph_impl": ("--cuda-graph-impl", _CUDA_GRAPHS),
-    "enable_cuda_graph": ("--enable-cuda-graph", _CUDA_GRAPHS),
-    "external_cuda_graph": ("--external-cuda-graph", _CUDA_GRAPHS),
 }
 
 # TransformerConfig's defaults: a feature is switched on when its field is set to anything else
@@ -94,6 +85,42 @@ def check_unsupported_features(residual: str, **values) -> None:
         if value not in (None, False, 0) and value != _UPSTREAM_DEFAULTS[field]:
             raise ValueError(f"{flag} is not supported with --residual {residual}: {why}. Drop {flag}, or "
                              f"use --residual baseline (Megatron-Core's own layers support it)")
+
+
+# CUDA graphs. `full_iteration` captures an iteration's whole forward-backward: the sources, the routers' launch
+# tables (kept alive for the graph: triton_router.device_tables) and the gradient buffers the host makes are made
+# during the capture and the replay repeats them; the routed step has no synchronisation and a fixed launch
+# sequence (perf/capture_check.py proves both on CPU). Per-layer graphs (`local`, `transformer_engine`) take only
+# a layer's tensor arguments as static inputs. --enable-cuda-graph and --external-cuda-graph are deprecated
+# spellings of `local` and `transformer_engine`, which Megatron-Core migrates in __post_init__, after this check.
+PER_LAYER_GRAPHS_REFUSED = (
+    "a per-layer graph replays a layer with the tensors of its arguments at their capture addresses, and a routed "
+    "layer reads its sources from the stage's SourceBuffer, which is not one of its arguments")
+PIPELINED_GRAPHS_REFUSED = (
+    "the routed payload's length differs from boundary to boundary, so the receiving rank reads its shape from a "
+    "message on the host at every micro-batch, which a capture cannot hold")
+CUDA_GRAPH_FLAGS = {"cuda_graph_impl": "--cuda-graph-impl", "enable_cuda_graph": "--enable-cuda-graph",
+                    "external_cuda_graph": "--external-cuda-graph"}
+
+
+def check_cuda_graphs(residual: str, cuda_graph_impl: str = "none", enable_cuda_graph: bool = False,
+                      external_cuda_graph: bool = False, pipeline_model_parallel_size: int = 1) -> None:
+    """Refuse, for a routed mode, a CUDA-graph option it cannot honour (ValueError naming the flag and what to
+    do): per-layer graphs, and full-iteration graphs under pipeline parallelism. The baseline keeps them all."""
+    if residual == BASELINE:
+        return
+    per_layer = [f"{CUDA_GRAPH_FLAGS['cuda_graph_impl']} {cuda_graph_impl}"] if cuda_graph_impl in (
+        "local", "transformer_engine") else []
+    per_layer += [CUDA_GRAPH_FLAGS[f] for f, on in (("enable_cuda_graph", enable_cuda_graph),
+                                                   ("external_cuda_graph", external_cuda_graph)) if on]
+    if per_layer:
+        raise ValueError(f"{per_layer[0]} is not supported with --residual {residual}: {PER_LAYER_GRAPHS_REFUSED}. "
+                         f"Use --cuda-graph-impl full_iteration (the whole forward-backward in one graph), or "
+                         f"--residual baseline")
+    if cuda_graph_impl == "full_iteration" and (pipeline_model_parallel_size or 1) > 1:
+        raise ValueError(f"--cuda-graph-impl full_iteration with --pipeline-model-parallel-size "
+                         f"{pipeline_model_parallel_size} is not supported with --residual {residual}: "
+                         f"{PIPELINED_GRAPHS_REFUSED}. Drop --cuda-graph-impl, or use --residual baseline")
 
 
 # Why the routed modes refuse --heterogeneous-layers-config-path (the baseline builds Megatron's own model).
@@ -153,6 +180,8 @@ class DeltaFields:
                                                         self.delta_sources, self.delta_router_kernels)
         check_residual_fusions(self.residual, **{f: getattr(self, f, False) for f in RESIDUAL_FUSIONS})
         check_unsupported_features(self.residual, **{f: getattr(self, f) for f in UNSUPPORTED_FEATURES})
+        check_cuda_graphs(self.residual, self.cuda_graph_impl, self.enable_cuda_graph, self.external_cuda_graph,
+                          self.pipeline_model_parallel_size)
         check_mtp_options(self.residual, self.mtp_num_layers, self.recompute_granularity,
                           **{f: getattr(self, f) for f in ROUTED_MTP_REFUSED})
         super().__post_init__()  # the Megatron-Core config class's checks and derived fields

@@ -347,6 +347,12 @@ def _tile(d: int) -> Tuple[int, int, int]:
     return bt, bd, warps_for(bt * bd)
 
 
+# The pinned host tables of the launches made during a CUDA graph capture (--cuda-graph-impl full_iteration): the
+# graph's copy node re-reads its host buffer at every replay, so the buffer must never be freed, reused or
+# rewritten while the graph lives. Held here for the process's life (a few hundred bytes per launch, one capture
+# per graph); released by nothing on purpose.
+CAPTURED_HOST_TABLES: List[Tensor] = []
+
 TABLE_ALIGN = 2  # int64 entries per 16 bytes: each table of a launch starts 16-byte aligned (below)
 
 
@@ -358,11 +364,15 @@ def device_tables(*tables: Sequence[int], device) -> List[Tensor]:
     arguments keep the alignment Triton specialises on whatever the tables' lengths (one compiled variant); a
     view holds its table and the padding after it.
     One copy per launch, not per table: each pinned copy costs the host tens of microseconds, and where the
-    GPU outruns the host (the 1B shape on the H200, docs/performance.md) that time is the step's."""
+    GPU outruns the host (the 1B shape on the H200, docs/performance.md) that time is the step's.
+    During a CUDA graph capture the pinned host table is kept (CAPTURED_HOST_TABLES): the replay copies it again."""
     flat, sizes = table_layout(tables)
     if torch.device(device).type == "cuda":
         # the caching host allocator keeps the pinned block until the copy has run
-        buf = torch.tensor(flat or [0], dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        host = torch.tensor(flat or [0], dtype=torch.int64, pin_memory=True)
+        buf = host.to(device, non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():
+            CAPTURED_HOST_TABLES.append(host)
     else:
         buf = torch.tensor(flat or [0], dtype=torch.int64, device=device)
     if len(tables) == 1 and flat:

@@ -96,6 +96,20 @@ GPU_DEFAULTS = (
 )
 
 
+def check_graphs_need_cuda(args: argparse.Namespace) -> None:
+    """Without CUDA, refuse CUDA graphs at start-up (one line, every mode): Megatron would fail deep inside,
+    making the CUDA stream it captures on."""
+    import torch
+
+    impl = getattr(args, "cuda_graph_impl", "none")
+    graphs = [flag for flag, on in ((f"--cuda-graph-impl {impl}", impl not in (None, "none")),
+                                    ("--enable-cuda-graph", getattr(args, "enable_cuda_graph", False)),
+                                    ("--external-cuda-graph", getattr(args, "external_cuda_graph", False))) if on]
+    if graphs and not torch.cuda.is_available():
+        raise TrainerArgumentError(f"no CUDA device: {graphs[0]} captures CUDA kernels into a graph, which needs a "
+                                   f"CUDA device; drop it on CPU")
+
+
 def check_cpu_switches(args: argparse.Namespace) -> None:
     """Without CUDA, refuse at start-up (one line listing the switches) a run that keeps one of Megatron-LM's
     GPU-only defaults, instead of a failure deep inside Megatron (e.g. "ProcessGroupNCCL is only supported
@@ -192,6 +206,7 @@ def check_routed_features(args: argparse.Namespace) -> None:
     from megatron_delta.core.config import (
         RESIDUAL_FUSIONS,
         UNSUPPORTED_FEATURES,
+        check_cuda_graphs,
         check_heterogeneous_layers,
         check_residual_fusions,
         check_unsupported_features,
@@ -203,6 +218,9 @@ def check_routed_features(args: argparse.Namespace) -> None:
 
     check_residual_fusions(args.residual, **values(RESIDUAL_FUSIONS))
     check_unsupported_features(args.residual, **values(UNSUPPORTED_FEATURES))
+    check_cuda_graphs(args.residual, getattr(args, "cuda_graph_impl", "none"),
+                      bool(getattr(args, "enable_cuda_graph", False)),
+                      bool(getattr(args, "external_cuda_graph", False)), args.pipeline_model_parallel_size)
     check_mtp_options(args.residual, args.mtp_num_layers, args.recompute_granularity,
                       **{f: getattr(args, f, False) for f in ROUTED_MTP_REFUSED})
     check_heterogeneous_layers(args.residual, getattr(args, "heterogeneous_layers_config_path", None))
@@ -316,6 +334,7 @@ def validate_delta_args(args: argparse.Namespace) -> None:
             check_kernels(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1
     except ValueError as e:
         raise TrainerArgumentError(str(e)) from None
+    check_graphs_need_cuda(args)  # after the routed refusals: theirs says which graphs a routed mode takes
     if args.delta_router_eps is None:
         args.delta_router_eps = args.layernorm_epsilon  # --norm-epsilon
     if args.train_iters and args.eval_interval is None and not args.train_samples:
