@@ -33,8 +33,9 @@ def test_signature_changes_catch_one_planted_change():
     tensors = [torch.zeros(4) for _ in range(3)]
     table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
     same = _launches(tensors, table)
+    parts = C.SIGNATURE_PARTS + ("beyond_addresses",)
     assert C.signature_changes([same, _launches(tensors, table), _launches(tensors, table)]) == (
-        0, dict.fromkeys(C.SIGNATURE_PARTS, 0))
+        0, dict.fromkeys(parts, 0))
     other = torch.zeros(4)
     table_before = table.clone()
     table[1] = other.data_ptr()  # one address inside the table, the table where it was
@@ -42,10 +43,11 @@ def test_signature_changes_catch_one_planted_change():
     table.copy_(table_before)
     plants = {"grid": _launches(tensors, table, grid=(5,)), "scalars": _launches(tensors, table, rows=33),
               "tensor_addresses": _launches(tensors, table, swap=other), "table_entries": moved}
-    for part, planted in plants.items():
+    for part, planted in plants.items():  # beyond_addresses: a grid or constant, not an address or table entry
+        beyond = 2 * (part in ("grid", "scalars"))
         assert C.signature_changes([same, planted, _launches(tensors, table)]) == (
-            2, {p: 2 * (p == part) for p in C.SIGNATURE_PARTS}), part
-    assert C.signature_changes([same, same + same[:1]]) == (1, dict.fromkeys(C.SIGNATURE_PARTS, 1))
+            2, {**{p: 2 * (p == part) for p in C.SIGNATURE_PARTS}, "beyond_addresses": beyond}), part
+    assert C.signature_changes([same, same + same[:1]]) == (1, dict.fromkeys(parts, 1))
 
 
 def test_signature_holds_addresses_and_table_entries():

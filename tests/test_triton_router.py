@@ -25,9 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # configurations each), the group router's counted traffic in bf16 (2 modes), gpu_check's rate with the partial sums,
 # one table copy per launch (2 modes), gpu_check's host time per router call and its kernel times, no view op per
 # source (3 routers), delta on one router per pass with x's gradient seeding its sinks, only the launch tables made
-# from host data (3 routers, 4 models), the capture check's launch recorder on the stream (4 plants) and its sync
-# counter on the stream
-INTERPRETER_CASES = 81
+# from host data (3 routers, 4 models), the capture check's launch recorder on the stream (4 plants), its sync
+# counter on the stream, and what a full-iteration graph's replay needs of every routed mode's step (5 runs)
+INTERPRETER_CASES = 86
 
 
 def test_interpreter_cases():

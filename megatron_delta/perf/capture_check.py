@@ -55,6 +55,11 @@ launches made no-ops, as perf/host_work.py measures host work):
 - ``step_host_ratio``: a training step's host time against the baseline's (perf/host_work.step_ratios, at
   tools/host_work.py's --num-layers; this CPU's, moving with its load), None where it was skipped.
 
+Beside the figures, ``full_iteration`` (:func:`full_iteration_replay`) says per mode whether the step is what a
+``--cuda-graph-impl full_iteration`` replay needs: launches fixed, no sync, and no launch that differs between
+iterations in more than its tensor addresses and table entries (a replay repeats its capture's launches at the
+capture's addresses; the launch tables copied during the capture are kept for the graph).
+
 Targets (:data:`TARGETS`): launches fixed, 0 signatures that differ, 0 copies, 0 syncs, 0 breaks, at most 8 ops
 per call, a step ratio of at most 1.15 (delta) and 1.10 (delta_block); attnres takes delta_block's, full_attnres
 delta's (the block modes' and the fine-grained modes').
@@ -68,7 +73,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from megatron_delta.core.modes import ADDITIVE_MODES, BLOCK_MODES
 
 __all__ = ["FIELDS", "TARGETS", "CASES", "RUNS", "LaunchRecorder", "counting_syncs", "graph_breaks",
-           "stream_case", "signature_changes", "capture_figures", "check", "met", "format_table", "format_markdown"]
+           "stream_case", "signature_changes", "capture_figures", "full_iteration_replay", "check", "met",
+           "format_table", "format_markdown"]
 
 FIELDS = ("launches_per_step", "launch_signatures_differ", "table_copies_after_first", "syncs",
           "compile_graph_breaks", "ops_per_call", "step_host_ratio")
@@ -199,8 +205,11 @@ SIGNATURE_PARTS = ("kernel", "grid", "scalars", "tensor_addresses", "table_entri
 
 def signature_changes(iterations: Sequence[Sequence[tuple]]) -> Tuple[int, Dict[str, int]]:
     """Launches of iteration i + 1 that differ from the launch at the same position of iteration i, over every
-    pair (one without a counterpart counts), and per part of the signature how many launches differ in it."""
-    differ, parts = 0, dict.fromkeys(SIGNATURE_PARTS, 0)
+    pair (one without a counterpart counts), and per part of the signature how many launches differ in it; under
+    ``beyond_addresses``, how many differ in more than their tensor addresses and table entries (a kernel, grid or
+    scalar: what a full-iteration graph's replay, which repeats its capture's launches at the capture's addresses,
+    would do differently from the eager step)."""
+    differ, parts = 0, dict.fromkeys(SIGNATURE_PARTS + ("beyond_addresses",), 0)
     for before, after in zip(iterations, iterations[1:]):
         for k in range(max(len(before), len(after))):
             a = before[k] if k < len(before) else None
@@ -211,6 +220,8 @@ def signature_changes(iterations: Sequence[Sequence[tuple]]) -> Tuple[int, Dict[
             for i, part in enumerate(SIGNATURE_PARTS):
                 if a is None or b is None or a[i] != b[i]:
                     parts[part] += 1
+            if a is None or b is None or a[:3] != b[:3]:
+                parts["beyond_addresses"] += 1
     return differ, parts
 
 
@@ -377,9 +388,10 @@ def graph_breaks(fn: Callable, *args) -> int:
 
 # ------------------------------------------------------------------------------------------ the figures
 def capture_figures(mode: str, group_size, iterations: int = ITERATIONS, layers: int = CAPTURE_LAYERS,
-                    compile_layers: int = COMPILE_LAYERS) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+                    compile_layers: Optional[int] = COMPILE_LAYERS) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """The capture figures of ``mode`` (all of FIELDS but ops_per_call and step_host_ratio) over :data:`CASES`,
-    and their detail per case (launches, signature parts that differ, copies and syncs by name)."""
+    and their detail per case (launches, signature parts that differ, copies and syncs by name).
+    ``compile_layers`` None: graph breaks not traced (``compile_graph_breaks`` None)."""
 
     if iterations < 2:
         raise ValueError(f"iterations {iterations}: at least 2 (each compared with the one before)")
@@ -400,8 +412,8 @@ def capture_figures(mode: str, group_size, iterations: int = ITERATIONS, layers:
         syncs += sum(counted.values())
         detail[case] = dict(launches=launches[case], signatures_differ=n, differ_in=parts,
                             table_copies=rec.copies, syncs=dict(counted))
-    breaks = 0
-    for case in ("plain", "null_gate"):
+    breaks = None if compile_layers is None else 0
+    for case in ("plain", "null_gate") if compile_layers is not None else ():
         _, forward, h0 = stream_case(mode, case, "auto", group_size, compile_layers)
         b = graph_breaks(forward, h0)
         detail[case]["compile_graph_breaks"] = b
@@ -412,6 +424,18 @@ def capture_figures(mode: str, group_size, iterations: int = ITERATIONS, layers:
     return figures, detail
 
 
+def full_iteration_replay(figures: Dict[str, Any], detail: Dict[str, Any]) -> Dict[str, Any]:
+    """What a full-iteration graph (--cuda-graph-impl full_iteration) needs of the routed step, from one mode's
+    figures and detail: the same number of launches in every iteration, no synchronisation, and launches that
+    differ from one iteration to the next in nothing but their tensor addresses and table entries (a replay
+    repeats the capture's launches at the capture's addresses, with the tables copied during the capture).
+    ``ready`` when all three hold."""
+    beyond = sum(d["differ_in"]["beyond_addresses"] for d in detail.values())
+    fixed = bool(figures["launches_per_step"]["fixed"])
+    return dict(launches_fixed=fixed, syncs=figures["syncs"], differ_beyond_addresses=beyond,
+                ready=fixed and figures["syncs"] == 0 and beyond == 0)
+
+
 def check(runs=RUNS, *, iterations: int = ITERATIONS, layers: int = CAPTURE_LAYERS, stream_layers: int = 12,
           step: Optional[Callable[[List[tuple]], Dict[tuple, float]]] = None, progress=print) -> Dict[str, Any]:
     """Every run's figures: ``{"modes": {label: {FIELDS}}, "targets": ..., "met": ..., "detail": ...,
@@ -419,9 +443,10 @@ def check(runs=RUNS, *, iterations: int = ITERATIONS, layers: int = CAPTURE_LAYE
     from megatron_delta.perf import host_work
 
     t0 = time.perf_counter()
-    modes, detail = {}, {}
+    modes, detail, replay = {}, {}, {}
     for label, mode, group in runs:
         figures, detail[label] = capture_figures(mode, group, iterations, layers)
+        replay[label] = full_iteration_replay(figures, detail[label])
         figures["ops_per_call"] = round(host_work.per_call(mode, stream_layers, "triton", group, reps=1)["torch_ops"],
                                         2)
         figures["step_host_ratio"] = None
@@ -434,7 +459,7 @@ def check(runs=RUNS, *, iterations: int = ITERATIONS, layers: int = CAPTURE_LAYE
     mode_of = {label: mode for label, mode, _ in runs}
     return dict(modes=modes, targets={label: TARGETS[label] for label in modes},
                 met={label: {f: met(mode_of[label], f, v[f]) for f in FIELDS} for label, v in modes.items()},
-                detail=detail, seconds=round(time.perf_counter() - t0, 1))
+                full_iteration=replay, detail=detail, seconds=round(time.perf_counter() - t0, 1))
 
 
 def _value_text(field: str, value) -> str:
@@ -453,6 +478,11 @@ def format_table(result: Dict[str, Any]) -> str:
             ok = result["met"][label][f]
             lines.append(f"  {label:13s} {f:25s} {_value_text(f, figures[f]):>24s}  {result['targets'][label][f]:>8s}  "
                          f"{'-' if ok is None else 'yes' if ok else 'NO'}")
+        replay = result.get("full_iteration", {}).get(label)
+        if replay is not None:
+            lines.append(f"  {label:13s} {'full_iteration replay':25s} "
+                         f"{replay['differ_beyond_addresses']:>14d} beyond addr  {'0':>8s}  "
+                         f"{'yes' if replay['ready'] else 'NO'}")
     return "\n".join(lines)
 
 
