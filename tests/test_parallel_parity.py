@@ -231,3 +231,40 @@ def test_describe_stage_payloads_one_line_per_boundary(monkeypatch):
             for k, line in enumerate(lines, start=1):
                 first = k * 4 // chunks
                 assert f"into layer {first} " in line and f"{len(plan.payload_names(first))} tensors" in line, line
+
+
+# (flags, per pipeline rank: its first layer) of 8-layer models: even stages, and an uneven first stage
+PIPELINES = [(["--pipeline-model-parallel-size", "2"], [0, 4]),
+             (["--pipeline-model-parallel-size", "4"], [0, 2, 4, 6]),
+             (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "2"], [0, 2, 5])]
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_one_chunk_per_rank_receives_the_plans_payload_lengths(mode, monkeypatch):
+    """With one pipeline chunk per rank no payload shape travels (variable_seq_lengths off, no host-read message
+    per transfer, nothing a CUDA graph capture cannot hold): each rank receives from the previous stage the payload
+    into its first layer and from the next stage the gradient of the payload into the next rank's first layer, in
+    [s, b, d] tensors (even and uneven stages). Under the interleaved schedule the shapes still travel."""
+    from megatron_delta.core.payload import payload_shapes_travel, rank_payload_tensors
+    from megatron_delta.core.sources import SourcePlan
+    from megatron_delta.trainer.main import parse_args
+    from megatron_delta.trainer.provider import transformer_config
+
+    for flags, firsts in PIPELINES:
+        monkeypatch.setenv("WORLD_SIZE", str(len(firsts)))
+        args = parse_args(rank_runner.COMMON + mode_flags(mode, 8) + flags + ["--num-layers", "8",
+                                                                              "--train-iters", "1"])
+        config = transformer_config(args)
+        assert not config.variable_seq_lengths and not payload_shapes_travel(config)
+        plan = SourcePlan.from_config(config)
+        count = [len(plan.payload_names(f)) for f in firsts]
+        for r in range(len(firsts)):
+            into = 0 if r == 0 else count[r]
+            out = 0 if r == len(firsts) - 1 else count[r + 1]
+            assert rank_payload_tensors(config, r) == (into, out), (mode, flags, r)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse_args(rank_runner.COMMON + mode_flags(mode) + ["--pipeline-model-parallel-size", "2",
+                                                               "--num-layers-per-virtual-pipeline-stage", "1",
+                                                               "--train-iters", "1"])
+    config = transformer_config(args)
+    assert config.variable_seq_lengths and payload_shapes_travel(config)

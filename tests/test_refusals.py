@@ -91,25 +91,21 @@ def test_config_refuses_per_layer_graphs(fields, flag, impl):
     assert DeltaTransformerConfig(**SMALL, residual="baseline", **fields).cuda_graph_impl == impl
 
 
-def test_config_refuses_pipelined_full_iteration_graphs():
-    """Full-iteration graphs with pipeline parallelism: refused for the routed modes (the payload's shape message),
-    kept for the baseline."""
+def test_config_full_iteration_graphs_under_pipeline_parallelism():
+    """Full-iteration graphs with one pipeline chunk per rank: accepted (the payload lengths are the plan's); with
+    virtual pipeline stages: refused for the routed modes (the payloads' shape messages), kept for the baseline."""
     pp = dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    config = DeltaTransformerConfig(**SMALL, residual="delta_block", cuda_graph_impl="full_iteration", **pp)
+    assert config.cuda_graph_impl == "full_iteration"
+    vpp = dict(pp, virtual_pipeline_model_parallel_size=2)
     with pytest.raises(ValueError) as e:
-        DeltaTransformerConfig(**SMALL, residual="delta_block", cuda_graph_impl="full_iteration", **pp)
-    assert str(e.value) == (f"--cuda-graph-impl full_iteration with --pipeline-model-parallel-size 2 is not supported "
-                            f"with --residual delta_block: {PIPELINED_GRAPHS_REFUSED}. Drop --cuda-graph-impl, or use "
-                            f"--residual baseline")
+        DeltaTransformerConfig(**SMALL, residual="delta_block", cuda_graph_impl="full_iteration", **vpp)
+    assert str(e.value) == ("--cuda-graph-impl full_iteration with an interleaved pipeline (virtual pipeline stages or "
+                            "--pipeline-model-parallel-layout) is not supported with --residual delta_block: "
+                            f"{PIPELINED_GRAPHS_REFUSED}. Drop --cuda-graph-impl, keep one chunk per pipeline rank, "
+                            "or use --residual baseline")
     assert DeltaTransformerConfig(**SMALL, residual="baseline", cuda_graph_impl="full_iteration",
-                                  **pp).cuda_graph_impl == "full_iteration"
-
-
-def test_config_names_each_flag():
-    assert {f: flag for f, (flag, _) in UNSUPPORTED_FEATURES.items()} == {
-        "fp4": "--fp4-format", "cpu_offloading": "cpu_offloading=True",
-        "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
-        "context_parallel_size": "--context-parallel-size",
-        "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm"}
+                                  **vpp).cuda_graph_impl == "full_iteration"
 
 
 def test_config_off_values_are_accepted():
@@ -154,8 +150,9 @@ def test_trainer_refuses_before_startup(flags, start, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("flags", [["--cuda-graph-impl", "local"], ["--enable-cuda-graph"],
-                                   ["--cuda-graph-impl", "full_iteration", "--pipeline-model-parallel-size", "2"]],
-                         ids=["local", "enable", "full_iteration-pp2"])
+                                   ["--cuda-graph-impl", "full_iteration", "--pipeline-model-parallel-size", "2",
+                                    "--num-layers-per-virtual-pipeline-stage", "1"]],
+                         ids=["local", "enable", "full_iteration-vpp"])
 def test_trainer_refuses_graphs_a_routed_mode_cannot_honour(flags, monkeypatch, capsys):
     """The graph options a routed mode cannot honour: the routed line (config.check_cuda_graphs'), before the
     distributed start-up and before the line about CUDA (the routed refusal says what to use instead)."""
@@ -173,8 +170,8 @@ def test_trainer_refuses_graphs_a_routed_mode_cannot_honour(flags, monkeypatch, 
     assert line.startswith(f"pretrain_gpt.py: error: {flags[0]}") and why in line, line
 
 
-@pytest.mark.parametrize("residual", ["baseline", "delta"])
-def test_trainer_refuses_graphs_without_cuda(residual, monkeypatch, capsys):
+@pytest.mark.parametrize("residual, pp", [("baseline", 1), ("delta", 1), ("delta", 2)])
+def test_trainer_refuses_graphs_without_cuda(residual, pp, monkeypatch, capsys):
     """--cuda-graph-impl full_iteration on a machine without CUDA, in any mode: one line saying that graphs need
     CUDA, before the distributed start-up (Megatron would fail making its capture stream)."""
     from megatron_delta.trainer import main as trainer_main
@@ -183,7 +180,8 @@ def test_trainer_refuses_graphs_without_cuda(residual, monkeypatch, capsys):
         raise AssertionError("the run started: graphs on CPU were not refused at start-up")
 
     monkeypatch.setattr(trainer_main, "run", started)
-    rc = trainer_main.main(CLI_TINY + ["--residual", residual, "--cuda-graph-impl", "full_iteration"])
+    rc = trainer_main.main(CLI_TINY + ["--residual", residual, "--cuda-graph-impl", "full_iteration",
+                                       "--pipeline-model-parallel-size", str(pp)])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == (

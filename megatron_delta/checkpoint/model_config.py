@@ -279,6 +279,8 @@ def model_config(fields: Mapping, **config_overrides):
     if f["residual"] != BASELINE and f["pipeline_model_parallel_size"] > 1:
         # As the trainer (trainer/provider.transformer_config), after __post_init__ (whose MoE check refuses it
         # with the default token dispatcher): routed payloads differ in length from stage boundary to boundary,
-        # so p2p sends shapes first.
-        config.variable_seq_lengths = True
+        # so p2p sends shapes first where a rank holds several chunks (core/payload.py)
+        from megatron_delta.core.payload import payload_shapes_travel
+
+        config.variable_seq_lengths = payload_shapes_travel(config)
     return config, options

@@ -7,7 +7,7 @@ unpacks views of it. Gradients flow through both (``torch.cat`` / ``split`` auto
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -16,7 +16,8 @@ from torch import Tensor
 from megatron_delta.core.sources import SourcePlan
 
 __all__ = ["pack_stage_payload", "unpack_stage_payload", "payload_seq_length", "payload_num_tensors",
-           "PayloadP2PCommunicator", "schedule_communication_kwargs", "describe_stage_payloads"]
+           "PayloadP2PCommunicator", "payload_shapes_travel", "rank_payload_tensors", "schedule_communication_kwargs",
+           "describe_stage_payloads"]
 
 
 def pack_stage_payload(tensors: Sequence[Tensor]) -> Tensor:
@@ -64,13 +65,57 @@ def _p2p_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-class PayloadP2PCommunicator(P2PCommunicator):
-    """Megatron's P2PCommunicator, with a shape exchange that is correct when prev == next peer.
+def payload_shapes_travel(config) -> bool:
+    """Whether a routed model's pipeline exchanges its payloads' shapes (Megatron's ``variable_seq_lengths``: a
+    message per transfer, read on the host). Only where a rank receives the payloads of several chunks in an order
+    the communicator is not told: the interleaved schedule and ``--pipeline-model-parallel-layout``. Elsewhere each
+    rank holds one chunk, and what it receives from either side has a length fixed by the source plan
+    (:func:`rank_payload_tensors`): no message, no synchronisation, nothing a CUDA graph capture cannot hold."""
+    return (getattr(config, "residual", "baseline") != "baseline" and config.pipeline_model_parallel_size > 1
+            and ((config.virtual_pipeline_model_parallel_size or 1) > 1
+                 or getattr(config, "pipeline_model_parallel_layout", None) not in (None, "")))
 
-    Routed payloads differ in length from boundary to boundary, so p2p sends their shapes first
-    (`variable_seq_lengths`). Messages between two ranks are matched in posting order.
-    Entry ``p2p_shape_exchange`` of the registry of upstream changes (megatron_delta.platform.patches).
+
+def rank_payload_tensors(config, pp_rank: int) -> tuple:
+    """(tensors received from the previous stage, tensors sent to the next stage) of pipeline rank ``pp_rank``
+    holding one chunk (no interleaving, no layout): the payloads into its first layer and into the next rank's
+    (Megatron's layer offsets, uneven first/last stages included); 0 where the rank has no such neighbour."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    plan = SourcePlan.from_config(config)
+    size = config.pipeline_model_parallel_size
+    into = 0 if pp_rank == 0 else payload_num_tensors(plan, get_transformer_layer_offset(config, None, pp_rank))
+    out = 0 if pp_rank == size - 1 else payload_num_tensors(
+        plan, get_transformer_layer_offset(config, None, pp_rank + 1))
+    return into, out
+
+
+class PayloadP2PCommunicator(P2PCommunicator):
+    """Megatron's P2PCommunicator for the routed payloads, whose length differs from boundary to boundary.
+
+    With one chunk per rank (``payload_tensors`` given) the length each transfer receives is the plan's: the
+    schedule's per-tensor shape times the payload's tensor count, no shape message. Otherwise p2p sends shapes first
+    (``variable_seq_lengths``), with a shape exchange that is correct when prev == next peer; messages between two
+    ranks are matched in posting order. Entry ``p2p_shape_exchange`` of the registry of upstream changes
+    (megatron_delta.platform.patches).
     """
+
+    def __init__(self, pp_group, config, payload_tensors: Optional[tuple] = None):
+        super().__init__(pp_group=pp_group, config=config)
+        self.payload_tensors = payload_tensors  # (received from prev, sent to next) in [s, b, d] tensors, or None
+
+    # Replaces P2PCommunicator._communicate's receive shape (one per call: the schedule's per-tensor shape) with the
+    # payload's, for a rank with one chunk: a call receives from one side only (the non-interleaved schedule).
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
+                     wait_on_reqs=True):
+        if self.payload_tensors is not None and (recv_prev or recv_next):
+            if recv_prev and recv_next:
+                raise RuntimeError("a rank with one pipeline chunk receives from one side per transfer")
+            count = self.payload_tensors[0] if recv_prev else self.payload_tensors[1]
+            tensor_shape = (count * tensor_shape[0], *tensor_shape[1:])
+        return super()._communicate(tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+                                    recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
+                                    wait_on_reqs=wait_on_reqs)
 
     # Replaces P2PCommunicator._communicate_shapes: upstream posts [send_prev, recv_prev,
     # send_next, recv_next]; with PP=2 (VPP) both peers are the same rank, so a rank's send_prev
@@ -100,17 +145,23 @@ class PayloadP2PCommunicator(P2PCommunicator):
 
 
 def schedule_communication_kwargs(config, pg_collection=None) -> dict:
-    """Extra arguments for Megatron's forward_backward_func (and pretrain): our p2p communicator when payload
-    shapes travel (routed modes with PP > 1), over the pipeline group of ``pg_collection`` (default:
-    Megatron-Core's collection of the model-parallel state, ProcessGroupCollection.use_mpu_process_groups).
-    {} otherwise: Megatron builds its own."""
-    if not getattr(config, "variable_seq_lengths", False):
+    """Extra arguments for Megatron's forward_backward_func (and pretrain): our p2p communicator for a routed model
+    under PP > 1 (payload lengths from the plan, or shapes sent where they must travel: payload_shapes_travel), over
+    the pipeline group of ``pg_collection`` (default: Megatron-Core's collection of the model-parallel state,
+    ProcessGroupCollection.use_mpu_process_groups). {} otherwise: Megatron builds its own."""
+    if getattr(config, "residual", "baseline") == "baseline" or config.pipeline_model_parallel_size == 1:
         return {}
     if pg_collection is None:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    return {"p2p_communicator": PayloadP2PCommunicator(pp_group=pg_collection.pp, config=config),
+    travel = payload_shapes_travel(config)
+    if bool(config.variable_seq_lengths) != travel:  # the schedules read it to decide whether shapes travel
+        raise ValueError(f"a routed model under pipeline parallelism needs config.variable_seq_lengths = {travel} "
+                         f"(payload_shapes_travel: shapes travel only under the interleaved schedule or a "
+                         f"--pipeline-model-parallel-layout), got {config.variable_seq_lengths}")
+    tensors = None if travel else rank_payload_tensors(config, pg_collection.pp.rank())
+    return {"p2p_communicator": PayloadP2PCommunicator(pg_collection.pp, config, tensors),
             "pg_collection": pg_collection}
 
 

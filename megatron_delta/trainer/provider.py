@@ -31,8 +31,11 @@ def transformer_config(args):
     with delta_config_classes():
         config = core_transformer_config_from_args(args, config_class=DeltaTransformerConfig)
     if needs_variable_payload(args):
-        # Routed payloads differ in length from boundary to boundary: p2p sends shapes first.
-        config.variable_seq_lengths = True
+        # Routed payloads differ in length from boundary to boundary: p2p sends shapes first where a rank holds
+        # several chunks; with one chunk per rank the plan gives each length (core/payload.py)
+        from megatron_delta.core.payload import payload_shapes_travel
+
+        config.variable_seq_lengths = payload_shapes_travel(config)
     return config
 
 

@@ -259,7 +259,8 @@ REGISTRY: Tuple[Patch, ...] = (
           "pairs send-prev with recv-prev: the shapes swap (routed payloads send shapes, variable_seq_lengths)",
           CORE, EVERY_DEVICE,
           made_by="subclass PayloadP2PCommunicator, megatron_delta/core/payload.py; passed to the schedules by "
-                  "schedule_communication_kwargs when shapes travel (routed modes, PP > 1); correct for any PP size"),
+                  "schedule_communication_kwargs; shapes travel only where a rank holds several chunks "
+                  "(payload_shapes_travel)"),
     Patch("vpp_pp2_batched_p2p", ("megatron.core.model_parallel_config.ModelParallelConfig.batch_p2p_comm",),
           "Megatron-LM #750: with PP=2 + VPP, batched p2p (the default) cannot tell send-next from send-prev to "
           "the one peer: training is silently wrong",
