@@ -162,10 +162,14 @@ def test_capture_check_tool_markdown():
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         result = json.load(open(out))
     header = next(line for line in proc.stdout.splitlines() if line.startswith("| mode |"))
-    assert header == "| mode | " + " | ".join(f"`{f}`" for f in C.FIELDS) + " |"
+    assert header == "| mode | " + " | ".join(f"`{f}`" for f in C.FIELDS) + " | `full_iteration` replay |"
     rows = markdown_rows(proc.stdout)
     assert list(rows) == ["delta_block", "target (delta_block)"]
     figures, met = result["modes"]["delta_block"], result["met"]["delta_block"]
+    replay = result["full_iteration"]["delta_block"]
+    assert rows["delta_block"][-1] == ("ready" if replay["ready"] else
+                                       f"NO ({replay['differ_beyond_addresses']} beyond addresses)")
+    assert replay == C.full_iteration_replay(figures, result["detail"]["delta_block"])
     for f, cell in zip(C.FIELDS, rows["delta_block"]):
         value, _, mark = cell.partition(": ")
         assert mark == {None: "", True: "yes", False: "NO"}[met[f]], f
@@ -175,7 +179,7 @@ def test_capture_check_tool_markdown():
             assert value == f"{'fixed' if launches['fixed'] else 'varies'} ({'/'.join(map(str, counts))})"
         else:
             assert value == ("skipped" if figures[f] is None else str(figures[f])), f
-    assert rows["target (delta_block)"] == [result["targets"]["delta_block"][f] for f in C.FIELDS]
+    assert rows["target (delta_block)"] == [result["targets"]["delta_block"][f] for f in C.FIELDS] + ["ready"]
 
 
 def test_format_json_needs_the_capture_check():

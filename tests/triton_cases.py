@@ -827,11 +827,11 @@ def test_capture_recorder_on_the_stream(interpreter, plant, monkeypatch):
 @pytest.mark.parametrize("mode, group", [(m, g) for _, m, g in __import__(
     "megatron_delta.perf.capture_check", fromlist=["RUNS"]).RUNS], ids=lambda v: str(v))
 def test_routed_step_repeats_for_a_full_iteration_graph(interpreter, mode, group):
-    """What a --cuda-graph-impl full_iteration replay needs of the routed step, for every routed mode over the four
-    cases (plain; null source and gate; full recompute; a PP2 cut), 3 iterations on the kernels: the same launches in
-    every iteration, no synchronisation after the first, and from one iteration to the next no launch differing in
-    its kernel, grid or constants (only in tensor addresses and table entries, which a replay takes from its
-    capture)."""
+    """What a --cuda-graph-impl full_iteration replay needs of the routed step, for every routed mode over the five
+    cases (plain; null source and gate; full recompute; a PP2 cut with one micro-batch in flight, and with two in
+    1F1B order), 3 iterations on the kernels: the same launches in every iteration, no synchronisation after the
+    first, and from one iteration to the next no launch differing in its kernel, grid or constants (only in tensor
+    addresses and table entries, which a replay takes from its capture)."""
     from megatron_delta.perf import capture_check
 
     figures, detail = capture_check.capture_figures(mode, group, iterations=3, compile_layers=None)

@@ -16,8 +16,10 @@ backward, its sources handed to it as explicit inputs as core/block.py's full re
 torch.utils.checkpoint's re-entrant checkpoint, the form of Megatron's tensor_parallel.checkpoint); ``pp2`` (two
 pipeline stages cut at layer :data:`CUT`, inside a block in the block modes: the first stage's payload goes to
 the second as new leaves, the second's backward runs first and hands the payload's gradients back, one
-micro-batch in flight, so the positions repeat from one micro-batch to the next). Not reachable here: several
-micro-batches in flight and interleaved chunks with the source cache (Megatron's schedule), sequence and tensor
+micro-batch in flight, so the positions repeat from one micro-batch to the next); ``pp2_in_flight`` (the same cut
+with two micro-batches in the non-interleaved 1F1B order: the first stage's forward of both, then the second
+stage's forward and backward of each, then the first stage's backward of each). Not reachable here: interleaved
+chunks with the source cache (Megatron's interleaved schedule), sequence and tensor
 parallelism, MoE and MTP.
 
 The figures (per mode; ``iterations`` forward + backward of every case, under Triton's interpreter with the
@@ -78,13 +80,13 @@ __all__ = ["FIELDS", "TARGETS", "CASES", "RUNS", "LaunchRecorder", "counting_syn
 
 FIELDS = ("launches_per_step", "launch_signatures_differ", "table_copies_after_first", "syncs",
           "compile_graph_breaks", "ops_per_call", "step_host_ratio")
-CASES = ("plain", "null_gate", "recompute", "pp2")
+CASES = ("plain", "null_gate", "recompute", "pp2", "pp2_in_flight")
 # (label, mode, group size): delta and full_attnres on the group router as tools/host_work.py runs them, delta on
 # one router per pass beside it
 RUNS = (("attnres", "attnres", 1), ("full_attnres", "full_attnres", "auto"), ("delta", "delta", "auto"),
         ("delta S=1", "delta", 1), ("delta_block", "delta_block", 1))
 CAPTURE_LAYERS = 8  # the stream's layers: two per block in the block modes (K = 4)
-CUT = 3  # the pp2 case's first stage: layers 0-2 (inside block 1 in the block modes)
+CUT = 3  # the pp2 cases' first stage: layers 0-2 (inside block 1 in the block modes)
 ITERATIONS = 3
 COMPILE_LAYERS = 4  # the traced stream's: each break site is met at any depth, and Dynamo's tracing is slow
 NUM_BLOCKS = 4  # as perf/gpu_check.NUM_BLOCKS
@@ -306,6 +308,7 @@ def stream_case(mode: str, case: str, kernels: str = "triton", group_size="auto"
         routers[k] = r
     h0 = torch.randn(seq, 1, hidden, generator=g).requires_grad_()
     grad = torch.randn(seq, 1, hidden, generator=g)
+    h0_second = torch.randn(seq, 1, hidden, generator=g).requires_grad_()  # pp2_in_flight's second micro-batch
 
     def scope(first, end):
         return {k: routers[k] for k in keys if (k == "final" and end == layers)
@@ -345,18 +348,34 @@ def stream_case(mode: str, case: str, kernels: str = "triton", group_size="auto"
 
         return call, None, h0
 
-    def call():  # pp2
-        first = SourceBuffer.start(plan, h0, EPS, readers=scope(0, CUT))
+    def first_stage(x):  # its payload, and the second stage's leaves of it
+        first = SourceBuffer.start(plan, x, EPS, readers=scope(0, CUT))
         layers_of(first, 0, CUT)
         sent = first.to_tensors()
-        received = [t.detach().requires_grad_() for t in sent]
+        return sent, [t.detach().requires_grad_() for t in sent]
+
+    def second_stage(received):
         second = SourceBuffer.from_tensors(plan, CUT, received, EPS, readers=scope(CUT, layers))
         layers_of(second, CUT, layers)
         second.output(routers.get("final")).backward(grad)
+
+    def first_stage_backward(sent, received):
         pairs = [(t, r.grad) for t, r in zip(sent, received) if r.grad is not None]
         torch.autograd.backward([t for t, _ in pairs], [gr for _, gr in pairs])
 
-    return call, None, h0
+    def call():  # pp2
+        sent, received = first_stage(h0)
+        second_stage(received)
+        first_stage_backward(sent, received)
+
+    def call_in_flight():  # pp2_in_flight: 1F1B over two micro-batches
+        first = [first_stage(h0), first_stage(h0_second)]
+        for _, received in first:
+            second_stage(received)
+        for sent, received in first:
+            first_stage_backward(sent, received)
+
+    return (call if case == "pp2" else call_in_flight), None, h0
 
 
 # ------------------------------------------------------------------------------------------ graph breaks
@@ -488,17 +507,22 @@ def format_table(result: Dict[str, Any]) -> str:
 
 def format_markdown(result: Dict[str, Any]) -> str:
     """The same figures as a Markdown table for docs (--format markdown): a row per mode, a column per figure, each
-    cell the value and, against its target, "yes" or "NO" (nothing where the figure was not measured); the targets
-    in a row of their own per distinct set."""
-    lines = ["| mode | " + " | ".join(f"`{f}`" for f in FIELDS) + " |", "|---" * (len(FIELDS) + 1) + "|"]
+    cell the value and, against its target, "yes" or "NO" (nothing where the figure was not measured), then the
+    full_iteration replay verdict where the result has one; the targets in a row of their own per distinct set."""
+    replay = result.get("full_iteration")
+    lines = ["| mode | " + " | ".join(f"`{f}`" for f in FIELDS) + (" | `full_iteration` replay" if replay else "")
+             + " |", "|---" * (len(FIELDS) + 1 + bool(replay)) + "|"]
     targets = []
     for label, figures in result["modes"].items():
         cells = []
         for f in FIELDS:
             ok = result["met"][label][f]
             cells.append(_value_text(f, figures[f]) + ("" if ok is None else ": yes" if ok else ": NO"))
+        if replay:
+            r = replay[label]
+            cells.append("ready" if r["ready"] else f"NO ({r['differ_beyond_addresses']} beyond addresses)")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        row = tuple(result["targets"][label][f] for f in FIELDS)
+        row = tuple(result["targets"][label][f] for f in FIELDS) + (("ready",) if replay else ())
         if row not in [t for t, _ in targets]:
             targets.append((row, []))
         next(labels for t, labels in targets if t == row).append(label)
