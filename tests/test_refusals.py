@@ -379,3 +379,40 @@ def test_selective_norm_recompute_matches_the_plain_step(mode, dist):
     with patches_suspended("checkpoint_without_output_fp8"):
         with pytest.raises(NameError, match="FP8GlobalStateManager"):
             step(**selective)
+
+
+# ----------------------------------------------------------------------------- router kernels that cannot run
+C_ON_BF16 = ("--delta-router-kernels c takes fp32 tensors, and --bf16 makes the sources bf16: drop --bf16, or use "
+             "--delta-router-kernels auto or torch (PyTorch ops)")
+
+
+def test_c_kernels_refused_where_they_cannot_run(monkeypatch, capsys):
+    """`--delta-router-kernels c` where the C kernels cannot take the tensors (bf16 / fp16 sources, a run on CUDA
+    devices) is one line naming the flag and what to use - in the config, in the trainer before the distributed
+    start-up, and in the start-up check - instead of every router call going to PyTorch ops without a word; fp32 on
+    CPU and the other choices pass."""
+    from megatron_delta.core.router import check_kernel_placement
+    from megatron_delta.trainer import main as trainer_main
+
+    with pytest.raises(ValueError) as e:
+        DeltaTransformerConfig(**SMALL, residual="delta", delta_router_kernels="c", bf16=True)
+    assert str(e.value) == C_ON_BF16
+    with pytest.raises(ValueError, match=r"^--delta-router-kernels c takes fp32 tensors, and --fp16 makes"):
+        check_kernel_placement("c", activation_dtype="fp16")
+    with pytest.raises(ValueError) as e:
+        check_kernel_placement("c", on_cuda=True)
+    assert str(e.value) == ("--delta-router-kernels c runs the fused C kernels on CPU tensors, and this run trains on "
+                            "CUDA devices: use --delta-router-kernels auto (the Triton kernels on CUDA) or triton")
+    check_kernel_placement("c", activation_dtype="fp32")
+    for choice in ("auto", "torch", "triton", "fla"):
+        check_kernel_placement(choice, on_cuda=True, activation_dtype="bf16")
+    assert DeltaTransformerConfig(**SMALL, residual="delta", delta_router_kernels="auto", bf16=True).bf16
+
+    def started(args):
+        raise AssertionError("the run started: --delta-router-kernels c with --bf16 was not refused at start-up")
+
+    monkeypatch.setattr(trainer_main, "run", started)
+    rc = trainer_main.main(CLI_TINY + ["--residual", "delta", "--delta-router-kernels", "c", "--bf16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "pretrain_gpt.py: error: " + C_ON_BF16

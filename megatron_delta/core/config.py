@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron_delta.core.group_plan import check_group_size
 from megatron_delta.core.modes import BASELINE, check_delta_options
 from megatron_delta.core.mtp import ROUTED_MTP_REFUSED, check_mtp_options
-from megatron_delta.core.router import KERNEL_CHOICES
+from megatron_delta.core.router import KERNEL_CHOICES, check_kernel_placement
 
 # Megatron-Core fusions that fold the residual add into another kernel. A routed layer
 # (DeltaTransformerLayer.forward) adds nothing to a residual inside Megatron's modules: its norms get the
@@ -176,6 +176,8 @@ class DeltaFields:
         if self.delta_router_kernels not in KERNEL_CHOICES:
             raise ValueError(f"--delta-router-kernels {self.delta_router_kernels!r} is not one of "
                              f"{', '.join(KERNEL_CHOICES)}")
+        check_kernel_placement(self.delta_router_kernels,
+                               activation_dtype="bf16" if self.bf16 else "fp16" if self.fp16 else "fp32")
         self.delta_num_blocks = check_delta_options(
             self.residual, self.num_layers, self.delta_num_blocks, self.delta_null_source,
             self.delta_gate, self.delta_sources, router_kernels=self.delta_router_kernels)

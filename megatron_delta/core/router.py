@@ -34,14 +34,17 @@ from megatron_delta.core import cpu_kernels, traffic
 from megatron_delta.core.modes import KERNEL_CHOICES  # --delta-router-kernels' values (modes.py says which)
 from megatron_delta.core.traffic import record
 
-__all__ = ["KERNEL_CHOICES", "check_kernels", "Source", "GradSink", "PendingSum", "make_source", "DepthRouter", "route"]
+__all__ = ["KERNEL_CHOICES", "check_kernels", "check_kernel_placement",
+           "Source", "GradSink", "PendingSum", "make_source", "DepthRouter", "route"]
 
 
 
-def check_kernels(choice: str) -> None:
+def check_kernels(choice: str, *, on_cuda: bool = False, activation_dtype: Optional[str] = None) -> None:
     """Start-up check of `--delta-router-kernels`: `c` must build here, `fla` must import (fla_router.check),
     `triton` must import and find a CUDA device or the interpreter (triton_router.check) (raises ValueError
-    if not)."""
+    if not). ``c`` must also be able to run the run's tensors: fp32 on CPU (``on_cuda``: the run trains on CUDA
+    devices; ``activation_dtype``: 'bf16' or 'fp16' where --bf16 / --fp16 make the sources that), where the C
+    kernels would otherwise leave every call to PyTorch ops without a word."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"--delta-router-kernels {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
     if choice == "triton":
@@ -58,6 +61,21 @@ def check_kernels(choice: str) -> None:
         except cpu_kernels.KernelBuildError as e:
             raise ValueError(f"--delta-router-kernels c: the fused CPU kernels cannot be built: {e}. "
                              f"Install a C compiler or use --delta-router-kernels torch") from None
+    check_kernel_placement(choice, on_cuda=on_cuda, activation_dtype=activation_dtype)
+
+
+def check_kernel_placement(choice: str, *, on_cuda: bool = False, activation_dtype: Optional[str] = None) -> None:
+    """`--delta-router-kernels c` where the C kernels cannot take the run's tensors (CUDA ones, or bf16 / fp16 ones):
+    a ValueError naming the flag and what to use, instead of every call going to PyTorch ops without a word."""
+    if choice != "c":
+        return
+    if on_cuda:
+        raise ValueError("--delta-router-kernels c runs the fused C kernels on CPU tensors, and this run trains on "
+                         "CUDA devices: use --delta-router-kernels auto (the Triton kernels on CUDA) or triton")
+    if activation_dtype not in (None, "fp32"):
+        raise ValueError(f"--delta-router-kernels c takes fp32 tensors, and --{activation_dtype} makes the sources "
+                         f"{activation_dtype}: drop --{activation_dtype}, or use --delta-router-kernels auto or "
+                         f"torch (PyTorch ops)")
 
 
 class GradSink:

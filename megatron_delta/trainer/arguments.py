@@ -96,6 +96,14 @@ GPU_DEFAULTS = (
 )
 
 
+def _trains_on_cuda(args: argparse.Namespace) -> bool:
+    """The run's tensors live on CUDA devices (Megatron-LM puts the model there whenever CUDA is present; without
+    it the CPU platform runs: platform/patches)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def check_graphs_need_cuda(args: argparse.Namespace) -> None:
     """Without CUDA, refuse CUDA graphs at start-up (one line, every mode): Megatron would fail deep inside,
     making the CUDA stream it captures on."""
@@ -334,7 +342,9 @@ def validate_delta_args(args: argparse.Namespace) -> None:
         check_mla_flags(args)
         check_tensor_parallel_split(args)
         if args.residual != BASELINE:
-            check_kernels(args.delta_router_kernels)  # `c` must build, `fla` import: fail now, not at step 1
+            # `c` must build (and run this run's tensors), `fla` import: fail now, not at step 1
+            check_kernels(args.delta_router_kernels, on_cuda=_trains_on_cuda(args),
+                          activation_dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
     except ValueError as e:
         raise TrainerArgumentError(str(e)) from None
     check_graphs_need_cuda(args)  # after the routed refusals: theirs says which graphs a routed mode takes
