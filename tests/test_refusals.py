@@ -16,7 +16,6 @@ import torch
 
 from megatron_delta.core.config import (
     PER_LAYER_GRAPHS_REFUSED,
-    PIPELINED_GRAPHS_REFUSED,
     UNSUPPORTED_FEATURES,
     DeltaTransformerConfig,
 )
@@ -92,20 +91,13 @@ def test_config_refuses_per_layer_graphs(fields, flag, impl):
 
 
 def test_config_full_iteration_graphs_under_pipeline_parallelism():
-    """Full-iteration graphs with one pipeline chunk per rank: accepted (the payload lengths are the plan's); with
-    virtual pipeline stages: refused for the routed modes (the payloads' shape messages), kept for the baseline."""
+    """Full-iteration graphs with pipeline parallelism, one chunk per rank or interleaved: accepted for the routed
+    modes (tests/test_padded_payloads.py: the payloads need no shape message) as for the baseline."""
     pp = dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
-    config = DeltaTransformerConfig(**SMALL, residual="delta_block", cuda_graph_impl="full_iteration", **pp)
-    assert config.cuda_graph_impl == "full_iteration"
-    vpp = dict(pp, virtual_pipeline_model_parallel_size=2)
-    with pytest.raises(ValueError) as e:
-        DeltaTransformerConfig(**SMALL, residual="delta_block", cuda_graph_impl="full_iteration", **vpp)
-    assert str(e.value) == ("--cuda-graph-impl full_iteration with an interleaved pipeline (virtual pipeline stages or "
-                            "--pipeline-model-parallel-layout) is not supported with --residual delta_block: "
-                            f"{PIPELINED_GRAPHS_REFUSED}. Drop --cuda-graph-impl, keep one chunk per pipeline rank, "
-                            "or use --residual baseline")
-    assert DeltaTransformerConfig(**SMALL, residual="baseline", cuda_graph_impl="full_iteration",
-                                  **vpp).cuda_graph_impl == "full_iteration"
+    for layout in (pp, dict(pp, virtual_pipeline_model_parallel_size=2)):
+        for mode in ("baseline", "delta_block"):
+            config = DeltaTransformerConfig(**SMALL, residual=mode, cuda_graph_impl="full_iteration", **layout)
+            assert config.cuda_graph_impl == "full_iteration"
 
 
 def test_config_off_values_are_accepted():
@@ -149,10 +141,7 @@ def test_trainer_refuses_before_startup(flags, start, monkeypatch, capsys):
     assert line.endswith(REMEDY) or line.endswith("x <- x + v itself)"), line
 
 
-@pytest.mark.parametrize("flags", [["--cuda-graph-impl", "local"], ["--enable-cuda-graph"],
-                                   ["--cuda-graph-impl", "full_iteration", "--pipeline-model-parallel-size", "2",
-                                    "--num-layers-per-virtual-pipeline-stage", "1"]],
-                         ids=["local", "enable", "full_iteration-vpp"])
+@pytest.mark.parametrize("flags", [["--cuda-graph-impl", "local"], ["--enable-cuda-graph"]], ids=["local", "enable"])
 def test_trainer_refuses_graphs_a_routed_mode_cannot_honour(flags, monkeypatch, capsys):
     """The graph options a routed mode cannot honour: the routed line (config.check_cuda_graphs'), before the
     distributed start-up and before the line about CUDA (the routed refusal says what to use instead)."""
@@ -166,11 +155,11 @@ def test_trainer_refuses_graphs_a_routed_mode_cannot_honour(flags, monkeypatch, 
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     line = err.strip().splitlines()[-1]
-    why = PIPELINED_GRAPHS_REFUSED if "--pipeline-model-parallel-size" in flags else PER_LAYER_GRAPHS_REFUSED
-    assert line.startswith(f"pretrain_gpt.py: error: {flags[0]}") and why in line, line
+    assert line.startswith(f"pretrain_gpt.py: error: {flags[0]}") and PER_LAYER_GRAPHS_REFUSED in line, line
 
 
-@pytest.mark.parametrize("residual, pp", [("baseline", 1), ("delta", 1), ("delta", 2)])
+@pytest.mark.parametrize("residual, pp", [("baseline", []), ("delta", []), ("delta", ["2"]), ("delta", ["2", "1"])],
+                         ids=["baseline", "delta", "delta-pp2", "delta-pp2-vpp"])
 def test_trainer_refuses_graphs_without_cuda(residual, pp, monkeypatch, capsys):
     """--cuda-graph-impl full_iteration on a machine without CUDA, in any mode: one line saying that graphs need
     CUDA, before the distributed start-up (Megatron would fail making its capture stream)."""
@@ -180,8 +169,9 @@ def test_trainer_refuses_graphs_without_cuda(residual, pp, monkeypatch, capsys):
         raise AssertionError("the run started: graphs on CPU were not refused at start-up")
 
     monkeypatch.setattr(trainer_main, "run", started)
-    rc = trainer_main.main(CLI_TINY + ["--residual", residual, "--cuda-graph-impl", "full_iteration",
-                                       "--pipeline-model-parallel-size", str(pp)])
+    layout = (["--pipeline-model-parallel-size", pp[0]] if pp else []) + (
+        ["--num-layers-per-virtual-pipeline-stage", pp[1]] if len(pp) > 1 else [])
+    rc = trainer_main.main(CLI_TINY + ["--residual", residual, "--cuda-graph-impl", "full_iteration"] + layout)
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == (

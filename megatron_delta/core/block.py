@@ -17,7 +17,7 @@ from megatron.core.utils import WrappedTensor, deprecate_inference_params, make_
 
 from megatron_delta.core.layer import build_router
 from megatron_delta.core.modes import REPLACEMENT_MODES
-from megatron_delta.core.payload import pack_stage_payload, unpack_stage_payload
+from megatron_delta.core.payload import pack_stage_payload, payload_padding, unpack_stage_payload
 from megatron_delta.core.router import DepthRouter
 from megatron_delta.core.source_cache import cache_applies
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
@@ -29,6 +29,7 @@ class DeltaTransformerBlock(TransformerBlock):
     def init_delta(self):
         """Called once by DeltaGPTModel after Megatron built the block: adds what routing needs."""
         self.plan = SourcePlan.from_config(self.config)
+        self.payload_padding = payload_padding(self.config)  # None, or every payload's tensor count (graphs)
         self.record_routing = False
         self.source_cache = None  # the rank's SourceCache under the interleaved schedule (source_cache.link_chunks)
         self.routing_records = []  # SourceBuffers (and core.mtp.MTPRouting) of the micro-batches run while recording
@@ -83,10 +84,10 @@ class DeltaTransformerBlock(TransformerBlock):
         else:
             names = self.plan.payload_names(self.first_layer)
             if cache is None:
-                tensors = unpack_stage_payload(hidden_states, len(names))
+                tensors = unpack_stage_payload(hidden_states, len(names), self.payload_padding)
             else:  # the payload holds what this rank lacks; the rest comes from its cache
                 sent = cache.plan.sent_names(k)
-                by_name = dict(zip(sent, unpack_stage_payload(hidden_states, len(sent))))
+                by_name = dict(zip(sent, unpack_stage_payload(hidden_states, len(sent), self.payload_padding)))
                 by_name.update(cache.take(micro_batch, cache.plan.taken_names(k)))
                 tensors = [by_name[n] for n in names]
             buffer = None
@@ -129,10 +130,10 @@ class DeltaTransformerBlock(TransformerBlock):
             if self.final_layernorm is not None:
                 out = self.final_layernorm(out)
         elif cache is None:
-            out = pack_stage_payload(buffer.to_tensors())
+            out = pack_stage_payload(buffer.to_tensors(), self.payload_padding)
         else:
             tensors = dict(zip(self.plan.payload_names(self.end_layer), buffer.to_tensors()))
-            out = pack_stage_payload([tensors[n] for n in cache.plan.sent_names(k + 1)])
+            out = pack_stage_payload([tensors[n] for n in cache.plan.sent_names(k + 1)], self.payload_padding)
             out = cache.keep(micro_batch, self.vp_stage, out, {n: tensors[n] for n in cache.plan.kept_names(k)})
         if cache is not None:
             cache.finish_forward(micro_batch, self.vp_stage)

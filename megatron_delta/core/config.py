@@ -90,25 +90,22 @@ def check_unsupported_features(residual: str, **values) -> None:
 # CUDA graphs. `full_iteration` captures an iteration's whole forward-backward: the sources, the routers' launch
 # tables (kept alive for the graph: triton_router.device_tables) and the gradient buffers the host makes are made
 # during the capture and the replay repeats them; the routed step has no synchronisation and a fixed launch
-# sequence (perf/capture_check.py proves both on CPU). Per-layer graphs (`local`, `transformer_engine`) take only
+# sequence (perf/capture_check.py proves both on CPU), and pipeline payloads need no shape message
+# (core/payload.py). Per-layer graphs (`local`, `transformer_engine`) take only
 # a layer's tensor arguments as static inputs. --enable-cuda-graph and --external-cuda-graph are deprecated
 # spellings of `local` and `transformer_engine`, which Megatron-Core migrates in __post_init__, after this check.
 PER_LAYER_GRAPHS_REFUSED = (
     "a per-layer graph replays a layer with the tensors of its arguments at their capture addresses, and a routed "
     "layer reads its sources from the stage's SourceBuffer, which is not one of its arguments")
-PIPELINED_GRAPHS_REFUSED = (
-    "a rank that holds several pipeline chunks receives payloads of different lengths in the schedule's order and "
-    "reads each one's shape from a message on the host, which a capture cannot hold (with one chunk per rank the "
-    "lengths are the source plan's: core/payload.py)")
 CUDA_GRAPH_FLAGS = {"cuda_graph_impl": "--cuda-graph-impl", "enable_cuda_graph": "--enable-cuda-graph",
                     "external_cuda_graph": "--external-cuda-graph"}
 
 
 def check_cuda_graphs(residual: str, cuda_graph_impl: str = "none", enable_cuda_graph: bool = False,
-                      external_cuda_graph: bool = False, interleaved_pipeline: bool = False) -> None:
-    """Refuse, for a routed mode, a CUDA-graph option it cannot honour (ValueError naming the flag and what to
-    do): per-layer graphs, and full-iteration graphs with several pipeline chunks per rank (``interleaved_pipeline``:
-    virtual pipeline stages or a --pipeline-model-parallel-layout). The baseline keeps them all."""
+                      external_cuda_graph: bool = False) -> None:
+    """Refuse, for a routed mode, per-layer CUDA graphs (ValueError naming the flag and what to do). Full-iteration
+    graphs are accepted (under an interleaved pipeline the payloads are padded to one length: core/payload.py
+    payload_padding). The baseline keeps them all."""
     if residual == BASELINE:
         return
     per_layer = [f"{CUDA_GRAPH_FLAGS['cuda_graph_impl']} {cuda_graph_impl}"] if cuda_graph_impl in (
@@ -119,11 +116,6 @@ def check_cuda_graphs(residual: str, cuda_graph_impl: str = "none", enable_cuda_
         raise ValueError(f"{per_layer[0]} is not supported with --residual {residual}: {PER_LAYER_GRAPHS_REFUSED}. "
                          f"Use --cuda-graph-impl full_iteration (the whole forward-backward in one graph), or "
                          f"--residual baseline")
-    if cuda_graph_impl == "full_iteration" and interleaved_pipeline:
-        raise ValueError(f"--cuda-graph-impl full_iteration with an interleaved pipeline (virtual pipeline stages or "
-                         f"--pipeline-model-parallel-layout) is not supported with --residual {residual}: "
-                         f"{PIPELINED_GRAPHS_REFUSED}. Drop --cuda-graph-impl, keep one chunk per pipeline rank, or "
-                         f"use --residual baseline")
 
 
 # Why the routed modes refuse --heterogeneous-layers-config-path (the baseline builds Megatron's own model).
@@ -185,9 +177,7 @@ class DeltaFields:
                                                         self.delta_sources, self.delta_router_kernels)
         check_residual_fusions(self.residual, **{f: getattr(self, f, False) for f in RESIDUAL_FUSIONS})
         check_unsupported_features(self.residual, **{f: getattr(self, f) for f in UNSUPPORTED_FEATURES})
-        check_cuda_graphs(self.residual, self.cuda_graph_impl, self.enable_cuda_graph, self.external_cuda_graph,
-                          (self.virtual_pipeline_model_parallel_size or 1) > 1
-                          or self.pipeline_model_parallel_layout not in (None, ""))
+        check_cuda_graphs(self.residual, self.cuda_graph_impl, self.enable_cuda_graph, self.external_cuda_graph)
         check_mtp_options(self.residual, self.mtp_num_layers, self.recompute_granularity,
                           **{f: getattr(self, f) for f in ROUTED_MTP_REFUSED})
         super().__post_init__()  # the Megatron-Core config class's checks and derived fields

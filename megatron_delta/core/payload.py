@@ -16,13 +16,14 @@ from torch import Tensor
 from megatron_delta.core.sources import SourcePlan
 
 __all__ = ["pack_stage_payload", "unpack_stage_payload", "payload_seq_length", "payload_num_tensors",
-           "PayloadP2PCommunicator", "payload_shapes_travel", "rank_payload_tensors", "schedule_communication_kwargs",
-           "describe_stage_payloads"]
+           "PayloadP2PCommunicator", "payload_padding", "payload_shapes_travel", "rank_payload_tensors",
+           "schedule_communication_kwargs", "describe_stage_payloads"]
 
 
-def pack_stage_payload(tensors: Sequence[Tensor]) -> Tensor:
+def pack_stage_payload(tensors: Sequence[Tensor], pad_to: Optional[int] = None) -> Tensor:
     """[t_0; t_1; ...] along dim 0. Every tensor must have the same shape [s, b, d] and dtype.
-    A single tensor is returned as is (no copy)."""
+    A single tensor is returned as is (no copy). ``pad_to``: zeros after them up to that many tensors' length
+    (:func:`payload_padding`: a length fixed for every boundary; they carry no gradient back)."""
     tensors = list(tensors)
     if not tensors:
         raise ValueError("pack_stage_payload: nothing to pack")
@@ -32,15 +33,25 @@ def pack_stage_payload(tensors: Sequence[Tensor]) -> Tensor:
             raise ValueError(
                 f"pack_stage_payload: all tensors must share shape/dtype, got {tuple(shape)}/{dtype} "
                 f"and {tuple(t.shape)}/{t.dtype}")
+    if pad_to is not None and pad_to < len(tensors):
+        raise ValueError(f"pack_stage_payload: {len(tensors)} tensors do not fit a payload padded to {pad_to}")
+    if pad_to is not None and pad_to > len(tensors):
+        tensors.append(tensors[0].new_zeros((pad_to - len(tensors)) * shape[0], *shape[1:]))
     if len(tensors) == 1:
         return tensors[0]
     return torch.cat(tensors, dim=0)
 
 
-def unpack_stage_payload(payload: Tensor, num: int) -> List[Tensor]:
-    """Inverse of :func:`pack_stage_payload`: ``num`` views of [s, b, d] (s = payload.size(0)/num)."""
+def unpack_stage_payload(payload: Tensor, num: int, pad_to: Optional[int] = None) -> List[Tensor]:
+    """Inverse of :func:`pack_stage_payload`: ``num`` views of [s, b, d] (s = payload.size(0)/num, or
+    payload.size(0)/pad_to for a payload padded to ``pad_to`` tensors, whose padding is dropped)."""
     if num < 1:
         raise ValueError(f"unpack_stage_payload: num must be >= 1, got {num}")
+    if pad_to is not None:
+        if pad_to < num or payload.shape[0] % pad_to:
+            raise ValueError(f"unpack_stage_payload: a payload of {payload.shape[0]} rows padded to {pad_to} "
+                             f"tensors cannot hold {num}")
+        payload = payload[:num * (payload.shape[0] // pad_to)]
     if num == 1:
         return [payload]
     total = payload.shape[0]
@@ -65,15 +76,33 @@ def _p2p_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _several_chunks_per_rank(config) -> bool:
+    return ((config.virtual_pipeline_model_parallel_size or 1) > 1
+            or getattr(config, "pipeline_model_parallel_layout", None) not in (None, ""))
+
+
+def payload_padding(config) -> Optional[int]:
+    """The tensor count every routed payload is padded to, or None (not padded). Only under full-iteration CUDA
+    graphs (``cuda_graph_impl == "full_iteration"``) with several chunks per rank (the interleaved schedule, a
+    --pipeline-model-parallel-layout): there a rank receives payloads of different lengths in the schedule's order,
+    and a capture cannot hold the host-read shape message that would tell them apart, so every boundary sends the
+    longest payload's length (the most tensors any boundary of the plan carries), its tail zeros."""
+    if (getattr(config, "residual", "baseline") == "baseline" or config.pipeline_model_parallel_size == 1
+            or getattr(config, "cuda_graph_impl", "none") != "full_iteration" or not _several_chunks_per_rank(config)):
+        return None
+    plan = SourcePlan.from_config(config)
+    return max(payload_num_tensors(plan, f) for f in range(1, config.num_layers))
+
+
 def payload_shapes_travel(config) -> bool:
     """Whether a routed model's pipeline exchanges its payloads' shapes (Megatron's ``variable_seq_lengths``: a
     message per transfer, read on the host). Only where a rank receives the payloads of several chunks in an order
-    the communicator is not told: the interleaved schedule and ``--pipeline-model-parallel-layout``. Elsewhere each
-    rank holds one chunk, and what it receives from either side has a length fixed by the source plan
-    (:func:`rank_payload_tensors`): no message, no synchronisation, nothing a CUDA graph capture cannot hold."""
+    the communicator is not told (the interleaved schedule and ``--pipeline-model-parallel-layout``) and they are not
+    padded to one length (:func:`payload_padding`). Elsewhere each rank holds one chunk, and what it receives from
+    either side has a length fixed by the source plan (:func:`rank_payload_tensors`): no message, no
+    synchronisation, nothing a CUDA graph capture cannot hold."""
     return (getattr(config, "residual", "baseline") != "baseline" and config.pipeline_model_parallel_size > 1
-            and ((config.virtual_pipeline_model_parallel_size or 1) > 1
-                 or getattr(config, "pipeline_model_parallel_layout", None) not in (None, "")))
+            and _several_chunks_per_rank(config) and payload_padding(config) is None)
 
 
 def rank_payload_tensors(config, pp_rank: int) -> tuple:
@@ -102,16 +131,20 @@ class PayloadP2PCommunicator(P2PCommunicator):
 
     def __init__(self, pp_group, config, payload_tensors: Optional[tuple] = None):
         super().__init__(pp_group=pp_group, config=config)
-        self.payload_tensors = payload_tensors  # (received from prev, sent to next) in [s, b, d] tensors, or None
+        # (received from prev, sent to next) in [s, b, d] tensors, or None (shapes travel); padded payloads
+        # (payload_padding): the padded count both ways
+        self.payload_tensors = payload_tensors
 
     # Replaces P2PCommunicator._communicate's receive shape (one per call: the schedule's per-tensor shape) with the
-    # payload's, for a rank with one chunk: a call receives from one side only (the non-interleaved schedule).
+    # payload's: a rank with one chunk receives from one side per call (the non-interleaved schedule); padded
+    # payloads have one length both ways.
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
                      wait_on_reqs=True):
         if self.payload_tensors is not None and (recv_prev or recv_next):
-            if recv_prev and recv_next:
+            into, out = self.payload_tensors
+            if recv_prev and recv_next and into != out:
                 raise RuntimeError("a rank with one pipeline chunk receives from one side per transfer")
-            count = self.payload_tensors[0] if recv_prev else self.payload_tensors[1]
+            count = into if recv_prev else out
             tensor_shape = (count * tensor_shape[0], *tensor_shape[1:])
         return super()._communicate(tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
                                     recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
@@ -159,8 +192,13 @@ def schedule_communication_kwargs(config, pg_collection=None) -> dict:
     if bool(config.variable_seq_lengths) != travel:  # the schedules read it to decide whether shapes travel
         raise ValueError(f"a routed model under pipeline parallelism needs config.variable_seq_lengths = {travel} "
                          f"(payload_shapes_travel: shapes travel only under the interleaved schedule or a "
-                         f"--pipeline-model-parallel-layout), got {config.variable_seq_lengths}")
-    tensors = None if travel else rank_payload_tensors(config, pg_collection.pp.rank())
+                         f"--pipeline-model-parallel-layout, without full-iteration graphs), got "
+                         f"{config.variable_seq_lengths}")
+    padding = payload_padding(config)
+    if padding is not None:
+        tensors = (padding, padding)
+    else:
+        tensors = None if travel else rank_payload_tensors(config, pg_collection.pp.rank())
     return {"p2p_communicator": PayloadP2PCommunicator(pg_collection.pp, config, tensors),
             "pg_collection": pg_collection}
 
@@ -177,6 +215,7 @@ def describe_stage_payloads(config, seq_length: int, micro_batch_size: int) -> L
     if getattr(config, "pipeline_model_parallel_layout", None):  # the chunks are the layout's: not planned here
         return [" pipeline payloads: chunks from --pipeline-model-parallel-layout (not described)"]
     chunks = SourceCachePlan.from_config(config, plan, cached=cache_applies(config))
+    padding = payload_padding(config)
     lines = []
     for k, first, sent, taken in chunks.boundaries():
         size = len(sent) * tensor_bytes / 2**20
@@ -186,5 +225,8 @@ def describe_stage_payloads(config, seq_length: int, micro_batch_size: int) -> L
             full = len(sent) + len(taken)
             line += (f" (without the cache: {full * tensor_bytes / 2**20:.2f} MiB; kept on the rank: "
                      f"[{', '.join(taken)}])")
+        if padding is not None and padding > len(sent):
+            line += (f"; padded to {padding} tensors = {padding * tensor_bytes / 2**20:.2f} MiB for "
+                     f"--cuda-graph-impl full_iteration")
         lines.append(line)
     return lines

@@ -226,12 +226,9 @@ def check_routed_features(args: argparse.Namespace) -> None:
 
     check_residual_fusions(args.residual, **values(RESIDUAL_FUSIONS))
     check_unsupported_features(args.residual, **values(UNSUPPORTED_FEATURES))
-    interleaved = args.pipeline_model_parallel_size > 1 and any(getattr(args, a, None) not in (None, "") for a in (
-        "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
-        "pipeline_model_parallel_layout"))  # Megatron-LM derives the virtual pipeline size from them later
     check_cuda_graphs(args.residual, getattr(args, "cuda_graph_impl", "none"),
                       bool(getattr(args, "enable_cuda_graph", False)),
-                      bool(getattr(args, "external_cuda_graph", False)), interleaved)
+                      bool(getattr(args, "external_cuda_graph", False)))
     check_mtp_options(args.residual, args.mtp_num_layers, args.recompute_granularity,
                       **{f: getattr(args, f, False) for f in ROUTED_MTP_REFUSED})
     check_heterogeneous_layers(args.residual, getattr(args, "heterogeneous_layers_config_path", None))
