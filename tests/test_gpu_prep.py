@@ -230,16 +230,16 @@ def test_gpu_check_says_which_layers_it_runs(monkeypatch):
 
 
 def test_gpu_check_runs_each_mode_eager_and_with_graphs():
-    """The throughput runs at each shape: the baseline, then the shape's target mode (a run cut short by the time
-    budget has measured it), delta on the group router (--delta-router-group-size auto) and delta_block, each eager
-    then with CUDA graphs; delta's prediction is the group router's (router_share with group size auto, which
-    moves less than one router per pass)."""
+    """The throughput runs at each shape: the baseline and the shape's target mode eager first (a run cut short by
+    the time budget has measured them), then both with CUDA graphs, then the other mode - delta on the group router
+    (--delta-router-group-size auto) and delta_block; delta's prediction is the group router's (router_share
+    with group size auto, which moves less than one router per pass)."""
     from megatron_delta.perf import cost_model, gpu_check, speed_targets
 
-    assert gpu_check.speed_runs("8B") == [("baseline", None, False), ("baseline", None, True),
-                                          ("delta_block", None, False), ("delta_block", None, True),
+    assert gpu_check.speed_runs("8B") == [("baseline", None, False), ("delta_block", None, False),
+                                          ("baseline", None, True), ("delta_block", None, True),
                                           ("delta", "auto", False), ("delta", "auto", True)]
-    assert [m for m, _, _ in gpu_check.speed_runs("1B")][::2] == ["baseline", "delta", "delta_block"]
+    assert [m for m, _, _ in gpu_check.speed_runs("1B")] == ["baseline", "delta"] * 2 + ["delta_block"] * 2
     env = types.SimpleNamespace(dry=True, gpu_kind=lambda: "H200")
     group, single = (speed_targets.predicted(env, "1B", "delta", "triton", 28, g) for g in ("auto", 1))
     assert group == cost_model.router_share("H200", "1B", "delta", "triton", group_size="auto")["tokens_per_sec_ratio"]
@@ -482,3 +482,29 @@ def test_cross_entropy_loss_fusion_leaves_routing_untouched(dist, mode):
     # one logit's gradient), far below the 30 % the bf16 rounding itself makes
     worst = {n: ((g1[n] - g0[n]).abs().max() / g0[n].abs().max()).item() for n in g0}
     assert max(worst.values()) <= 1e-3, {n: e for n, e in worst.items() if e > 1e-3}
+
+
+GPU_INTERPRETER_CASES = 16  # tests/gpu/interpreter_cases.py: 6 router calls, 3 models, 5 streams and captures, the
+# 1B depth, a stale replay
+
+
+def test_cuda_tests_checks_under_the_interpreter():
+    """The CUDA tests' checks (tests/gpu/cases.py) on CPU, fp32, the Triton kernels under the interpreter (a fresh
+    process: TRITON_INTERPRET=1 before Triton's import): router calls and models against the PyTorch path and the
+    float64 reference, every routed mode's stream against the PyTorch path, the capture comparison with a stand-in
+    capture, and a stale replay failing it. Without CUDA the CUDA tests themselves are reported as skipped."""
+    import re
+
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                        "tests/gpu/interpreter_cases.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    summary = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) == GPU_INTERPRETER_CASES and "skipped" not in summary, summary
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs", "tests/gpu"],
+                       cwd=REPO, env=dict(env, TRITON_INTERPRET="0"), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and re.search(r"^32 skipped in ", p.stdout.strip().splitlines()[-1]), p.stdout[-3000:]
+    assert "needs a CUDA device (torch.cuda.is_available() is False)" in p.stdout and " passed" not in p.stdout

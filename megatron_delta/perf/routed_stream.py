@@ -6,14 +6,16 @@ perf/kernel_resources.py's launches) and what the CUDA tests capture and replay 
 NUM_BLOCKS = 4  # K of the block modes where it divides the layers: the targets' K (perf/gpu_check.NUM_BLOCKS)
 
 
-def routed_stream(mode, layers, kernels, group_size, seq, hidden, device, dtype=None, seed=8, every_gradient=False):
+def routed_stream(mode, layers, kernels, group_size, seq, hidden, device, dtype=None, seed=8, every_gradient=False,
+                  sublayer=None):
     """``mode``'s routed stream over ``layers`` layers (x the sum of the sources in the additive modes; K = 4 blocks
     where 4 divides ``layers`` in the block modes; the replacement modes' final router routes after the last
     layer), routers on ``kernels`` with --delta-router-group-size ``group_size``: a function running one forward +
     backward, and what it holds, (routers, h0, grad): the stream's input and its output's gradient.
 
     The function returns the gradients of h0 and of every router's query; with ``every_gradient`` it returns
-    (output, the gradients of h0 and of every router parameter) instead."""
+    (output, the gradients of h0 and of every router parameter) instead. ``sublayer(j, u)``: sublayer j's output
+    in place of u itself (the identity's sources are so alike that the routers' gradients are round-off)."""
     import torch
 
     from megatron_delta.core.modes import ADDITIVE_MODES, BLOCK_MODES
@@ -37,7 +39,8 @@ def routed_stream(mode, layers, kernels, group_size, seq, hidden, device, dtype=
     def call():
         buf = SourceBuffer.start(plan, h0, 1e-6, readers=readers)
         for j in range(2 * layers):
-            buf.commit(j, buf.routed_input(j, routers[j]))
+            u = buf.routed_input(j, routers[j])
+            buf.commit(j, u if sublayer is None else sublayer(j, u))
         out = buf.output(readers.get("final"))
         grads = torch.autograd.grad(out, wrt, grad)
         return (out.detach(), *grads) if every_gradient else grads
