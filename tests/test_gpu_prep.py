@@ -508,3 +508,46 @@ def test_cuda_tests_checks_under_the_interpreter():
                        cwd=REPO, env=dict(env, TRITON_INTERPRET="0"), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and re.search(r"^32 skipped in ", p.stdout.strip().splitlines()[-1]), p.stdout[-3000:]
     assert "needs a CUDA device (torch.cuda.is_available() is False)" in p.stdout and " passed" not in p.stdout
+
+
+def test_gpu_acceptance_command_without_cuda(tmp_path):
+    """tools/gpu_acceptance.sh on a machine without CUDA: every CUDA test reported as skipped with the reason (none
+    as passed), the throughput run's refusal line, and the verdict FAIL (exit status 1) in acceptance.json and the
+    printed table, all under $OUT."""
+    import json
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OUT=str(tmp_path), OMP_NUM_THREADS="2")
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([os.path.join(REPO, "tools", "gpu_acceptance.sh")], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.load(open(tmp_path / "acceptance.json"))
+    assert not r["ok"] and r["tests"]["collected"] == 32 and r["tests"]["passed"] == 0 and not r["tests"]["not_run"]
+    assert len(r["tests"]["skipped"]) == 32 and all("needs a CUDA device" in v for v in r["tests"]["skipped"].values())
+    assert r["throughput"]["error"].startswith("gpu_check: no CUDA device visible") and not r["throughput"]["ok"]
+    assert "CUDA tests: 0 passed of 32, 0 failed, 32 skipped, 0 not run - skipped or not run is not passed" in p.stdout
+    assert "GPU acceptance: FAIL" in p.stdout
+
+
+def test_gpu_acceptance_summary_counts_what_did_not_run(tmp_path):
+    """The summary of a run whose tests were stopped at their time limit (exit status 124): a collected test without
+    an outcome is NOT RUN, a skipped one is not passed; the throughput runs the budget left out are listed; the
+    refused graphed runs show their refusal line."""
+    import json
+
+    from megatron_delta.perf import acceptance
+
+    a, b, c = (f"tests/gpu/test_capture.py::test_routed_stream_at_1b_depth[{x}]" for x in ("s1", "s2", "s3"))
+    (tmp_path / "gpu_tests_collected.txt").write_text(f"{a}\n{b}\n{c}\n\n3 tests collected in 1.0s\n")
+    (tmp_path / "gpu_tests.json").write_text(json.dumps({a: {"outcome": "passed"}, b: {"outcome": "failed",
+                                                                                        "error": "AssertionError"}}))
+    speed = [dict(shape="1B", mode="delta", graphs=True, ok=True, refused="--cuda-graph-impl is not supported")]
+    (tmp_path / "gpu_check.json").write_text(json.dumps(dict(ok=False, targets_met=True, skipped=["host delta S=1"],
+                                                             speed=speed, host=[], device="NVIDIA H100", layers="L")))
+    r, lines = acceptance.summarize(str(tmp_path), 124, 0)
+    assert r["tests"]["not_run"] == [c] and r["tests"]["failed"] == {b: "AssertionError"} and r["tests"]["timed_out"]
+    assert not r["ok"] and not r["tests"]["ok"] and not r["throughput"]["ok"]
+    assert f"  NOT RUN {c}" in lines and f"  FAILED  {b}: AssertionError" in lines
+    assert "  NOT RUN host delta S=1" in lines
+    assert "  1B  delta        graphs --cuda-graph-impl is not supported" in lines
+    assert json.load(open(tmp_path / "acceptance.json")) == r
