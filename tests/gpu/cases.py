@@ -31,10 +31,10 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _router_run(kind, device, dtype, null, gate, with_x, vals, x, W):
-    """One router call on ``kind`` (triton / torch / ref: the float64 reference) and its backward: (output,
-    {name: gradient})."""
-    from megatron_delta.core.router import DepthRouter, make_source
+def _router_setup(kind, device, dtype, null, gate, with_x, vals, x, W):
+    """One router (``kind``: triton / torch / ref, the float64 reference) and its inputs on ``device``: every copy
+    to the device made here, before the call."""
+    from megatron_delta.core.router import DepthRouter
 
     d = vals[0].shape[-1]
     r = DepthRouter(d, null_source=null, gate=gate, eps=EPS, kernels="torch" if kind == "ref" else kind)
@@ -50,6 +50,13 @@ def _router_run(kind, device, dtype, null, gate, with_x, vals, x, W):
     r = r.to(device, torch.float64) if kind == "ref" else r.to(device)
     vs = [v.to(device, work, copy=True).requires_grad_() for v in vals]  # leaves of their own, per run
     xx = x.to(device, work, copy=True).requires_grad_() if with_x else None
+    return kind, r, vs, xx, W.to(device), gate, with_x
+
+
+def _router_call(kind, r, vs, xx, W, gate, with_x):
+    """The call and its backward: (output, {name: gradient})."""
+    from megatron_delta.core.router import make_source
+
     if kind == "ref":
         p = dict(r.named_parameters())
         out, _ = R.route(vs, p["query"], p["key_norm_weight"], p.get("null_source"), eps=EPS)
@@ -57,7 +64,7 @@ def _router_run(kind, device, dtype, null, gate, with_x, vals, x, W):
         out = out + xx if with_x else out
     else:
         out = r([make_source(v, EPS) for v in vs], base=xx, apply_gate=True)
-    (out.double() * W.to(device)).sum().backward()
+    (out.double() * W).sum().backward()
     grads = {f"s{i}": v.grad for i, v in enumerate(vs)}
     grads.update({"x": xx.grad} if with_x else {})
     grads.update({k: q.grad for k, q in r.named_parameters()})
@@ -68,24 +75,27 @@ def router_case(device, dtype, null, gate, with_x, n=5, tokens=24, d=64, no_sync
     """The Triton kernels' router call against the float64 reference and the PyTorch path on the same ``dtype``
     inputs. fp32: each within FP32_TOL of both. bf16: each within BF16_TOL of the reference or at most BF16_SLACK
     times as far as the PyTorch path in bf16 (the null source's gradient, a sum over tokens of bf16 per-token
-    terms, 3x). ``no_syncs``: the kernels' call (after one that compiles them) runs under
-    torch.cuda.set_sync_debug_mode("error"). Returns {tensor: error against the reference}."""
+    terms, 3x). ``no_syncs``: the kernels' call and backward (after one that compiles them; its router and inputs
+    copied to the GPU before) run under torch.cuda.set_sync_debug_mode("error"): no stream synchronisation.
+    Returns {tensor: error against the reference}."""
     g = torch.Generator().manual_seed(5)
     vals = [(torch.randn(tokens, 1, d, generator=g) * (1 + i)).to(dtype) for i in range(n)]  # the inputs as rounded
     x = torch.randn(tokens, 1, d, generator=g).to(dtype)
     W = torch.randn(tokens, 1, d, generator=g, dtype=torch.float64)
     args = (device, dtype, null, gate, with_x, vals, x, W)
     if no_syncs:
-        _router_run("triton", *args)  # compiles
+        _router_call(*_router_setup("triton", *args))  # compiles
+        ready = _router_setup("triton", *args)
         torch.cuda.synchronize()
+        previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            got = _router_run("triton", *args)
+            got = _router_call(*ready)
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.set_sync_debug_mode(previous)
     else:
-        got = _router_run("triton", *args)
-    torch_path, ref = _router_run("torch", *args), _router_run("ref", *args)
+        got = _router_call(*_router_setup("triton", *args))
+    torch_path, ref = (_router_call(*_router_setup(kind, *args)) for kind in ("torch", "ref"))
     errors = {"out": rel(got[0], ref[0]), **{k: rel(got[1][k], ref[1][k]) for k in ref[1]}}
     if dtype == torch.float32:
         vs_torch = {"out": rel(got[0], torch_path[0]), **{k: rel(got[1][k], torch_path[1][k]) for k in ref[1]}}
