@@ -552,3 +552,33 @@ def test_gpu_acceptance_summary_counts_what_did_not_run(tmp_path):
     assert "  NOT RUN host delta S=1" in lines
     assert "  1B  delta        graphs --cuda-graph-impl is not supported" in lines
     assert json.load(open(tmp_path / "acceptance.json")) == r
+
+
+def test_gpu_check_graphs_where_accepted():
+    """A graphed run is asked of the project's and Megatron's configuration checks: the baseline is accepted with
+    --cuda-graph-impl full_iteration, each routed mode refused in one line naming the flag; Megatron's
+    full-iteration wrapper keeps its graphs and static inputs per class, cleared before and after each graphed run
+    so that every run captures its own."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+
+    from megatron_delta.perf import gpu_check
+
+    opts = types.SimpleNamespace(vocab_size=64)
+    env = types.SimpleNamespace(impl="local", dry=True)
+    shape = gpu_check.DRY_SHAPES["1B"]
+    assert gpu_check.graph_config(True) == {"cuda_graph_impl": "full_iteration"} and gpu_check.graph_config(False) == {}
+    assert gpu_check.graph_refusal(opts, env, "baseline", shape) is None
+    for mode, group in (("delta", "auto"), ("delta_block", None)):
+        assert gpu_check.graph_refusal(opts, env, mode, shape, group).startswith(
+            f"--cuda-graph-impl is not supported with --residual {mode}: a CUDA graph replays")
+    FullCudaGraphWrapper.cuda_graph["training"] = "a graph of an earlier run"
+    FullCudaGraphWrapper.curr_iteration["training"] = 5
+    StaticBufferLoader.static_buffers["training"].append({})
+    with gpu_check.full_iteration_graphs(True) as wrapper:
+        assert wrapper is FullCudaGraphWrapper and FullCudaGraphWrapper.cuda_graph["training"] is None
+        assert FullCudaGraphWrapper.curr_iteration["training"] == 0
+        assert not StaticBufferLoader.static_buffers["training"]
+        FullCudaGraphWrapper.cuda_graph["training"] = "this run's graph"
+    assert FullCudaGraphWrapper.cuda_graph == {"training": None, "validation": None}
+    with gpu_check.full_iteration_graphs(False) as wrapper:
+        assert wrapper is None
