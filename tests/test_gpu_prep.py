@@ -538,7 +538,7 @@ def test_gpu_acceptance_summary_counts_what_did_not_run(tmp_path):
 
     from megatron_delta.perf import acceptance
 
-    a, b, c = (f"tests/gpu/test_capture.py::test_routed_stream_at_1b_depth[{x}]" for x in ("s1", "s2", "s3"))
+    a, b, c = (f"tests/gpu/test_stream_capture.py::test_routed_stream_at_1b_depth[{x}]" for x in ("s1", "s2", "s3"))
     (tmp_path / "gpu_tests_collected.txt").write_text(f"{a}\n{b}\n{c}\n\n3 tests collected in 1.0s\n")
     (tmp_path / "gpu_tests.json").write_text(json.dumps({a: {"outcome": "passed"}, b: {"outcome": "failed",
                                                                                         "error": "AssertionError"}}))
