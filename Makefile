@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lint test test-fast demo clean
+.PHONY: setup lint test test-fast demo gpu-acceptance clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ test-fast: lint
 
 demo: setup
 	$(PY) pretrain_gpt.py --residual delta_block
+
+# One GPU, at most 6 minutes: the CUDA tests (tests/gpu) and the throughput run; results under OUT (docs/gpu.md).
+gpu-acceptance:
+	tools/gpu_acceptance.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -26,18 +26,6 @@ def test_gpu_check_exits_at_once_without_cuda():
     assert "no CUDA device" in p.stderr and "Nothing was run" in p.stderr
 
 
-def test_fused_norm_name_mapping():
-    from megatron_delta.perf.gpu_check import local_to_te_name
-
-    assert (local_to_te_name("decoder.layers.3.input_layernorm.weight")
-            == "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
-    assert (local_to_te_name("decoder.layers.0.pre_mlp_layernorm.weight")
-            == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight")
-    for same in ("decoder.layers.0.self_attention.q_layernorm.weight", "decoder.final_layernorm.weight",
-                 "decoder.layers.1.mlp_router.query", "embedding.word_embeddings.weight"):
-        assert local_to_te_name(same) == same
-
-
 def test_fp8_needs_transformer_engine_impl():
     with pytest.raises(ModelConfigError, match=r"^model field fp8_format \(--fp8-format\) hybrid needs "
                                                r"transformer_impl transformer_engine \(FP8 GEMMs are Transformer "
@@ -174,142 +162,121 @@ def test_router_without_fp8_imports_no_te(dist, monkeypatch):
 
 # ------------------------------------------------------------------------ the GPU kernels
 def test_gpu_check_dry_run():
-    """tools/gpu_check.py --dry-run: every part of the GPU acceptance run on CPU (tiny sizes, naive_attnres
-    for fla's Triton kernel, no TE): parity of the routers' backends, fused kernel vs PyTorch router
-    (outputs and every gradient), speed with predicted ratios, training that falls; JSON written."""
+    """tools/gpu_check.py --dry-run: every part of the throughput run on CPU (tiny sizes, fp32, the routers on the
+    project's Triton kernels under the interpreter): the baseline, delta on the group router and delta_block at both
+    shapes, eager, with predicted ratios and targets beside them; every mode's graphed run (--cuda-graph-impl
+    full_iteration, accepted for all) recorded as not run (no CUDA); the host time per router call; the kernels'
+    rates and times; JSON written under $OUT."""
     import json
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "dry.json")
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
-        p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--dry-run", "--out", out],
-                           capture_output=True, text=True, env=env, timeout=300)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2", TRITON_INTERPRET="1", OUT=d)
+        p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--dry-run",
+                            "--speed-micro-batches", "2", "--parts", "speed", "host", "bandwidth", "kernels"],
+                           capture_output=True, text=True, env=env, timeout=600)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        for part in ("(a) parity", "(b) router", "(c) tokens/s", "PREDICTED", "(d) training", "--dry-run: PASS"):
-            assert part in p.stdout, part
-        r = json.load(open(out))
-    assert r["ok"] and r["dry_run"] and not r["skipped"]
-    assert {x["mode"] for x in r["parity"]} == {"baseline", "attnres", "full_attnres", "delta", "delta_block"}
-    # each backend's logits against the fp32 model with PyTorch routers (fp32 throughout here: to 1e-4)
-    assert all(x["reference"] == "fp32" and x["limit"] == 1e-4 and x["rel_l2"]["local-torch-router"] == 0
-               and 0 < x["rel_l2"]["local-fla-router"] < 1e-4 for x in r["parity"] if x["mode"] != "baseline")
-    assert len(r["router"]) == 12 and all(x["ok"] for x in r["router"])
-    assert {"query", "key_norm_weight", "null_source", "gate", "x", "s0", "out"} <= set().union(
-        *(x["errors"] for x in r["router"]))
-    # (b2) each router backend's call: its counted bytes over its time, beside the copy rate; fla's kernel moves
-    # fewer bytes than PyTorch's ops (one read of each source per pass)
-    bw = {(x["shape"], x["kernel"], x["sources"]): x for x in r["bandwidth"] if "sources" in x}
-    assert set(bw) == {(s, k, n) for s in ("8B", "1B") for k in ("torch", "fla") for n in (5, 17)}
-    # and delta's routed stream alone over 8 layers, one router per pass on each backend
-    stack = {(x["shape"], x["kernel"], x["group_size"]): x for x in r["bandwidth"] if "layers" in x}
-    assert set(stack) == {(s, k, 1) for s in ("8B", "1B") for k in ("torch", "fla")}
-    assert all(x["layers"] == 8 and x["bytes"] > 0 and x["ms_per_router"] > 0 for x in stack.values())
-    assert r["copy_gbps"] > 0 and all(x["gbps"] > 0 and x["of_copy"] > 0 for x in bw.values())
-    assert all(bw[s, "fla", n]["bytes"] < bw[s, "torch", n]["bytes"] for s in ("8B", "1B") for n in (5, 17))
-    assert "(b2) router kernels' rate" in p.stdout
-    speed = {(x["shape"], x["mode"], x["kernels"], x["group_size"]) for x in r["speed"]}
-    assert {("8B", "delta_block", "fla", None), ("8B", "delta", "torch", 1), ("1B", "delta", "fla", 1),
-            ("1B", "baseline", "-", None)} <= speed
-    assert all(0 < x["predicted_ratio"] <= 1 for x in r["speed"])
-    # the 8B slice's ratio carried to the shape's full depth (36 layers), beside it
-    assert all(x["full_depth_layers"] == (36 if x["shape"] == "8B" else 28) and x["full_depth_ratio"] > 0
-               for x in r["speed"]) and "full L x" in p.stdout
-    # a training step's micro-batches (8), forward + backward timed, the optimizer step apart; no FP8 on CPU
-    assert all(x["micro_batches"] == 8 and x["optimizer_ms"] > 0 and x["step_tokens_per_sec"] < x["tokens_per_sec"]
-               and x["precision"] == "fp32" for x in r["speed"])
-    assert "FP8 x base" in p.stdout and "optimizer step apart" in p.stdout
-    assert all(x["num_blocks"] == (4 if x["mode"] in ("delta_block", "attnres") else None)
-               for x in r["speed"] + r["train"])  # K = 4, passed explicitly
-    assert all(x["ok"] and x["losses"][-1] < x["losses"][0] for x in r["train"]) and len(r["train"]) == 5
-    # (e) the MoE fusions need Transformer Engine: reported, not run, in the dry run
-    assert r["moe"] == [{"ok": True, "available": False, "reason": "dry run: no Transformer Engine (the local "
-                         "backend has no grouped GEMM, fused permutation or router)"}]
-    assert "(e) MoE with --moe-permute-fusion --moe-router-fusion --moe-grouped-gemm" in p.stdout
-    assert "  not available: dry run: no Transformer Engine" in p.stdout
+        r = json.load(open(os.path.join(d, "gpu_check.json")))
+    assert r["ok"] and r["dry_run"] and not r["skipped"] and "--dry-run: PASS" in p.stdout
+    assert r["layers"].startswith("Megatron's local layers (--transformer-impl local); Transformer Engine ")
+    speed = {(x["shape"], x["mode"], x["graphs"]): x for x in r["speed"]}
+    assert set(speed) == {(s, m, g) for s in ("8B", "1B") for m in ("baseline", "delta", "delta_block")
+                          for g in (False, True)}
+    eager = [x for x in r["speed"] if not x["graphs"]]
+    assert all(x["ok"] and x["losses"][-1] < x["losses"][0] and x["micro_batches"] == 2 and x["precision"] == "fp32"
+               and 0 < x["predicted_ratio"] <= 1 and x["full_depth_ratio"] > 0 and x["optimizer_ms"] > 0
+               for x in eager)
+    assert {x["kernels"] for x in eager} == {"-", "triton"} and speed["1B", "delta", False]["group_size"] == "auto"
+    assert all(speed[s, m, True]["not_run"] == "dry run: CUDA graphs need a GPU" and "refused" not in speed[s, m, True]
+               for s in ("8B", "1B") for m in ("baseline", "delta", "delta_block"))
+    assert ">= 0.83x tok/s at L=28" in p.stdout and ">= 0.95x tok/s at L=36, <= 1.1x mem" in p.stdout
+    assert [(x["mode"], x["group_size"]) for x in r["host"]] == [("delta", "auto"), ("delta", 1), ("delta_block", 1)]
+    assert all(x["ok"] and x["host_us"] > 0 for x in r["host"])
+    assert r["copy_gbps"] > 0 and all(x["ok"] and x["gbps"] > 0 for x in r["bandwidth"])
+    assert {x["kernel"] for x in r["bandwidth"]} == {"torch", "triton"}
+    assert [(x["mode"], x["group_size"]) for x in r["kernels"]] == [("delta", "auto"), ("delta_block", 1)]
 
 
-def test_gpu_check_runs_local_layers_without_transformer_engine(monkeypatch):
-    """--transformer-impl local: a GPU without Transformer Engine runs (a)-(d) on Megatron's local layers. The
-    default (transformer_engine) refuses such a machine, naming the flag; local drops the TE spec, FP8 and the MoE
-    fusions, and says so: FP8 training is recorded as skipped, so the run does not pass."""
-    from types import SimpleNamespace
+def test_gpu_check_refuses_a_dry_run_without_the_interpreter():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check.py"), "--dry-run"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith(
+        "error: --dry-run runs the routers on the project's Triton kernels under Triton's interpreter: set "
+        "TRITON_INTERPRET=1 in the environment")
 
+
+def test_gpu_check_says_which_layers_it_runs(monkeypatch):
+    """Without Transformer Engine the runs take Megatron's local layers, and the result says so; a machine without
+    Triton is refused before anything runs."""
+    import importlib.util
+
+    from megatron_delta.core import triton_router
     from megatron_delta.perf import gpu_check
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the checks after the CUDA one
-    monkeypatch.setattr(gpu_check, "transformer_engine_installed", lambda: False)
-    reason = gpu_check.missing_requirement("transformer_engine")
-    assert reason.startswith("Transformer Engine is not installed") and "--transformer-impl local" in reason
-    assert gpu_check.missing_requirement("local") is None  # fla imports here (its kernel needs CUDA only to run)
-    opts = SimpleNamespace(no_fp8=False)
-    env = SimpleNamespace(dry=False, impl="local")
-    skipped = []
-    assert gpu_check.speed_precisions(opts, env) == [None]
-    assert gpu_check.train_precisions(opts, env, skipped) == [None]
-    assert skipped == ["fp8 training: --transformer-impl local (FP8 needs Transformer Engine)"]
-    assert gpu_check.moe_fusions_unavailable(env) == ("--transformer-impl local: no Transformer Engine (the local "
-                                                      "backend has no grouped GEMM, fused permutation or router)")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine"
+                        else real(name, *a))
+    assert gpu_check.transformer_engine_line() == ("Megatron's local layers (--transformer-impl local); Transformer "
+                                                   "Engine is not installed here: no TE spec, no FP8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton_router, "available", lambda: False)
+    assert gpu_check.missing_requirement() == ("Triton cannot be imported, and the routers run on the project's "
+                                               "Triton kernels. Nothing was run.")
 
 
-def test_gpu_check_compares_the_group_router_on_triton(monkeypatch):
-    """(c) runs delta on triton twice, with the group router (--delta-router-group-size auto) and one router per
-    pass (1), each with its own prediction (router_share with that group size: the group router moves less)."""
-    from types import SimpleNamespace
+def test_gpu_check_runs_each_mode_eager_and_with_graphs():
+    """The throughput runs at each shape: the baseline and the shape's target mode eager first (a run cut short by
+    the time budget has measured them), then both with CUDA graphs, then the other mode - delta on the group router
+    (--delta-router-group-size auto) and delta_block; delta's prediction is the group router's (router_share
+    with group size auto, which moves less than one router per pass)."""
+    from megatron_delta.perf import cost_model, gpu_check, speed_targets
 
-    from megatron_delta.perf import cost_model, gpu_check
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the dry run plans triton runs only under the interpreter
-    env = SimpleNamespace(dry=True, gpu_kind=lambda: "H200")
-    runs = gpu_check.speed_runs(env)
-    # each shape's target mode right after its baseline (a run cut short by the time budget has measured it)
-    assert [m for m, _, _ in gpu_check.speed_runs(env, "8B")][:2] == ["baseline", "delta_block"]
-    assert [m for m, _, _ in gpu_check.speed_runs(env, "1B")][:2] == ["baseline", "delta"]
-    assert gpu_check.speed_runs(env, "8B", ("fla",)) == [("baseline", "-", None), ("delta_block", "fla", None),
-                                                         ("delta", "fla", 1)]  # --speed-routers fla
-    assert [r for r in runs if r[0] == "delta" and r[1] == "triton"] == [("delta", "triton", "auto"),
-                                                                         ("delta", "triton", 1)]
-    assert all(g is None for m, _, g in runs if m != "delta") and ("delta", "fla", 1) in runs
-    group, single = (gpu_check.predicted(env, "1B", "delta", "triton", 28, g) for g in ("auto", 1))
+    assert gpu_check.speed_runs("8B") == [("baseline", None, False), ("delta_block", None, False),
+                                          ("baseline", None, True), ("delta_block", None, True),
+                                          ("delta", "auto", False), ("delta", "auto", True)]
+    assert [m for m, _, _ in gpu_check.speed_runs("1B")] == ["baseline", "delta"] * 2 + ["delta_block"] * 2
+    env = types.SimpleNamespace(dry=True, gpu_kind=lambda: "H200")
+    group, single = (speed_targets.predicted(env, "1B", "delta", "triton", 28, g) for g in ("auto", 1))
     assert group == cost_model.router_share("H200", "1B", "delta", "triton", group_size="auto")["tokens_per_sec_ratio"]
-    assert single == cost_model.router_share("H200", "1B", "delta", "triton", group_size=1)["tokens_per_sec_ratio"]
     assert single < group
 
 
 def test_gpu_check_sets_the_baseline_against_its_gemms():
     """(c) prints the baseline's pace against its GEMMs alone at the cost model's rate, the step the predictions take
-    the baseline's to be (gpu_check.gemm_pace): 1 where the baseline runs at that rate; the H200 run on record
+    the baseline's to be (speed_targets.gemm_pace): 1 where the baseline runs at that rate; the H200 run on record
     (docs/performance.md, GPU figures: 13,846 tokens/s at 1B, 50,024 at the 8B slice of 4 layers, local layers)
-    ran at 0.17 and 0.33 of it; and each run's ratio against a baseline at that pace (gpu_check.gemm_paced_ratio).
+    ran at 0.17 and 0.33 of it; and each run's ratio against a baseline at that pace (speed_targets.gemm_paced_ratio).
     None in the dry run."""
-    from megatron_delta.perf import cost_model, gpu_check
+    from megatron_delta.perf import cost_model, gpu_check, speed_targets
 
     env = types.SimpleNamespace(dry=False, gpu_kind=lambda: "H200", shapes=gpu_check.SHAPES, impl="local")
     gemm_ms = cost_model.router_share("H200", "1B", "baseline")["gemm_ms"]
     seq = gpu_check.SHAPES["1B"]["seq"]
-    at_rate = gpu_check.gemm_pace(env, {"tokens_per_sec": seq / (gemm_ms / 1e3)}, "1B", 28)
+    at_rate = speed_targets.gemm_pace(env, {"tokens_per_sec": seq / (gemm_ms / 1e3)}, "1B", 28)
     assert at_rate["gemm_ms"] == gemm_ms and at_rate["pace"] == pytest.approx(1.0, rel=1e-12)
-    assert gpu_check.gemm_pace(env, {"tokens_per_sec": 13846.0}, "1B", 28)["pace"] == pytest.approx(0.171, abs=5e-4)
-    assert gpu_check.gemm_pace(env, {"tokens_per_sec": 50024.0}, "8B", 4)["pace"] == pytest.approx(0.326, abs=5e-4)
+    assert speed_targets.gemm_pace(env, {"tokens_per_sec": 13846.0}, "1B", 28)["pace"] == pytest.approx(0.171, abs=5e-4)
+    assert speed_targets.gemm_pace(env, {"tokens_per_sec": 50024.0}, "8B", 4)["pace"] == pytest.approx(0.326, abs=5e-4)
     base = {"tokens_per_sec": 13846.0, "peak_mem_gib": 30.0}
-    gpu_check.compare_speed(env, base, base, "1B", "baseline", "-", 28)
+    speed_targets.compare_speed(env, base, base, "1B", "baseline", "-", 28)
     assert base["gemm_pace"]["pace"] == pytest.approx(0.171, abs=5e-4) and base["gemm_paced_ratio"] == 1.0
     # a routed run against a baseline at its GEMMs' pace: its measured router milliseconds added to the GEMMs'.
     # The 8B slice on record: delta_block 0.952x of a baseline at 0.33 of that pace is 0.866x of one at the pace
     base8 = {"tokens_per_sec": 50024.0, "peak_mem_gib": 19.28}
-    gpu_check.compare_speed(env, base8, base8, "8B", "baseline", "-", 4)
+    speed_targets.compare_speed(env, base8, base8, "8B", "baseline", "-", 4)
     routed = {"tokens_per_sec": 50024.0 * 0.952, "peak_mem_gib": 19.52}
-    gpu_check.compare_speed(env, routed, base8, "8B", "delta_block", "triton", 4)
+    speed_targets.compare_speed(env, routed, base8, "8B", "delta_block", "triton", 4)
     assert routed["throughput_ratio"] == pytest.approx(0.952) and routed["gemm_paced_ratio"] == pytest.approx(
         0.866, abs=5e-4)
     at_pace = {"tokens_per_sec": seq / (base8["gemm_pace"]["gemm_ms"] / 1e3), "peak_mem_gib": 19.28}
-    gpu_check.compare_speed(env, at_pace, at_pace, "8B", "baseline", "-", 4)
+    speed_targets.compare_speed(env, at_pace, at_pace, "8B", "baseline", "-", 4)
     routed = {"tokens_per_sec": at_pace["tokens_per_sec"] * 0.952, "peak_mem_gib": 19.52}
-    gpu_check.compare_speed(env, routed, at_pace, "8B", "delta_block", "triton", 4)
+    speed_targets.compare_speed(env, routed, at_pace, "8B", "delta_block", "triton", 4)
     assert routed["gemm_paced_ratio"] == pytest.approx(0.952, rel=1e-9)  # a baseline at its pace: as measured
     env.dry = True
-    assert gpu_check.gemm_pace(env, base, "1B", 28) is None
-    assert gpu_check.gemm_paced_ratio(env, routed, {"tokens_per_sec": 1.0, "gemm_pace": None}, "8B") is None
+    assert speed_targets.gemm_pace(env, base, "1B", 28) is None
+    assert speed_targets.gemm_paced_ratio(env, routed, {"tokens_per_sec": 1.0, "gemm_pace": None}, "8B") is None
 
 
 def test_gpu_check_judges_the_8b_target_at_full_depth():
@@ -318,16 +285,16 @@ def test_gpu_check_judges_the_8b_target_at_full_depth():
     triton: 0.943x at 4 layers, 0.950x at 36). The target is judged on the ratio at full depth the slice implies:
     the model's prediction there, with the model's error on the slice (the router's measured cost over its
     predicted cost) carried over; peak memory as measured. At full depth the measurement itself."""
-    from megatron_delta.perf import gpu_check
+    from megatron_delta.perf import gpu_check, speed_targets
 
     env = types.SimpleNamespace(dry=False, gpu_kind=lambda: "H100", shapes=gpu_check.SHAPES, impl="local")
-    p4, p36 = (gpu_check.predicted(env, "8B", "delta_block", "triton", L) for L in (4, 36))
+    p4, p36 = (speed_targets.predicted(env, "8B", "delta_block", "triton", L) for L in (4, 36))
     assert p4 < 0.95 <= p36  # the slice's own ratio misses where the full depth meets the target
     base = {"tokens_per_sec": 1000.0, "peak_mem_gib": 10.0}
 
     def run(ratio, mem=1.05, layers=4):
         r = {"tokens_per_sec": 1000.0 * ratio, "peak_mem_gib": 10.0 * mem}
-        assert gpu_check.compare_speed(env, r, base, "8B", "delta_block", "triton", layers) == gpu_check.target(
+        assert speed_targets.compare_speed(env, r, base, "8B", "delta_block", "triton", layers) == speed_targets.target(
             env.gpu_kind(), "8B", "delta_block")
         return r
 
@@ -342,15 +309,16 @@ def test_gpu_check_judges_the_8b_target_at_full_depth():
     full = run(0.951, layers=36)  # at full depth: measured, not implied
     assert full["full_depth_ratio"] == full["throughput_ratio"] == pytest.approx(0.951) and full["target_ok"]
     assert not run(0.949, layers=36)["target_ok"]
-    assert gpu_check.full_depth_ratio(0.9, None, p36) is None and gpu_check.full_depth_ratio(0.9, 1.0, p36) is None
+    assert speed_targets.full_depth_ratio(0.9, None, p36) is None
+    assert speed_targets.full_depth_ratio(0.9, 1.0, p36) is None
     # the targets per GPU (H100 0.95x / 0.83x, H200 0.96x / 0.87x; others 0.95x / 0.85x)
-    assert [gpu_check.target(g, "8B", "delta_block") for g in ("H100", "H200", "B200")] == [
+    assert [speed_targets.target(g, "8B", "delta_block") for g in ("H100", "H200", "B200")] == [
         (0.95, 1.10), (0.96, 1.10), (0.95, 1.10)]
-    assert [gpu_check.target(g, "1B", "delta") for g in ("H100", "H200", "B200")] == [
+    assert [speed_targets.target(g, "1B", "delta") for g in ("H100", "H200", "B200")] == [
         (0.83, None), (0.87, None), (0.85, None)]
-    assert gpu_check.target("H100", "8B", "delta") is None and gpu_check.target("H100", "1B", "attnres") is None
+    assert speed_targets.target("H100", "8B", "delta") is None and speed_targets.target("H100", "1B", "attnres") is None
     env.gpu_kind = lambda: "H200"
-    h4, h36 = (gpu_check.predicted(env, "8B", "delta_block", "triton", L) for L in (4, 36))
+    h4, h36 = (speed_targets.predicted(env, "8B", "delta_block", "triton", L) for L in (4, 36))
     assert h4 < 0.96 <= h36
     assert run(h4)["target_ok"]  # H200: 0.96x at full depth, met as the model predicts
     on_h100 = 1 / (1 + (1 / 0.955 - 1) / (1 / h36 - 1) * (1 / h4 - 1))  # 0.955x at full depth: H100's, not H200's
@@ -362,7 +330,7 @@ def test_gpu_check_judges_the_8b_target_at_full_depth():
 def test_gpu_check_8b_slice_is_a_multiple_of_four_blocks(total_bytes, fit, layers, capsys):
     """(c)'s 8B slice takes as many layers as the memory plan fits (13 on an 80 GB H100, 25 on an H200), rounded
     down to a multiple of K = 4, and every block-mode run passes K = 4 explicitly (no default K in play)."""
-    from megatron_delta.perf import gpu_check, memory_model
+    from megatron_delta.perf import gpu_check, memory_model, speed_targets
 
     shape = gpu_check.SHAPES["8B"]
 
@@ -374,8 +342,8 @@ def test_gpu_check_8b_slice_is_a_multiple_of_four_blocks(total_bytes, fit, layer
         return memory_model.memory_plan(a)["stages"][0]["total"] * 1.15 / 0.8
 
     assert need(fit) <= total_bytes < need(fit + 1)
-    assert gpu_check.layers_that_fit(shape, total_bytes) == layers == fit - fit % 4
-    assert gpu_check.layers_that_fit(shape, 1) == 4  # the least it runs (and then reports the failure)
+    assert speed_targets.layers_that_fit(shape, total_bytes) == layers == fit - fit % 4
+    assert speed_targets.layers_that_fit(shape, 1) == 4  # the least it runs (and then reports the failure)
     opts, env = types.SimpleNamespace(vocab_size=32000), types.SimpleNamespace(impl="local", dry=True)
     for mode in ("delta_block", "attnres", "delta", "baseline"):
         fields = resolve_model_fields(gpu_check.model_fields(opts, env, mode, shape=dict(shape, layers=layers)))
@@ -511,3 +479,102 @@ def test_cross_entropy_loss_fusion_leaves_routing_untouched(dist, mode):
     # one logit's gradient), far below the 30 % the bf16 rounding itself makes
     worst = {n: ((g1[n] - g0[n]).abs().max() / g0[n].abs().max()).item() for n in g0}
     assert max(worst.values()) <= 1e-3, {n: e for n, e in worst.items() if e > 1e-3}
+
+
+GPU_INTERPRETER_CASES = 16  # tests/gpu/interpreter_cases.py: 6 router calls, 3 models, 5 streams and captures, the
+# 1B depth, a stale replay
+
+
+def test_cuda_tests_checks_under_the_interpreter():
+    """The CUDA tests' checks (tests/gpu/cases.py) on CPU, fp32, the Triton kernels under the interpreter (a fresh
+    process: TRITON_INTERPRET=1 before Triton's import): router calls and models against the PyTorch path and the
+    float64 reference, every routed mode's stream against the PyTorch path, the capture comparison with a stand-in
+    capture, and a stale replay failing it. Without CUDA the CUDA tests themselves are reported as skipped."""
+    import re
+
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                        "tests/gpu/interpreter_cases.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    summary = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) == GPU_INTERPRETER_CASES and "skipped" not in summary, summary
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs", "tests/gpu"],
+                       cwd=REPO, env=dict(env, TRITON_INTERPRET="0"), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and re.search(r"^32 skipped in ", p.stdout.strip().splitlines()[-1]), p.stdout[-3000:]
+    assert "needs a CUDA device (torch.cuda.is_available() is False)" in p.stdout and " passed" not in p.stdout
+
+
+def test_gpu_acceptance_command_without_cuda(tmp_path):
+    """tools/gpu_acceptance.sh on a machine without CUDA: every CUDA test reported as skipped with the reason (none
+    as passed), the throughput run's refusal line, and the verdict FAIL (exit status 1) in acceptance.json and the
+    printed table, all under $OUT."""
+    import json
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OUT=str(tmp_path), OMP_NUM_THREADS="2")
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([os.path.join(REPO, "tools", "gpu_acceptance.sh")], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.load(open(tmp_path / "acceptance.json"))
+    assert not r["ok"] and not r["tests"]["ok"] and r["tests"]["collected"] == 32 and r["tests"]["passed"] == 0
+    assert not r["tests"]["not_run"] and not r["tests"]["failed"]
+    assert len(r["tests"]["skipped"]) == 32 and all("needs a CUDA device" in v for v in r["tests"]["skipped"].values())
+    assert r["throughput"]["error"].startswith("gpu_check: no CUDA device visible") and not r["throughput"]["ok"]
+    assert "CUDA tests: 0 passed of 32, 0 failed, 32 skipped, 0 not run - skipped or not run is not passed" in p.stdout
+    assert "GPU acceptance: FAIL" in p.stdout
+
+
+def test_gpu_acceptance_summary_counts_what_did_not_run(tmp_path):
+    """The summary of a run whose tests were stopped at their time limit (exit status 124): a collected test without
+    an outcome is NOT RUN, a skipped one is not passed; the throughput runs the budget left out are listed; the
+    refused graphed runs show their refusal line."""
+    import json
+
+    from megatron_delta.perf import acceptance
+
+    a, b, c = (f"tests/gpu/test_stream_capture.py::test_routed_stream_at_1b_depth[{x}]" for x in ("s1", "s2", "s3"))
+    (tmp_path / "gpu_tests_collected.txt").write_text(f"{a}\n{b}\n{c}\n\n3 tests collected in 1.0s\n")
+    (tmp_path / "gpu_tests.json").write_text(json.dumps({a: {"outcome": "passed"}, b: {"outcome": "failed",
+                                                                                        "error": "AssertionError"}}))
+    speed = [dict(shape="1B", mode="delta", graphs=True, ok=True, refused="--cuda-graph-impl is not supported")]
+    (tmp_path / "gpu_check.json").write_text(json.dumps(dict(ok=False, targets_met=True, skipped=["host delta S=1"],
+                                                             speed=speed, host=[], device="NVIDIA H100", layers="L")))
+    r, lines = acceptance.summarize(str(tmp_path), 124, 0)
+    assert r["tests"]["not_run"] == [c] and r["tests"]["failed"] == {b: "AssertionError"} and r["tests"]["timed_out"]
+    assert not r["ok"] and not r["tests"]["ok"] and not r["throughput"]["ok"]
+    assert f"  NOT RUN {c}" in lines and f"  FAILED  {b}: AssertionError" in lines
+    assert "  NOT RUN host delta S=1" in lines
+    assert "  1B  delta        graphs --cuda-graph-impl is not supported" in lines
+    assert json.load(open(tmp_path / "acceptance.json")) == r
+
+
+def test_gpu_check_graphs_where_accepted():
+    """A graphed run is asked of the project's and Megatron's configuration checks: the baseline and each routed
+    mode are accepted with --cuda-graph-impl full_iteration (a refusal would be its line); Megatron's
+    full-iteration wrapper keeps its graphs and static inputs per class, cleared before and after each graphed run
+    so that every run captures its own."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+
+    from megatron_delta.perf import gpu_check
+
+    opts = types.SimpleNamespace(vocab_size=64)
+    env = types.SimpleNamespace(impl="local", dry=True)
+    shape = gpu_check.DRY_SHAPES["1B"]
+    assert gpu_check.graph_config(True) == {"cuda_graph_impl": "full_iteration"} and gpu_check.graph_config(False) == {}
+    assert gpu_check.graph_refusal(opts, env, "baseline", shape) is None
+    for mode, group in (("delta", "auto"), ("delta_block", None)):
+        assert gpu_check.graph_refusal(opts, env, mode, shape, group) is None
+    FullCudaGraphWrapper.cuda_graph["training"] = "a graph of an earlier run"
+    FullCudaGraphWrapper.curr_iteration["training"] = 5
+    StaticBufferLoader.static_buffers["training"].append({})
+    with gpu_check.full_iteration_graphs(True) as wrapper:
+        assert wrapper is FullCudaGraphWrapper and FullCudaGraphWrapper.cuda_graph["training"] is None
+        assert FullCudaGraphWrapper.curr_iteration["training"] == 0
+        assert not StaticBufferLoader.static_buffers["training"]
+        FullCudaGraphWrapper.cuda_graph["training"] = "this run's graph"
+    assert FullCudaGraphWrapper.cuda_graph == {"training": None, "validation": None}
+    with gpu_check.full_iteration_graphs(False) as wrapper:
+        assert wrapper is None

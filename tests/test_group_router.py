@@ -652,7 +652,7 @@ def test_routed_step_makes_no_tensor_from_host_data(mode, group, kernels):
     """A routed stream's forward + backward (14 layers: the group router's old passes defer shares, the PyTorch
     path's projections take gradients from some of their routers) makes no tensor from host data and reads none
     back: no index list copied to the device (router._rows takes rows without one), no .item()."""
-    from megatron_delta.perf.gpu_check import routed_stream
+    from megatron_delta.perf.routed_stream import routed_stream
 
     call, _ = routed_stream(mode, 14, kernels, group, 8, 16, "cpu", torch.float32, seed=3)
     call()

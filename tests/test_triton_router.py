@@ -22,11 +22,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the formed partial sum, 6 models, 2 models with full recompute, the fallbacks, the counted traffic against the
 # closed form (2 modes), 6 models of 4 blocks with the deferred passes (2 modes x no recompute / 2 recompute cuts),
 # 4 two-stage pipelines (2 modes x 2 cuts), the group router on its kernels and its counted traffic (5
-# configurations each), the group router's counted traffic in bf16 (2 modes), gpu_check's rate with the partial sums,
-# one table copy per launch (2 modes), gpu_check's host time per router call and its kernel times, no view op per
-# source (3 routers), delta on one router per pass with x's gradient seeding its sinks, only the launch tables made
-# from host data (3 routers, 4 models), the capture check's launch recorder on the stream (4 plants), its sync
-# counter on the stream, and what a full-iteration graph's replay needs of every routed mode's step (5 runs)
+# configurations each), the group router's counted traffic in bf16 (2 modes), kernel_rates' rate with the partial
+# sums, one table copy per launch (2 modes), host_work's host time per router call and kernel_rates' kernel times, no
+# view op per source (3 routers), delta on one router per pass with x's gradient seeding its sinks, only the launch
+# tables made from host data (3 routers, 4 models), the capture check's launch recorder on the stream (4 plants),
+# its sync counter on the stream, and what a full-iteration graph's replay needs of every routed mode's step (5 runs)
 INTERPRETER_CASES = 86
 
 
@@ -161,7 +161,7 @@ def test_cuda_kernels_do_not_wait_for_the_gpu():
     the CPU runs ahead of the GPU as it does for the baseline's layers; so does delta's routed stream at 14 layers
     on the group router (its old passes defer shares: router._rows, no index list copied to the GPU)."""
     from megatron_delta.core.router import DepthRouter, make_source
-    from megatron_delta.perf.gpu_check import routed_stream
+    from megatron_delta.perf.routed_stream import routed_stream
     from tests import test_group_router as G
 
     d, shape = 256, (64, 2)
@@ -287,16 +287,16 @@ def test_cuda_host_time_counts_as_on_cpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
 def test_cuda_kernel_times_name_the_router_kernels():
-    """gpu_check's (k) on a GPU (small shape): the profiler's CUDA kernels include the group router's and the
+    """kernel_rates' (k) on a GPU (small shape): the profiler's CUDA kernels include the group router's and the
     per-router kernels under their names, each with its counted bytes and a rate; the device time is a share of
     the wall time."""
     from types import SimpleNamespace
 
-    from megatron_delta.perf import gpu_check
+    from megatron_delta.perf import gpu_check, kernel_rates
 
     env = SimpleNamespace(dry=False, device="cuda", shapes=gpu_check.DRY_SHAPES, gpu_kind=lambda: "H100")
-    grouped = gpu_check.kernel_times(None, env, "delta", "auto")
-    single = gpu_check.kernel_times(None, env, "delta", 1)
+    grouped = kernel_rates.kernel_times(None, env, "delta", "auto")
+    single = kernel_rates.kernel_times(None, env, "delta", 1)
     for r, names in ((grouped, {"_old_forward", "_old_backward", "_merge_forward", "_merge_backward", "_final_sum"}),
                      (single, {"_forward", "_backward"})):
         rated = {k["name"] for k in r["kernels"] if k.get("of_modelled_rate", 0) > 0}

@@ -160,12 +160,12 @@ def test_traffic_per_call_is_call_rows(interpreter):
 
 
 def test_gpu_check_rate_counts_the_partial_sums(interpreter):
-    """gpu_check's (b2) rate of a router call on the kernels counts the bytes of every row-sized tensor its kernels
-    move and the per-program partial sums below a row (partial_bytes: the backward's fp32 [programs, hidden]
+    """kernel_rates' (b2) rate of a router call on the kernels counts the bytes of every row-sized tensor its
+    kernels move and the per-program partial sums below a row (partial_bytes: the backward's fp32 [programs, hidden]
     partials, written and read back by their sum), as the cost model prices them."""
     from types import SimpleNamespace
 
-    from megatron_delta.perf import gpu_check
+    from megatron_delta.perf import kernel_rates
 
     d, shape = 40, (7, 5)  # three tiles of 16 tokens: the interpreter's two reducing programs
     torch.manual_seed(0)
@@ -181,7 +181,7 @@ def test_gpu_check_rate_counts_the_partial_sums(interpreter):
     rows = 35 * d
     row_bytes = sum(rd + wr for (k, _), (rd, wr) in count.bytes(rows).items() if k != triton_router.REDUCE_KERNEL)
     programs, bd = triton_router.reducing_programs(3, "cpu"), triton_router._tile(d)[1]
-    out = gpu_check._rate(SimpleNamespace(dry=True), call, rows, 1, 1.0)
+    out = kernel_rates._rate(SimpleNamespace(dry=True), call, rows, 1, 1.0)
     assert out["partial_bytes"] == 2 * programs * bd * 4 > 0  # part_q written and read: no null source
     assert out["bytes"] == row_bytes + out["partial_bytes"]
 
@@ -232,7 +232,7 @@ def test_only_the_launch_tables_come_from_host_data(interpreter, mode, group):
     """On the kernels, the one tensor a router call makes from host data is each launch's table
     (triton_router.device_tables: on a GPU one pinned copy, without blocking): no other, and nothing read back."""
     from megatron_delta.perf import host_work
-    from megatron_delta.perf.gpu_check import routed_stream
+    from megatron_delta.perf.routed_stream import routed_stream
 
     call, _ = routed_stream(mode, 14, "triton", group, 8, 16, "cpu", torch.float32, seed=3)
     counts = host_work._Counts()
@@ -263,19 +263,20 @@ def test_models_on_the_kernels_make_only_their_tables_from_host_data(interpreter
 
 
 def test_gpu_check_kernel_times(interpreter):
-    """gpu_check's (k) in the dry run: the routed streams at the (dry) 1B shape's width and depth on the kernels, and
-    each router kernel's counted bytes - exactly the traffic records it maps (KERNEL_OF_RECORD), none dropped: the
+    """kernel_rates' (k) in the dry run: the routed streams at the (dry) 1B shape's width and depth on the kernels,
+    and each router kernel's counted bytes - exactly the traffic records it maps (KERNEL_OF_RECORD), none dropped: the
     group router's old passes, merges and final sum for delta on groups, the per-router pass and the block pass for
     one router per pass and delta_block."""
     from types import SimpleNamespace
 
     from megatron_delta.core import traffic
-    from megatron_delta.perf import gpu_check
+    from megatron_delta.perf import gpu_check, kernel_rates
+    from megatron_delta.perf.routed_stream import routed_stream
 
     env = SimpleNamespace(dry=True, device="cpu", shapes=gpu_check.DRY_SHAPES)
-    assert gpu_check.kernel_time_runs(env) == [("delta", "auto"), ("delta_block", 1)]
-    runs = gpu_check.kernel_time_runs(env) + [("delta", 1)]  # one router per pass: what its bytes map to
-    got = {(m, g): gpu_check.kernel_times(None, env, m, g) for m, g in runs}
+    assert kernel_rates.kernel_time_runs(env) == [("delta", "auto"), ("delta_block", 1)]
+    runs = kernel_rates.kernel_time_runs(env) + [("delta", 1)]  # one router per pass: what its bytes map to
+    got = {(m, g): kernel_rates.kernel_times(None, env, m, g) for m, g in runs}
     assert all(r["ok"] and r["wall_ms"] > 0 and r["kernels"] == [] and r["device_share"] is None
                and r["layers"] == gpu_check.DRY_SHAPES["1B"]["layers"] for r in got.values())
     assert set(got["delta", "auto"]["counted_bytes"]) == {"_old_forward", "_old_backward", "_merge_forward",
@@ -284,8 +285,8 @@ def test_gpu_check_kernel_times(interpreter):
     assert {"_forward", "_backward", "_block_grad"} <= set(got["delta_block", 1]["counted_bytes"])
     # the bytes are the stream's own records: the group passes of the same stream, counted here
     s = gpu_check.DRY_SHAPES["1B"]
-    call, _ = gpu_check.routed_stream("delta", s["layers"], "triton", "auto", s["seq"], s["hidden"], "cpu",
-                                      torch.float32, seed=9)
+    call, _ = routed_stream("delta", s["layers"], "triton", "auto", s["seq"], s["hidden"], "cpu", torch.float32,
+                            seed=9)
     with traffic.counting() as count:
         call()
     rows = count.bytes(s["seq"] * s["hidden"])

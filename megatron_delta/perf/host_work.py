@@ -190,7 +190,7 @@ def per_call(mode: str, layers: int = 14, kernels: str = "triton", group_size="a
         return best / n * 1e6
 
     with (counted_launches() if cuda else noop_launches()) as counts:
-        from megatron_delta.perf.gpu_check import routed_stream
+        from megatron_delta.perf.routed_stream import routed_stream
 
         call, (routers, _, _) = routed_stream(mode, layers, kernels, group_size, shape["seq"], shape["hidden"], device,
                                               seed=5)

@@ -11,7 +11,7 @@ into shared memory) has the next STAGES - 1 (:func:`tiles_in_flight`). So what o
 and programs per SM is set by the registers each thread of a program uses and the shared memory its launch asks
 for. Those figures are exact, and this module counts them on a machine without a GPU:
 
-1. capture: one stream of routed sublayers (perf.gpu_check.routed_stream, identity sublayers) at the real width
+1. capture: one stream of routed sublayers (perf.routed_stream, identity sublayers) at the real width
    runs under Triton's interpreter with its launches made no-ops. Each distinct launch configuration is recorded:
    kernel, argument types, compile-time constants, warps and grid, and which arguments Triton's JIT would mark
    divisible by 16 (16-byte aligned pointers, integers that 16 divides), as it does on a GPU. The token count
@@ -63,8 +63,8 @@ def capture(mode: str, layers: int, hidden: int, seq: int = 16, group_size="auto
     import triton.runtime.interpreter as interp
 
     from megatron_delta.core import triton_router
-    from megatron_delta.perf.gpu_check import routed_stream
     from megatron_delta.perf.host_work import _patched
+    from megatron_delta.perf.routed_stream import routed_stream
 
     if not triton_router.interpreting():
         raise RuntimeError("capture runs under Triton's interpreter: use kernel_resources(), which sets "
