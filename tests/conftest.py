@@ -1,12 +1,9 @@
-"""Shared pytest setup: make the repo root importable (megatron_delta, tests.dist_utils)."""
-import os
+"""Shared pytest setup: the scheduling of the suite on xdist workers, and the session's fixtures. pytest imports the
+test modules as the packages tests.unit, tests.integration and tests.gpu from the repository root, its rootdir;
+what they share is tests.helpers."""
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-import pytest  # noqa: E402
+import pytest
 
 # ------------------------------------------------------------------------------ two workers (make test)
 # make test runs the suite on two pytest-xdist workers. A fixture is built once per worker that needs it, so a
@@ -97,7 +94,7 @@ def distributed_teardown():
 
 # ------------------------------------------------------------------------------ the session's TP1 reference
 class TP1Reference:
-    """TP1 (one process) runs of tests/rank_runner.py's configurations, launched when first asked for and kept
+    """TP1 (one process) runs of tests/helpers/rank_runner.py's configurations, launched when first asked for and kept
     for the session: the parity, bf16 and source-cache tests compare their layouts with the same runs, and every
     layout trains from the initial models these runs save (ROOT/init-SPEC)."""
 
@@ -107,8 +104,8 @@ class TP1Reference:
 
     def runs(self, specs, variants=("fp32",)) -> dict:
         """{spec: {variant: entry}} (rank_runner.run_specs' entries, routers and dtypes collected)."""
-        from tests import rank_runner
-        from tests.dist_utils import run_distributed
+        from tests.helpers import rank_runner
+        from tests.helpers.dist_utils import run_distributed
 
         missing = [[s, v] for s in specs for v in variants if (s, v) not in self._runs]
         if missing:
@@ -126,10 +123,6 @@ def tp1_reference(tmp_path_factory):
     return TP1Reference(str(tmp_path_factory.mktemp("tp1-reference")))
 
 
-TP2_PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
-PP4 = ["--pipeline-model-parallel-size", "4"]
-
-
 @pytest.fixture(scope="session")
 def four_rank_runs(tp1_reference):
     """The session's one 4-rank launch of every mode from the TP1 reference's initial models (rank_runner.run_layouts):
@@ -137,8 +130,9 @@ def four_rank_runs(tp1_reference):
     bf16 (saving the trained model) and fp32 (tests/test_bf16.py); PP4 in fp32 (test_parallel_parity's pp4 layout).
     Returns (root, per-rank {"tp2pp2sp" | "pp4": results})."""
     from megatron_delta.core.modes import RESIDUAL_MODES
-    from tests import rank_runner
-    from tests.dist_utils import run_distributed
+    from tests.helpers import rank_runner
+    from tests.helpers.dist_utils import run_distributed
+    from tests.helpers.flags import PP4, TP2_PP2_SP
 
     tp1_reference.runs(RESIDUAL_MODES)  # the initial models
     launches = [["tp2pp2sp", TP2_PP2_SP, [[m, v] for m in RESIDUAL_MODES for v in ("fp32", "bf16_r10", "fp32_r10")]],

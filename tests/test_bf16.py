@@ -1,7 +1,7 @@
 """bf16 end to end on CPU: every residual mode trains with `--bf16` under TP2+PP2+SP.
 
-The runs (tests/rank_runner.py's tiny model: 4 layers, hidden 64, 4 heads in 2 query groups, seq 32, mbs 2, gbs 8,
-mock data, lr 1e-2, ITERS iterations), from the session's fixtures (tests/conftest.py):
+The runs (tests/helpers/rank_runner.py's tiny model: 4 layers, hidden 64, 4 heads in 2 query groups, seq 32, mbs 2, gbs
+8, mock data, lr 1e-2, ITERS iterations), from the session's fixtures (tests/conftest.py):
   TP1, one process (tp1_reference): one fp32 initial model per mode (`--train-iters 0 --save`), then the same
       iterations from it (`--load --finetune`) in fp32 and in bf16;
   TP2+PP2+SP, 4 gloo ranks (tp2_pp2_sp_runs, shared with tests/test_parallel_parity.py): the same runs from the
@@ -34,10 +34,9 @@ import pytest
 import torch
 
 from megatron_delta.core.modes import RESIDUAL_MODES, ROUTED_MODES
-from tests.dist_utils import run_distributed
-from tests.rank_runner import ITERS
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.rank_runner import ITERS
 
 MODES = list(RESIDUAL_MODES)
 ROUTED = list(ROUTED_MODES)

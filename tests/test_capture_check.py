@@ -2,7 +2,7 @@
 signatures catch one changed address, grid, constant or table entry between iterations; its sync counter counts
 what reads a value back or makes a tensor from host data; its graph-break count sees a Python branch on a tensor
 value; the tool's JSON has exactly the seven figures per mode. The recorder on the real stream, under Triton's
-interpreter, is in tests/triton_cases.py."""
+interpreter, is in tests/helpers/triton_cases.py."""
 import json
 import os
 import subprocess
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from megatron_delta.perf import capture_check as C
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO_ROOT as REPO
 
 
 def _launches(tensors, table, grid=(4,), rows=32, swap=None):

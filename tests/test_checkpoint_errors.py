@@ -250,7 +250,7 @@ def test_main_prints_the_line_and_exits_1(tmp_path, monkeypatch, capsys):
     """pretrain_gpt.py's main(): the damaged-checkpoint failure of the run is one stderr line and exit code 1,
     not a traceback (the run itself replaced by the real load failure of a truncated shard)."""
     from megatron_delta.trainer import main as trainer
-    from tests.rank_runner import COMMON
+    from tests.helpers.rank_runner import COMMON
 
     root = str(tmp_path)
     _save(root, 9)

@@ -1,7 +1,7 @@
 """Damaged checkpoints, a full disk and a schedule mismatch on resume: one error line each, naming the file or
 flag and what to do, exit code 1, no traceback (megatron_delta/checkpoint/errors.py).
 
-The trainer as a program, on the tiny COMMON model of tests/trainer_driver.py:
+The trainer as a program, on the tiny COMMON model of tests/helpers/trainer_driver.py:
 0. `--ckpt-step` of a missing iteration, a binary tracker, an edited run_config.json (a hash mismatch), a garbled
    one read with --no-verify-integrity, a garbled integrity.json: one line each naming the file and the
    checkpoints to resume from; a NaN written into an Adam second moment and loaded with --no-verify-integrity:
@@ -26,8 +26,8 @@ import sys
 
 import pytest
 
-from tests.test_trainer_cluster import TRACKER, Job, _losses, _metrics, _run, _trainer
-from tests.trainer_driver import COMMON
+from tests.helpers.trainer_driver import COMMON
+from tests.helpers.trainer_jobs import TRACKER, Job, losses_of, run_job, trainer_cmd, training_records
 
 # main() for each case in one process: {"name": {"code": int | "raised", "stderr": str}}
 _CASES_DRIVER = r"""
@@ -54,10 +54,10 @@ def base(tmp_path_factory):
     """Iterations 1-4 of a --train-iters 6 run, saving 2 and 4 (stopped by --exit-interval 4)."""
     root = str(tmp_path_factory.mktemp("faults_base"))
     ckpt, metrics = os.path.join(root, "ckpt"), os.path.join(root, "m.jsonl")
-    job = _run(_trainer("--train-iters", "6", "--save", ckpt, "--save-interval", "2", "--exit-interval", "4",
+    job = run_job(trainer_cmd("--train-iters", "6", "--save", ckpt, "--save-interval", "2", "--exit-interval", "4",
                         "--delta-metrics-file", metrics), os.path.join(root, "run"))
     assert job.proc.returncode == 0, job.tail()
-    return {"ckpt": ckpt, "records": _metrics(metrics)}
+    return {"ckpt": ckpt, "records": training_records(metrics)}
 
 
 def _one_line(stderr: str) -> str:
@@ -91,7 +91,7 @@ def test_missing_metadata_partial_save_and_schedule_mismatch(base, tmp_path):
                                "--override-opt_param-scheduler", "--delta-metrics-file", metrics]),
     ]
     results = str(tmp_path / "results.json")
-    job = _run([sys.executable, "-c", _CASES_DRIVER, json.dumps(cases), results], str(tmp_path / "cases"))
+    job = run_job([sys.executable, "-c", _CASES_DRIVER, json.dumps(cases), results], str(tmp_path / "cases"))
     assert job.proc.returncode == 0, job.tail()
     with open(results) as f:
         r = json.load(f)
@@ -126,7 +126,7 @@ def test_missing_metadata_partial_save_and_schedule_mismatch(base, tmp_path):
 
     # The advice works: --override-opt_param-scheduler resumes from iteration 4.
     assert r["override"]["code"] == 0, r["override"]["stderr"][-3000:]
-    assert [m["iteration"] for m in _metrics(metrics)] == [5]
+    assert [m["iteration"] for m in training_records(metrics)] == [5]
 
 
 def _nan(ckpt_dir: str, fqn_prefix: str) -> None:
@@ -166,7 +166,7 @@ def test_unreadable_files_advice_from_disk_and_no_non_finite_save(base, tmp_path
               ("nan", COMMON + ["--train-iters", "6", "--save-interval", "1", "--load", tracked["nan"], "--save",
                                 tracked["nan"], "--no-verify-integrity"])]
     results = str(tmp_path / "results.json")
-    job = _run([sys.executable, "-c", _CASES_DRIVER, json.dumps(cases), results], str(tmp_path / "cases"))
+    job = run_job([sys.executable, "-c", _CASES_DRIVER, json.dumps(cases), results], str(tmp_path / "cases"))
     assert job.proc.returncode == 0, job.tail()
     with open(results) as f:
         r = json.load(f)
@@ -220,7 +220,7 @@ def test_sigint_while_training_is_one_line_and_130(tmp_path):
     from megatron_delta.checkpoint.integrity import verifies
 
     ckpt = str(tmp_path / "ckpt")
-    job = Job(_trainer("--train-iters", "400", "--save", ckpt, "--save-interval", "3"), str(tmp_path / "run"))
+    job = Job(trainer_cmd("--train-iters", "400", "--save", ckpt, "--save-interval", "3"), str(tmp_path / "run"))
     try:
         deadline = time.time() + 300
         while not os.path.exists(os.path.join(ckpt, TRACKER)) and time.time() < deadline and job.proc.poll() is None:
@@ -288,8 +288,8 @@ def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_loads(b
     mnt = str(tmp_path / "small")
     os.makedirs(mnt)
     ckpt, metrics = os.path.join(mnt, "ckpt"), str(tmp_path / "resumed.jsonl")
-    full = shlex.join(_trainer("--train-iters", "6", "--save", ckpt, "--save-interval", "2"))
-    resume = shlex.join(_trainer("--train-iters", "6", "--load", ckpt, "--exit-interval", "3",
+    full = shlex.join(trainer_cmd("--train-iters", "6", "--save", ckpt, "--save-interval", "2"))
+    resume = shlex.join(trainer_cmd("--train-iters", "6", "--load", ckpt, "--exit-interval", "3",
                                  "--delta-metrics-file", metrics))
     out = str(tmp_path)
     # One checkpoint of the tiny model is 2.8 MiB: iteration 2's fits in 4 MiB, iteration 4's does not.
@@ -297,7 +297,7 @@ def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_loads(b
               f"{{ {full} > {out}/full.out 2> {out}/full.err; echo $? > {out}/full.rc; "
               f"ls -a {shlex.quote(ckpt)} {shlex.quote(ckpt)}/* > {out}/listing; "
               f"{resume} > {out}/resume.out 2> {out}/resume.err; echo $? > {out}/resume.rc; }}")
-    job = _run(_namespace() + ["sh", "-c", script], str(tmp_path / "namespace"))
+    job = run_job(_namespace() + ["sh", "-c", script], str(tmp_path / "namespace"))
     assert job.proc.returncode == 0, job.tail()
 
     def read(name):
@@ -317,6 +317,6 @@ def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_loads(b
     # The previous checkpoint is intact: the resume loads it and trains iteration 3 as the uninterrupted run.
     assert read("resume.rc").strip() == "0", read("resume.err")[-3000:]
     assert f"loading distributed checkpoint from {ckpt} at iteration 2" in read("resume.out")
-    resumed = _metrics(metrics)
+    resumed = training_records(metrics)
     assert [m["iteration"] for m in resumed] == [3]
-    assert _losses(resumed, 3, 3) == pytest.approx(_losses(base["records"], 3, 3), abs=1e-6)
+    assert losses_of(resumed, 3, 3) == pytest.approx(losses_of(base["records"], 3, 3), abs=1e-6)

@@ -33,9 +33,9 @@ import torch
 
 from megatron_delta.checkpoint.errors import CheckpointError, clip
 from megatron_delta.checkpoint.layout import TRACKER
-from tests.checkpoint_damage import flip_tensor_bytes
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers.checkpoint_damage import flip_tensor_bytes
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 O_PROJ = "decoder.layers.self_attention.linear_proj.weight"
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread", "distributed_teardown")
@@ -338,7 +338,7 @@ def test_sigint_during_a_save_waits_for_its_end():
 
 def test_main_turns_sigint_into_one_line_and_130(tmp_path, monkeypatch, capsys):
     from megatron_delta.trainer import main as trainer
-    from tests.rank_runner import COMMON
+    from tests.helpers.rank_runner import COMMON
 
     save = str(tmp_path / "run")
     os.makedirs(_it(save, 4))
@@ -412,7 +412,7 @@ def _take_lock_in_two_ranks(save_dir):
 
 def test_the_lock_refuses_a_second_two_rank_run_on_every_rank(tmp_path):
     from megatron_delta.checkpoint.save_lock import LOCK_NAME, SaveDirLock
-    from tests.dist_utils import run_distributed
+    from tests.helpers.dist_utils import run_distributed
 
     save = str(tmp_path / "run")
     held = SaveDirLock(save).acquire()  # this process is the first run

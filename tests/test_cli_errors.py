@@ -2,7 +2,7 @@
 
 Argument errors go through pretrain_gpt.py's main (megatron_delta.trainer.main) in-process (cheap: they
 fail before the distributed start-up); errors found after it (data, tokenizer, kernels) run
-pretrain_gpt.py as a subprocess. Flags are Megatron-LM's (tests/flags.py).
+pretrain_gpt.py as a subprocess. Flags are Megatron-LM's (tests/helpers/flags.py).
 """
 import os
 import subprocess
@@ -11,12 +11,8 @@ import sys
 import pytest
 
 from megatron_delta.trainer.main import main
-from tests.flags import tiny
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, mock=False, train_iters=1) + [
-    "--eval-iters", "1", "--eval-interval", "1000", "--save-interval", "1000"]
-MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers.flags import CLI_MOCK, CLI_TINY
 
 
 def _no_traceback(err: str):
@@ -43,7 +39,7 @@ def _no_traceback(err: str):
 ])
 def test_argument_errors(argv, world, needle, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    rc = main(TINY + MOCK + argv)
+    rc = main(CLI_TINY + CLI_MOCK + argv)
     err = capsys.readouterr().err
     assert rc == 2, err
     _no_traceback(err)
@@ -55,7 +51,7 @@ def test_argument_errors(argv, world, needle, monkeypatch, capsys):
 def test_block_mode_without_blocks_that_divide(residual, capsys):
     """A block mode on 30 layers without --delta-num-blocks: the default, 4 blocks, does not divide 30 and no
     other K is chosen silently. One line, before the distributed start-up, naming the flag and every K."""
-    rc = main(TINY + MOCK + ["--num-layers", "30", "--residual", residual])
+    rc = main(CLI_TINY + CLI_MOCK + ["--num-layers", "30", "--residual", residual])
     err = capsys.readouterr().err
     assert rc == 2, err
     _no_traceback(err)
@@ -70,7 +66,7 @@ def test_the_resolved_number_of_blocks_is_printed(layers, blocks, capsys):
     prints at start-up (and so in run_config.json, which records the parsed arguments)."""
     from megatron_delta.trainer.main import parse_args
 
-    args = parse_args(TINY + MOCK + ["--num-layers", layers, "--residual", "attnres"])
+    args = parse_args(CLI_TINY + CLI_MOCK + ["--num-layers", layers, "--residual", "attnres"])
     assert args.delta_num_blocks == blocks
     printed = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == ["delta_num_blocks"]]
     assert len(printed) == 1 and printed[0][-1] == str(blocks), printed
@@ -78,10 +74,10 @@ def test_the_resolved_number_of_blocks_is_printed(layers, blocks, capsys):
 
 def test_train_iters_without_eval_interval(capsys):
     """megatron.training sizes the validation set from --eval-interval and fails with a TypeError without it."""
-    argv = [a for a in TINY]
+    argv = [a for a in CLI_TINY]
     i = argv.index("--eval-interval")
     del argv[i:i + 2]
-    rc = main(argv + MOCK)
+    rc = main(argv + CLI_MOCK)
     err = capsys.readouterr().err
     assert rc == 2, err
     _no_traceback(err)
@@ -90,8 +86,8 @@ def test_train_iters_without_eval_interval(capsys):
 
 def test_cpu_without_the_cpu_switches(capsys):
     """A Megatron-LM job script as written for GPUs, run without CUDA: one line listing the switches."""
-    i = TINY.index("--transformer-impl")  # tests.flags.tiny: the CPU switches come last
-    rc = main(TINY[:i] + MOCK + ["--no-rope-fusion"])
+    i = CLI_TINY.index("--transformer-impl")  # tests.helpers.flags.tiny: the CPU switches come last
+    rc = main(CLI_TINY[:i] + CLI_MOCK + ["--no-rope-fusion"])
     err = capsys.readouterr().err
     assert rc == 2, err
     _no_traceback(err)
@@ -112,7 +108,7 @@ def _run_full(argv, tmp_path, **extra_env):
     malloc = [k for k in env if k.startswith("MALLOC_")]  # a user's malloc choice would switch the allocator line
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", *malloc):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + TINY + argv,
+    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + CLI_TINY + argv,
                        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     return p.returncode, p.stdout, p.stderr
 
@@ -162,7 +158,7 @@ def test_own_tokenizer_without_data(argv, needle, capsys):
 def test_router_kernels_c_without_a_compiler(tmp_path):
     """`--delta-router-kernels c` where the C kernels cannot be built: an error at start-up that says
     why and what to do (never a silent switch to PyTorch ops)."""
-    rc, err = _run(MOCK + ["--residual", "delta", "--delta-router-kernels", "c"], tmp_path,
+    rc, err = _run(CLI_MOCK + ["--residual", "delta", "--delta-router-kernels", "c"], tmp_path,
                    CC="false", MEGATRON_DELTA_CACHE=str(tmp_path / "kernels"))
     assert rc == 2
     _no_traceback(err)
@@ -174,7 +170,7 @@ def test_router_kernels_c_without_a_compiler(tmp_path):
 def test_router_kernels_auto_without_a_compiler_warns(tmp_path):
     """The default `auto` trains on PyTorch ops where no compiler exists, and says so once. (The
     start-up log also says which CPU allocator applies: the default `cache` here.)"""
-    rc, out, err = _run_full(MOCK + ["--residual", "delta"], tmp_path, CC="no-such-cc",
+    rc, out, err = _run_full(CLI_MOCK + ["--residual", "delta"], tmp_path, CC="no-such-cc",
                              MEGATRON_DELTA_CACHE=str(tmp_path / "kernels"))
     assert rc == 0, err
     assert "CPU allocator: glibc keeps freed memory for reuse (--delta-cpu-allocator cache)" in out, out
@@ -192,7 +188,7 @@ def test_one_process_launch_binds_no_port(tmp_path):
             "taken.bind(('127.0.0.1', 0))\n"
             "taken.listen()\n"
             "d.free_port = lambda: taken.getsockname()[1]  # found free, then taken\n"
-            f"sys.argv = ['pretrain_gpt.py'] + {TINY + MOCK!r}\n"
+            f"sys.argv = ['pretrain_gpt.py'] + {CLI_TINY + CLI_MOCK!r}\n"
             f"runpy.run_path({os.path.join(REPO, 'pretrain_gpt.py')!r}, run_name='__main__')\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
@@ -206,7 +202,7 @@ def test_one_process_launch_binds_no_port(tmp_path):
 # ---------------------------------------------------------------- start-up checks of paths and argparse errors
 def test_argparse_error_without_megatron_usage(capsys):
     """argparse's own error (a bad choice): a short usage and the error line, not the usage of ~850 flags."""
-    rc = main(TINY + MOCK + ["--residual", "bogus"])
+    rc = main(CLI_TINY + CLI_MOCK + ["--residual", "bogus"])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert err.splitlines() == [
@@ -226,14 +222,14 @@ def test_argument_error_printed_by_the_first_rank_only(monkeypatch, capsys, env)
     monkeypatch.setattr(trainer_main.time, "sleep", waits.append)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert main(TINY + MOCK + ["--residual", "bogus"]) == 2
-    assert main(TINY + MOCK + ["--load", "run/iter_0000020"]) == 2
+    assert main(CLI_TINY + CLI_MOCK + ["--residual", "bogus"]) == 2
+    assert main(CLI_TINY + CLI_MOCK + ["--load", "run/iter_0000020"]) == 2
     assert capsys.readouterr().err == ""
     assert waits == [trainer_main.SILENT_RANK_EXIT_DELAY_S] * 2
 
 
-def _refused(argv, capsys, base=TINY) -> str:
-    rc = main(base + MOCK + argv)
+def _refused(argv, capsys, base=CLI_TINY) -> str:
+    rc = main(base + CLI_MOCK + argv)
     err = capsys.readouterr().err
     assert rc == 2, err
     _no_traceback(err)
@@ -302,9 +298,9 @@ def test_save_interval(tmp_path, capsys):
     is refused with the flag named (upstream: `assert args.save_interval is not None`)."""
     from megatron_delta.trainer.main import parse_args
 
-    argv = TINY[:-2]  # without --save-interval
+    argv = CLI_TINY[:-2]  # without --save-interval
     assert argv[-2:] == ["--eval-interval", "1000"]
-    args = parse_args(argv + MOCK + ["--train-iters", "0", "--save", str(tmp_path / "b")])
+    args = parse_args(argv + CLI_MOCK + ["--train-iters", "0", "--save", str(tmp_path / "b")])
     assert args.save == str(tmp_path / "b") and args.skip_train
     assert _refused(["--save", str(tmp_path / "c")], capsys, base=argv) == (
         "pretrain_gpt.py: error: --save needs --save-interval N (a checkpoint every N iterations; N = --train-iters "
@@ -315,8 +311,8 @@ def test_verify_integrity_by_default():
     from megatron_delta.trainer.arguments import TrainerArgumentError
     from megatron_delta.trainer.main import parse_args
 
-    assert parse_args(TINY + MOCK).verify_integrity is True
-    assert parse_args(TINY + MOCK + ["--no-verify-integrity"]).verify_integrity is False
-    assert parse_args(TINY + MOCK + ["--ckpt-format", "torch"]).verify_integrity is False
+    assert parse_args(CLI_TINY + CLI_MOCK).verify_integrity is True
+    assert parse_args(CLI_TINY + CLI_MOCK + ["--no-verify-integrity"]).verify_integrity is False
+    assert parse_args(CLI_TINY + CLI_MOCK + ["--ckpt-format", "torch"]).verify_integrity is False
     with pytest.raises(TrainerArgumentError, match="--verify-integrity needs --ckpt-format torch_dist"):
-        parse_args(TINY + MOCK + ["--ckpt-format", "torch", "--verify-integrity"])
+        parse_args(CLI_TINY + CLI_MOCK + ["--ckpt-format", "torch", "--verify-integrity"])

@@ -2,7 +2,7 @@
 megatron_delta.evaluation.loaders).
 
 (a) every residual mode: pretrain_gpt trains a tiny model 3 iterations under TP2+PP2 (4 gloo ranks, ONE
-    launch trains all modes in sequence: tests/rank_runner.py train_all) -> export (resharded to one
+    launch trains all modes in sequence: tests/helpers/rank_runner.py train_all) -> export (resharded to one
     process) -> transformers logits == Megatron logits (tools/evaluate.py code), fp32, <= EXPORT_TOL (5e-6:
     fp32 round-off, measured 6e-7 .. 1.2e-6; a router query exported x1.0001 would pass 1e-4);
 (b) HF -> Megatron -> HF is lossless (tiny Qwen3, tied Llama and Qwen3-MoE, built offline); the routed modes' HF
@@ -41,15 +41,13 @@ from megatron_delta.checkpoint.store import load_checkpoint  # noqa: E402
 from megatron_delta.convert import hf_checkpoint, state_dict_adapter  # noqa: E402
 from megatron_delta.evaluation import loaders  # noqa: E402
 from megatron_delta.evaluation.token_nll import evaluate_tokens  # noqa: E402
-from tests import rank_runner  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
-from tests.flags import CPU, tiny
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers import rank_runner  # noqa: E402
+from tests.helpers.conversion import EXPORT_TOL, SEQS, finetune, hf_logits
+from tests.helpers.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.flags import tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4
-EXPORT_TOL = 5e-6  # the export test: fp32 round-off of the same function, not 1e-4
-SEQS = [[1, 5, 9, 200, 3, 3, 17, 255, 0, 42, 7], [250, 2, 64, 128]]
-
 # name -> pretrain_gpt flags of the mode
 MODES = {
     "baseline": ["--residual", "baseline"],
@@ -104,11 +102,6 @@ def trained(tmp_path_factory):
     return runs, spm, tmp
 
 
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
 # ---------------------------------------------------------------------------------------------- (a)
 @pytest.mark.slow
 def test_export_every_mode_matches_megatron(trained):
@@ -130,7 +123,7 @@ def test_export_every_mode_matches_megatron(trained):
             assert any(p.abs().sum() > 0 for n, p in hf.named_parameters() if n.endswith("_router.query")), name
         total, worst = 0.0, 0.0
         for ids, ml, seq in zip(seqs, meg_logits, result["sequences"]):
-            hl = _hf_logits(hf, ids)
+            hl = hf_logits(hf, ids)
             assert hl.shape == ml.shape == (len(ids), vocab)
             diff = (hl - ml).abs().max().item()
             assert diff <= EXPORT_TOL, (name, diff)
@@ -285,7 +278,7 @@ def test_hf_megatron_hf_roundtrip_is_lossless(tmp_path, kind):
         assert torch.equal(a[k], b[k]), k
     assert back.config.tie_word_embeddings == hf.config.tie_word_embeddings
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 299]
-    assert torch.equal(_hf_logits(hf, ids), _hf_logits(back, ids))
+    assert torch.equal(hf_logits(hf, ids), hf_logits(back, ids))
 
 
 @pytest.mark.parametrize("kind,mode,extra", [
@@ -300,12 +293,12 @@ def test_import_with_gate_reproduces_hf_logits(tmp_path, kind, mode, extra):
     assert rc["residual"] == mode and rc["delta_gate"] == "scalar"
     ids = [7, 3, 250, 299, 0, 12, 12, 44]
     meg = loaders.megatron_logits(model, torch.tensor([ids]))[0, :, :300]
-    diff = (meg - _hf_logits(hf, ids)).abs().max().item()
+    diff = (meg - hf_logits(hf, ids)).abs().max().item()
     assert diff <= TOL, diff  # measured 1.8e-7 .. 2.4e-7 (logits ~0.5-0.9)
     # and the routed export of the imported model loads as remote code with the same logits
     hf_checkpoint.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "out"), log=lambda *a: None)
     delta = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
-    assert (_hf_logits(delta, ids) - meg).abs().max().item() <= TOL
+    assert (hf_logits(delta, ids) - meg).abs().max().item() <= TOL
 
 
 # ---------------------------------------------------------------------------------------------- mixture of experts
@@ -340,7 +333,7 @@ def test_qwen3_moe_import_and_export_roundtrip(tmp_path, norm_topk_prob):
         model.decoder.layers[0].mlp.experts.local_experts) == 4
     ids = [7, 3, 250, 299, 0, 12, 12, 44]
     meg = loaders.megatron_logits(model, torch.tensor([ids]))[0, :, :300]
-    diff = (meg - _hf_logits(hf, ids)).abs().max().item()
+    diff = (meg - hf_logits(hf, ids)).abs().max().item()
     assert diff <= TOL, diff  # measured 1.8e-7 .. 2.1e-7 (logits ~0.65)
     hf_checkpoint.export_checkpoint(str(tmp_path / "meg"), str(tmp_path / "back"), log=lambda *a: None)
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()  # no remote code
@@ -349,7 +342,7 @@ def test_qwen3_moe_import_and_export_roundtrip(tmp_path, norm_topk_prob):
     assert set(a) == set(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert torch.equal(_hf_logits(hf, ids), _hf_logits(back, ids))
+    assert torch.equal(hf_logits(hf, ids), hf_logits(back, ids))
 
 
 def test_routed_remote_code_model_holds_qwen3_moe_mlp(tmp_path):
@@ -367,12 +360,12 @@ def test_routed_remote_code_model_holds_qwen3_moe_mlp(tmp_path):
     # within 1e-6, not bitwise: transformers runs its own Qwen3-MoE's experts on its grouped_mm kernel and a
     # remote-code model's (built or loaded) on other kernels, whose sums associate differently (up to 2e-7 apart on
     # some CPUs; logits ~0.3)
-    want = _hf_logits(hf, ids)
-    assert (_hf_logits(delta, ids) - want).abs().max().item() <= 1e-6
+    want = hf_logits(hf, ids)
+    assert (hf_logits(delta, ids) - want).abs().max().item() <= 1e-6
     write_remote_code_model(delta, delta.config, str(tmp_path / "out"))
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
     assert again.config.num_experts == 4 and again.config.mlp_only_layers == [1]
-    assert (_hf_logits(again, ids) - want).abs().max().item() <= 1e-6
+    assert (hf_logits(again, ids) - want).abs().max().item() <= 1e-6
 
 
 @pytest.mark.parametrize("mode", ["delta_block", "delta", "attnres"])
@@ -400,7 +393,7 @@ def test_routed_moe_export_matches_megatron(tmp_path, mode):
     assert out.config.num_experts == 4 and out.config.mlp_only_layers == [1]
     ids = [7, 3, 250, 299, 0, 12, 12, 44]
     meg = loaders.megatron_logits(loaded, torch.tensor([ids]))[0, :, :300]
-    assert (_hf_logits(out, ids) - meg).abs().max().item() <= TOL
+    assert (hf_logits(out, ids) - meg).abs().max().item() <= TOL
 
 
 def test_export_drops_mtp_depths_with_one_line(tmp_path):
@@ -424,7 +417,7 @@ def test_export_drops_mtp_depths_with_one_line(tmp_path):
     out = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
     ids = [7, 3, 250, 299, 0, 12, 12, 44]
     meg = loaders.megatron_logits(loaded, torch.tensor([ids]))[0, :, :300]
-    assert (_hf_logits(out, ids) - meg).abs().max().item() <= TOL
+    assert (hf_logits(out, ids) - meg).abs().max().item() <= TOL
 
 
 # ---------------------------------------------------------------------------------------------- (d)
@@ -564,7 +557,7 @@ def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
     if name == "delta_without_gqa":  # Megatron-LM then builds one query group per head, whatever args hold
         common, name = [a for a in COMMON if a != "--group-query-attention"], "delta"
     if name.endswith("_mla"):  # multi-latent attention (DeltaMLATransformerConfig), YaRN rotary scaling
-        from tests.rank_runner import MLA
+        from tests.helpers.rank_runner import MLA
 
         common = [a for a in COMMON if a != "--group-query-attention"] + MLA + ["--mscale", "0.9"]  # not a default
         name = name[:-len("_mla")]
@@ -584,26 +577,6 @@ def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
                            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
     # and what the trainer passes beyond them is GPTModel's default
     assert (args.rotary_percent, args.use_rope_scaling, args.fp16_lm_cross_entropy) == (1.0, False, False)
-
-
-# ---------------------------------------------------------------------------------------------- (e) fine-tuning
-def _finetune(ckpt, save, extra=("--mock-data",), iters=2, seq=16):
-    """pretrain_gpt.py --finetune --load CKPT (an imported checkpoint) with its model flags (+ `extra`)."""
-    from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir
-
-    rc = read_run_config(resolve_checkpoint_dir(ckpt)[0])
-    argv = (run_config.model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(rc["vocab_size"]),
-                                          "--finetune", "--load", ckpt, "--delta-router-lr-mult", "100", "--lr", "5e-5",
-                                          "--min-lr", "5e-6", "--lr-warmup-iters", "0", "--weight-decay", "0.0",
-                                          "--seq-length", str(seq), "--micro-batch-size", "1",
-                                          "--global-batch-size", "2", "--train-iters", str(iters),
-                                          "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1",
-                                          "--save", save, "--save-interval", "1000", "--no-save-optim"] +
-            CPU + list(extra))
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
 
 
 @pytest.mark.slow
@@ -626,7 +599,7 @@ def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
                                     log=lambda *a: None)
     rc0 = json.load(open(tmp_path / "imported" / "iter_0000000" / "run_config.json"))
     assert rc0["hf_tokenizer_dir"] == "hf_tokenizer"  # copied into the checkpoint, not a path to the source
-    out = _finetune(str(tmp_path / "imported"), str(tmp_path / "ft"))
+    out = finetune(str(tmp_path / "imported"), str(tmp_path / "ft"))
     assert "successfully loaded checkpoint from" in out
     rc = json.load(open(tmp_path / "ft" / "iter_0000002" / "run_config.json"))
     assert rc["hf_vocab_size"] == vocab and rc["hf_tokenizer_dir"] == "hf_tokenizer"
@@ -644,7 +617,7 @@ def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
     assert type(model).__name__ == "DeltaQwen3ForCausalLM" and model.config.vocab_size == vocab
     assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if n.endswith("_router.query"))
     ids = tok("The union of the people.")["input_ids"]
-    assert torch.isfinite(_hf_logits(model, ids)).all()
+    assert torch.isfinite(hf_logits(model, ids)).all()
     # a recorded tokenizer directory that went missing is a clear error, not a silent export without it
     shutil.rmtree(tmp_path / "ft" / "iter_0000002" / "hf_tokenizer")
     with pytest.raises(errors.ConversionError, match="HF tokenizer directory .* is missing"):

@@ -2,7 +2,7 @@
 patch is needed (suspended, upstream fails as its registry entry says), and Megatron-Core trains on CPU. Also the
 every-device entries (the distributed optimizer over torch Adam saves and resumes exactly).
 
-The functions without a ``test_`` prefix run inside rank subprocesses (tests/dist_utils.py); the
+The functions without a ``test_`` prefix run inside rank subprocesses (tests/helpers/dist_utils.py); the
 module imports nothing heavy at top level so that the ranks start quickly.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from tests.dist_utils import DistributedRunError, run_distributed
+from tests.helpers import REPO_ROOT
+from tests.helpers.dist_utils import DistributedRunError, run_distributed
 
 VOCAB, SEQ, MBS = 128, 32, 2
 
@@ -725,7 +726,7 @@ def _alloc_probe(choice, **env):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO_ROOT
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     full_env.update(env, PYTHONPATH=root)
     out = subprocess.run([sys.executable, "-c", _ALLOC_PROBE, choice], capture_output=True, text=True,

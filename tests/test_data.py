@@ -20,8 +20,8 @@ from megatron_delta.data.datasets import build_gpt_datasets  # noqa: E402
 from megatron_delta.data.indexed import preprocess_to_indexed, validate_indexed_prefix  # noqa: E402
 from megatron_delta.data.text import split_sentences  # noqa: E402
 from megatron_delta.data.tokenizers import build_tokenizer, train_sentencepiece  # noqa: E402
+from tests.helpers import REPO_ROOT as ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 512
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_delta.checkpoint.errors import ConversionError
 from megatron_delta.evaluation.precision import EVAL_DTYPES, eval_in_bf16
-from tests.dist_utils import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 
 @pytest.mark.parametrize("rc, dtype, bf16", [

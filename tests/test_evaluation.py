@@ -17,10 +17,8 @@ import sys
 import pytest
 
 from megatron_delta.data.corpus import BUNDLED_DATA_DIR
-from tests.dist_utils import REPO_ROOT
-from tests.flags import tiny
-
-sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))  # cloze_eval.main runs in this process
+from tests.helpers import REPO_ROOT
+from tests.helpers.flags import tiny
 
 TINY = tiny(num_layers=2, hidden=64, heads=4, groups=2, seq=64, mbs=4, mock=False) + ["--save-interval", "1000"]
 SEQ = 64
@@ -158,7 +156,7 @@ def test_cloze_bad_input_is_one_line(tmp_path):
 
 
 def test_cloze_missing_lm_eval_message(tmp_path, monkeypatch, capsys):
-    import cloze_eval
+    from megatron_delta.evaluation import cloze_eval
 
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "lm_eval", None)

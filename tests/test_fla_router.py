@@ -3,7 +3,7 @@
 fla's Triton kernel refuses CPU tensors, so every test here routes through fla's own pure-PyTorch
 ``fla.ops.attnres.naive_attnres`` (same signature), put in its place with ``fla_router.use_kernel`` -
 the adapter's documented injection point; the adapter, DepthRouter, SourceBuffer and the Megatron model
-run unchanged. Yardsticks: the float64 reference router (tests/reference_delta.route, written from
+run unchanged. Yardsticks: the float64 reference router (tests/helpers/reference_delta.route, written from
 docs/design.md alone) and the routers' PyTorch path (kernels='torch').
 """
 import itertools
@@ -15,8 +15,8 @@ from fla.ops.attnres import naive_attnres
 from megatron_delta.core import fla_router
 from megatron_delta.core.router import KERNEL_CHOICES, DepthRouter, check_kernels, make_source
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
-from tests import kernel_models as K
-from tests import reference_delta as R
+from tests.helpers import kernel_models as K
+from tests.helpers import reference_delta as R
 
 EPS = 1e-6
 
@@ -341,7 +341,7 @@ def test_model_on_the_kernel_matches_reference_and_torch(dist, kernel, mode, nul
     """Every mode's model with its routers on the kernel (null source, gate; delta / delta_block without
     a gate keep x as a stream here, with a gate base = x, base_sums for delta_block): logits and every
     parameter's gradient equal the PyTorch-path model's, and the logits and router gradients the float64
-    reference's (tests/reference_delta.reference_forward)."""
+    reference's (tests/helpers/reference_delta.reference_forward)."""
     tok, pos, W = K.batch()
     results = {}
     for kind in ("fla", "torch"):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_delta.checkpoint.model_config import ModelConfigError, model_config, resolve_model_fields
+from tests.helpers import REPO_ROOT as REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16, vocab_size=64)
 SEED = 1234
 

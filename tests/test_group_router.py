@@ -1,18 +1,12 @@
 """core/group_router.py: the group router of delta and full_attnres equals the per-router path (float64, to
 1e-12, outputs and every gradient) for S in {1, 2, 3, 4, all}, with groups cut by pipeline chunks and by
-recompute chunks; its C kernels compute the same function in fp32 (its Triton kernels: tests/triton_cases.py);
+recompute chunks; its C kernels compute the same function in fp32 (its Triton kernels: tests/helpers/triton_cases.py);
 its counted traffic is the closed form (perf/cost_model.step_traffic; group_plan.passes on the C kernels);
 auto chooses S per backend; the option is refused outside the fine-grained modes with a line naming the flag."""
-import contextlib
 import math
-import os
-import traceback
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
 
 from megatron_delta.core import group_kernels, group_router, router, traffic
 from megatron_delta.core.group_plan import (
@@ -26,62 +20,24 @@ from megatron_delta.core.group_plan import (
     resolve_sizes,
 )
 from megatron_delta.core.sources import SourceBuffer, SourcePlan
-from tests.test_sources import EPS, Toy, sublayer
+from tests.helpers.group_toys import (
+    BATCH,
+    CONFIGS,
+    CUTS,
+    SEQ,
+    D,
+    L,
+    config_id,
+    forward_backward,
+    make_h0,
+    make_toy,
+    run_recompute,
+    scope_runs,
+)
+from tests.helpers.host_data import host_data_ops
+from tests.helpers.toy_stack import Toy
 
-L, D, SEQ, BATCH = 3, 8, 3, 2
-# (mode, null source, gate, x_from_sources): x kept as the sources (delta without a gate), x held (with the gate)
-CONFIGS = [("delta", False, False, True), ("delta", True, False, True), ("delta", True, True, False),
-           ("full_attnres", False, False, False), ("full_attnres", True, False, False)]
 SIZES = [1, 2, 3, 4, "all"]
-CUTS = {"none": (), "chunks": (1, 2), "chunk": (2,), "recompute": "recompute"}  # layer boundaries
-
-
-def _cid(c):
-    mode, null, gate, xs = c
-    return f"{mode}{'-null' if null else ''}{'-gate' if gate else ''}{'-xsum' if xs else ''}"
-
-
-def _toy(mode, null, gate, xs, size, dtype=torch.float64, kernels="torch"):
-    plan = SourcePlan(mode, L, L, x_from_sources=xs, router_group_size=size)
-    toy = Toy(plan, D, null=null, gate=gate, seed=5, kernels=kernels)
-    toy.weights = [w.detach().to(dtype).requires_grad_() for w in toy.weights]
-    for r in toy.routers + ([toy.final] if toy.final else []):
-        r.to(dtype)
-    return toy
-
-
-def _h0(dtype, seq=SEQ, batch=BATCH):
-    h0 = torch.randn(seq, batch, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    return h0.to(dtype).requires_grad_()
-
-
-def _run_recompute(toy, h0, per):
-    """Full recompute of ``per`` layers at a time (as DeltaTransformerBlock._checkpointed_layers): each
-    checkpointed chunk rebuilds its buffer from explicit tensors, scoped to its layers' routers."""
-    plan = toy.plan
-    bounds = tuple(range(per, L, per))
-    tensors = [h0]
-    for first in range(0, L, per):
-        def fn(*ts, first=first):
-            buf = SourceBuffer.from_tensors(plan, first, ts, EPS, readers=toy.readers(first, bounds))
-            for j in range(2 * first, 2 * min(first + per, L)):
-                buf.commit(j, sublayer(buf.routed_input(j, toy.routers[j]), toy.weights[j]))
-            return tuple(buf.to_tensors())
-        tensors = checkpoint(fn, *tensors, use_reentrant=False)
-    return SourceBuffer.from_tensors(plan, L, tensors, EPS, readers=toy.readers(L, bounds)).output(toy.final)
-
-
-def _forward_backward(toy, h0, cut):
-    out = _run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
-    leaves = toy.params() + [h0]
-    go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
-    return out, torch.autograd.grad(out, leaves, go, allow_unused=True)
-
-
-def _scopes(cut):
-    """The sublayer runs of the buffers' scopes (chunks, or recompute chunks of 2 layers)."""
-    bounds = [0] + (list(range(2, L, 2)) if cut == "recompute" else list(cut)) + [L]
-    return [2 * (b - a) for a, b in zip(bounds, bounds[1:])]
 
 
 @pytest.fixture
@@ -99,15 +55,15 @@ def group_passes(monkeypatch):
 
 @pytest.mark.parametrize("cut", list(CUTS))
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_float64_equals_the_per_router_path(config, size, cut, group_passes):
     """Every group size and cut computes the per-router path's function: outputs and every gradient (sublayer
     weights, each router's query, key-norm weight, null source and gate, the embedding output) to 1e-12."""
-    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
+    ref_out, ref_grads = forward_backward(make_toy(*config, 1), make_h0(torch.float64), ())
     assert group_passes[0] == 0  # S = 1: today's per-router path
     S = 2 * L if size == "all" else size
-    out, grads = _forward_backward(_toy(*config, S), _h0(torch.float64), CUTS[cut])
-    expected = sum(math.ceil(n / S) for n in _scopes(CUTS[cut])) if S > 1 else 0
+    out, grads = forward_backward(make_toy(*config, S), make_h0(torch.float64), CUTS[cut])
+    expected = sum(math.ceil(n / S) for n in scope_runs(CUTS[cut])) if S > 1 else 0
     assert group_passes[0] == expected * (2 if cut == "recompute" else 1)  # recompute runs each forward twice
     assert (out - ref_out).abs().max().item() <= 1e-12
     for g, r in zip(grads, ref_grads):
@@ -116,19 +72,19 @@ def test_float64_equals_the_per_router_path(config, size, cut, group_passes):
             assert (g - r).abs().max().item() <= 1e-12 * max(1.0, r.abs().max().item())
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_routing_weights_recorded_as_the_per_router_path(config):
     """With routing recorded, each grouped router's alpha (older sources, in-group sources, null source last)
     is the per-router path's."""
-    h0 = _h0(torch.float64)
-    _, ref_bufs = _toy(*config, 1).run(h0, (), record_routing=True)
-    _, bufs = _toy(*config, 3).run(h0, (), record_routing=True)
+    h0 = make_h0(torch.float64)
+    _, ref_bufs = make_toy(*config, 1).run(h0, (), record_routing=True)
+    _, bufs = make_toy(*config, 3).run(h0, (), record_routing=True)
     for j in range(2 * L):
         a, r = bufs[0].routing[j], ref_bufs[0].routing[j]
         assert a.shape == r.shape and (a - r).abs().max().item() <= 1e-12
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_c_kernels_in_fp32(config, monkeypatch):
     """The fused CPU kernels (fp32) compute the float64 function to fp32 round-off, as the PyTorch ops do;
     each of the four kernels runs."""
@@ -140,11 +96,11 @@ def test_c_kernels_in_fp32(config, monkeypatch):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **k)
         monkeypatch.setattr(group_kernels, name, counted)
-    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
+    ref_out, ref_grads = forward_backward(make_toy(*config, 1), make_h0(torch.float64), ())
     errors = {}
     for kernels in ("c", "torch"):
-        toy = _toy(*config, 3, torch.float32, kernels)
-        out, grads = _forward_backward(toy, _h0(torch.float32), (2,))
+        toy = make_toy(*config, 3, torch.float32, kernels)
+        out, grads = forward_backward(toy, make_h0(torch.float32), (2,))
         err = (out.double() - ref_out).abs().max().item() / ref_out.abs().max().item()
         gerr = max((g.double() - r).abs().max().item() / max(r.abs().max().item(), 1e-3)
                    for g, r in zip(grads, ref_grads) if r is not None)
@@ -155,7 +111,7 @@ def test_c_kernels_in_fp32(config, monkeypatch):
 
 
 @pytest.mark.parametrize("size", [5, 14])
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], CONFIGS[4]], ids=_cid)
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2], CONFIGS[4]], ids=config_id)
 def test_c_kernels_at_wide_shapes(config, size, monkeypatch):
     """Hidden 72 (two full column chunks of the C kernels' register blocks and a narrower one, two full dot-product
     lane sweeps and a narrower one) and 14 routers in groups of 5 (5, 5, 4: a group deferring its old share) or one
@@ -199,7 +155,7 @@ def test_c_kernels_at_wide_shapes(config, size, monkeypatch):
 
 
 @pytest.mark.parametrize("kernels", ["c", "torch"])
-@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_counted_traffic_is_the_closed_form(config, kernels):
     """The group router's recorded reads and writes of [T, d] tensors, forward and backward, per kernel and
     phase, are perf/cost_model.step_traffic's (fp32: one pass is one [T, d] fp32 tensor); on the C kernels
@@ -208,9 +164,9 @@ def test_counted_traffic_is_the_closed_form(config, kernels):
 
     mode, null, gate, xs = config
     S = 3
-    toy = _toy(*config, S, torch.float32, kernels)
+    toy = make_toy(*config, S, torch.float32, kernels)
     with traffic.counting() as count:
-        _forward_backward(toy, _h0(torch.float32), ())
+        forward_backward(toy, make_h0(torch.float32), ())
     rows = count.rows(SEQ * BATCH * D, act_bytes=4)
     counted = {k: v for k, v in rows.items() if k[0].startswith("group_")}
     predicted = cost_model.step_traffic(mode, L, kernels, act_bytes=4, null_source=null, gate=gate, group_size=S)
@@ -321,7 +277,7 @@ def test_config_and_flag_refuse_a_size_for_another_mode():
     from megatron_delta.core.config import DeltaTransformerConfig
     from megatron_delta.trainer.arguments import TrainerArgumentError
     from megatron_delta.trainer.main import parse_args
-    from tests.test_cli_errors import MOCK, TINY
+    from tests.helpers.flags import CLI_MOCK, CLI_TINY
 
     with pytest.raises(ValueError, match="^--delta-router-group-size 2 applies to --residual delta and full_attnres"):
         DeltaTransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, residual="delta_block",
@@ -330,23 +286,23 @@ def test_config_and_flag_refuse_a_size_for_another_mode():
                                     delta_router_group_size="3")
     assert config.delta_router_group_size == 3
     with pytest.raises(TrainerArgumentError, match="^--delta-router-group-size 2 applies to --residual delta"):
-        parse_args(TINY + MOCK + ["--residual", "attnres", "--delta-router-group-size", "2"])
-    args = parse_args(TINY + MOCK + ["--residual", "full_attnres", "--delta-router-group-size", "2"])
+        parse_args(CLI_TINY + CLI_MOCK + ["--residual", "attnres", "--delta-router-group-size", "2"])
+    args = parse_args(CLI_TINY + CLI_MOCK + ["--residual", "full_attnres", "--delta-router-group-size", "2"])
     assert args.delta_router_group_size == 2
-    assert parse_args(TINY + MOCK + ["--residual", "delta"]).delta_router_group_size == "auto"
+    assert parse_args(CLI_TINY + CLI_MOCK + ["--residual", "delta"]).delta_router_group_size == "auto"
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_cid)
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_bf16_activations(config):
     """bf16 sources (PyTorch ops, fp32 router math, fp32 partial mixes): the float64 function to bf16 round-off,
     no worse than the per-router path in bf16; a graph kept for a second backward gives the same gradients."""
-    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
+    ref_out, ref_grads = forward_backward(make_toy(*config, 1), make_h0(torch.float64), ())
     errors = []
     for size in (1, 3):
-        toy = _toy(*config, size, torch.bfloat16)
+        toy = make_toy(*config, size, torch.bfloat16)
         for r in toy.routers + ([toy.final] if toy.final else []):
             r.float()  # as Megatron's --bf16 keeps them trainable in fp32 math (query_vector is fp32)
-        h0 = _h0(torch.bfloat16)
+        h0 = make_h0(torch.bfloat16)
         out = toy.run(h0, (2,))[0]
         go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
         leaves = toy.params() + [h0]
@@ -366,8 +322,8 @@ def test_auto_resolves_per_scope(cut, groups, group_passes):
     routers (n0 = 5: one group of 2) -> 4 groups, two of a single router. The result is the float64 per-router path's to
     fp32 round-off."""
     config = ("delta", True, False, True)
-    ref_out, ref_grads = _forward_backward(_toy(*config, 1), _h0(torch.float64), ())
-    out, grads = _forward_backward(_toy(*config, "auto", torch.float32, "c"), _h0(torch.float32), cut)
+    ref_out, ref_grads = forward_backward(make_toy(*config, 1), make_h0(torch.float64), ())
+    out, grads = forward_backward(make_toy(*config, "auto", torch.float32, "c"), make_h0(torch.float32), cut)
     assert group_passes[0] == groups
     assert (out.double() - ref_out).abs().max().item() <= 1e-6 * ref_out.abs().max().item()
     assert all((g.double() - r).abs().max().item() <= 1e-5 * max(1e-3, r.abs().max().item())
@@ -383,8 +339,8 @@ def test_auto_groups_only_on_the_kernels(kernels, dtype, grouped, group_passes):
     PyTorch ops (torch, or float64 which the C kernels do not take): counted per op, the group router's
     PyTorch path moves more than the per-router path."""
     config = ("delta", True, False, True)
-    toy = _toy(*config, "auto", dtype, kernels)
-    _forward_backward(toy, _h0(dtype), ())
+    toy = make_toy(*config, "auto", dtype, kernels)
+    forward_backward(toy, make_h0(dtype), ())
     assert group_passes[0] == (4 if grouped else 0)
 
 
@@ -423,7 +379,7 @@ def _source_grads(toy, h0, cut):
         return commit(buf, j, out)
     try:
         SourceBuffer.commit = capture
-        out = _run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
+        out = run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
     finally:
         SourceBuffer.commit = commit
     go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
@@ -448,12 +404,12 @@ def test_final_sum_seeds_the_sinks_once(size, cut, kernels, dtype, monkeypatch):
         return apply(lib, *a)
     monkeypatch.setattr(group_router._FinalSum, "apply", counted)
     config = ("delta", False, False, True)
-    ref_out, ref = _source_grads(_toy(*config, 1), _h0(torch.float64), CUTS[cut])
+    ref_out, ref = _source_grads(make_toy(*config, 1), make_h0(torch.float64), CUTS[cut])
     assert runs == []  # S = 1: SourceBuffer.x's chain of adds
     S = 2 * L if size == "all" else size
-    toy = _toy(*config, S, dtype, kernels)
+    toy = make_toy(*config, S, dtype, kernels)
     with traffic.counting() as count:
-        out, grads = _source_grads(toy, _h0(dtype), CUTS[cut])
+        out, grads = _source_grads(toy, make_h0(dtype), CUTS[cut])
     # the last scope's hand-out; recompute: this checkpoint's recomputation stops at the last tensor backward needs
     # (torch.utils.checkpoint's early stop), before the sum, which saves nothing
     assert len(runs) == 1
@@ -615,35 +571,6 @@ def test_deferred_shares_settle_where_no_merge_adds_them():
     want = given + sum(x.coef[0, x.index, :, None] * x.grad + x.coef[1, x.index, :, None] * x.q[None, :]
                        + x.coef[2, x.index, :, None] * value.detach() for x in shares)
     assert torch.allclose(grad, want, rtol=0, atol=1e-12) and sink.pending == []
-
-
-# ops that, on a GPU, make a tensor from host data or read one back: each a copy the host waits for (a
-# synchronisation, which drains the GPU's queue of launched work) and an error under CUDA graph capture
-HOST_DATA_OPS = ("lift_fresh", "_local_scalar_dense", "nonzero", "is_nonzero", "equal")
-
-
-@contextlib.contextmanager
-def host_data_ops(package=None):
-    """The HOST_DATA_OPS dispatched inside, counted by name (a Counter); with ``package`` (a path fragment such as
-    "megatron_delta/") only those the innermost caller outside torch in that package dispatched, by (name, file,
-    line)."""
-    counts = Counter()
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name in HOST_DATA_OPS:
-                if package is None:
-                    counts[name] += 1
-                else:
-                    caller = next(f for f in reversed(traceback.extract_stack()[:-1])
-                                  if f"{os.sep}torch{os.sep}" not in f.filename)
-                    if package in caller.filename.replace(os.sep, "/"):
-                        counts[name, caller.filename.rsplit(os.sep, 1)[-1], caller.lineno] += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        yield counts
 
 
 @pytest.mark.parametrize("mode, group", [("delta", "auto"), ("delta", 3), ("delta_block", "auto")])

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.flags import tiny
+from tests.helpers.flags import tiny
 
 torch.set_num_threads(1)
 

@@ -31,7 +31,7 @@ from megatron_delta.hf import (  # noqa: E402
     export_sentencepiece_tokenizer,
     write_remote_code_model,
 )
-from tests import reference_delta as ref  # noqa: E402
+from tests.helpers import reference_delta as ref  # noqa: E402
 
 L, D, NH, NG, HN, FFN, V = 4, 64, 4, 2, 16, 96, 64
 
@@ -306,7 +306,7 @@ def test_a_mode_registered_in_modes_alone_runs_as_its_rule_says(monkeypatch):
     accepted by the config, and each sublayer's input, captured, is x + r([h0, v_{j-2}, v_{j-1}]) over the
     captured outputs v, x = h0 + sum v, written out here."""
     from megatron_delta.core import modes
-    from tests.test_modes import DeltaWindowMode
+    from tests.helpers.custom_modes import DeltaWindowMode
 
     monkeypatch.setitem(modes.ROUTED_MODE_CLASSES, "delta_window", DeltaWindowMode)
     eps = 1e-5

@@ -9,37 +9,8 @@ import sys
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "megatron_delta"
-
-
-def imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
-    """(line, module) for every import statement of a file; relative imports resolved against the package."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = parts[:len(parts) - node.level]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module
-            if mod == "megatron_delta":  # `from megatron_delta import data`: the names are the modules
-                out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
-            else:
-                out.append((node.lineno, mod))
-    return out
-
-
-def violations(folder: str, allowed) -> list[str]:
-    bad = []
-    for path in sorted((PACKAGE / folder).rglob("*.py")):
-        for line, mod in imported_modules(path):
-            if not allowed(mod):
-                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {mod}")
-    return bad
+from tests.helpers import import_scan
+from tests.helpers.import_scan import PACKAGE, imported_modules, violations
 
 
 def core_may_import(mod: str) -> bool:
@@ -75,7 +46,7 @@ def test_the_check_sees_each_kind_of_import(tmp_path, monkeypatch, source, bad):
     fake = tmp_path / "megatron_delta"
     (fake / "core").mkdir(parents=True)
     (fake / "core" / "x.py").write_text(source)
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    monkeypatch.setattr(import_scan, "PACKAGE", fake)
     assert [v.split(" imports ")[1] for v in violations("core", core_may_import)] == [bad]
 
 
@@ -189,6 +160,7 @@ def test_the_layer_checks_see_an_upward_import_and_a_circle(tmp_path, monkeypatc
     (fake / "data" / "a.py").write_text("from megatron_delta.trainer.b import f\n")
     (fake / "trainer" / "b.py").write_text("def f():\n    from megatron_delta.data import a\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    monkeypatch.setattr(import_scan, "PACKAGE", fake)  # imported_modules reads it there
     assert upward_imports() == ["megatron_delta/data/a.py:1 (data) imports megatron_delta.trainer.b (trainer)"]
     assert circles(module_graph()) == [["megatron_delta.data.a", "megatron_delta.trainer.b"]]
 
@@ -222,4 +194,5 @@ def test_the_torch_free_check_sees_a_torch_import(tmp_path, monkeypatch):
     (fake / "core").mkdir(parents=True)
     (fake / "core" / "group_plan.py").write_text("import functools\nimport numpy\ndef f():\n    import torch\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    monkeypatch.setattr(import_scan, "PACKAGE", fake)  # imported_modules reads it there
     assert beyond_the_standard_library("megatron_delta.core.group_plan") == ["2: numpy", "4: torch"]

@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import REPO_ROOT
+
+ROOT = pathlib.Path(REPO_ROOT)
 PACKAGE = ROOT / "megatron_delta"
 # Files whose comments and docstrings are read as the code's documentation.
 SCANNED = ("megatron_delta", "tools", "tests", "examples", "pretrain_gpt.py")

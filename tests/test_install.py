@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.dist_utils import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 # What the package finds through its own path once installed (relative to the installed megatron_delta/).
 PACKAGE_DATA = (

@@ -14,8 +14,7 @@ import pytest
 
 from megatron_delta.core.group_plan import auto_group_sizes, deferring_groups
 from megatron_delta.perf import kernel_resources as kr
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO_ROOT as REPO
 
 
 @pytest.mark.parametrize("registers, warps, shared, expected", [

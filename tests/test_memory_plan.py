@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from megatron_delta.perf import cost_model, memory_model
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO_ROOT as REPO
 
 
 def _tool(name):
@@ -354,9 +353,9 @@ STASH_CASES = [  # (mode, layers, blocks, hidden, seq, micro batch, PP, VPP laye
 @pytest.mark.parametrize("case", STASH_CASES, ids=[c[0] for c in STASH_CASES])
 def test_deferred_block_stash_is_what_the_kernels_stash(case):
     """The plan's deferred_block_stash against the bytes BlockDeferral really holds when each block pass starts
-    (tests/triton_stash_count.py: SourceBuffer over stand-in sublayers on the Triton kernels under the interpreter,
-    fp32, one buffer scope per pipeline chunk): the same passes (routers, completed sources) per chunk, each
-    pass's stash R x (output gradient + 3 x C fp32 coefficients per token + query), and per stage the largest."""
+    (tests/helpers/triton_stash_count.py: SourceBuffer over stand-in sublayers on the Triton kernels under the
+    interpreter, fp32, one buffer scope per pipeline chunk): the same passes (routers, completed sources) per chunk,
+    each pass's stash R x (output gradient + 3 x C fp32 coefficients per token + query), and per stage the largest."""
     pytest.importorskip("triton")
     import subprocess
     import sys

@@ -4,7 +4,7 @@
   them (core/config.py DeltaFields), as the trainer builds it from Megatron-LM's flags;
 - the layer spec: Megatron's MLA spec (MLASelfAttention) in baseline and in the routed layers, with the local
   core attention that takes MLA's head sizes (core/mla.py);
-- the model of every mode vs the independent float64 reference (tests/reference_delta.py mla_attention): the
+- the model of every mode vs the independent float64 reference (tests/helpers/reference_delta.py mla_attention): the
   routers read MLA sublayers' addends as any other's;
 - the start-up refusals of MLA flags (one line naming the flag).
 
@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.flags import tiny
-from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
-from tests.test_modes_reference import _rel, randomise
+from tests.helpers.flags import tiny
+from tests.helpers.reference_compare import randomise, rel_error
+from tests.helpers.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
 
 torch.set_num_threads(1)
 
@@ -38,8 +38,8 @@ MLA_FLAGS = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank"
 
 
 def mla_cli(extra=(), **tiny_kw) -> list[str]:
-    """The tests' tiny Megatron-LM command line (tests/flags.py) with multi-latent attention instead of grouped-query
-    attention (Megatron-LM refuses the two together)."""
+    """The tests' tiny Megatron-LM command line (tests/helpers/flags.py) with multi-latent attention instead of
+    grouped-query attention (Megatron-LM refuses the two together)."""
     flags = tiny(**{"num_layers": 2, "hidden": 32, "heads": 2, "seq": 16, "mbs": 2, "train_iters": 1, **tiny_kw})
     flags.remove("--group-query-attention")
     i = flags.index("--num-query-groups")
@@ -190,7 +190,7 @@ def test_logits_and_router_grads_match_reference(variant):
         w[n].requires_grad_(True)
     ref = reference_forward(w, ref_config(fields), tok, mode=mode, num_blocks=k, null_source=null, gate=gate,
                             eps=fields.delta_router_eps)
-    rel = _rel(logits.detach().double(), ref.detach())
+    rel = rel_error(logits.detach().double(), ref.detach())
     assert rel < LOGIT_TOL, (variant, rel)
     if not router_names:
         return
@@ -218,7 +218,7 @@ def test_one_query_projection_without_q_lora_rank():
         logits = run(model, tok)
     ref = reference_forward(weights_from_megatron_state_dict(model.state_dict()), ref_config(fields, None), tok,
                             mode="delta_block", num_blocks=2, eps=fields.delta_router_eps)
-    assert _rel(logits.double(), ref) < LOGIT_TOL
+    assert rel_error(logits.double(), ref) < LOGIT_TOL
 
 
 @pytest.mark.parametrize("mode,k", [("baseline", None), ("delta_block", 2), ("attnres", 2)])
@@ -242,9 +242,9 @@ def test_mtp_depths_with_mla_match_the_reference(mode, k):
     ref, ref_depths = reference_forward(weights_from_megatron_state_dict(model.state_dict()), ref_config(fields), tok,
                                         mode=mode, num_blocks=k, null_source=mode != "baseline",
                                         eps=fields.delta_router_eps, mtp_num_layers=2)
-    assert _rel(logits.double(), ref) < LOGIT_TOL
+    assert rel_error(logits.double(), ref) < LOGIT_TOL
     for got, want in zip(depth_logits, ref_depths):
-        assert _rel(got.double(), want) < LOGIT_TOL
+        assert rel_error(got.double(), want) < LOGIT_TOL
 
 
 def test_scalar_gate_at_init_is_bitwise_baseline():
@@ -413,7 +413,7 @@ def test_an_export_with_the_shared_expert_gate_is_refused_before_any_file(mla, t
     from megatron_delta.convert.hf_checkpoint import export_checkpoint
     from megatron_delta.evaluation.loaders import load_megatron
     from megatron_delta.trainer.main import main
-    from tests.rank_runner import DEEPSEEK_MOE
+    from tests.helpers.rank_runner import DEEPSEEK_MOE
 
     save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     moe = list(DEEPSEEK_MOE) if mla else ["--num-experts", "2", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
@@ -468,7 +468,7 @@ def test_baseline_mla_exports_to_stock_deepseek_v3(rope, tmp_path):
     from megatron_delta.evaluation.loaders import load_megatron
     from megatron_delta.evaluation.token_nll import evaluate_tokens
     from megatron_delta.trainer.main import main
-    from tests.test_conversion import EXPORT_TOL, SEQS
+    from tests.helpers.conversion import EXPORT_TOL, SEQS
 
     save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     # (the last --rope-type wins over mla_cli's)
@@ -490,7 +490,7 @@ def test_baseline_mla_exports_to_stock_deepseek_v3(rope, tmp_path):
 
 
 def test_baseline_mla_with_deepseek_moe_exports_to_stock_deepseek_v3(tmp_path):
-    """DeepSeek's MoE routing (tests/rank_runner.py DEEPSEEK_MOE: sigmoid scores with the trained expert bias,
+    """DeepSeek's MoE routing (tests/helpers/rank_runner.py DEEPSEEK_MOE: sigmoid scores with the trained expert bias,
     group-limited top-k, scaled top-k weights, a shared expert, the first layer dense) -> DeepseekV3ForCausalLM's
     MoE: logits equal Megatron's within EXPORT_TOL."""
     from transformers import AutoModelForCausalLM
@@ -499,8 +499,8 @@ def test_baseline_mla_with_deepseek_moe_exports_to_stock_deepseek_v3(tmp_path):
     from megatron_delta.evaluation.loaders import load_megatron
     from megatron_delta.evaluation.token_nll import evaluate_tokens
     from megatron_delta.trainer.main import main
-    from tests.rank_runner import DEEPSEEK_MOE
-    from tests.test_conversion import EXPORT_TOL, SEQS
+    from tests.helpers.conversion import EXPORT_TOL, SEQS
+    from tests.helpers.rank_runner import DEEPSEEK_MOE
 
     save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     moe = list(DEEPSEEK_MOE)
@@ -593,7 +593,7 @@ def test_deepseek_v3_imports_and_scalar_gate_keeps_its_logits(tmp_path, residual
     from megatron_delta.convert.hf_checkpoint import import_checkpoint
     from megatron_delta.evaluation.loaders import load_megatron
     from megatron_delta.evaluation.token_nll import evaluate_tokens
-    from tests.test_conversion import EXPORT_TOL, SEQS
+    from tests.helpers.conversion import EXPORT_TOL, SEQS
 
     hf_dir, hf = _tiny_deepseek_v3(tmp_path, moe, yarn)
     save = str(tmp_path / "imported")
@@ -614,7 +614,7 @@ def test_deepseek_v3_imports_and_scalar_gate_keeps_its_logits(tmp_path, residual
         # fine-tuning it takes the flags run_config.model_flags gives (MLA and the MoE routing among them)
         from megatron_delta.checkpoint.run_config import model_flags
         from megatron_delta.trainer.main import main
-        from tests.flags import CPU
+        from tests.helpers.flags import CPU
 
         argv = model_flags(rc) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
                                   "--finetune", "--load", save, "--seq-length", "16", "--micro-batch-size", "1",
@@ -634,8 +634,8 @@ def test_routed_mla_exports_as_remote_code_with_deepseek_modules(mode, moe, tmp_
     from megatron_delta.evaluation.loaders import load_megatron
     from megatron_delta.evaluation.token_nll import evaluate_tokens
     from megatron_delta.trainer.main import main
-    from tests.rank_runner import DEEPSEEK_MOE
-    from tests.test_conversion import EXPORT_TOL, SEQS
+    from tests.helpers.conversion import EXPORT_TOL, SEQS
+    from tests.helpers.rank_runner import DEEPSEEK_MOE
 
     save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     extra = ["--residual", mode, "--delta-num-blocks", "2", "--delta-null-source", "--delta-router-lr-mult", "10",

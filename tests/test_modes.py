@@ -10,7 +10,8 @@ import torch
 from megatron_delta.core import modes
 from megatron_delta.core.modes import FLAGS, HF_FIELDS, check_delta_options
 from megatron_delta.core.sources import SourcePlan
-from tests.test_sources import EPS, Toy, sublayer
+from tests.helpers.custom_modes import DeltaWindowMode
+from tests.helpers.toy_stack import EPS, Toy, sublayer
 
 
 # --------------------------------------------------------------------------------------------- names
@@ -224,22 +225,6 @@ def test_lifetime_of_a_source_value():
     assert attnres.value_readers("p", 4) == (4, 5, 6, 7, "final")  # the block sum becomes B1
     full = SourcePlan("full_attnres", 2, 2)
     assert full.value_readers("p", 3) == (3, "final") and full.value_readers("B1", 2) == (2, 3, "final")
-
-
-# --------------------------------------------------------------------------------------------- a new mode
-class DeltaWindowMode(modes.DeltaMode):
-    """A made-up sixth mode: delta whose routers read h0 and the last two sublayer outputs only."""
-
-    name = "delta_window"
-    source_definitions = (modes.EXACT,)
-    sources_sum_to_x = False  # the window is not x: x is held
-
-    @classmethod
-    def for_sources(cls, sources):
-        return cls
-
-    def reads(self, j):
-        return ["h0"] + [f"v{i}" for i in range(max(0, j - 2), j)]
 
 
 def _routed(router, sources):

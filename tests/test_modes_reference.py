@@ -1,5 +1,5 @@
 """The Megatron DeltaGPTModel of every residual mode vs the independent float64 reference
-(tests/reference_delta.py), plus the initialisation facts, source counts, routing memory and the
+(tests/helpers/reference_delta.py), plus the initialisation facts, source counts, routing memory and the
 start-up checks of bad flag combinations.
 
 In-process, one rank, fp32, local spec, CPU (megatron_delta.platform.cpu patches what needs CUDA).
@@ -17,7 +17,8 @@ import torch
 
 from megatron_delta.checkpoint.model_config import ModelConfigError, resolve_model_fields
 from megatron_delta.core.modes import ADDITIVE_MODES, BLOCK_MODES, REPLACEMENT_MODES
-from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
+from tests.helpers.reference_compare import randomise, rel_error
+from tests.helpers.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
 
 torch.set_num_threads(1)
 
@@ -27,10 +28,6 @@ K = 2  # blocks for delta_block / attnres at L=4 (2 layers per block: partial su
 SEED = 1234
 LOGIT_TOL = 1e-5
 GRAD_TOL = 1e-4
-
-
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,25 +82,6 @@ def run(model, tok):
     return model(tok, torch.arange(S)[None].expand(B, S), None)
 
 
-def randomise(model, seed=7):
-    """Random router parameters (query, key norm, null source, non-zero gate) and perturbed backbone
-    norm weights, so that every routing path and every parameter layout matters."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith(".query"):
-                p.copy_(0.3 * r)
-            elif name.endswith(".key_norm_weight"):
-                p.copy_(1 + 0.2 * r)
-            elif name.endswith(".null_source"):
-                p.copy_(0.05 * r)
-            elif name.endswith(".gate"):
-                p.copy_(0.5 + 0.5 * torch.rand(p.shape, generator=g))  # in [0.5, 1): non-zero
-            elif p.dim() == 1:  # backbone norm weights
-                p.add_(0.1 * r)
-
-
 def ref_kw(f):
     return dict(mode=f.residual, num_blocks=f.delta_num_blocks, sources=f.delta_sources,
                 null_source=f.delta_null_source, gate=f.delta_gate == "scalar", eps=f.delta_router_eps)
@@ -146,7 +124,7 @@ def test_logits_and_router_grads_match_reference(variant):
     for k in router_names:
         w[k].requires_grad_(True)
     ref = reference_forward(w, ref_config(fields), tok, **ref_kw(fields))
-    rel = _rel(logits.detach().double(), ref.detach())
+    rel = rel_error(logits.detach().double(), ref.detach())
     assert rel < LOGIT_TOL, (variant, rel)
     if not router_names:
         return
@@ -235,7 +213,7 @@ def _init_diff(mode, sources):
     model, _ = build(mode, sources)
     tok = tokens(2)
     with torch.no_grad():
-        rel = _rel(run(model, tok).double(), run(base, tok).double())
+        rel = rel_error(run(model, tok).double(), run(base, tok).double())
     print(f"\nzero-query {mode} {sources} vs baseline: logits rel diff {rel:.2e}")
     return rel
 
@@ -263,7 +241,7 @@ def test_zero_query_preservation_error_is_the_norm_eps():
         model, _ = build(mode, extra=tiny)
         tok = tokens(2)
         with torch.no_grad():
-            rel = _rel(run(model, tok).double(), run(base, tok).double())
+            rel = rel_error(run(model, tok).double(), run(base, tok).double())
         print(f"\nzero-query {mode} vs baseline, eps 1e-12: logits rel diff {rel:.2e}")
         return rel
 

@@ -17,9 +17,8 @@ import textwrap
 import pytest
 
 from megatron_delta.core.modes import ROUTED_MODES
-from tests.flags import tiny
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers.flags import tiny
 
 ROUTER_LR = ["--delta-router-lr-mult", "2"]
 CONFIGS = {

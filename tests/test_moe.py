@@ -22,7 +22,8 @@ import re
 
 import pytest
 
-from tests.flags import tiny
+from tests.helpers import REPO_ROOT
+from tests.helpers.flags import tiny
 
 HIDDEN, EXPERTS, SHARED = 64, 4, 96
 
@@ -257,7 +258,7 @@ def uneven_gather() -> dict:
 def test_cpu_gather_of_uneven_splits_pads_for_gloo():
     """moe_uneven_gather: each rank gets every rank's rows in rank order; without it gloo refuses the uneven
     all_gather."""
-    from tests.dist_utils import run_distributed
+    from tests.helpers.dist_utils import run_distributed
 
     want = [[0.0, 1.0], [2.0, 3.0], [10.0, 11.0], [12.0, 13.0], [14.0, 15.0]]
     for r in run_distributed(uneven_gather, 2, timeout=300):
@@ -267,13 +268,13 @@ def test_cpu_gather_of_uneven_splits_pads_for_gloo():
 
 @pytest.mark.slow
 def test_baseline_moe_with_expert_parallelism_trains_through_pretrain_gpt(tmp_path):
-    from tests.test_trainer_cluster import _run, _torchrun
+    from tests.helpers.trainer_jobs import run_job, torchrun_cmd
 
     argv = tiny(num_layers=2, seq=32, mbs=2, gbs=4, train_iters=3) + [
         "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--residual", "baseline",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
         "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"]
-    job = _run(_torchrun("pretrain_gpt.py", *argv), str(tmp_path / "moe"), timeout=900)
+    job = run_job(torchrun_cmd("pretrain_gpt.py", *argv), str(tmp_path / "moe"), timeout=900)
     assert job.proc.returncode == 0, job.tail()
     # Megatron-LM's iteration line: "... | lm loss: X | load_balancing_loss: Y | ..."
     lines = [ln for ln in job.stdout().splitlines() if re.search(r" iteration +\d+/", ln)]
@@ -286,7 +287,7 @@ def test_baseline_moe_with_expert_parallelism_trains_through_pretrain_gpt(tmp_pa
 
 
 # ------------------------------------------------------------------------------------ expert parallelism
-# One 4-rank launch (moe_launch): every EP layout trains each routed mode's MoE model (tests/rank_runner.py's
+# One 4-rank launch (moe_launch): every EP layout trains each routed mode's MoE model (tests/helpers/rank_runner.py's
 # `moe` flavour: 4 experts, top-2, alltoall, first layer dense, shared expert, aux and z-losses, fp32 router) from
 # the TP1 reference's initial model (EP1, one process; tests/conftest.py), then the allgather dispatcher under
 # EP2+TP2+SP, the checkpoint saved under EP2+TP2 at iteration 2 resumed in its layout and under EP1+TP1 (data
@@ -313,7 +314,7 @@ def mixtral_example_flags(ckpt: str) -> list[str]:
     evaluation iteration. Data: mock data and NullTokenizer instead of the Llama-2 tokenizer and DATA_PATH. Dropped:
     --moe-grouped-gemm (Megatron-Core's local backend has no grouped GEMM: refused by name, see
     test_grouped_gemm_on_the_local_backend_is_refused_by_name). The CPU switches added. Nothing else changed."""
-    from tests.flags import CPU
+    from tests.helpers.flags import CPU
 
     model_args = ["--use-mcore-models", "--disable-bias-linear", "--seq-length", "32", "--max-position-embeddings",
                   "256", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "224",
@@ -350,7 +351,7 @@ def moe_launch(root: str) -> dict:
     import io
     import os
 
-    from tests import rank_runner
+    from tests.helpers import rank_runner
 
     out = {"layouts": {tag: rank_runner.run_specs(root, tag, flags, [[s, variant(tag, s)] for s in MOE_SPECS],
                                                   collect=["routers"], save=["distopt_ckpt2"])
@@ -393,7 +394,7 @@ def usage_moe_recipe() -> list[str]:
     import os
     import shlex
 
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "usage.md")).read()
+    text = open(os.path.join(REPO_ROOT, "docs", "usage.md")).read()
     text = text[text.index("### Mixture of experts"):]
     text = text[:re.search(r"\n#{2,3} ", text[1:]).start() + 1]  # to the next section
     commands = [" ".join(block.replace("\\\n", " ").split()) for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
@@ -420,7 +421,7 @@ def _max_diff(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def ep_runs(tp1_reference):
-    from tests.dist_utils import run_distributed
+    from tests.helpers.dist_utils import run_distributed
 
     ref = tp1_reference.runs(MOE_SPECS)
     ranks = run_distributed(moe_launch, 4, tp1_reference.root, kwargs={}, timeout=1800)
@@ -435,7 +436,7 @@ def test_expert_parallel_layouts_give_the_ep1_losses_routers_and_routing(ep_runs
     dispatcher under EP2+TP2+SP (its collectives on gloo) gives the EP1 alltoall run's losses too."""
     from megatron_delta.core.modes import BLOCK_MODES
     from megatron_delta.core.sources import SourcePlan
-    from tests import rank_runner
+    from tests.helpers import rank_runner
 
     ref, ranks = ep_runs
     for spec in MOE_SPECS:
@@ -481,7 +482,7 @@ def test_checkpoint_under_ep2_tp2_resumes_exactly_and_reshards_to_ep1_tp1(ep_run
     loaded under EP1+TP1 (data parallel 4: the experts, the tensor-parallel shards and Adam's moments with them
     resharded; the registry's expert_parallel_optimizer_reshard merges the two chained optimizers' common state),
     within 1e-5."""
-    from tests import rank_runner
+    from tests.helpers import rank_runner
 
     _, ranks = ep_runs
     straight = ranks[-1]["layouts"][CKPT_TAG][CKPT_SPEC]["distopt_ckpt2"]
@@ -506,8 +507,6 @@ def test_routing_report_reads_the_ep2_tp2_moe_checkpoint(ep_runs, tp1_reference,
     import os
     import subprocess
     import sys
-
-    from tests.dist_utils import REPO_ROOT
 
     ckpt = os.path.join(tp1_reference.root, f"ckpt-{CKPT_TAG}-distopt_ckpt2-{CKPT_SPEC.replace('/', '-')}")
     out = tmp_path / "report"

@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from tests.flags import tiny
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers.flags import tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUTED = ["delta", "delta_block", "attnres", "full_attnres"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
 
@@ -72,7 +72,7 @@ def _startup_checks(args):
 
 
 def _on_gpu(flags):
-    """The CPU switches of tests.flags.tiny, with Transformer Engine as a GPU job script has it."""
+    """The CPU switches of tests.helpers.flags.tiny, with Transformer Engine as a GPU job script has it."""
     flags = list(flags)
     i = flags.index("--transformer-impl")
     flags[i + 1] = "transformer_engine"

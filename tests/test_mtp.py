@@ -4,7 +4,7 @@ mode as docs/design.md section 1.7 defines it.
 Fast (one in-process rank): the model provider builds Megatron's MTP block from the decoder's layer spec
 (without it GPTModel splits the decoder output in two for the MTP loss and the cross entropy fails), the
 main head is untouched by it, and the trainer's model call hands the loss mask to the MTP loss. Every mode
-with two MTP depths against the float64 reference (tests/reference_delta.py): the main and each depth's
+with two MTP depths against the float64 reference (tests/helpers/reference_delta.py): the main and each depth's
 logits, and every router's gradient. The refusal of full recompute with routed MTP depths.
 Slow (two one-process launches of pretrain_gpt.py): baseline trains with MTP, Megatron logs `mtp_1 loss`
 each iteration, and the iteration-1 lm loss is the one of the same run without MTP. One PP2 launch (MTP on
@@ -21,45 +21,15 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.flags import tiny
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB, SEQ = 64, 16
-
-
-def _config(mtp_num_layers, num_layers=2, **delta):
-    from megatron_delta.core.config import DeltaTransformerConfig
-
-    return DeltaTransformerConfig(
-        num_layers=num_layers, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=0.02, use_cpu_initialization=True, bias_activation_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, bias_dropout_fusion=False, mtp_num_layers=mtp_num_layers, **delta)
-
-
-def _model(mtp_num_layers, seed=1234, num_layers=2, **delta):
-    from megatron_delta.core.model import gpt_model
-    from megatron_delta.platform.distributed import initialize_distributed
-
-    initialize_distributed(seed=seed)  # re-seeds: both models start from the same random numbers
-    return gpt_model(_config(mtp_num_layers, num_layers, **delta), VOCAB, pre_process=True, post_process=True,
-                     max_sequence_length=SEQ, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=True)  # Megatron-LM's default (no --untie-...)
-
-
-def _batch(tokens, loss_mask=None):
-    labels = torch.roll(tokens, -1, dims=1)
-    return {"tokens": tokens, "labels": labels, "position_ids": torch.arange(SEQ).expand_as(tokens),
-            "loss_mask": torch.ones(tokens.shape) if loss_mask is None else loss_mask}
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers.flags import tiny
+from tests.helpers.mtp_models import DEPTHS, SEQ, VOCAB, mtp_batch, mtp_config, mtp_model, routed_mtp_model
 
 
 @pytest.fixture(scope="module")
 def models(distributed_teardown):
-    return _model(None), _model(1)
+    return mtp_model(None), mtp_model(1)
 
 
 def test_baseline_builds_megatron_mtp_block_from_the_decoder_layer_spec(models):
@@ -80,7 +50,7 @@ def test_baseline_builds_megatron_mtp_block_from_the_decoder_layer_spec(models):
 def test_main_head_loss_is_the_one_without_mtp(models):
     plain, mtp = models
     torch.manual_seed(0)
-    batch = _batch(torch.randint(0, VOCAB, (2, SEQ)))
+    batch = mtp_batch(torch.randint(0, VOCAB, (2, SEQ)))
     from megatron_delta.trainer.provider import model_output
 
     plain.train(), mtp.train()
@@ -103,7 +73,7 @@ def test_mtp_loss_reads_the_loss_mask(models):
     torch.manual_seed(1)
     tokens = torch.randint(0, VOCAB, (2, SEQ))
     logged = []
-    for batch in (_batch(tokens, torch.stack([torch.ones(SEQ), torch.zeros(SEQ)])), _batch(tokens[:1])):
+    for batch in (mtp_batch(tokens, torch.stack([torch.ones(SEQ), torch.zeros(SEQ)])), mtp_batch(tokens[:1])):
         MTPLossLoggingHelper.clean_metrics_in_tracker()
         with torch.no_grad():
             model_output(mtp, batch)
@@ -115,20 +85,6 @@ def test_mtp_loss_reads_the_loss_mask(models):
 # ------------------------------------------------------------------------------- the routed modes
 REF_VARIANTS = [("baseline", False), ("delta", False), ("delta_block", False), ("attnres", False),
                 ("attnres", True), ("full_attnres", False)]
-DEPTHS = 2  # the second depth reads the first one's output
-
-
-def _routed_model(mode, null):
-    from megatron_delta.core.modes import BLOCK_MODES
-
-    delta = dict(residual=mode)
-    if mode != "baseline":
-        delta.update(delta_null_source=null, delta_router_eps=1e-6)
-    if mode in BLOCK_MODES:
-        delta["delta_num_blocks"] = 2  # two layers per block: the partial sums matter
-    return _model(DEPTHS, num_layers=4, **delta)
-
-
 def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -136,11 +92,11 @@ def _rel(a, b):
 @pytest.mark.parametrize("mode,null", REF_VARIANTS, ids=[m + ("-null" if n else "") for m, n in REF_VARIANTS])
 def test_mtp_depths_match_the_float64_reference(models, mode, null):
     """Main logits, each depth's logits (its hidden state through the shared output layer) and the gradient of
-    every router (decoder and MTP depths) of sum(W * depth logits) against tests/reference_delta.py."""
-    from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
-    from tests.test_modes_reference import randomise
+    every router (decoder and MTP depths) of sum(W * depth logits) against tests/helpers/reference_delta.py."""
+    from tests.helpers.reference_compare import randomise
+    from tests.helpers.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
 
-    model = _routed_model(mode, null)
+    model = routed_mtp_model(mode, null)
     randomise(model)  # random routers (every source's weight matters), perturbed norm weights
     model.eval()
     routers = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in ("query", "key_norm_weight",
@@ -199,14 +155,14 @@ def test_additive_modes_mtp_layer_is_megatrons_own():
 
 def test_routed_mtp_refuses_full_recompute():
     with pytest.raises(ValueError) as e:
-        _config(1, num_layers=4, residual="attnres", delta_num_blocks=2, recompute_granularity="full",
+        mtp_config(1, num_layers=4, residual="attnres", delta_num_blocks=2, recompute_granularity="full",
                 recompute_method="uniform", recompute_num_layers=1)
     assert str(e.value) == (
         "--recompute-granularity full cannot be used with --mtp-num-layers and --residual attnres: each MTP depth "
         "reads the decoder's sources, which Megatron's MTP recompute does not take as inputs. Use "
         "--recompute-granularity selective, or no recompute")
     # the additive modes' depths are Megatron's own layers, which recompute as upstream
-    _config(1, num_layers=4, residual="delta", recompute_granularity="full", recompute_method="uniform",
+    mtp_config(1, num_layers=4, residual="delta", recompute_granularity="full", recompute_method="uniform",
             recompute_num_layers=1)
 
 
@@ -314,8 +270,8 @@ def test_pp2_with_mtp_on_the_last_stage_gives_the_tp1_losses(tp1_reference):
     """The MTP block is on the last stage, which receives the decoder's sources in the stage payload: its
     depths read them (replacement modes) or the final hidden state (additive), and the MTP loss's gradients
     reach both stages. ITERS iterations from the same initial model give TP1's losses within 1e-5."""
-    from tests import rank_runner
-    from tests.dist_utils import run_distributed
+    from tests.helpers import rank_runner
+    from tests.helpers.dist_utils import run_distributed
 
     ref = tp1_reference.runs(MTP_SPECS)
     got = run_distributed(rank_runner.run_specs, 2, tp1_reference.root, "pp2", ["--pipeline-model-parallel-size", "2"],

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_mtp import SEQ, VOCAB, _batch, _model
+from tests.helpers.mtp_models import SEQ, VOCAB, mtp_batch, mtp_model
 
 
 def _logged_mtp_losses(model, batch):
@@ -32,13 +32,13 @@ def test_reset_global_state_empties_the_mtp_loss_tracker():
     from megatron_delta.trainer.main import reset_global_state
 
     torch.manual_seed(0)
-    batch = _batch(torch.randint(0, VOCAB, (2, SEQ)))
+    batch = mtp_batch(torch.randint(0, VOCAB, (2, SEQ)))
     MTPLossLoggingHelper.tracker.clear()  # (set-up: earlier tests in this process logged MTP losses)
-    first = _model(2)  # an earlier run with two depths: the tracker's tensors get two entries
+    first = mtp_model(2)  # an earlier run with two depths: the tracker's tensors get two entries
     assert list(_logged_mtp_losses(first, batch)) == ["mtp_1 loss", "mtp_2 loss"]
     MTPLossLoggingHelper.save_metrics_to_tracker(torch.tensor(5.0), torch.tensor(1.0), torch.tensor(2.0), 1, 2)
     reset_global_state()  # (that run ended with depth 2's loss saved but not yet logged)
-    again = _model(1)
+    again = mtp_model(1)
     got = _logged_mtp_losses(again, batch)
     MTPLossLoggingHelper.tracker.clear()
     alone = _logged_mtp_losses(again, batch)  # the same forward from an empty tracker

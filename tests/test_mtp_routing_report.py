@@ -1,15 +1,16 @@
 """The routing report's MTP receivers: in the replacement modes each MTP depth's routers (attention, MLP and the
 depth's final router, docs/design.md section 1.7) are recorded while the decoder records routing, reported as
-`MTP depth k` beside the decoder's receivers, with their weights the float64 reference's (tests/reference_delta.py)
-and their sources named (the trunk tuple's, then the depth's own). One in-process tiny model per mode, two depths.
+`MTP depth k` beside the decoder's receivers, with their weights the float64 reference's
+(tests/helpers/reference_delta.py) and their sources named (the trunk tuple's, then the depth's own). One in-process
+tiny model per mode, two depths.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.test_modes_reference import randomise
-from tests.test_mtp import DEPTHS, SEQ, VOCAB, _routed_model
+from tests.helpers.mtp_models import DEPTHS, SEQ, VOCAB, routed_mtp_model
+from tests.helpers.reference_compare import randomise
 
 RECEIVERS = [f"mtp{k}.{r}" for k in range(1, DEPTHS + 1) for r in ("attn", "mlp", "final")]
 
@@ -21,9 +22,9 @@ def test_routing_report_has_each_mtp_depths_routers(mode, null):
     from megatron_delta.core.sources import SourcePlan
     from megatron_delta.evaluation.routing_report import annotate, receiver_label
     from megatron_delta.evaluation.routing_stats import RoutingStatsAccumulator
-    from tests.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
+    from tests.helpers.reference_delta import RefConfig, reference_forward, weights_from_megatron_state_dict
 
-    model = _routed_model(mode, null)
+    model = routed_mtp_model(mode, null)
     randomise(model)
     model.eval()
     tok = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))

@@ -1,7 +1,8 @@
 """Multi-node launch, simulated on one machine: two torchrun agents (examples/torchrun_multinode.sh,
 --nnodes 2, --node-rank 0/1, 2 processes each, static rendezvous on 127.0.0.1) train a tiny
 delta_block model under TP2 x PP2; the losses must equal a single-node run of the same flags on 4 ranks within
-1e-6 (tests/dist_utils.py's ranks, forked from the session's server: the launcher is what this test is about)."""
+1e-6 (tests/helpers/dist_utils.py's ranks, forked from the session's server: the launcher is what this test is
+about)."""
 import json
 import os
 import subprocess
@@ -9,11 +10,11 @@ import sys
 
 import pytest
 
-from tests import rank_runner
-from tests.dist_utils import free_port, run_distributed
-from tests.flags import tiny
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers import rank_runner
+from tests.helpers.dist_utils import free_port, run_distributed
+from tests.helpers.flags import tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO, "examples", "torchrun_multinode.sh")
 FLAGS = ["--residual", "delta_block"] + tiny(num_layers=4, hidden=64, heads=4, groups=2, seq=32, mbs=2, gbs=8,
                                               train_iters=3) + [

@@ -1,7 +1,7 @@
 """Parallel layouts reproduce TP1 training, for every residual mode.
 
-Every layout trains tests/rank_runner.py's tiny model (4 layers, hidden 64, 4 heads / 2 query groups, seq 32, mbs 2,
-gbs 8, mock data; the routers at 10x the lr) ITERS iterations from the TP1 reference's initial model of each mode
+Every layout trains tests/helpers/rank_runner.py's tiny model (4 layers, hidden 64, 4 heads / 2 query groups, seq 32,
+mbs 2, gbs 8, mock data; the routers at 10x the lr) ITERS iterations from the TP1 reference's initial model of each mode
 (`--load --finetune`; the session's tp1_reference fixture, tests/conftest.py); its per-iteration losses
 (`--delta-metrics-file`) must equal TP1's within 1e-5 and its learning rates TP1's. One launch runs every 2-rank
 layout, all five modes each, in-process. delta_block and attnres use K=2 blocks of 2 layers: under PP4 and
@@ -15,10 +15,9 @@ import os
 import pytest
 
 from megatron_delta.core.modes import BLOCK_MODES, RESIDUAL_MODES
-from tests import rank_runner
-from tests.conftest import PP4
-from tests.dist_utils import run_distributed
-from tests.flags import mode_flags
+from tests.helpers import rank_runner
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.flags import PP4, mode_flags
 
 MODES = list(RESIDUAL_MODES)
 ROUTED = MODES[1:]

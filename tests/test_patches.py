@@ -3,7 +3,7 @@ which upstream issue or failure it answers, for which megatron-core versions and
 versions is not applied; the pointing entries point at the code that makes the change; known upstream warnings
 are silenced around the upstream calls only (no process-wide warning filter after a run).
 
-The functions without a ``test_`` prefix run in fresh processes (tests/dist_utils.py); this module imports
+The functions without a ``test_`` prefix run in fresh processes (tests/helpers/dist_utils.py); this module imports
 nothing of Megatron at top level."""
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import sys
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.helpers import REPO_ROOT
+from tests.helpers.dist_utils import run_distributed
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(REPO_ROOT)
 ENTRIES = [
     "current_device", "synchronize", "tensor_cuda", "module_torch", "rng", "clip_grads", "tensor_type_checks",
     "checkpoint_without_output_fp8", "training_module_torch", "initialize_allow_no_cuda", "initialize_model_parallel",
@@ -258,7 +259,7 @@ def rank_trainer_warnings(root: str) -> dict:
     warnings.showwarning = lambda message, category, *a, **k: shown.append(f"{category.__name__}: {message}")
     before = [repr(f) for f in warnings.filters]
     from megatron_delta.trainer.main import main
-    from tests.trainer_driver import COMMON, mode_flags
+    from tests.helpers.trainer_driver import COMMON, mode_flags
 
     code = main(COMMON + mode_flags("delta_block") + ["--train-iters", "1", "--save", os.path.join(root, "ckpt"),
                                                       "--save-interval", "1"])

@@ -11,9 +11,10 @@ import sys
 import pytest
 
 from megatron_delta.perf import memory_model
-from tests.test_import_direction import violations
+from tests.helpers import REPO_ROOT
+from tests.helpers.import_scan import violations
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(REPO_ROOT)
 PERF = REPO / "megatron_delta" / "perf"
 TOOLS = ("memory_plan", "benchmark", "gpu_check")
 

@@ -1,4 +1,4 @@
-"""Self-checks of the independent float64 reference (tests/reference_delta.py) from docs/design.md section 1,
+"""Self-checks of the independent float64 reference (tests/helpers/reference_delta.py) from docs/design.md section 1,
 plus layout cross-checks against Megatron-Core's own modules (CPU, single rank).
 
 Fast (seconds). Imports nothing from megatron_delta.
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.reference_delta import (
+from tests.helpers.reference_delta import (
     ADDITIVE_MODES,
     RefConfig,
     apply_rope,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_delta.core.config import UNSUPPORTED_FEATURES, DeltaTransformerConfig
-from tests.flags import tiny
+from tests.helpers.flags import tiny
 
 pytestmark = pytest.mark.usefixtures("distributed_teardown")
 

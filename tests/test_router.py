@@ -1,5 +1,5 @@
 """DepthRouter / make_source: exact math against the independent float64 reference's router
-(tests/reference_delta.route), dtypes, init facts, memory."""
+(tests/helpers/reference_delta.route), dtypes, init facts, memory."""
 import itertools
 
 import pytest
@@ -7,13 +7,13 @@ import torch
 from torch.func import functional_call
 
 from megatron_delta.core.router import DepthRouter, make_source
-from tests import reference_delta as R
+from tests.helpers import reference_delta as R
 
 EPS = 1e-6
 
 
 def reference_route(values, w, g, z, a, eps):
-    """The independent float64 reference's router (tests/reference_delta.route: every source stacked, null last,
+    """The independent float64 reference's router (tests/helpers/reference_delta.route: every source stacked, null last,
     softmax over depth), with the gate applied as the routed layer applies it: r = a * r."""
     r, alpha = R.route(list(values), w, g, z, eps)
     return (a * r if a is not None else r), alpha

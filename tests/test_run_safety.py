@@ -21,10 +21,10 @@ import sys
 
 import pytest
 
-from tests.checkpoint_damage import flip_tensor_bytes
-from tests.flags import tiny
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers.checkpoint_damage import flip_tensor_bytes
+from tests.helpers.flags import tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2) + ["--eval-iters", "0", "--eval-interval",
                                                                              "1000"]
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",

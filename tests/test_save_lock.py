@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from megatron_delta.checkpoint.save_lock import LOCK_NAME, SaveDirInUse, SaveDirLock
+from tests.helpers import REPO_ROOT as REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLD = ("import sys\nfrom megatron_delta.checkpoint.save_lock import SaveDirLock\n"
         "SaveDirLock(sys.argv[1]).acquire()\nprint('held', flush=True)\nsys.stdin.read()\n")
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron_delta.data.corpus import BUNDLED_DATA_DIR
-from tests.test_conversion import _finetune, _hf_logits
+from tests.helpers.conversion import finetune, hf_logits
 
 LAYERS = 2
 TOL = 1e-4
@@ -122,7 +122,7 @@ def test_smollm2_import_finetune_export(tmp_path):
     model, _, rc = loaders.load_megatron(str(tmp_path / "imported"))
     assert (rc["residual"], rc["delta_gate"], rc["hf_vocab_size"]) == ("delta_block", "scalar", 49152)
     meg = loaders.megatron_logits(model, torch.tensor([ids]))[0, :, :49152]
-    ref = _hf_logits(hf, ids)
+    ref = hf_logits(hf, ids)
     diff = (meg - ref).abs().max().item()
     print(f"[smollm2] step-0 max |Megatron - HF| logits {diff:.2e} (logits up to {ref.abs().max().item():.1f})")
     assert diff <= TOL, diff
@@ -131,7 +131,7 @@ def test_smollm2_import_finetune_export(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     build_sotu_data(tok, str(data / "sotu"))
-    out = _finetune(str(tmp_path / "imported"), str(tmp_path / "ft"), iters=3, seq=64,
+    out = finetune(str(tmp_path / "imported"), str(tmp_path / "ft"), iters=3, seq=64,
                     extra=["--data-path", str(data / "sotu"), "--split", "80,20,0"])
     # Megatron-LM's progress lines: "... iteration        1/       3 | ... | lm loss: 3.461090E+00 | ..."
     losses = [float(m.group(1)) for m in re.finditer(r"iteration\s+\d+/\s*\d+ \|.*?\blm loss: ([-+0-9.eE]+)", out)]

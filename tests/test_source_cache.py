@@ -2,7 +2,7 @@
 
 The plan (which payload tensors a boundary sends, which the receiving rank already holds) is checked against
 an independent count per mode; the flag's start-up rules through pretrain_gpt.py's parser. The slow tests
-train every routed mode through pretrain_gpt.py (tests/rank_runner.py) under PP2+VPP2 and PP2 with three chunks
+train every routed mode through pretrain_gpt.py (tests/helpers/rank_runner.py) under PP2+VPP2 and PP2 with three chunks
 per rank (6 layers), alone, with full recompute, with TP2+SP and with DP2 + the distributed optimizer, with
 --delta-pp-source-cache off and on from the TP1 reference's initial model (tests/conftest.py's tp1_reference):
 three iterations each (one launch per world size): the losses equal TP1's within 1e-5, the cached run's gradients
@@ -17,8 +17,8 @@ import pytest
 from megatron_delta.core.modes import BLOCK_MODES
 from megatron_delta.core.source_cache import SourceCache, SourceCachePlan
 from megatron_delta.core.sources import SourcePlan
-from tests import rank_runner
-from tests.dist_utils import run_distributed
+from tests.helpers import rank_runner
+from tests.helpers.dist_utils import run_distributed
 
 ROUTED = ["delta", "delta_block", "attnres", "full_attnres"]
 LOSS_TOL = 1e-5  # against TP1 (the parity tests' tolerance)
@@ -221,7 +221,7 @@ def test_start_up_lines_give_both_sizes(monkeypatch):
 ITERS = 3
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 CONFIGS = {
-    # name: (world, layout, [[configuration (tests/rank_runner.py spec: "6:" six layers), variant], ...])
+    # name: (world, layout, [[configuration (tests/helpers/rank_runner.py spec: "6:" six layers), variant], ...])
     "pp2_vpp2": (2, PP2_VPP2, [[s, v] for s in ROUTED + ["delta/authors-code", "delta_block/authors-code",
                                                           "delta/gate"] for v in ("off", "on")]),
     # three chunks per rank (6 layers), the cache with and without recompute
@@ -263,7 +263,7 @@ def test_cached_training_equals_uncached_and_tp1(tp1_reference, launches, config
     seq = 32 // tp if "sp" in config else 32
     for spec in specs:
         name, flavour, num_layers = rank_runner.parse_spec(spec)
-        blocks = num_layers // 2 if name in BLOCK_MODES else num_layers  # tests/flags.py mode_flags: K = L / 2
+        blocks = num_layers // 2 if name in BLOCK_MODES else num_layers  # tests/helpers/flags.py mode_flags: K = L / 2
         for v in [v for s, v in runs if s == spec]:
             last = results[-1][spec][v]
             # the reference trained rank_runner.ITERS iterations: its first ITERS are these (the mock data's order

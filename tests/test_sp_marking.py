@@ -4,8 +4,8 @@ tensor-parallel: without the mark they drift silently under SP. A fast check of 
 parity run would only notice as a loss difference."""
 import pytest
 
-from tests.dist_utils import run_distributed
-from tests.sp_marking_driver import router_param_marks
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.sp_marking_driver import router_param_marks
 
 
 @pytest.mark.parametrize("mode", ["delta_block", "full_attnres"])

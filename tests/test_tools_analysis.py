@@ -11,10 +11,9 @@ import sys
 
 import pytest
 
-from tests.dist_utils import REPO_ROOT, run_distributed
-from tests.flags import tiny
-
-sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))  # plot_metrics.main runs in this process
+from tests.helpers import REPO_ROOT
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.flags import tiny
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2"]
@@ -265,13 +264,13 @@ def test_routing_report_from_pp2_checkpoint(pp2_run, tmp_path):
 
 
 def test_plot_metrics(pp2_run, tmp_path):
-    import plot_metrics
+    from megatron_delta.evaluation import loss_curves
 
-    m = plot_metrics.read_metrics(str(pp2_run / "metrics.jsonl"))
+    m = loss_curves.read_metrics(str(pp2_run / "metrics.jsonl"))
     assert [it for it, _ in m["train"]] == [1, 2, 3, 4, 5] and m["valid"]
     png = tmp_path / "loss.png"
-    assert plot_metrics.main(["--metrics-file", str(pp2_run / "metrics.jsonl"), str(pp2_run / "metrics.jsonl"),
-                              "--labels", "a", "b", "--output", str(png)]) == 0
+    assert loss_curves.main(["--metrics-file", str(pp2_run / "metrics.jsonl"), str(pp2_run / "metrics.jsonl"),
+                             "--labels", "a", "b", "--output", str(png)]) == 0
     assert png.stat().st_size > 1000
 
 

@@ -9,7 +9,6 @@ recompute uniform / block, the null source and the gate), and the SourceBuffer o
 (activation bytes 2, the routers' math fp32: the casts and fp32 temporaries are counted apart from the bf16
 passes, as on a GPU).
 """
-import argparse
 
 import pytest
 import torch
@@ -17,6 +16,12 @@ import torch
 from megatron_delta.core import traffic
 from megatron_delta.core.modes import AUTHORS_CODE, BLOCK_MODES, ROUTED_MODE_CLASSES, ROUTED_MODES
 from megatron_delta.perf import benchmark, cost_model
+from tests.helpers import REPO_ROOT
+from tests.helpers.traffic_steps import (
+    group_counts,
+    model_opts,
+    stand_in_step,
+)
 
 BACKENDS = ("torch", "c", "fla")
 # (recompute, gate + null source)
@@ -31,16 +36,6 @@ def dist(distributed_teardown):
     yield
 
 
-def _opts(mode, backend, recompute, extras):
-    # hidden 64 > 2 x the most sources any router reads here (9): the [sources, tokens] tables stay below
-    # one [tokens, hidden] row, so only the rows the model prices are counted as such
-    return argparse.Namespace(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=None,
-                              ffn_hidden_size=None, seq_length=8, micro_batch_size=2, vocab_size=64,
-                              delta_num_blocks=2 if mode in BLOCK_MODES else None,
-                              delta_gate="scalar" if extras and mode in ("delta", "delta_block") else "none",
-                              delta_null_source=extras, delta_router_kernels=backend, recompute=recompute, seed=1)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ROUTED_MODES)
 def test_counted_traffic_equals_closed_form(dist, mode, backend):
@@ -48,7 +43,7 @@ def test_counted_traffic_equals_closed_form(dist, mode, backend):
     without recompute, under full recompute (uniform: every layer its own checkpoint, its forward run twice;
     block: one layer checkpointed, the rest run layer by layer), and with the null source and the gate."""
     for recompute, extras in VARIANTS:
-        o = _opts(mode, backend, recompute, extras)
+        o = model_opts(mode, backend, recompute, extras)
         with benchmark.router_backend(backend):
             model, config = benchmark.build_model(o, mode)
             counted = benchmark.counted_step(model, benchmark.mock_batch(o, o.vocab_size), 4)
@@ -58,37 +53,6 @@ def test_counted_traffic_equals_closed_form(dist, mode, backend):
         assert predicted and counted == pytest.approx(predicted, abs=1e-9), (recompute, extras)
 
 
-STAND_IN_TOKENS, STAND_IN_HIDDEN = 16, 64
-
-
-def _stand_in_step(mode, backend, dtype, null, gate, sources="exact", group_size="auto", with_count=False):
-    """The routed residual stream of a 4-layer model over stand-in sublayers (v = u * s), one forward and
-    backward, counted: {(kernel, phase): u} with u in ``dtype``'s bytes (and the count, ``with_count``)."""
-    from megatron_delta.core.router import DepthRouter
-    from megatron_delta.core.sources import SourceBuffer
-
-    L, d, tokens = 4, 64, (8, 2)
-    plan = cost_model.make_plan(mode, L, backend, num_blocks=2 if mode in BLOCK_MODES else None, gate=gate,
-                                sources=sources, group_size=group_size)
-    g = torch.Generator().manual_seed(0)
-    keys = [*range(2 * L)] + (["final"] if plan.final_reads() else [])
-    routers = {k: DepthRouter(d, null_source=null, gate=gate, eps=1e-6, kernels=backend) for k in keys}
-    for r in routers.values():
-        with torch.no_grad():
-            r.query.copy_(0.3 * torch.randn(d, generator=g))
-    h0 = torch.randn(*tokens, d, generator=g).to(dtype).requires_grad_(True)
-    scales = [torch.full((d,), 0.5, dtype=dtype, requires_grad=True) for _ in range(2 * L)]
-    with benchmark.router_backend(backend), traffic.counting() as count:
-        buf = SourceBuffer.start(plan, h0 * 1.0, 1e-6, readers=routers)
-        for j in range(2 * L):
-            buf.commit(j, buf.routed_input(j, routers[j]) * scales[j])
-        out = buf.output(routers.get("final")).float()
-        out.backward(torch.ones_like(out))  # a contiguous gradient, as the final norm's backward hands x
-    assert tokens[0] * tokens[1] == STAND_IN_TOKENS and d == STAND_IN_HIDDEN
-    rows = count.rows(tokens[0] * tokens[1] * d, torch.tensor([], dtype=dtype).element_size())
-    return (rows, count) if with_count else rows
-
-
 @pytest.mark.parametrize("backend", ["torch", "fla"])
 @pytest.mark.parametrize("mode", ROUTED_MODES)
 def test_bf16_counted_traffic_equals_closed_form(mode, backend):
@@ -96,7 +60,7 @@ def test_bf16_counted_traffic_equals_closed_form(mode, backend):
     step_traffic(act_bytes=2) - the figures router_share prices - with and without the null source and gate."""
     for extras in (False, True):
         gate = extras and mode in ("delta", "delta_block")
-        counted = _stand_in_step(mode, backend, torch.bfloat16, extras, gate)
+        counted = stand_in_step(mode, backend, torch.bfloat16, extras, gate)
         predicted = cost_model.step_traffic(mode, 4, backend, num_blocks=2 if mode in BLOCK_MODES else None,
                                             act_bytes=2, null_source=extras, gate=gate)
         assert counted == pytest.approx(predicted, abs=1e-9), extras
@@ -109,7 +73,7 @@ def test_bf16_group_router_on_torch_counted_traffic_equals_closed_form(mode):
     step_traffic(act_bytes=2, group_size=3), with and without the null source and gate."""
     for extras in (False, True):
         gate = extras and mode == "delta"
-        counted = _stand_in_step(mode, "torch", torch.bfloat16, extras, gate, group_size=3)
+        counted = stand_in_step(mode, "torch", torch.bfloat16, extras, gate, group_size=3)
         assert any(k[0].startswith("group_") for k in counted)
         predicted = cost_model.step_traffic(mode, 4, "torch", act_bytes=2, null_source=extras, gate=gate,
                                             group_size=3)
@@ -127,12 +91,12 @@ def test_triton_counted_traffic_equals_closed_form():
     import sys
 
     pytest.importorskip("triton")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO_ROOT
     script = (
         "import json, torch\n"
-        "from tests.test_traffic import _stand_in_step\n"
+        "from tests.helpers.traffic_steps import stand_in_step\n"
         "from megatron_delta.core.modes import ROUTED_MODES\n"
-        "out = [[m, e, sorted([list(k), v] for k, v in _stand_in_step(m, 'triton', torch.float32, e,"
+        "out = [[m, e, sorted([list(k), v] for k, v in stand_in_step(m, 'triton', torch.float32, e,"
         " e and m in ('delta', 'delta_block')).items())] for m in ROUTED_MODES for e in (False, True)]\n"
         "print(json.dumps(out))\n")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -188,7 +152,7 @@ def test_authors_code_counted_traffic_equals_closed_form(mode, backend):
     dtypes = (torch.float32, torch.bfloat16) if backend in cost_model.GPU_BACKENDS else (torch.float32,)
     for dtype in dtypes:
         for extras in (False, True):
-            counted = _stand_in_step(mode, backend, dtype, extras, extras, AUTHORS_CODE)
+            counted = stand_in_step(mode, backend, dtype, extras, extras, AUTHORS_CODE)
             predicted = cost_model.step_traffic(mode, 4, backend, num_blocks=2 if mode in BLOCK_MODES else None,
                                                 act_bytes=torch.tensor([], dtype=dtype).element_size(),
                                                 null_source=extras, gate=extras, sources=AUTHORS_CODE)
@@ -259,19 +223,6 @@ def test_docs_traffic_table_is_the_tools_output():
     assert f"python tools/benchmark.py --traffic\n```\n\n{tool.format_traffic(report, opts, None)}\n\n" in doc
 
 
-def group_counts(mode, backend, size, recompute=None, extras=False):
-    """(counted, closed form) {(kernel, phase): u} of one step of the 4-layer model of a fine-grained mode with
-    --delta-router-group-size ``size`` on ``backend`` (fp32)."""
-    o = _opts(mode, backend, recompute, extras)
-    o.delta_router_group_size = size
-    with benchmark.router_backend(backend):
-        model, config = benchmark.build_model(o, mode)
-        counted = benchmark.counted_step(model, benchmark.mock_batch(o, o.vocab_size), 4)
-    predicted = cost_model.step_traffic(mode, 4, backend, act_bytes=4, group_size=size, recompute=recompute,
-                                        null_source=config.delta_null_source, gate=config.delta_gate == "scalar")
-    return counted, predicted
-
-
 @pytest.mark.parametrize("mode", ["delta", "full_attnres"])
 def test_group_router_against_the_per_router_path(dist, mode):
     """The fine-grained modes with --delta-router-group-size 1 (the per-router path) and auto (the group router,
@@ -286,23 +237,6 @@ def test_group_router_against_the_per_router_path(dist, mode):
     assert totals["auto"] < totals[1]
 
 
-def _triton_group_counts():
-    """group_counts of the Triton kernels, in a process running Triton's interpreter (printed as JSON)."""
-    import json
-
-    from megatron_delta.platform.distributed import initialize_distributed
-
-    initialize_distributed(1, 1, None, 1, seed=1234)
-    out = []
-    for mode in ("delta", "full_attnres"):
-        for size, recompute, extras in ((1, None, False), ("auto", None, False), ("auto", ("uniform", 1), False),
-                                        ("auto", None, True)):
-            counted, predicted = group_counts(mode, "triton", size, recompute, extras)
-            out.append([mode, size, recompute, extras, sorted([*k, v] for k, v in counted.items()),
-                        sorted([*k, v] for k, v in predicted.items())])
-    print(json.dumps(out))
-
-
 def test_triton_group_router_count_is_the_closed_form():
     """The fine-grained modes on the Triton kernels (run by Triton's interpreter, in a fresh process: it must be
     switched on before anything imports Triton): with --delta-router-group-size auto (the group router on its
@@ -314,9 +248,10 @@ def test_triton_group_router_count_is_the_closed_form():
     import sys
 
     pytest.importorskip("triton")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO_ROOT
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", "from tests.test_traffic import _triton_group_counts as f; f()"],
+    code = "from tests.helpers.traffic_steps import triton_group_counts as f; f()"
+    proc = subprocess.run([sys.executable, "-c", code],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -336,13 +271,13 @@ def test_triton_group_router_count_is_the_closed_form():
 def test_model_step_makes_no_tensor_from_host_data(dist, mode):
     """One training step of the 4-layer model on the PyTorch routers, which run wherever the tensors are (null
     source, gate, full recompute): no op of this package makes a tensor from host data or reads a value back
-    (tests/test_group_router.HOST_DATA_OPS: on a GPU each waits for the GPU), in the block, the layers, the source
+    (tests/helpers/host_data.HOST_DATA_OPS: on a GPU each waits for the GPU), in the block, the layers, the source
     buffer or the routers. Megatron's own (its cross-entropy's scalar fills) are not this test's; nor are the C
-    kernels' (CPU tensors only: a scalar read there waits for nothing). The Triton kernels: tests/triton_cases.py,
-    test_models_on_the_kernels_make_only_their_tables_from_host_data."""
-    from tests.test_group_router import host_data_ops
+    kernels' (CPU tensors only: a scalar read there waits for nothing). The Triton kernels:
+    tests/helpers/triton_cases.py, test_models_on_the_kernels_make_only_their_tables_from_host_data."""
+    from tests.helpers.host_data import host_data_ops
 
-    o = _opts(mode, "torch", ("uniform", 1), True)
+    o = model_opts(mode, "torch", ("uniform", 1), True)
     with benchmark.router_backend("torch"):
         model, _ = benchmark.build_model(o, mode)
         batch = benchmark.mock_batch(o, o.vocab_size)

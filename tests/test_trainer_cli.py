@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from tests.dist_utils import run_distributed
-from tests.trainer_driver import rank_cli
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.trainer_driver import rank_cli
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """What a cluster job meets, through Megatron-LM's own mechanisms (megatron.training 0.19.2), one test each.
 
 Every run is the trainer as a program (`python -m megatron_delta.trainer`, or under `torchrun`), on the
-tiny COMMON model of tests/trainer_driver.py, as a job script would start it:
+tiny COMMON model of tests/helpers/trainer_driver.py, as a job script would start it:
 
 1. SIGTERM with --exit-signal-handler: the job saves the iteration reached, exits 0, and a resume from
    that checkpoint continues as the uninterrupted run.
@@ -20,94 +20,23 @@ and resumed at different iterations are compared with one uninterrupted run (the
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from datetime import datetime
 
 import pytest
 
-from tests.dist_utils import REPO_ROOT
-from tests.trainer_driver import COMMON
+from tests.helpers.trainer_driver import COMMON
+from tests.helpers.trainer_jobs import TRACKER, Job, losses_of, run_job, torchrun_cmd, trainer_cmd, training_records
 
 ITERS = ["--train-iters", "50"]
-TRACKER = "latest_checkpointed_iteration.txt"
-_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-             "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([REPO_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    return env
-
-
-class Job:
-    """One launch (a process group of its own, so that torchrun's workers go with it), output in files."""
-
-    def __init__(self, cmd: list, log: str):
-        self.log = log
-        self.out, self.err = open(log + ".out", "w+"), open(log + ".err", "w+")
-        self.proc = subprocess.Popen(cmd, env=_env(), cwd=REPO_ROOT, stdout=self.out, stderr=self.err,
-                                     start_new_session=True)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"{self.log}: still running after {timeout:.0f}s\n{self.tail()}")
-
-    def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stdout(self) -> str:
-        self.out.flush()
-        with open(self.log + ".out") as f:
-            return f.read()
-
-    def stderr(self) -> str:
-        self.err.flush()
-        with open(self.log + ".err") as f:
-            return f.read()
-
-    def tail(self) -> str:
-        return f"--- stdout tail ---\n{self.stdout()[-3000:]}\n--- stderr tail ---\n{self.stderr()[-5000:]}"
-
-
-def _trainer(*flags) -> list:
-    return [sys.executable, "-m", "megatron_delta.trainer"] + COMMON + list(flags)
-
-
-def _run(cmd: list, log: str, timeout: float = 600) -> Job:
-    job = Job(cmd, log)
-    job.wait(timeout)
-    return job
-
-
-def _metrics(path: str) -> list:
-    """The training records of --delta-metrics-file, in the order written (a restart appends)."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.endswith("\n"):
-                r = json.loads(line)
-                if "lm_loss" in r and r.get("split") is None:
-                    out.append(r)
-    return out
-
-
 def _tracker(ckpt: str):
     try:
         with open(os.path.join(ckpt, TRACKER)) as f:
@@ -134,13 +63,8 @@ def _wait_until(cond, job: Job, timeout: float, poll: float = 0.02):
 
 
 def _last_iteration(path: str) -> int:
-    records = _metrics(path)
+    records = training_records(path)
     return records[-1]["iteration"] if records else 0
-
-
-def _losses(records, first: int, last: int) -> list:
-    by_iter = {r["iteration"]: r for r in records}
-    return [by_iter[i]["lm_loss"] for i in range(first, last + 1)]
 
 
 def _lrs(records, first: int, last: int) -> list:
@@ -154,16 +78,16 @@ def straight(tmp_path_factory):
     """10 iterations uninterrupted: saves 3, 6, 9 (--save-interval 3); --exit-interval 10 saves 10 and exits."""
     root = str(tmp_path_factory.mktemp("cluster_straight"))
     ckpt, metrics = os.path.join(root, "ckpt"), os.path.join(root, "m.jsonl")
-    job = _run(_trainer(*ITERS, "--save", ckpt, "--save-interval", "3", "--exit-interval", "10",
+    job = run_job(trainer_cmd(*ITERS, "--save", ckpt, "--save-interval", "3", "--exit-interval", "10",
                         "--delta-metrics-file", metrics), os.path.join(root, "run"))
-    return {"job": job, "code": job.proc.returncode, "ckpt": ckpt, "records": _metrics(metrics)}
+    return {"job": job, "code": job.proc.returncode, "ckpt": ckpt, "records": training_records(metrics)}
 
 
 # ------------------------------------------------------------------------------------------- 1
 @pytest.mark.slow
 def test_sigterm_with_exit_signal_handler_saves_exits_0_and_resumes(straight, tmp_path):
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    job = Job(_trainer(*ITERS, "--exit-signal-handler", "--save", ckpt, "--save-interval", "1000",
+    job = Job(trainer_cmd(*ITERS, "--exit-signal-handler", "--save", ckpt, "--save-interval", "1000",
                        "--delta-metrics-file", metrics), str(tmp_path / "run"))
     _wait_until(lambda: _last_iteration(metrics) >= 2, job, timeout=400)
     job.proc.send_signal(signal.SIGTERM)  # what a scheduler sends before its kill
@@ -175,14 +99,15 @@ def test_sigterm_with_exit_signal_handler_saves_exits_0_and_resumes(straight, tm
     assert _tracker(ckpt) == reached and _iter_dirs(ckpt) == [reached]  # saved at the iteration reached
 
     resumed_metrics = str(tmp_path / "resumed.jsonl")
-    job = _run(_trainer(*ITERS, "--load", ckpt, "--exit-interval", "10", "--delta-metrics-file", resumed_metrics),
+    job = run_job(trainer_cmd(*ITERS, "--load", ckpt, "--exit-interval", "10", "--delta-metrics-file", resumed_metrics),
                str(tmp_path / "resumed"))
     assert job.proc.returncode == 0, job.tail()
     assert f"loading distributed checkpoint from {ckpt} at iteration {reached}" in job.stdout()
-    resumed = _metrics(resumed_metrics)
+    resumed = training_records(resumed_metrics)
     assert [r["iteration"] for r in resumed] == list(range(reached + 1, 11))
     assert straight["code"] == 0, straight["job"].tail()
-    assert _losses(resumed, reached + 1, 10) == pytest.approx(_losses(straight["records"], reached + 1, 10), abs=1e-6)
+    assert losses_of(resumed, reached + 1, 10) == pytest.approx(losses_of(straight["records"], reached + 1, 10),
+                                                                abs=1e-6)
     assert _lrs(resumed, reached + 1, 10) == pytest.approx(_lrs(straight["records"], reached + 1, 10), rel=1e-12)
 
 
@@ -223,7 +148,7 @@ def duration_job(request, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("duration"))
     ckpt, metrics = os.path.join(root, "ckpt"), os.path.join(root, "m.jsonl")
     # --train-iters 5000 would take far longer than the minute
-    job = Job(_trainer("--train-iters", "5000", "--exit-duration-in-mins", "1", "--save", ckpt,
+    job = Job(trainer_cmd("--train-iters", "5000", "--exit-duration-in-mins", "1", "--save", ckpt,
                        "--save-interval", "5000", "--delta-metrics-file", metrics), os.path.join(root, "run"))
     paused = {}
 
@@ -272,10 +197,6 @@ def _worker_with_rank(agent_pid: int, rank: int):
     return None
 
 
-def _torchrun(*args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + list(args)
-
-
 def _launcher(*args) -> list:
     """megatron_delta.trainer.launch: torchrun whose SIGTERM goes to the workers (examples/torchrun_multinode.sh)."""
     return [sys.executable, "-m", "megatron_delta.trainer.launch", "--standalone", "--nproc-per-node", "2"] + list(args)
@@ -314,10 +235,10 @@ def test_rank_killed_then_launcher_sigterm(tmp_path):
 
     flags = COMMON + ["--train-iters", "10", "--save-interval", "3", "--hidden-dropout", "0.1"]
     ref_metrics = str(tmp_path / "ref.jsonl")
-    ref = _run(_torchrun("-m", "megatron_delta.trainer", *flags, "--save", str(tmp_path / "ref-ckpt"),
+    ref = run_job(torchrun_cmd("-m", "megatron_delta.trainer", *flags, "--save", str(tmp_path / "ref-ckpt"),
                          "--delta-metrics-file", ref_metrics), str(tmp_path / "ref"), timeout=600)
     assert ref.proc.returncode == 0, ref.tail()
-    reference = _metrics(ref_metrics)
+    reference = training_records(ref_metrics)
     assert [r["iteration"] for r in reference] == list(range(1, 11))
 
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
@@ -338,19 +259,20 @@ def test_rank_killed_then_launcher_sigterm(tmp_path):
     complete = _tracker(ckpt)  # the last complete checkpoint when the rank died
     assert complete is not None and complete % 3 == 0 and complete <= killed_after, (complete, killed_after)
     # The restarted attempt has trained an iteration: SIGTERM to the launcher.
-    _wait_until(lambda: _split_at_restart(_metrics(metrics))[1], job, timeout=500, poll=0.01)
+    _wait_until(lambda: _split_at_restart(training_records(metrics))[1], job, timeout=500, poll=0.01)
     job.proc.send_signal(signal.SIGTERM)
     code = job.wait(600)
     assert code == 0, job.tail()
     assert "SIGTERM passed on to 2 worker(s)" in job.stderr(), job.tail()
     assert "exiting program after receiving SIGTERM" in job.stdout(), job.tail()
-    before, after = _split_at_restart(_metrics(metrics))
+    before, after = _split_at_restart(training_records(metrics))
     reached = after[-1]["iteration"]
     assert [r["iteration"] for r in before] == list(range(1, len(before) + 1)) and len(before) >= killed_after
     assert [r["iteration"] for r in after] == list(range(complete + 1, reached + 1)) and reached < 10, after
     assert _tracker(ckpt) == reached  # saved at the iteration reached
-    assert _losses(before, 1, len(before)) == pytest.approx(_losses(reference, 1, len(before)), abs=1e-6)
-    assert _losses(after, complete + 1, reached) == pytest.approx(_losses(reference, complete + 1, reached), abs=1e-6)
+    assert losses_of(before, 1, len(before)) == pytest.approx(losses_of(reference, 1, len(before)), abs=1e-6)
+    assert losses_of(after, complete + 1, reached) == pytest.approx(losses_of(reference, complete + 1, reached),
+                                                                    abs=1e-6)
     # Nothing of the job is left: not the killed rank's checkpoint writer (its Manager, ~600 MB, and resource
     # tracker were reparented to init before the patch), nor anything of the restarted attempt.
     deadline = time.monotonic() + 30
@@ -359,12 +281,12 @@ def test_rank_killed_then_launcher_sigterm(tmp_path):
     assert _processes_with(marker) == [], _processes_with(marker)
 
     resumed_metrics = str(tmp_path / "resumed.jsonl")
-    job = _run(_torchrun("-m", "megatron_delta.trainer", *flags, "--load", ckpt, "--save", ckpt,
+    job = run_job(torchrun_cmd("-m", "megatron_delta.trainer", *flags, "--load", ckpt, "--save", ckpt,
                          "--delta-metrics-file", resumed_metrics), str(tmp_path / "resumed"))
     assert job.proc.returncode == 0, job.tail()
-    resumed = _metrics(resumed_metrics)
+    resumed = training_records(resumed_metrics)
     assert [r["iteration"] for r in resumed] == list(range(reached + 1, 11))
-    assert _losses(resumed, reached + 1, 10) == pytest.approx(_losses(reference, reached + 1, 10), abs=1e-6)
+    assert losses_of(resumed, reached + 1, 10) == pytest.approx(losses_of(reference, reached + 1, 10), abs=1e-6)
     assert _lrs(resumed, reached + 1, 10) == pytest.approx(_lrs(reference, reached + 1, 10), rel=1e-12)
     assert _tracker(ckpt) == 10  # and the end of training saved iteration 10
 
@@ -373,7 +295,7 @@ def test_rank_killed_then_launcher_sigterm(tmp_path):
 @pytest.mark.slow
 def test_a_save_killed_midway_is_never_loaded(straight, tmp_path):
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    job = Job(_trainer(*ITERS, "--save", ckpt, "--save-interval", "2", "--delta-metrics-file", metrics),
+    job = Job(trainer_cmd(*ITERS, "--save", ckpt, "--save-interval", "2", "--delta-metrics-file", metrics),
               str(tmp_path / "run"))
     # Stop the job as soon as a save has written its first file, then look: while the tracker still names
     # the previous iteration, that save is incomplete -> SIGKILL there. (A save that finished before the stop
@@ -394,14 +316,15 @@ def test_a_save_killed_midway_is_never_loaded(straight, tmp_path):
     leftover = sorted(os.listdir(os.path.join(ckpt, f"iter_{caught:07d}")))
 
     resumed_metrics = str(tmp_path / "resumed.jsonl")
-    job = _run(_trainer(*ITERS, "--load", ckpt, "--save", ckpt, "--save-interval", "2", "--exit-interval", "10",
+    job = run_job(trainer_cmd(*ITERS, "--load", ckpt, "--save", ckpt, "--save-interval", "2", "--exit-interval", "10",
                         "--delta-metrics-file", resumed_metrics), str(tmp_path / "resumed"))
     assert job.proc.returncode == 0, job.tail()
     assert f"loading distributed checkpoint from {ckpt} at iteration {previous}" in job.stdout(), (leftover, job.tail())
-    resumed = _metrics(resumed_metrics)
+    resumed = training_records(resumed_metrics)
     assert [r["iteration"] for r in resumed] == list(range(previous + 1, 11))
     assert straight["code"] == 0, straight["job"].tail()
-    assert _losses(resumed, previous + 1, 10) == pytest.approx(_losses(straight["records"], previous + 1, 10), abs=1e-6)
+    assert losses_of(resumed, previous + 1, 10) == pytest.approx(losses_of(straight["records"], previous + 1, 10),
+                                                                 abs=1e-6)
     # the leftover is overwritten by the next save of that iteration (dist_checkpointing.save warns)
     assert "Overwriting old incomplete / corrupted checkpoint" in job.stdout() + job.stderr(), leftover
     assert _tracker(ckpt) == 10 and _iter_dirs(ckpt) == [2, 4, 6, 8, 10]
@@ -418,7 +341,7 @@ def test_truncated_shard_is_one_error_line(straight, tmp_path):
     os.truncate(shard, os.path.getsize(shard) // 2)  # a copy or a write cut short
 
     # main() translates the failure with megatron_delta/checkpoint/errors.describe_load_failure
-    job = _run(_trainer(*ITERS, "--load", ckpt, "--exit-interval", "11"), str(tmp_path / "run"))
+    job = run_job(trainer_cmd(*ITERS, "--load", ckpt, "--exit-interval", "11"), str(tmp_path / "run"))
     err, out = job.stderr(), job.stdout()
     assert job.proc.returncode == 1, job.tail()
     assert "Traceback" not in err and "Traceback" not in out, job.tail()
@@ -431,13 +354,13 @@ def test_truncated_shard_is_one_error_line(straight, tmp_path):
 
     # The advice works: --ckpt-step 9 resumes from iteration 9 as the uninterrupted run.
     metrics = str(tmp_path / "m.jsonl")
-    job = _run(_trainer(*ITERS, "--load", ckpt, "--ckpt-step", "9", "--exit-interval", "10",
+    job = run_job(trainer_cmd(*ITERS, "--load", ckpt, "--ckpt-step", "9", "--exit-interval", "10",
                         "--delta-metrics-file", metrics),
                str(tmp_path / "advice"))
     assert job.proc.returncode == 0, job.tail()
-    resumed = _metrics(metrics)
+    resumed = training_records(metrics)
     assert [r["iteration"] for r in resumed] == [10]
-    assert _losses(resumed, 10, 10) == pytest.approx(_losses(straight["records"], 10, 10), abs=1e-6)
+    assert losses_of(resumed, 10, 10) == pytest.approx(losses_of(straight["records"], 10, 10), abs=1e-6)
 
 
 # ------------------------------------------------------------------------------------- 2b (last: see duration_job)

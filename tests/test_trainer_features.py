@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from tests.dist_utils import run_distributed
-from tests.trainer_driver import rank_embedded, rank_errors, rank_features, rank_load_one_process
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.trainer_driver import rank_embedded, rank_errors, rank_features, rank_load_one_process
 
 TRAIN_KEYS = {"iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec"}
 EVAL_KEYS = {"iteration", "split", "lm_loss", "ppl"}

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import run_distributed
-from tests.trainer_driver import rank_reshard, rank_resume
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.trainer_driver import rank_reshard, rank_resume
 
 MODES = ["baseline", "delta_block"]
 # iterations straight, and the one saved and resumed from: the resumed run's first iteration needs the data

@@ -2,7 +2,7 @@
 
 The kernels run under Triton's interpreter, which must be switched on (TRITON_INTERPRET=1) before anything
 imports Triton; in a whole-suite pytest process fla's tests import it first, so the interpreter cases
-(tests/triton_cases.py: outputs and every gradient against the PyTorch path and the float64 reference, per
+(tests/helpers/triton_cases.py: outputs and every gradient against the PyTorch path and the float64 reference, per
 router call and for each mode's whole model; the counted traffic against triton_router.call_rows) run in a
 fresh pytest process. The start-up check runs here.
 """
@@ -16,11 +16,11 @@ import torch
 
 from megatron_delta.core import cpu_kernels, triton_router
 from megatron_delta.core.router import KERNEL_CHOICES, check_kernels
+from tests.helpers import REPO_ROOT as REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# tests/triton_cases.py: 24 router cases (12 with a block's deferred pass), the traffic per call, strided sources,
-# the formed partial sum, 6 models, 2 models with full recompute, the fallbacks, the counted traffic against the
-# closed form (2 modes), 6 models of 4 blocks with the deferred passes (2 modes x no recompute / 2 recompute cuts),
+# tests/helpers/triton_cases.py: 24 router cases (12 with a block's deferred pass), the traffic per call, strided
+# sources, the formed partial sum, 6 models, 2 models with full recompute, the fallbacks, the counted traffic against
+# the closed form (2 modes), 6 models of 4 blocks with the deferred passes (2 modes x no recompute / 2 recompute cuts),
 # 4 two-stage pipelines (2 modes x 2 cuts), the group router on its kernels and its counted traffic (5
 # configurations each), the group router's counted traffic in bf16 (2 modes), gpu_check's rate with the partial sums,
 # one table copy per launch (2 modes), gpu_check's host time per router call and its kernel times, no view op per
@@ -33,8 +33,9 @@ INTERPRETER_CASES = 81
 def test_interpreter_cases():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_cases.py"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/helpers/triton_cases.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)
@@ -72,8 +73,8 @@ def rank_train_on_the_kernels(root: str) -> dict:
     """Two iterations of pretrain_gpt.py's tiny delta_block model with --delta-router-kernels triton and torch
     (one rank, TRITON_INTERPRET=1 from its start): the losses, and how many kernel calls the traffic count saw."""
     from megatron_delta.core import traffic
-    from tests.flags import MODEL, mode_flags
-    from tests.rank_runner import train
+    from tests.helpers.flags import MODEL, mode_flags
+    from tests.helpers.rank_runner import train
 
     out = {}
     for kind in ("triton", "torch"):
@@ -91,7 +92,7 @@ def test_training_steps_on_the_kernels(tmp_path):
     interpreter): the kernels route every sublayer, and the losses of two iterations equal the PyTorch path's
     to fp32 round-off."""
     pytest.importorskip("triton")
-    from tests.dist_utils import run_distributed
+    from tests.helpers.dist_utils import run_distributed
 
     r = run_distributed(rank_train_on_the_kernels, 1, str(tmp_path), timeout=600, env={"TRITON_INTERPRET": "1"})[0]
     assert r["triton"]["iteration"] == r["torch"]["iteration"] == 2
@@ -162,16 +163,16 @@ def test_cuda_kernels_do_not_wait_for_the_gpu():
     on the group router (its old passes defer shares: router._rows, no index list copied to the GPU)."""
     from megatron_delta.core.router import DepthRouter, make_source
     from megatron_delta.perf.gpu_check import routed_stream
-    from tests import test_group_router as G
+    from tests.helpers import group_toys as G
 
     d, shape = 256, (64, 2)
     rs = [DepthRouter(d, null_source=True, gate=True, eps=1e-6, kernels="triton").cuda() for _ in range(2)]
     vals = [torch.randn(*shape, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
-    toy = G._toy("delta", True, True, False, 3, torch.float32, "triton")
+    toy = G.make_toy("delta", True, True, False, 3, torch.float32, "triton")
     toy.weights = [w.detach().cuda().requires_grad_() for w in toy.weights]
     for r in toy.routers:
         r.cuda()
-    h0 = G._h0(torch.float32).detach().cuda().requires_grad_()
+    h0 = G.make_h0(torch.float32).detach().cuda().requires_grad_()
     stream, _ = routed_stream("delta", 14, "triton", "auto", 64, d, "cuda", torch.bfloat16, seed=3)
     stream()  # compiles the kernels its groups launch
     torch.cuda.synchronize()
@@ -196,7 +197,7 @@ def test_cuda_group_kernels_match_torch_path(dtype, monkeypatch):
     Triton kernels, S = 3 with a chunk boundary, fp32 and bf16 sources: the output and every gradient equal the
     PyTorch group path's (bf16: to a few bf16 units of the largest entry), and the Triton kernels ran."""
     from megatron_delta.core import triton_group_kernels
-    from tests import test_group_router as G
+    from tests.helpers import group_toys as G
 
     ran = []
     forward = triton_group_kernels.old_forward
@@ -205,13 +206,13 @@ def test_cuda_group_kernels_match_torch_path(dtype, monkeypatch):
     for config in (("delta", True, True, False), ("delta", False, False, True), ("full_attnres", True, False, False)):
         results = {}
         for kind in ("triton", "torch"):
-            toy = G._toy(*config, 3, torch.float32, kind)
+            toy = G.make_toy(*config, 3, torch.float32, kind)
             toy.weights = [w.detach().to("cuda", dtype).requires_grad_() for w in toy.weights]
             for r in toy.routers + ([toy.final] if toy.final else []):
                 r.cuda()
-            h0 = G._h0(torch.float32).detach().to("cuda", dtype).requires_grad_()
+            h0 = G.make_h0(torch.float32).detach().to("cuda", dtype).requires_grad_()
             before = len(ran)
-            results[kind] = G._forward_backward(toy, h0, G.CUTS["chunk"])
+            results[kind] = G.forward_backward(toy, h0, G.CUTS["chunk"])
             assert (len(ran) > before) == (kind == "triton")
         (out, grads), (ref, ref_grads) = results["triton"], results["torch"]
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
@@ -228,7 +229,7 @@ def test_pretrain_gpt_refuses_triton_without_cuda(monkeypatch, capsys):
     """pretrain_gpt.py --delta-router-kernels triton on a machine without CUDA (and without the interpreter):
     exit code 2 and one line naming the flag and what to use, before the distributed start-up."""
     from megatron_delta.trainer.main import main
-    from tests.flags import tiny
+    from tests.helpers.flags import tiny
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -245,7 +246,7 @@ def test_pretrain_gpt_refuses_triton_without_cuda(monkeypatch, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the interpreter cases run on CPU)")
 def test_cuda_host_time_counts_as_on_cpu():
     """gpu_check's (h) on a GPU: the launches run (JITFunction.run counted), one table copy each, as many per router
-    call as under the interpreter (tests/triton_cases.py: the same code path); and the host's time without the
+    call as under the interpreter (tests/helpers/triton_cases.py: the same code path); and the host's time without the
     launches, then without the copies too."""
     from types import SimpleNamespace
 

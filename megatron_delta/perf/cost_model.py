@@ -12,7 +12,7 @@ instead of an autograd addition per source), the null source, and autograd's own
 contributions (a tensor read by several autograd nodes). Unit: "u", one [tokens, hidden] tensor in the activation
 dtype read or written once (an fp32 tensor of that size is 4 / a u).
 The same quantities are counted from the real tensors by megatron_delta.core.traffic (tests/test_traffic.py
-holds the two equal for every mode x backend, with and without recompute; tests/triton_cases.py for triton,
+holds the two equal for every mode x backend, with and without recompute; tests/helpers/triton_cases.py for triton,
 under Triton's interpreter).
 
 The structure (which router reads which source, which are projected once for several readers, what each

@@ -175,7 +175,7 @@ class Env:
 
 
 SEED = 1234
-# Adam as in pretrain_gpt.py's default run (tests/flags.py QWEN3); the learning rate is --lr, its floor lr / 10.
+# Adam as in pretrain_gpt.py's default run (tests/helpers/flags.py QWEN3); the learning rate is --lr, its floor lr / 10.
 ADAM = dict(weight_decay=0.1, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95)
 
 

@@ -1,6 +1,6 @@
-"""What the fork server of tests/dist_utils.py prepares before it forks ranks: what every rank of the suite imports
-first (torch, Megatron-Core, Megatron-LM through megatron_delta.platform.patches.import_megatron, which quiets their
-import-time notices as the trainer does, and the rank-side test code), and Megatron's compiled helpers, compiled.
+"""What the fork server of tests/helpers/dist_utils.py prepares before it forks ranks: what every rank of the suite
+imports first (torch, Megatron-Core, Megatron-LM through megatron_delta.platform.patches.import_megatron, which quiets
+their import-time notices as the trainer does, and the rank-side test code), and Megatron's compiled helpers, compiled.
 Nothing here creates a process group or leaves a thread or a child process running: the server forks from here.
 
 Why compile here: Megatron-Core torch.compile's a few small helpers (the SwiGLU fusion and its backward, the MoE
@@ -22,8 +22,8 @@ import megatron.core.tokenizers.text  # noqa: E402,F401  (transformers: every ru
 import megatron.core.transformer.moe.moe_layer  # noqa: E402,F401
 
 import megatron_delta.trainer.main  # noqa: E402,F401
-import tests.dist_utils  # noqa: E402,F401
-import tests.rank_runner  # noqa: E402,F401
+import tests.helpers.dist_utils  # noqa: E402,F401
+import tests.helpers.rank_runner  # noqa: E402,F401
 
 cpu_vec_isa.valid_vec_isa_list()
 
@@ -87,7 +87,8 @@ def _wait_for_one_thread(seconds: float = 10.0) -> None:
     while len(os.listdir(tasks)) > 1:
         if time.monotonic() > deadline:
             names = [open(os.path.join(tasks, t, "comm")).read().strip() for t in os.listdir(tasks)]
-            raise RuntimeError(f"tests/rank_preload.py: the fork server still runs threads {names} after preloading")
+            raise RuntimeError(f"tests/helpers/rank_preload.py: the fork server still runs threads {names} after "
+                               "preloading")
         time.sleep(0.05)
 
 

@@ -27,8 +27,8 @@ import time
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 from megatron_delta.platform.distributed import free_port  # noqa: F401  (tests import it from here too)
+from tests.helpers import REPO_ROOT
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TAIL = 6000  # characters of a failing rank's stderr shown in the error
 
 # Why a fork server: a rank spends ~5 CPU-seconds importing torch, Megatron-Core and Megatron-LM before it runs
@@ -37,7 +37,7 @@ _TAIL = 6000  # characters of a failing rank's stderr shown in the error
 # the rank runs the same code on the same modules, without the import. A launch whose environment differs from
 # the server's in more than the launch variables (LAUNCH_VARIABLES: e.g. TRITON_INTERPRET, read at import) and
 # plain-python launches (``torchrun_env=False``: start-up and import-time behaviour) start a subprocess instead.
-PRELOAD = ["tests.rank_preload"]
+PRELOAD = ["tests.helpers.rank_preload"]
 LAUNCH_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "DIST_RESULT_FILE", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
 # Variables code in the test session itself sets or drops as it runs, none read at import: Megatron-LM's argument
@@ -115,7 +115,7 @@ def run_distributed(
             json.dump({"target": _target_of(fn_or_script), "args": list(args),
                        "kwargs": kwargs or {}}, f)
         cmd = [sys.executable, "-c",
-               "import sys; from tests.dist_utils import _rank_main; _rank_main(sys.argv[1])",
+               "import sys; from tests.helpers.dist_utils import _rank_main; _rank_main(sys.argv[1])",
                spec_file]
         target = ("function", spec_file)
         what = _target_of(fn_or_script)
@@ -274,8 +274,7 @@ def _forked_rank_main(target, env: dict, stdout: str, stderr: str) -> None:
             sys.argv = ["-c", what]
             _rank_main(what)
         else:
-            sys.argv = list(what)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(what[0])))
+            sys.argv = list(what)  # the scripts launched so (pretrain_gpt.py, tools/) import only the package
             runpy.run_path(what[0], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -1,7 +1,7 @@
 """Rank functions for tests/test_trainer_*.py: runs of megatron_delta.trainer.main (Megatron-LM's trainer) in one
-launch, one after another in the same process, through tests/rank_runner.py's runner (train) and metrics reader.
+launch, one after another in the same process, through tests/helpers/rank_runner.py's runner (train) and metrics reader.
 
-COMMON is tests/flags.py's tiny MODEL (4 layers, hidden 64, 4 heads in 2 query groups, seq 32, MBS 2, GBS 8,
+COMMON is tests/helpers/flags.py's tiny MODEL (4 layers, hidden 64, 4 heads in 2 query groups, seq 32, MBS 2, GBS 8,
 NullTokenizer 256 tokens, mock data, the Qwen3-style defaults and the CPU switches) logging every iteration and
 without a save interval (the tests give theirs).
 """
@@ -11,8 +11,9 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.flags import CPU, MODEL, mode_flags  # noqa: E402
-from tests.rank_runner import data_cache, is_last_rank, read_metrics, read_records, train  # noqa: E402,F401
+from tests.helpers import REPO_ROOT
+from tests.helpers.flags import CPU, MODEL, mode_flags  # noqa: E402
+from tests.helpers.rank_runner import data_cache, is_last_rank, read_metrics, read_records, train  # noqa: E402,F401
 
 COMMON = MODEL + ["--log-interval", "1"]
 LAYOUTS = {
@@ -93,8 +94,7 @@ def rank_cli(root: str) -> dict:
 def bundled_data() -> dict:
     from megatron_delta.data.corpus import ensure_default_data
 
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return ensure_default_data(os.path.join(repo_root, "runs", "cache"))
+    return ensure_default_data(os.path.join(REPO_ROOT, "runs", "cache"))
 
 
 def bundled_flags(heldout: bool = True) -> list[str]:

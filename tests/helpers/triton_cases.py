@@ -3,7 +3,7 @@
 Triton reads the variable when its own functions are jitted, at its import, so it must be set before anything
 imports Triton (in a whole-suite pytest process fla's tests import it first). fp32 only (the interpreter's bf16
 is not trustworthy), except one count of bf16 traffic, where only the tensors each call passes matter.
-Yardsticks: the float64 reference router (tests/reference_delta.route, written from docs/design.md alone) and
+Yardsticks: the float64 reference router (tests/helpers/reference_delta.route, written from docs/design.md alone) and
 the routers' PyTorch path (kernels='torch'). That the kernels ran is proven by their calls in the traffic count
 (core/traffic.py), which is also checked against triton_router.call_rows.
 """
@@ -16,9 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_delta.core import group_plan, traffic, triton_router
 from megatron_delta.core.router import DepthRouter, make_source
 from megatron_delta.core.sources import SourcePlan
-from tests import kernel_models as K
-from tests import reference_delta as R
-from tests import test_group_router as G
+from tests.helpers import group_toys as G
+from tests.helpers import kernel_models as K
+from tests.helpers import reference_delta as R
+from tests.helpers.host_data import host_data_ops
 
 EPS = 1e-6
 
@@ -239,7 +240,7 @@ def test_only_the_launch_tables_come_from_host_data(interpreter, mode, group):
     with host_work._counting_tables(counts):  # the table copies, counted
         call()
         counts.reset()
-        with G.host_data_ops() as ops:
+        with host_data_ops() as ops:
             call()
     assert counts.tables and dict(ops) == {"lift_fresh": counts.tables}, (counts.tables, dict(ops))
 
@@ -256,7 +257,7 @@ def test_models_on_the_kernels_make_only_their_tables_from_host_data(interpreter
     with host_work._counting_tables(counts):
         (model(tok, pos, None) * W).sum().backward()
         counts.reset()
-        with G.host_data_ops("megatron_delta/") as ops:
+        with host_data_ops("megatron_delta/") as ops:
             (model(tok, pos, None) * W).sum().backward()
     assert counts.tables and sum(ops.values()) == counts.tables and {k[:2] for k in ops} == {
         ("lift_fresh", "triton_router.py")}, (counts.tables, dict(ops))
@@ -623,7 +624,7 @@ def _group_kernel_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("config", G.CONFIGS, ids=G._cid)
+@pytest.mark.parametrize("config", G.CONFIGS, ids=G.config_id)
 def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
     """The group router of delta / full_attnres on its Triton kernels (fp32), for S in {2, 3, all} with the
     groups cut by a chunk boundary: the output and every gradient (sublayer weights, so the sources; each
@@ -636,21 +637,21 @@ def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
     cut = G.CUTS["chunk"]
     # 51 tokens: four tiles of 16, so that each of the two reducing programs of a backward kernel takes two
     # (triton_router.reducing_programs) and sums its query gradients over both
-    h0 = G._h0(torch.float32, seq=17, batch=3)
+    h0 = G.make_h0(torch.float32, seq=17, batch=3)
     assert triton_router.reducing_programs(-(-51 // 16), "cpu") == 2
-    per_router = G._forward_backward(G._toy(*config, 1, torch.float32, "torch"), h0, ())
+    per_router = G.forward_backward(G.make_toy(*config, 1, torch.float32, "torch"), h0, ())
     assert not calls
     for size in (2, 3, "all"):
         S = 2 * G.L if size == "all" else size
-        got = G._forward_backward(G._toy(*config, S, torch.float32, "triton"), h0, cut)
-        groups = sum(-(-n // S) for n in G._scopes(cut))
+        got = G.forward_backward(G.make_toy(*config, S, torch.float32, "triton"), h0, cut)
+        groups = sum(-(-n // S) for n in G.scope_runs(cut))
         merges = 2 * G.L - (0 if config[2] else groups)  # without a gate each group's first u is its old pass's
         want = {"old_forward": groups, "old_backward": groups, "merge_forward": merges, "merge_backward": merges}
         if config[3]:  # x as the sources: the last scope hands it out
             want["final_sum"] = 1
         assert calls == want, (size, calls)
         calls.clear()
-        torch_group = G._forward_backward(G._toy(*config, S, torch.float32, "torch"), h0, cut)
+        torch_group = G.forward_backward(G.make_toy(*config, S, torch.float32, "torch"), h0, cut)
         assert not calls
         # fp32 round-off of a different summation order (tiles, programs) over 51 tokens, both paths
         for name, want, tol in (("torch group", torch_group, 1e-5), ("per-router", per_router, 1e-5)):
@@ -662,14 +663,14 @@ def test_group_router_on_the_kernels(interpreter, config, monkeypatch):
                                                msg=lambda m, name=name, i=i: f"{name} S={size} grad {i}: {m}")
 
 
-@pytest.mark.parametrize("config", G.CONFIGS, ids=G._cid)
+@pytest.mark.parametrize("config", G.CONFIGS, ids=G.config_id)
 def test_group_router_traffic_is_the_closed_form(interpreter, config):
     """The group router's recorded reads and writes on the Triton kernels are group_plan.passes, as on the C
     kernels (fp32: one pass is one [T, d] fp32 tensor)."""
     mode, null, gate, xs = config
     S = 3
     with traffic.counting() as count:
-        G._forward_backward(G._toy(*config, S, torch.float32, "triton"), G._h0(torch.float32), ())
+        G.forward_backward(G.make_toy(*config, S, torch.float32, "triton"), G.make_h0(torch.float32), ())
     rows = count.rows(G.SEQ * G.BATCH * G.D, act_bytes=4)
     counted = sum(v for (kernel, _), v in rows.items() if kernel.startswith("group_"))
     # h0, v0 .. v_{2L-2}: each source a router reads; its first gradient is written, not updated - unless x's
@@ -690,11 +691,11 @@ def test_bf16_group_router_traffic_is_the_closed_form(interpreter, mode):
     cost_model.step_traffic(act_bytes=2), the figures router_share prices, says; with and without the null source
     and gate."""
     from megatron_delta.perf import cost_model
-    from tests.test_traffic import STAND_IN_HIDDEN, STAND_IN_TOKENS, _stand_in_step
+    from tests.helpers.traffic_steps import STAND_IN_HIDDEN, STAND_IN_TOKENS, stand_in_step
 
     for extras in (False, True):
         gate = extras and mode == "delta"
-        counted, count = _stand_in_step(mode, "triton", torch.bfloat16, extras, gate, with_count=True)
+        counted, count = stand_in_step(mode, "triton", torch.bfloat16, extras, gate, with_count=True)
         assert any(k[0].startswith("group_") for k in counted)
         reductions = []
         predicted = cost_model.step_traffic(mode, 4, "triton", act_bytes=2, null_source=extras, gate=gate,

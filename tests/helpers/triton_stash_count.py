@@ -2,7 +2,7 @@
 tests/test_memory_plan.py. Run in a fresh process with TRITON_INTERPRET=1 (Triton reads it at import; see
 tests/test_triton_router.py), on CPU in fp32:
 
-    TRITON_INTERPRET=1 python tests/triton_stash_count.py MODE LAYERS BLOCKS STAGES HIDDEN SEQ BATCH
+    TRITON_INTERPRET=1 python tests/helpers/triton_stash_count.py MODE LAYERS BLOCKS STAGES HIDDEN SEQ BATCH
 
 One micro-batch through SourceBuffer over stand-in sublayers (a learnable scale per sublayer), the layers split
 evenly into STAGES pipeline stages as the schedule runs them (each stage its own buffer scope; the later stage's

@@ -1,13 +1,13 @@
-"""The model side shared by the fused-kernel tests (tests/triton_cases.py: the project's Triton kernels;
+"""The model side shared by the fused-kernel tests (tests/helpers/triton_cases.py: the project's Triton kernels;
 tests/test_fla_router.py: fla-core's kernel): a 4-layer model of a mode with its routers on a chosen backend
 and random router parameters (tests/test_modes_reference.randomise), and the comparison of a kernel model's
-logits and gradients with the PyTorch-path model's and the float64 reference's (tests/reference_delta)."""
+logits and gradients with the PyTorch-path model's and the float64 reference's (tests/helpers/reference_delta)."""
 from types import SimpleNamespace
 
 import torch
 
-from tests import reference_delta as R
-from tests.test_modes_reference import randomise
+from tests.helpers import reference_delta as R
+from tests.helpers.reference_compare import randomise
 
 B, S, V, HIDDEN = 2, 8, 64, 32
 
@@ -58,7 +58,7 @@ def assert_matches_torch(kernel, torch_path):
 
 def assert_matches_reference(model, fields, logits, grads, tok, W, mode, null, gate):
     """The kernel model's ``logits`` and its routers' ``grads`` equal the float64 reference model's (the same
-    weights, tests/reference_delta.reference_forward)."""
+    weights, tests/helpers/reference_delta.reference_forward)."""
     w = R.weights_from_megatron_state_dict(model.state_dict())
     routers = [k for k in w if "router" in k]
     for k in routers:

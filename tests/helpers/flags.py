@@ -41,8 +41,8 @@ def tiny(num_layers=2, hidden=64, heads=4, groups=2, seq=64, mbs=4, gbs=None, vo
     return flags + QWEN3 + CPU + SPEED
 
 
-# The tiny model of every multi-process training test (tests/rank_runner.py's runs): 4 layers, hidden 64, 4 heads
-# in 2 query groups, seq 32, MBS 2, GBS 8, lr 1e-2 (warm-up 1, cosine to 1e-3 over 20 iterations whatever
+# The tiny model of every multi-process training test (tests/helpers/rank_runner.py's runs): 4 layers, hidden 64,
+# 4 heads in 2 query groups, seq 32, MBS 2, GBS 8, lr 1e-2 (warm-up 1, cosine to 1e-3 over 20 iterations whatever
 # --train-iters is), one evaluation iteration. NullTokenizer --vocab-size 256 (EOD = 255): 256 tokens pad to 256
 # under TP1 and TP2 alike (a checkpoint only loads into the same padded vocabulary).
 MODEL = tiny(num_layers=4, hidden=64, heads=4, groups=2, seq=32, mbs=2, gbs=8, lr=1e-2, warmup_iters=1,
@@ -55,3 +55,14 @@ def mode_flags(mode: str, num_layers: int = 4) -> list[str]:
     from megatron_delta.core.modes import BLOCK_MODES
 
     return ["--residual", mode] + (["--delta-num-blocks", str(num_layers // 2)] if mode in BLOCK_MODES else [])
+
+
+# The command-line tests' tiny run (pretrain_gpt.py refusals, flag parsing): 2 layers, hidden 32, real data flags
+# given by each test, or CLI_MOCK's mock data.
+CLI_TINY = tiny(num_layers=2, hidden=32, heads=2, groups=2, seq=16, mbs=2, mock=False, train_iters=1) + [
+    "--eval-iters", "1", "--eval-interval", "1000", "--save-interval", "1000"]
+CLI_MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+
+# The layouts of the session's 4-rank launch (tests/conftest.py four_rank_runs)
+TP2_PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+PP4 = ["--pipeline-model-parallel-size", "4"]

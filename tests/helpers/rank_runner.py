@@ -1,6 +1,6 @@
 """The rank side of every multi-process training test: pretrain_gpt.py's own code (megatron_delta.trainer.main.main,
 Megatron-LM's trainer) run on flags, one run after another in one process (torch.distributed is kept between
-runs, megatron.training's globals are reset after each), launched by tests.dist_utils.run_distributed.
+runs, megatron.training's globals are reset after each), launched by tests.helpers.dist_utils.run_distributed.
 
     train(argv, metrics)        one run; its metrics file read back (losses, lr, iterations, validation losses)
     read_metrics(path, key)     the one reader of --delta-metrics-file
@@ -8,9 +8,9 @@ runs, megatron.training's globals are reset after each), launched by tests.dist_
 
 A configuration ("spec") is ``[L:]mode[/flavour]``: ``delta``, ``delta/authors-code`` (--delta-sources
 authors-code), ``delta/gate`` (--delta-gate scalar), ``attnres/mtp`` (--mtp-num-layers 1), ``6:delta`` (6 layers
-instead of 4). Every spec trains the tiny model of tests/flags.py (MODEL). Its initial model ROOT/init-SPEC is saved
-under TP1 (`--train-iters 0 --save`) by the session's TP1 reference (tests/conftest.py) and every layout trains ITERS
-iterations from it (`--load --finetune`) in one or more variants (VARIANTS: precision, router lr, source cache).
+instead of 4). Every spec trains the tiny model of tests/helpers/flags.py (MODEL). Its initial model ROOT/init-SPEC is
+saved under TP1 (`--train-iters 0 --save`) by the session's TP1 reference (tests/conftest.py) and every layout trains
+ITERS iterations from it (`--load --finetune`) in one or more variants (VARIANTS: precision, router lr, source cache).
 
 What a run used is recorded by wrapping the real forwards once: the dim-0 size of every payload a chunk received
 from the previous pipeline stage (PAYLOADS), and the dtypes met at the decoder's input and output and the routers'
@@ -23,7 +23,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.flags import MODEL, mode_flags  # noqa: E402
+from tests.helpers.flags import MODEL, mode_flags  # noqa: E402
 
 # pretrain_gpt.py's flags of the tiny model; the runs log and save only when asked
 COMMON = MODEL + ["--log-interval", "1000", "--save-interval", "1000"]
