@@ -36,20 +36,20 @@ ROUTER_LR = ["--delta-router-lr-mult", "10"]  # the *_r10 variants; not on basel
 VARIANTS = {
     "fp32": [],
     "fp32_r10": ROUTER_LR,
-    # the group router at S = 2 (delta and full_attnres only; tests/test_parallel_parity.py's pp2 launch)
+    # the group router at S = 2 (delta and full_attnres only; tests/integration/test_parallel_parity.py's pp2 launch)
     "fp32_g2": ["--delta-router-group-size", "2"],
     "bf16_r10": ["--bf16"] + ROUTER_LR,
-    # the pipeline source cache (tests/test_source_cache.py)
+    # the pipeline source cache (tests/integration/test_source_cache.py)
     "off": ["--delta-pp-source-cache", "off"],
     "on": ["--delta-pp-source-cache", "on"],
     "on_recompute": ["--delta-pp-source-cache", "on", "--recompute-granularity", "full", "--recompute-method",
                      "uniform", "--recompute-num-layers", "1"],
     # fp32, the distributed optimizer in its fully reshardable checkpoint format, and a checkpoint at iteration 2
-    # as well (with `save`: tests/test_moe.py resumes and reshards it)
+    # as well (with `save`: tests/integration/test_moe.py resumes and reshards it)
     "distopt_ckpt2": ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable", "--save-interval", "2"],
 }
-# MoE flavours (tests/test_moe.py): Megatron-Core's MoE layers in layers 2-4 (the first one dense), 4 experts, top-2,
-# a shared expert, load-balancing and z-losses, the fp32 router; alltoall or allgather token dispatch.
+# MoE flavours (tests/integration/test_moe.py): Megatron-Core's MoE layers in layers 2-4 (the first one dense), 4
+# experts, top-2, a shared expert, load-balancing and z-losses, the fp32 router; alltoall or allgather token dispatch.
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq",
        "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-router-dtype", "fp32"]
@@ -68,7 +68,7 @@ FLAVOURS = {"": [], "authors-code": ["--delta-sources", "authors-code"], "gate":
             "mtp": ["--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"],
             "moe": MOE + ["--moe-token-dispatcher-type", "alltoall"],
             "moe-allgather": MOE + ["--moe-token-dispatcher-type", "allgather"],
-            # multi-latent attention (tests/test_mla.py), DeepSeek-V3's shapes at a tiny size: query and key/value
+            # multi-latent attention (tests/unit/test_mla.py), DeepSeek-V3's shapes at a tiny size: query and key/value
             # latents (TP2 divides both down projections), YaRN rotary scaling (Megatron-LM's MLA default)
             "mla": MLA,
             # and DeepSeek-V3's MoE routing: sigmoid scores with the aux-loss-free expert bias, group-limited top-k,
@@ -416,7 +416,7 @@ def checkpoint_swap(root: str, layout: list[str], mode: str, iters: int = 4) -> 
 
 def train_all(argvs: list[list[str]]) -> list[dict]:
     """Run each argv (pretrain_gpt flags, with --save) on this rank in turn; returns each run's result
-    (tests/test_conversion.py: several models in one multi-process launch)."""
+    (tests/integration/test_conversion.py: several models in one multi-process launch)."""
     import torch
 
     torch.set_num_threads(1)

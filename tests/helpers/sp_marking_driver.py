@@ -1,4 +1,4 @@
-"""Rank function for tests/test_sp_marking.py (a module of its own: ranks import it by name)."""
+"""Rank function for tests/integration/test_sp_marking.py (a module of its own: ranks import it by name)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""The interpreter cases of tests/test_triton_router.py: the router on the project's Triton kernels
+"""The interpreter cases of tests/integration/test_triton_router.py: the router on the project's Triton kernels
 (megatron_delta/core/triton_router.py), on CPU. Run by that test in a fresh process with TRITON_INTERPRET=1:
 Triton reads the variable when its own functions are jitted, at its import, so it must be set before anything
 imports Triton (in a whole-suite pytest process fla's tests import it first). fp32 only (the interpreter's bf16
@@ -27,7 +27,8 @@ EPS = 1e-6
 @pytest.fixture(scope="module")
 def interpreter():
     if not triton_router.interpreting():
-        pytest.fail("run through tests/test_triton_router.py (it sets TRITON_INTERPRET=1 before Triton is imported)")
+        pytest.fail("run through tests/integration/test_triton_router.py (it sets TRITON_INTERPRET=1 before Triton is "
+                    "imported)")
 
 
 def _calls(count):

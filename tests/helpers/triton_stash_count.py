@@ -1,6 +1,6 @@
 """The bytes the Triton kernels' deferred block passes really stash in backward (triton_router.BlockDeferral), for
-tests/test_memory_plan.py. Run in a fresh process with TRITON_INTERPRET=1 (Triton reads it at import; see
-tests/test_triton_router.py), on CPU in fp32:
+tests/unit/test_memory_plan.py. Run in a fresh process with TRITON_INTERPRET=1 (Triton reads it at import; see
+tests/integration/test_triton_router.py), on CPU in fp32:
 
     TRITON_INTERPRET=1 python tests/helpers/triton_stash_count.py MODE LAYERS BLOCKS STAGES HIDDEN SEQ BATCH
 

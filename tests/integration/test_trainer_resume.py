@@ -5,7 +5,7 @@ Exact resume with dropout on: 8 iterations straight (saving at 4) == 4 + save + 
 learning rates, bitwise, for baseline and delta_block, with and without the distributed optimizer (DP2; also in
 its fully reshardable checkpoint format, --dist-ckpt-optim-fully-reshardable). Without the every-device entries of
 megatron_delta.platform.patches (distopt_*) the distributed optimizer's resume fails or drifts
-(tests/test_cpu_platform.py shows each fix's failure).
+(tests/integration/test_cpu_platform.py shows each fix's failure).
 
 Resharding: a distributed-optimizer checkpoint saved under TP2+PP2 resumes under TP1 and one saved under TP1 resumes
 under TP2+PP2, model and optimizer, for baseline, delta and delta_block (three launches)."""

@@ -1,6 +1,6 @@
 """megatron_delta/checkpoint/save_lock.py in one test process and one holder process, no Megatron run: a --save
 directory held by a live run is refused with the holder named; a lock left by a run that died is taken over with
-a line; a clean release leaves nothing to take over. (tests/test_run_safety.py shows the same through
+a line; a clean release leaves nothing to take over. (tests/integration/test_run_safety.py shows the same through
 pretrain_gpt.py under torchrun.)"""
 import json
 import os

@@ -192,7 +192,7 @@ def _warning_filter_calls_outside_catch_warnings(path: pathlib.Path) -> list[str
 
 def test_project_code_sets_no_process_wide_warning_filter():
     files = [*(REPO / "megatron_delta").rglob("*.py"), *(REPO / "tools").glob("*.py"), REPO / "pretrain_gpt.py",
-             *(REPO / "tests").glob("*.py")]
+             *(REPO / "tests").rglob("*.py")]
     bad = [b for f in files for b in _warning_filter_calls_outside_catch_warnings(f)]
     assert bad == []
     # the check sees a bare call

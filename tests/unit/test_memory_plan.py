@@ -363,7 +363,7 @@ def test_deferred_block_stash_is_what_the_kernels_stash(case):
     mode, L, K, h, s, b, pp, vpp_layers = case
     chunks = pp * (L // pp // vpp_layers if vpp_layers else 1)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "triton_stash_count.py"), mode,
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "helpers", "triton_stash_count.py"), mode,
                            *map(str, (L, K, chunks, h, s, b))], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

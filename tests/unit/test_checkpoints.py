@@ -1,5 +1,5 @@
 """Checkpoints: atomic saves. (Exact resume and TP/PP resharding train through pretrain_gpt.py:
-tests/test_trainer_resume.py.)
+tests/integration/test_trainer_resume.py.)
 """
 import os
 

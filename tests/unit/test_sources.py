@@ -33,7 +33,7 @@ def _id(plan):
 
 
 # --------------------------------------------------------------------------- SourcePlan
-# (each mode's reads and payloads, and the checks of a plan: tests/test_modes.py)
+# (each mode's reads and payloads, and the checks of a plan: tests/unit/test_modes.py)
 @pytest.mark.parametrize("mode,sources,gate,expected", [
     ("delta", "exact", "none", True), ("delta_block", "exact", "none", True),
     ("delta", "exact", "scalar", False), ("delta_block", "exact", "scalar", False),  # u = x + 0 r at init

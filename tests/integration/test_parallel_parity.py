@@ -6,8 +6,8 @@ mbs 2, gbs 8, mock data; the routers at 10x the lr) ITERS iterations from the TP
 (`--delta-metrics-file`) must equal TP1's within 1e-5 and its learning rates TP1's. One launch runs every 2-rank
 layout, all five modes each, in-process. delta_block and attnres use K=2 blocks of 2 layers: under PP4 and
 PP2+VPP2 (one layer per chunk) every block straddles a chunk boundary. The TP2+PP2+SP and PP4 layouts run in the
-session's 4-rank launch, shared with tests/test_bf16.py (tests/conftest.py four_rank_runs: its fp32 TP2+PP2+SP runs
-are checked here).
+session's 4-rank launch, shared with tests/integration/test_bf16.py (tests/conftest.py four_rank_runs: its fp32
+TP2+PP2+SP runs are checked here).
 """
 import json
 import os
@@ -37,13 +37,14 @@ LAYOUTS = {
     "dp2_distopt": (2, ["--use-distributed-optimizer"]),
 }
 
-# Extra runs that ride on one layout's launch: the group router at S = 2 (tests/test_group_router.py has its
+# Extra runs that ride on one layout's launch: the group router at S = 2 (tests/unit/test_group_router.py has its
 # float64 exactness), against TP1's runs at the default group size (auto: groups of 1, 3 and 4 for one chunk of 8
 # routers).
 GROUPED = {"pp2": [["delta", "fp32_g2"], ["full_attnres", "fp32_g2"]]}
 
-# Multi-latent attention (tests/test_mla.py; rank_runner FLAVOURS mla, mla-moe) rides on the same launch: Megatron-LM's
-# MLA in the baseline and delta_block under TP2 (+SP, with DeepSeek's MoE routing) and the interleaved pipeline.
+# Multi-latent attention (tests/unit/test_mla.py; rank_runner FLAVOURS mla, mla-moe) rides on the same launch:
+# Megatron-LM's MLA in the baseline and delta_block under TP2 (+SP, with DeepSeek's MoE routing) and the interleaved
+# pipeline.
 MLA_RUNS = {"tp2": [["baseline/mla", "fp32"], ["delta_block/mla", "fp32"]],
             "tp2_sp": [["delta_block/mla", "fp32"], ["delta_block/mla-moe", "fp32"]],
             "pp2_vpp2": [["delta_block/mla", "fp32"]]}
@@ -81,7 +82,7 @@ def two_rank_runs(reference):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_tp1(reference, layout, request):
     """The 2-rank layouts share one launch (two_rank_runs); tp2_pp2_sp and pp4 run in the session's 4-rank launch,
-    shared with tests/test_bf16.py (tests/conftest.py four_rank_runs)."""
+    shared with tests/integration/test_bf16.py (tests/conftest.py four_rank_runs)."""
     _, ref = reference
     world, _ = LAYOUTS[layout]
     collect = layout == "tp2_sp"

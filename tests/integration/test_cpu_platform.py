@@ -602,9 +602,9 @@ CPU_ENTRIES = ["current_device", "synchronize", "tensor_cuda", "module_torch", "
 
 def test_patch_registry_names_the_cpu_failures(single_checks):
     """The CPU-only entries of the registry, each installed by activate_cpu_platform (a test below shows
-    each one's upstream failure; checkpoint_without_output_fp8's: tests/test_refusals.py, selective norm
-    recompute; moe_splits_to_host's and moe_uneven_gather's: tests/test_moe.py); the megatron.training ones are
-    written for the 0.19 wheel only."""
+    each one's upstream failure; checkpoint_without_output_fp8's: tests/unit/test_refusals.py, selective norm
+    recompute; moe_splits_to_host's and moe_uneven_gather's: tests/integration/test_moe.py); the megatron.training ones
+    are written for the 0.19 wheel only."""
     from megatron_delta.platform import patches
 
     cpu = [p for p in patches.REGISTRY if p.where == patches.CPU_ONLY]
@@ -989,11 +989,11 @@ def test_fixes_registry_and_versions():
     assert [p.name for p in fixes] == ["distopt_fresh_state_dict", "distopt_step_per_param",
                                        "distopt_load_no_grad", "distopt_missing_state_key",
                                        "ckpt_writer_manager_exits_with_rank", "expert_parallel_optimizer_reshard"]
-    # the chained optimizers of an EP checkpoint resumed under EP1 (tests/test_moe.py shows the failure)
+    # the chained optimizers of an EP checkpoint resumed under EP1 (tests/integration/test_moe.py shows the failure)
     chained = fixes.pop()
     assert "(optimizer.py:" in chained.answers and chained.versions == ">=0.19,<0.20", chained
     assert chained.changes == ("megatron.core.optimizer.optimizer.ChainedOptimizer.load_state_dict",)
-    writer = fixes.pop()  # the checkpoint writer's Manager (tests/test_trainer_cluster.py shows its leak)
+    writer = fixes.pop()  # the checkpoint writer's Manager (tests/integration/test_trainer_cluster.py shows its leak)
     assert "(filesystem_async.py:" in writer.answers and writer.versions == ">=0.19,<0.20", writer
     for p in fixes:  # each names the upstream line it answers, for the 0.19 code it was written against
         assert "(distrib_optimizer.py:" in p.answers and p.versions == ">=0.19,<0.20", p

@@ -1,6 +1,6 @@
 """Every reader of a checkpoint is as careful as the trainer, advice comes from what is on disk, and no bad state is
 saved: checkpoint/reader.py, integrity.py, errors.resume_advice, finite.py, and the trainer hooks' parts of them
-that run without a Megatron-LM run (tests/test_checkpoint_faults.py runs the trainer on the same faults).
+that run without a Megatron-LM run (tests/integration/test_checkpoint_faults.py runs the trainer on the same faults).
 
 - the tools (convert_checkpoint export, evaluate, perplexity, routing_report), run in this process on a checkpoint
   whose weight bytes were flipped on disk: one line naming the shard and the checkpoint that verifies, exit status

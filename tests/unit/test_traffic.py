@@ -181,7 +181,7 @@ def test_docs_traffic_table_is_the_closed_form():
     import os
     import re
 
-    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "performance.md"), encoding="utf-8").read()
+    doc = open(os.path.join(REPO_ROOT, "docs", "performance.md"), encoding="utf-8").read()
     rows = re.findall(r"^\| (\w+) \| (torch|c|fla) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+|-) \|", doc, re.M)
     assert {(m, b) for m, b, *_ in rows} == {(m, b) for m in ROUTED_MODES for b in BACKENDS}
     for mode, backend, counted, per_sublayer, fp32, bf16 in rows:
@@ -202,7 +202,7 @@ def test_docs_traffic_table_is_the_tools_output():
     import importlib.util
     import os
 
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = REPO_ROOT
     spec = importlib.util.spec_from_file_location("_benchmark_tool", os.path.join(root, "tools", "benchmark.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -4,15 +4,15 @@ The runs (tests/helpers/rank_runner.py's tiny model: 4 layers, hidden 64, 4 head
 8, mock data, lr 1e-2, ITERS iterations), from the session's fixtures (tests/conftest.py):
   TP1, one process (tp1_reference): one fp32 initial model per mode (`--train-iters 0 --save`), then the same
       iterations from it (`--load --finetune`) in fp32 and in bf16;
-  TP2+PP2+SP, 4 gloo ranks (tp2_pp2_sp_runs, shared with tests/test_parallel_parity.py): the same runs from the
-      same initial models, bf16 (saving the trained model) and fp32.
+  TP2+PP2+SP, 4 gloo ranks (tp2_pp2_sp_runs, shared with tests/integration/test_parallel_parity.py): the same runs from
+      the same initial models, bf16 (saving the trained model) and fp32.
 What they must show:
   (1) bf16 under TP2+PP2+SP: finite, falling loss, within BF16_VS_FP32 of the same run in fp32 (and so under
-      TP1); the fp32 runs of the two layouts agree to FP32_PARITY (tests/test_parallel_parity.py's 1e-5),
+      TP1); the fp32 runs of the two layouts agree to FP32_PARITY (tests/integration/test_parallel_parity.py's 1e-5),
       so a gap below is bf16 rounding, not a layout bug;
   (2) precision: the optimizer's main params - the values Adam updates and checkpoints - are fp32 for every
       parameter, routers included (docs/design.md section 2.5; the router math on bf16 sources and with bf16
-      parameters is tests/test_router.py's test_bf16_sources_fp32_math and test_bf16_parameters_fp32_math);
+      parameters is tests/unit/test_router.py's test_bf16_sources_fp32_math and test_bf16_parameters_fp32_math);
       Megatron's Float16Module holds the model copy in bf16, routers included (fp32 router params in a bf16 model
       break megatron-core 0.19.2's optimizer checkpoints: both optimizers' sharded_state_dict assume one dtype).
       The activations - the decoder's input and output, the payload received from the previous pipeline stage,
@@ -47,7 +47,7 @@ ROUTED = list(ROUTED_MODES)
 # bf16 TP2+PP2+SP vs TP1 measured 3.0e-4 .. 5.8e-3, where fp32 layouts agree to 4.8e-7.
 BF16_VS_FP32 = 1.5e-2
 BF16_LAYOUTS = 1.5e-2
-FP32_PARITY = 1e-5      # as tests/test_parallel_parity.py
+FP32_PARITY = 1e-5      # as tests/integration/test_parallel_parity.py
 # Logits (|logit| <= ~1.7, bf16 spacing 7.8e-3 there): bf16 export vs Megatron bf16 measured 7.8e-3 .. 1.2e-2
 # (about one bf16 step: the two round differently inside, e.g. the attention softmax); an fp32 export of the same
 # checkpoint is 6.0e-3 .. 1.3e-2 off Megatron bf16; zeroing the exported router queries: 0.27 .. 2.1.
