@@ -11,8 +11,6 @@ from tests.helpers import REPO_ROOT
 from tests.helpers.flags import CPU
 
 EXPORT_TOL = 5e-6  # the export test: fp32 round-off of the same function, not 1e-4
-
-
 SEQS = [[1, 5, 9, 200, 3, 3, 17, 255, 0, 42, 7], [250, 2, 64, 128]]
 
 
@@ -21,7 +19,6 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids])).logits[0].float()
 
 
-# ---------------------------------------------------------------------------------------------- (e) fine-tuning
 def finetune(ckpt, save, extra=("--mock-data",), iters=2, seq=16):
     """pretrain_gpt.py --finetune --load CKPT (an imported checkpoint) with its model flags (+ `extra`)."""
     from megatron_delta.checkpoint.run_config import read_run_config, resolve_checkpoint_dir

@@ -2,7 +2,6 @@
 from megatron_delta.core import modes
 
 
-# --------------------------------------------------------------------------------------------- a new mode
 class DeltaWindowMode(modes.DeltaMode):
     """A made-up sixth mode: delta whose routers read h0 and the last two sublayer outputs only."""
 

@@ -1,6 +1,6 @@
 """The model side shared by the fused-kernel tests (tests/helpers/triton_cases.py: the project's Triton kernels;
 tests/unit/test_fla_router.py: fla-core's kernel): a 4-layer model of a mode with its routers on a chosen backend
-and random router parameters (tests/unit/test_modes_reference.randomise), and the comparison of a kernel model's
+and random router parameters (tests/helpers/reference_compare.randomise), and the comparison of a kernel model's
 logits and gradients with the PyTorch-path model's and the float64 reference's (tests/helpers/reference_delta)."""
 from types import SimpleNamespace
 

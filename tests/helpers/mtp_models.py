@@ -1,5 +1,5 @@
-"""The tiny GPT models with multi-token prediction depths (tests/unit/test_mtp.py and the MTP logging and routing
-report tests): Megatron-Core's GPTModel on this package's config, built in-process, and their batches."""
+"""The tiny GPT models with multi-token prediction depths (tests/integration/test_mtp.py and the MTP logging and
+routing report tests): Megatron-Core's GPTModel on this package's config, built in-process, and their batches."""
 import torch
 import torch.nn.functional as F
 

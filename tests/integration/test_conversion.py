@@ -579,6 +579,7 @@ def test_run_config_rebuilds_the_trainers_config(name, monkeypatch):
     assert (args.rotary_percent, args.use_rope_scaling, args.fp16_lm_cross_entropy) == (1.0, False, False)
 
 
+# ---------------------------------------------------------------------------------------------- (e) fine-tuning
 @pytest.mark.slow
 def test_tiny_qwen3_import_finetune_export_keeps_tokenizer(tmp_path):
     """Qwen3 (built from a config) + its tokenizer -> import delta_block (scalar gate, null source) ->

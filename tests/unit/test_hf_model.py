@@ -302,7 +302,7 @@ def test_matches_float64_reference(mode, k, sources, null, gate, qk_norm):
 
 def test_a_mode_registered_in_modes_alone_runs_as_its_rule_says(monkeypatch):
     """The model takes what each sublayer reads, forms and commits from modes.py: a made-up mode registered
-    there alone (tests/unit/test_modes.py's delta_window: routers read h0 and the last two sublayer outputs) is
+    there alone (tests/helpers/custom_modes.py's delta_window: routers read h0 and the last two sublayer outputs) is
     accepted by the config, and each sublayer's input, captured, is x + r([h0, v_{j-2}, v_{j-1}]) over the
     captured outputs v, x = h0 + sum v, written out here."""
     from megatron_delta.core import modes

@@ -461,7 +461,7 @@ def test_the_embedded_run_leaves_out_grouped_query_attention_with_mla(monkeypatc
                                    "--mscale-all-dim", "0.7"]], ids=["rope", "yarn"])
 def test_baseline_mla_exports_to_stock_deepseek_v3(rope, tmp_path):
     """A trained baseline MLA checkpoint -> transformers' DeepseekV3ForCausalLM (no remote code): logits equal
-    Megatron's within the other exports' fp32 tolerance (tests/integration/test_conversion.py EXPORT_TOL)."""
+    Megatron's within the other exports' fp32 tolerance (tests/helpers/conversion.py EXPORT_TOL)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_delta.convert.hf_checkpoint import export_checkpoint

@@ -227,6 +227,7 @@ def test_lifetime_of_a_source_value():
     assert full.value_readers("p", 3) == (3, "final") and full.value_readers("B1", 2) == (2, 3, "final")
 
 
+# --------------------------------------------------------------------------------------------- a new mode
 def _routed(router, sources):
     """r = sum_i softmax_i(q . s_i / rms(s_i)) s_i, q = w * g, written out (no null source, no gate)."""
     s = torch.stack(sources)

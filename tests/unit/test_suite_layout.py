@@ -94,3 +94,11 @@ def test_the_layout_check_sees_each_kind_of_violation(tmp_path):
         "unit/test_b.py:1: imports a test module or conftest",
         "helpers/: no __init__.py (test modules of the same name in two folders would clash)",
     ]
+
+
+def test_every_helper_is_in_the_helpers_index():
+    """tests/helpers/__init__.py's docstring names each helper module (the list a reader opens first)."""
+    doc = ast.get_docstring(ast.parse((TESTS / HELPERS / "__init__.py").read_text())) or ""
+    listed = re.findall(r"^  (\w+) +- ", doc, flags=re.M)
+    assert len(set(listed)) == len(listed), listed
+    assert set(listed) == {p.stem for p in (TESTS / HELPERS).glob("*.py") if p.stem != "__init__"}
