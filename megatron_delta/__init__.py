@@ -1,6 +1,6 @@
 """megatron-delta: Delta Attention Residuals for Megatron-Core.
 
-Sub-packages, from the bottom layer up (a package imports only those below it; tests/test_import_direction.py
+Sub-packages, from the bottom layer up (a package imports only those below it; tests/unit/test_import_direction.py
 holds the order):
 
   core/         the model: residual modes, routers, sources, stage payload, Megatron-Core layer/block/model

@@ -1,26 +1,25 @@
-"""Shared pytest setup: make the repo root importable (megatron_delta, tests.dist_utils)."""
-import os
+"""Shared pytest setup: the scheduling of the suite on xdist workers, and the session's fixtures. pytest imports the
+test modules as the packages tests.unit, tests.integration and tests.gpu from the repository root, its rootdir;
+what they share is tests.helpers."""
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-import pytest  # noqa: E402
+import pytest
 
 # ------------------------------------------------------------------------------ two workers (make test)
 # make test runs the suite on two pytest-xdist workers. A fixture is built once per worker that needs it, so a
 # module's tests stay on one worker (its module-scoped fixtures are built once), and the modules of the session's
 # 4-rank launch (four_rank_runs) share one worker. The session's TP1 reference is lazy per configuration
 # (TP1Reference), so modules that share only a few of its runs may run apart: each worker runs those it needs.
-FOUR_RANK_MODULES = ("tests/test_bf16.py", "tests/test_parallel_parity.py")
+FOUR_RANK_MODULES = ("tests/integration/test_bf16.py", "tests/integration/test_parallel_parity.py")
 FOUR_RANK_GROUP = "four_rank_runs"
 # Work units handed out first, longest first (the order of their pytest times on 2 cores), so that no long one
 # starts last while the other worker idles; the rest follow in collection order.
-LONGEST_FIRST = (FOUR_RANK_GROUP, "tests/test_moe.py", "tests/test_source_cache.py", "tests/test_trainer_cluster.py",
-                 "tests/test_conversion.py", "tests/test_trainer_resume.py", "tests/test_traffic.py",
-                 "tests/test_checkpoint_faults.py", "tests/test_triton_router.py", "tests/test_run_safety.py",
-                 "tests/test_cli_errors.py", "tests/test_evaluation.py", "tests/test_tools_analysis.py")
+LONGEST_FIRST = (FOUR_RANK_GROUP, "tests/integration/test_moe.py", "tests/integration/test_source_cache.py",
+                 "tests/integration/test_trainer_cluster.py", "tests/integration/test_conversion.py",
+                 "tests/integration/test_trainer_resume.py", "tests/unit/test_traffic.py",
+                 "tests/integration/test_checkpoint_faults.py", "tests/integration/test_triton_router.py",
+                 "tests/integration/test_run_safety.py", "tests/integration/test_cli_errors.py",
+                 "tests/integration/test_evaluation.py", "tests/integration/test_tools_analysis.py")
 _ORDER = {unit: i for i, unit in enumerate(LONGEST_FIRST)}  # units not listed come after, in collection order
 
 
@@ -97,7 +96,7 @@ def distributed_teardown():
 
 # ------------------------------------------------------------------------------ the session's TP1 reference
 class TP1Reference:
-    """TP1 (one process) runs of tests/rank_runner.py's configurations, launched when first asked for and kept
+    """TP1 (one process) runs of tests/helpers/rank_runner.py's configurations, launched when first asked for and kept
     for the session: the parity, bf16 and source-cache tests compare their layouts with the same runs, and every
     layout trains from the initial models these runs save (ROOT/init-SPEC)."""
 
@@ -107,8 +106,8 @@ class TP1Reference:
 
     def runs(self, specs, variants=("fp32",)) -> dict:
         """{spec: {variant: entry}} (rank_runner.run_specs' entries, routers and dtypes collected)."""
-        from tests import rank_runner
-        from tests.dist_utils import run_distributed
+        from tests.helpers import rank_runner
+        from tests.helpers.dist_utils import run_distributed
 
         missing = [[s, v] for s in specs for v in variants if (s, v) not in self._runs]
         if missing:
@@ -126,19 +125,16 @@ def tp1_reference(tmp_path_factory):
     return TP1Reference(str(tmp_path_factory.mktemp("tp1-reference")))
 
 
-TP2_PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
-PP4 = ["--pipeline-model-parallel-size", "4"]
-
-
 @pytest.fixture(scope="session")
 def four_rank_runs(tp1_reference):
     """The session's one 4-rank launch of every mode from the TP1 reference's initial models (rank_runner.run_layouts):
-    TP2+PP2+SP in fp32 (tests/test_parallel_parity.py's tp2_pp2_sp layout) and with the routers at 10x the lr in
-    bf16 (saving the trained model) and fp32 (tests/test_bf16.py); PP4 in fp32 (test_parallel_parity's pp4 layout).
-    Returns (root, per-rank {"tp2pp2sp" | "pp4": results})."""
+    TP2+PP2+SP in fp32 (tests/integration/test_parallel_parity.py's tp2_pp2_sp layout) and with the routers at 10x the
+    lr in bf16 (saving the trained model) and fp32 (tests/integration/test_bf16.py); PP4 in fp32 (test_parallel_parity's
+    pp4 layout). Returns (root, per-rank {"tp2pp2sp" | "pp4": results})."""
     from megatron_delta.core.modes import RESIDUAL_MODES
-    from tests import rank_runner
-    from tests.dist_utils import run_distributed
+    from tests.helpers import rank_runner
+    from tests.helpers.dist_utils import run_distributed
+    from tests.helpers.flags import PP4, TP2_PP2_SP
 
     tp1_reference.runs(RESIDUAL_MODES)  # the initial models
     launches = [["tp2pp2sp", TP2_PP2_SP, [[m, v] for m in RESIDUAL_MODES for v in ("fp32", "bf16_r10", "fp32_r10")]],

@@ -16,7 +16,7 @@ value raises :class:`ModelConfigError` naming the field (and its pretrain_gpt.py
 
 The mapping to DeltaTransformerConfig is the one of Megatron-LM's core_transformer_config_from_args, which
 the trainer uses (trainer/provider.py), on every field that defines the model's function
-(tests/test_conversion.py compares the two on the trainer's own arguments); it differs only where this
+(tests/integration/test_conversion.py compares the two on the trainer's own arguments); it differs only where this
 process is a CPU build of one model: no CUDA fusions, CPU initialisation, no dropout by default.
 """
 from __future__ import annotations

@@ -156,7 +156,8 @@ def load_checkpoint(path, model, optimizer, scheduler, args, load_optim=True, lo
             _unwrap(m).load_state_dict(loaded[f"model{i}"])
     if load_optim:
         # upstream re-matches the saved param groups by every per-group setting (max_lr, min_lr, wd_mult, ...
-        # in megatron-core 0.19.2; 0.16 left max_lr out and needed a patch): tests/test_patches.py round trip
+        # in megatron-core 0.19.2; 0.16 left max_lr out and needed a patch): tests/integration/test_patches.py round
+        # trip
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_rng:

@@ -21,5 +21,5 @@ Modules (one concept each):
   mla          - multi-latent attention on the local backend (what megatron-core 0.19 lacks there)
 
 Nothing here imports the training side (megatron_delta.platform, .data, .checkpoint, .evaluation, .convert,
-.trainer) or megatron.training; tests/test_import_direction.py holds that.
+.trainer) or megatron.training; tests/unit/test_import_direction.py holds that.
 """

@@ -14,7 +14,7 @@ read, tested and priced without building a model:
 - the resolution of a scope's sizes from the option and what the routers run on (:func:`resolve_sizes`).
 
 core/group_router.py runs the plan (docstring there: the passes and their math); perf/cost_model.py prices it.
-tests/test_import_direction.py holds that this module imports nothing but the standard library.
+tests/unit/test_import_direction.py holds that this module imports nothing but the standard library.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@
   gives the key/value latent to upstream's attention as a replicated projection would (the layout upstream's
   ``Linear`` branch handles: ``k_pe`` gathered from the sequence-parallel region, whose backward sums over the
   ranks; without SP its gradient summed by copy_to_tensor_model_parallel_region) and averages, not sums, the
-  query-latent norm's replicated gradient. TP1 is unchanged (tests/test_mla.py; TP2 parity in
-  tests/test_parallel_parity.py).
+  query-latent norm's replicated gradient. TP1 is unchanged (tests/unit/test_mla.py; TP2 parity in
+  tests/integration/test_parallel_parity.py).
 
 The local MLA layer specs (core/specs.py) use both. Transformer Engine's spec has neither problem there (its down
 projections are replicated TELinear, its latent norms fused into the up projections).

@@ -27,7 +27,7 @@ minuend, subtrahend)`` (hold minuend - subtrahend: authors-code delta_block's A<
 base=, apply_gate=, base_sums=)``; SourceBuffer keeps the protocol, the projections and the tensor
 bookkeeping. The HF model applies the same objects to its DepthSources (megatron_delta/hf/modeling_delta.py),
 the same interface over a dict of tensors. A new mode is a subclass registered here (and its float64 reference in
-tests/reference_delta.py): no other production file.
+tests/helpers/reference_delta.py): no other production file.
 
 Messages name the command-line flag (``FLAGS``) or, for the HF configuration, its field (``HF_FIELDS``).
 """

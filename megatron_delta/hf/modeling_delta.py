@@ -24,7 +24,7 @@ becomes one is each mode's class in modes.py, the rules the Megatron model appli
 stacked per call (readability over speed).
 
 A receiver with no sources (``authors-code``: the first attention) uses u = x, or reads the null
-source alone (r = z) when there is one - the convention of tests/reference_delta.py.
+source alone (r = z) when there is one - the convention of tests/helpers/reference_delta.py.
 ``output_routing=True`` keeps the routing weights of a call in ``model.model.last_routing``.
 
 Sources are per token position, so with a KV cache the sources of the new tokens are

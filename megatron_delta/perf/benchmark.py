@@ -393,7 +393,7 @@ TRAFFIC_BACKENDS = ("torch", "c", "fla")  # --delta-router-kernels values counte
 @contextlib.contextmanager
 def router_backend(backend):
     """Run the routers of a model built with ``--delta-router-kernels backend`` here: ``fla`` on CPU routes
-    through fla's pure-PyTorch naive_attnres (fla_router.use_kernel, as tests/test_fla_router.py does); what
+    through fla's pure-PyTorch naive_attnres (fla_router.use_kernel, as tests/unit/test_fla_router.py does); what
     is counted for it is fused_attnres's traffic per its source (fla_router._record_fused_attnres)."""
     if backend != "fla":
         yield

@@ -11,8 +11,8 @@ reader), authors-code delta_block's differences x - A<b-1>, the residual adds x 
 instead of an autograd addition per source), the null source, and autograd's own additions of gradient
 contributions (a tensor read by several autograd nodes). Unit: "u", one [tokens, hidden] tensor in the activation
 dtype read or written once (an fp32 tensor of that size is 4 / a u).
-The same quantities are counted from the real tensors by megatron_delta.core.traffic (tests/test_traffic.py
-holds the two equal for every mode x backend, with and without recompute; tests/triton_cases.py for triton,
+The same quantities are counted from the real tensors by megatron_delta.core.traffic (tests/unit/test_traffic.py
+holds the two equal for every mode x backend, with and without recompute; tests/helpers/triton_cases.py for triton,
 under Triton's interpreter).
 
 The structure (which router reads which source, which are projected once for several readers, what each

@@ -32,7 +32,7 @@ DRY_SHAPES = {"8B": dict(hidden=64, ffn=192, heads=4, groups=2, seq=32, layers=4
               "1B": dict(hidden=32, ffn=96, heads=4, groups=2, seq=32, layers=4)}
 SPEED_MICRO_BATCHES = 8  # micro-batches per timed step (a training step's forward + backward, not one)
 SEED = 1234
-# Adam as in pretrain_gpt.py's default run (tests/flags.py QWEN3); the learning rate is --lr, its floor lr / 10.
+# Adam as in pretrain_gpt.py's default run (tests/helpers/flags.py QWEN3); the learning rate is --lr, its floor lr / 10.
 ADAM = dict(weight_decay=0.1, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95)
 
 

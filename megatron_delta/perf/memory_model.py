@@ -7,7 +7,7 @@ memory_plan() returns the per-stage plan and the pipeline boundaries' traffic. N
 Megatron code runs.
 
 Model of the activations (bytes saved for backward per micro-batch, counted as unique storages):
-- local backend: the tensors Megatron's local spec saves, counted on CPU (tests/test_memory_plan.py
+- local backend: the tensors Megatron's local spec saves, counted on CPU (tests/unit/test_memory_plan.py
   checks this estimate against torch.autograd.graph.saved_tensors_hooks within 10 %). Per layer and
   token: 6 norm-region tensors [h] (input, normalised, norm output; twice), 6 of the query width,
   the qkv output, one of the KV width, 5 x FFN (SwiGLU), the [heads, s] attention probabilities

@@ -8,5 +8,5 @@
                  trainer's hooks), each with its upstream issue and megatron-core versions;
                  ``python -m megatron_delta.platform.patches`` lists them
 
-Imports megatron_delta.core only (tests/test_import_direction.py holds the layering).
+Imports megatron_delta.core only (tests/unit/test_import_direction.py holds the layering).
 """

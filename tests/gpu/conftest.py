@@ -7,7 +7,7 @@ import os
 import pytest
 
 NO_CUDA = ("needs a CUDA device (torch.cuda.is_available() is False): run tools/gpu_acceptance.sh on a GPU; "
-           "tests/gpu/interpreter_cases.py runs these checks on CPU")
+           "tests/helpers/gpu_interpreter_cases.py runs these checks on CPU")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,11 +1,11 @@
 """The project's Triton router and group kernels on CUDA against the PyTorch path and the float64 reference
-(tests/gpu/cases.py): one router call in fp32 and bf16 with and without null source, gate and x (no stream
+(tests/helpers/gpu_cases.py): one router call in fp32 and bf16 with and without null source, gate and x (no stream
 synchronisation in the kernels' call), and every routed mode's model in fp32 (delta and full_attnres on the group
 router, delta also one router per pass). Skipped, with the reason, without CUDA."""
 import pytest
 import torch
 
-from tests.gpu import cases
+from tests.helpers import gpu_cases as cases
 
 pytestmark = pytest.mark.cuda
 

@@ -2,8 +2,8 @@
 the project's SourceBuffer and routers over identity sublayers) for each routed mode as perf/capture_check.RUNS
 runs it (attnres, full_attnres and delta on the group router, delta with group size 1, delta_block): on the
 Triton kernels against the PyTorch path, and captured with torch.cuda.graph then replayed on new contents of its
-static inputs, bitwise equal to an eager run (tests/gpu/cases.py). The replay copies the launch tables the capture
-recorded (triton_router.device_tables: pinned, non-blocking). Skipped, with the reason, without CUDA. Each
+static inputs, bitwise equal to an eager run (tests/helpers/gpu_cases.py). The replay copies the launch tables the
+capture recorded (triton_router.device_tables: pinned, non-blocking). Skipped, with the reason, without CUDA. Each
 mode's stream test runs before its capture test, so that the capture finds its kernels compiled; delta with group
 size 1 compiles a kernel per source count (2 x 56), so it runs last."""
 import pytest
@@ -11,7 +11,7 @@ import torch
 
 from megatron_delta.perf.capture_check import RUNS
 from megatron_delta.perf.shapes import SHAPES
-from tests.gpu import cases
+from tests.helpers import gpu_cases as cases
 
 pytestmark = pytest.mark.cuda
 
