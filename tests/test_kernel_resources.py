@@ -87,6 +87,9 @@ def test_delta_stream_compiled_for_hopper():
                    for r in by_kernel[kernel]), kernel
 
 
+# slow: two compilations at the 8B width; the compile path and the binary's registers stay in the fast set
+# (test_delta_stream_compiled_for_hopper)
+@pytest.mark.slow
 def test_spills_are_read_from_the_binary():
     """One group of 12 routers at the 8B width: the old backward holds [12 -> 16, 4096] fp32 tiles (queries,
     output gradients, query gradients) in the registers of one program, 3 x 64 K values against a register file

@@ -240,6 +240,9 @@ def pp2_run(tmp_path_factory):
     return d
 
 
+# slow: pp2_run is a two-rank torchrun training; the routing statistics stay in the fast set (tests/test_sources.py,
+# tests/test_mtp_routing_report.py)
+@pytest.mark.slow
 def test_routing_report_from_pp2_checkpoint(pp2_run, tmp_path):
     out = tmp_path / "report"
     text = _run("tools/routing_report.py", "--load", str(pp2_run / "ckpt"), "--output", str(out), "--mock-data",
@@ -264,6 +267,7 @@ def test_routing_report_from_pp2_checkpoint(pp2_run, tmp_path):
         assert (out / name).stat().st_size > 1000
 
 
+@pytest.mark.slow  # pp2_run: a two-rank torchrun training
 def test_plot_metrics(pp2_run, tmp_path):
     import plot_metrics
 

@@ -227,6 +227,9 @@ def test_no_view_op_per_source(interpreter, mode, group):
     assert views[8] <= views[4], views
 
 
+# slow (with the two below): host work on the kernels; on PyTorch ops and the C kernels the routed step's host data
+# stays in the fast set (tests/test_group_router.py test_routed_step_makes_no_tensor_from_host_data)
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, group", [("delta", "auto"), ("delta", 1), ("delta_block", 1)])
 def test_only_the_launch_tables_come_from_host_data(interpreter, mode, group):
     """On the kernels, the one tensor a router call makes from host data is each launch's table
@@ -244,6 +247,7 @@ def test_only_the_launch_tables_come_from_host_data(interpreter, mode, group):
     assert counts.tables and dict(ops) == {"lift_fresh": counts.tables}, (counts.tables, dict(ops))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["delta", "delta_block", "attnres", "full_attnres"])
 def test_models_on_the_kernels_make_only_their_tables_from_host_data(interpreter, dist, mode):
     """Every mode's model on the kernels, with the null source (and the gate where the mode has one) under full
@@ -262,6 +266,7 @@ def test_models_on_the_kernels_make_only_their_tables_from_host_data(interpreter
         ("lift_fresh", "triton_router.py")}, (counts.tables, dict(ops))
 
 
+@pytest.mark.slow
 def test_gpu_check_kernel_times(interpreter):
     """gpu_check's (k) in the dry run: the routed streams at the (dry) 1B shape's width and depth on the kernels, and
     each router kernel's counted bytes - exactly the traffic records it maps (KERNEL_OF_RECORD), none dropped: the
