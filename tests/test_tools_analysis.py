@@ -306,6 +306,8 @@ def test_compare_runs_table(tmp_path):
     assert "| 25 | 100 |" in row
 
 
+# slow: a training run through the tool; its table stays in the fast set (test_compare_runs_table)
+@pytest.mark.slow
 def test_compare_runs_train_summary(tmp_path):
     run_dir = tmp_path / "delta"
     _run("tools/compare_runs.py", "train", "--run-dir", str(run_dir), "--", "--residual", "delta",
