@@ -104,6 +104,8 @@ def test_spills_are_read_from_the_binary():
     assert plain[0]["registers"] != by_kernel["_final_sum"]["registers"]
 
 
+# slow: the tool end to end; its compilation and rows stay in the fast set (test_delta_stream_compiled_for_hopper)
+@pytest.mark.slow
 def test_tool_prints_one_row_per_kernel_and_json(tmp_path):
     out = tmp_path / "kr.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools/kernel_resources.py"), "--shape", "1B",

@@ -316,6 +316,9 @@ def test_floor_routers_route_nothing_but_pass_the_gradient():
     assert type(second_input().grad_fn).__name__ != "_FloorRouteBackward"
 
 
+# slow: the tool end to end; the launches per router call of the same stream stay in the fast set (tests/triton_cases.py
+# test_gpu_check_host_time, through test_interpreter_cases)
+@pytest.mark.slow
 def test_host_work_tool(tmp_path):
     """tools/host_work.py (the routers' host work on CPU, the proxy of a host-bound GPU step) at a small size: per
     router call one table copy per launch; delta on one router per pass launches its forward and backward and
