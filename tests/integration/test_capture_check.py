@@ -110,6 +110,8 @@ def test_targets_and_met():
     assert C.met("delta", "step_host_ratio", None) is None
 
 
+# slow: the markdown test below runs the same tool (and its JSON --output) in the fast set
+@pytest.mark.slow
 def test_capture_check_tool_json():
     """tools/host_work.py --capture-check --format json (two modes, two iterations, step skipped): stdout is the
     JSON alone; every mode has exactly the seven figures, each case's launches per iteration, its targets and

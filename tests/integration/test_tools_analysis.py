@@ -239,6 +239,9 @@ def pp2_run(tmp_path_factory):
     return d
 
 
+# slow: pp2_run is a two-rank torchrun training; the routing statistics stay in the fast set (tests/test_sources.py,
+# tests/test_mtp_routing_report.py)
+@pytest.mark.slow
 def test_routing_report_from_pp2_checkpoint(pp2_run, tmp_path):
     out = tmp_path / "report"
     text = _run("tools/routing_report.py", "--load", str(pp2_run / "ckpt"), "--output", str(out), "--mock-data",
@@ -263,6 +266,7 @@ def test_routing_report_from_pp2_checkpoint(pp2_run, tmp_path):
         assert (out / name).stat().st_size > 1000
 
 
+@pytest.mark.slow  # pp2_run: a two-rank torchrun training
 def test_plot_metrics(pp2_run, tmp_path):
     from megatron_delta.evaluation import loss_curves
 
@@ -301,6 +305,8 @@ def test_compare_runs_table(tmp_path):
     assert "| 25 | 100 |" in row
 
 
+# slow: a training run through the tool; its table stays in the fast set (test_compare_runs_table)
+@pytest.mark.slow
 def test_compare_runs_train_summary(tmp_path):
     run_dir = tmp_path / "delta"
     _run("tools/compare_runs.py", "train", "--run-dir", str(run_dir), "--", "--residual", "delta",

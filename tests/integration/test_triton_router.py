@@ -28,18 +28,23 @@ from tests.helpers import REPO_ROOT as REPO
 # tables made from host data (3 routers, 4 models), the capture check's launch recorder on the stream (4 plants),
 # its sync counter on the stream, and what a full-iteration graph's replay needs of every routed mode's step (5 runs)
 INTERPRETER_CASES = 86
+# of which those marked slow there (the host work on the kernels: 3 routed streams, 4 models, kernel_rates' kernel
+# times) run with the slow half of the suite
+SLOW_INTERPRETER_CASES = 8
 
 
-def test_interpreter_cases():
+@pytest.mark.parametrize("selection", ["not slow", pytest.param("slow", marks=pytest.mark.slow)])
+def test_interpreter_cases(selection):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", selection,
                            "tests/helpers/triton_cases.py"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) == INTERPRETER_CASES and "skipped" not in summary, summary
+    want = SLOW_INTERPRETER_CASES if selection == "slow" else INTERPRETER_CASES - SLOW_INTERPRETER_CASES
+    assert passed and int(passed.group(1)) == want and "skipped" not in summary, summary
 
 
 def test_check_and_choices(monkeypatch):
@@ -334,6 +339,9 @@ def test_floor_routers_route_nothing_but_pass_the_gradient():
     assert type(second_input().grad_fn).__name__ != "_FloorRouteBackward"
 
 
+# slow: the tool end to end; the launches per router call of the same stream stay in the fast set (tests/triton_cases.py
+# test_gpu_check_host_time, through test_interpreter_cases)
+@pytest.mark.slow
 def test_host_work_tool(tmp_path):
     """tools/host_work.py (the routers' host work on CPU, the proxy of a host-bound GPU step) at a small size: per
     router call one table copy per launch; delta on one router per pass launches its forward and backward and

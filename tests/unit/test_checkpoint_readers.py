@@ -410,6 +410,8 @@ def _take_lock_in_two_ranks(save_dir):
         dist.destroy_process_group()
 
 
+# slow: a two-rank launch; the lock's refusal in one process stays in the fast set (tests/test_save_lock.py)
+@pytest.mark.slow
 def test_the_lock_refuses_a_second_two_rank_run_on_every_rank(tmp_path):
     from megatron_delta.checkpoint.save_lock import LOCK_NAME, SaveDirLock
     from tests.helpers.dist_utils import run_distributed

@@ -161,6 +161,9 @@ def test_router_without_fp8_imports_no_te(dist, monkeypatch):
 
 
 # ------------------------------------------------------------------------ the GPU kernels
+# slow: the tool end to end (2-3 minutes); its parts stay in the fast set (the tests below, the routers' backends
+# against the float64 reference in tests/test_router.py, test_group_router.py and the Triton interpreter cases)
+@pytest.mark.slow
 def test_gpu_check_dry_run():
     """tools/gpu_check.py --dry-run: every part of the throughput run on CPU (tiny sizes, fp32, the routers on the
     project's Triton kernels under the interpreter): the baseline, delta on the group router and delta_block at both

@@ -86,6 +86,9 @@ def test_delta_stream_compiled_for_hopper():
                    for r in by_kernel[kernel]), kernel
 
 
+# slow: two compilations at the 8B width; the compile path and the binary's registers stay in the fast set
+# (test_delta_stream_compiled_for_hopper)
+@pytest.mark.slow
 def test_spills_are_read_from_the_binary():
     """One group of 12 routers at the 8B width: the old backward holds [12 -> 16, 4096] fp32 tiles (queries,
     output gradients, query gradients) in the registers of one program, 3 x 64 K values against a register file
@@ -100,6 +103,8 @@ def test_spills_are_read_from_the_binary():
     assert plain[0]["registers"] != by_kernel["_final_sum"]["registers"]
 
 
+# slow: the tool end to end; its compilation and rows stay in the fast set (test_delta_stream_compiled_for_hopper)
+@pytest.mark.slow
 def test_tool_prints_one_row_per_kernel_and_json(tmp_path):
     out = tmp_path / "kr.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools/kernel_resources.py"), "--shape", "1B",

@@ -237,6 +237,10 @@ def test_group_router_against_the_per_router_path(dist, mode):
     assert totals["auto"] < totals[1]
 
 
+# slow: a fresh Triton-interpreter process; the group router's and the per-router kernels' counts against the closed
+# form stay in the fast set (tests/helpers/triton_cases.py through tests/integration/test_triton_router.py, and on
+# the C kernels here)
+@pytest.mark.slow
 def test_triton_group_router_count_is_the_closed_form():
     """The fine-grained modes on the Triton kernels (run by Triton's interpreter, in a fresh process: it must be
     switched on before anything imports Triton): with --delta-router-group-size auto (the group router on its
