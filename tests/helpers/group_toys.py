@@ -58,6 +58,23 @@ def forward_backward(toy, h0, cut):
     return out, torch.autograd.grad(out, leaves, go, allow_unused=True)
 
 
+def run_capturing_sources(toy, h0, cut):
+    """The toy's output over ``cut`` (run_recompute for "recompute"), and each sublayer's output v_j as
+    SourceBuffer.commit received it."""
+    vs = []
+    commit = SourceBuffer.commit
+
+    def capture(buf, j, out):
+        vs.append(out)
+        return commit(buf, j, out)
+    try:
+        SourceBuffer.commit = capture
+        out = run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
+    finally:
+        SourceBuffer.commit = commit
+    return out, vs
+
+
 def scope_runs(cut):
     """The sublayer runs of the buffers' scopes (chunks, or recompute chunks of 2 layers)."""
     bounds = [0] + (list(range(2, L, 2)) if cut == "recompute" else list(cut)) + [L]
@@ -97,17 +114,7 @@ def against_reference(toy, h0, cut, tol, gtol=None):
     are not these tensors - every source v_j (captured as SourceBuffer.commit receives it): the output within
     ``tol``, each gradient within ``gtol`` (default ``tol``) of the float64 reference's (:func:`reference`),
     relative to the largest entry (1e-3 at least for a gradient)."""
-    vs = []
-    commit = SourceBuffer.commit
-
-    def capture(buf, j, out):
-        vs.append(out)
-        return commit(buf, j, out)
-    try:
-        SourceBuffer.commit = capture
-        out = run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
-    finally:
-        SourceBuffer.commit = commit
+    out, vs = run_capturing_sources(toy, h0, cut)
     ref_out, ref_leaves, ref_vs, _ = reference(toy, h0)
     assert len(vs) == len(ref_vs) == 2 * L and out.shape == ref_out.shape
     wrt, ref_wrt = toy.params() + [h0], list(ref_leaves)

@@ -20,7 +20,7 @@ from megatron_delta.core.group_plan import (
     passes,
     resolve_sizes,
 )
-from megatron_delta.core.sources import SourceBuffer, SourcePlan
+from megatron_delta.core.sources import SourcePlan
 from tests.helpers.group_toys import (
     BATCH,
     CONFIGS,
@@ -34,7 +34,7 @@ from tests.helpers.group_toys import (
     make_h0,
     make_toy,
     reference,
-    run_recompute,
+    run_capturing_sources,
     scope_runs,
 )
 from tests.helpers.host_data import host_data_ops
@@ -360,17 +360,7 @@ def test_closed_form_prices_what_auto_runs():
 def _source_grads(toy, h0, cut):
     """The output and the float64 gradient of ``go . x`` with respect to every source: h0 and each sublayer's
     output v_j (captured as SourceBuffer.commit receives it)."""
-    vs = []
-    commit = SourceBuffer.commit
-
-    def capture(buf, j, out):
-        vs.append(out)
-        return commit(buf, j, out)
-    try:
-        SourceBuffer.commit = capture
-        out = run_recompute(toy, h0, 2) if cut == "recompute" else toy.run(h0, cut)[0]
-    finally:
-        SourceBuffer.commit = commit
+    out, vs = run_capturing_sources(toy, h0, cut)
     go = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
     if cut == "recompute":  # the checkpoints' recomputed outputs are not these tensors: the leaves' gradients
         return out, torch.autograd.grad(out, [h0] + toy.params(), go, allow_unused=True)
