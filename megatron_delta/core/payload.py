@@ -13,6 +13,7 @@ import torch
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from torch import Tensor
 
+from megatron_delta.core.modes import BASELINE
 from megatron_delta.core.sources import SourcePlan
 
 __all__ = ["pack_stage_payload", "unpack_stage_payload", "payload_seq_length", "payload_num_tensors",
@@ -76,6 +77,10 @@ def _p2p_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _routed_pipeline(config) -> bool:
+    return getattr(config, "residual", BASELINE) != BASELINE and config.pipeline_model_parallel_size > 1
+
+
 def _several_chunks_per_rank(config) -> bool:
     return ((config.virtual_pipeline_model_parallel_size or 1) > 1
             or getattr(config, "pipeline_model_parallel_layout", None) not in (None, ""))
@@ -87,8 +92,8 @@ def payload_padding(config) -> Optional[int]:
     --pipeline-model-parallel-layout): there a rank receives payloads of different lengths in the schedule's order,
     and a capture cannot hold the host-read shape message that would tell them apart, so every boundary sends the
     longest payload's length (the most tensors any boundary of the plan carries), its tail zeros."""
-    if (getattr(config, "residual", "baseline") == "baseline" or config.pipeline_model_parallel_size == 1
-            or getattr(config, "cuda_graph_impl", "none") != "full_iteration" or not _several_chunks_per_rank(config)):
+    if not (_routed_pipeline(config) and _several_chunks_per_rank(config)
+            and getattr(config, "cuda_graph_impl", "none") == "full_iteration"):
         return None
     plan = SourcePlan.from_config(config)
     return max(payload_num_tensors(plan, f) for f in range(1, config.num_layers))
@@ -101,8 +106,8 @@ def payload_shapes_travel(config) -> bool:
     padded to one length (:func:`payload_padding`). Elsewhere each rank holds one chunk, and what it receives from
     either side has a length fixed by the source plan (:func:`rank_payload_tensors`): no message, no
     synchronisation, nothing a CUDA graph capture cannot hold."""
-    return (getattr(config, "residual", "baseline") != "baseline" and config.pipeline_model_parallel_size > 1
-            and _several_chunks_per_rank(config) and payload_padding(config) is None)
+    return (_routed_pipeline(config) and _several_chunks_per_rank(config)
+            and getattr(config, "cuda_graph_impl", "none") != "full_iteration")
 
 
 def rank_payload_tensors(config, pp_rank: int) -> tuple:
@@ -182,7 +187,7 @@ def schedule_communication_kwargs(config, pg_collection=None) -> dict:
     under PP > 1 (payload lengths from the plan, or shapes sent where they must travel: payload_shapes_travel), over
     the pipeline group of ``pg_collection`` (default: Megatron-Core's collection of the model-parallel state,
     ProcessGroupCollection.use_mpu_process_groups). {} otherwise: Megatron builds its own."""
-    if getattr(config, "residual", "baseline") == "baseline" or config.pipeline_model_parallel_size == 1:
+    if not _routed_pipeline(config):
         return {}
     if pg_collection is None:
         from megatron.core.process_groups_config import ProcessGroupCollection

@@ -96,14 +96,6 @@ GPU_DEFAULTS = (
 )
 
 
-def _trains_on_cuda(args: argparse.Namespace) -> bool:
-    """The run's tensors live on CUDA devices (Megatron-LM puts the model there whenever CUDA is present; without
-    it the CPU platform runs: platform/patches)."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def check_graphs_need_cuda(args: argparse.Namespace) -> None:
     """Without CUDA, refuse CUDA graphs at start-up (one line, every mode): Megatron would fail deep inside,
     making the CUDA stream it captures on."""
@@ -304,6 +296,8 @@ def _check_writable_dir(flag: str, path: str, of: Optional[str] = None) -> None:
 
 def validate_delta_args(args: argparse.Namespace) -> None:
     """Resolve --delta-num-blocks / --delta-router-eps and reject bad combinations (one line, flag named)."""
+    import torch
+
     from megatron_delta.checkpoint.integrity import resolve_default
     from megatron_delta.core.modes import check_delta_options
     from megatron_delta.core.router import check_kernels
@@ -340,7 +334,8 @@ def validate_delta_args(args: argparse.Namespace) -> None:
         check_tensor_parallel_split(args)
         if args.residual != BASELINE:
             # `c` must build (and run this run's tensors), `fla` import: fail now, not at step 1
-            check_kernels(args.delta_router_kernels, on_cuda=_trains_on_cuda(args),
+            # Megatron-LM puts the model on CUDA whenever CUDA is present (else the CPU platform runs)
+            check_kernels(args.delta_router_kernels, on_cuda=torch.cuda.is_available(),
                           activation_dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
     except ValueError as e:
         raise TrainerArgumentError(str(e)) from None
